@@ -1,0 +1,43 @@
+# Every target sets itself up from nothing: a fresh clone needs only python3.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU torch wheel (fast, local on the dev/CI machines). A bare "torch" would
+# pull a multi-GB CUDA build.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: test sim demo test-gpu bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Engine + simulator only: numpy and xxhash, no torch.
+$(VENV)/.core: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.full: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH_CPU)
+	$(BIN)/pip install -q -e '.[model,dev]'
+	touch $@ $(VENV)/.core
+
+test: $(VENV)/.full
+	$(BIN)/python -m pytest -n 2 -q --cov=minivllm --cov=sim --cov-report=term-missing:skip-covered tests
+
+sim: $(VENV)/.core
+	$(BIN)/python -m sim run --traces 10000 --seed 0
+
+demo: $(VENV)/.full
+	$(BIN)/python -m minivllm generate --model fixtures/tiny-qwen3 --temperature 0 --max-tokens 8 \
+		"12+34=" "50+27=" "8+81=" "66+19=" "45+45="
+
+# Needs a CUDA device; runs from the tree (the GPU machine has its packages preinstalled).
+test-gpu:
+	PYTHONPATH=. python3 -m pytest -q tests_gpu
+
+bench:
+	PYTHONPATH=. python3 -m benchmarks.throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .coverage

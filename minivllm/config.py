@@ -1,0 +1,214 @@
+"""Frozen, validated configuration dataclasses.
+
+Every config is a frozen dataclass validated in ``__post_init__``: a bad value
+raises ``ValueError`` naming the field. ``from_dict`` rejects unknown keys, so a
+typo in a dict or CLI option is an error rather than a silently ignored setting.
+Derived values (e.g. the number of KV blocks that the executor found room for)
+enter through ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, TypeVar
+
+T = TypeVar("T")
+
+Policy = Literal["prefill_first", "mixed"]
+POLICIES: tuple[str, ...] = ("prefill_first", "mixed")
+
+
+def _from_dict(cls: type[T], values: Mapping[str, Any]) -> T:
+    """Build ``cls`` from a mapping; unknown keys raise ``ValueError``."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} key(s): {unknown}; valid keys: {sorted(names)}")
+    return cls(**values)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block (a power of two, so kernels can index
+            with shifts and any block size works for every kernel).
+        num_blocks: size of the block pool; ``None`` lets the executor decide
+            (the CUDA executor sizes it from free memory).
+        enable_prefix_caching: reuse full blocks across requests by chained hash.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks, 1)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "CacheConfig":
+        return _from_dict(cls, values)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits and policy.
+
+    Attributes:
+        max_num_seqs: most sequences in one step (and in the running queue).
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: most tokens (prompt + completion) of one sequence.
+        policy: ``prefill_first`` schedules waiting/prefill work before decodes
+            (a step is either all prefill or all decode); ``mixed`` schedules
+            decodes first and fills the rest of the budget with prefill chunks.
+        chunked_prefill: allow a prompt to be computed over several steps.
+            Without it a whole (re)computation must fit in one step's budget, so
+            ``max_num_batched_tokens >= max_model_len`` is required.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    policy: Policy = "mixed"
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _check_bool("chunked_prefill", self.chunked_prefill)
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when chunked_prefill is off "
+                f"(got {self.max_num_batched_tokens} < {self.max_model_len}): a sequence "
+                "recomputed after preemption could otherwise never be scheduled"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "SchedulerConfig":
+        return _from_dict(cls, values)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(-a // b)
+
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shapes, converted once from a Hugging Face ``config.json``.
+
+    ``from_hf_json`` is the only place in the code base that reads that file.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_id: int | None = None
+    bos_token_id: int | None = None
+    architecture: str = "Qwen3ForCausalLM"
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            _check_int(name, getattr(self, name), 1)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be positive and finite, got {self.rope_theta}")
+        if not (self.rms_norm_eps > 0):
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+
+    @classmethod
+    def from_hf_json(cls, path: str | os.PathLike[str]) -> "ModelConfig":
+        """Read a Hugging Face ``config.json`` (or the directory holding it).
+
+        Raises:
+            ValueError: unsupported architecture or a missing/invalid field.
+        """
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+        archs = hf.get("architectures") or []
+        if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{path}: unsupported architectures {archs}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 may nest it under rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            eos_token_id=eos,
+            bos_token_id=hf.get("bos_token_id"),
+            architecture=archs[0],
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+        )

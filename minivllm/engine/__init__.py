@@ -1,0 +1,1 @@
+"""The engine core: pure Python + numpy, never imports torch."""

@@ -1,0 +1,108 @@
+"""The only data that crosses between scheduler and executor.
+
+``StepPlan`` (scheduler -> executor) and ``StepResult`` (executor -> scheduler)
+are frozen plain data: ints, tuples and read-only numpy arrays, never tensors.
+The same plan drives the numpy fake executor and the torch model executor, so
+the simulator exercises every index computation that runs on the GPU.
+
+Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
+
+    seq_ids          (B,)  engine-wide sequence ids
+    token_ids        (T,)  tokens fed this step, sequences concatenated in order
+    query_lens       (B,)  tokens fed per sequence (>= 1)
+    start_positions  (B,)  position of each sequence's first fed token
+                           (= tokens already in its KV cache: prefix hit or
+                           earlier chunks), so position i of row r is
+                           start_positions[r] + i
+    block_tables     B tuples, block ids covering start_positions + query_lens tokens
+    sample           (B,)  True where the last fed token is the sequence's last
+                           token, so the step produces its next token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minivllm.sampling import SamplingParams
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step of work for the executor (see the module docstring for shapes)."""
+
+    # Engine-wide sequence ids, in batch order.
+    seq_ids: tuple[int, ...]
+    # int64 (T,): the token ids fed this step, all sequences concatenated.
+    token_ids: np.ndarray
+    # int32 (B,): number of tokens fed per sequence.
+    query_lens: np.ndarray
+    # int32 (B,): position of each sequence's first fed token.
+    start_positions: np.ndarray
+    # Per sequence, its block ids (covering start_position + query_len tokens).
+    block_tables: tuple[tuple[int, ...], ...]
+    # bool (B,): whether the sequence samples a next token this step.
+    sample: np.ndarray
+    # Per sequence, its sampling settings.
+    sampling_params: tuple[SamplingParams, ...]
+    # Tokens per KV block.
+    block_size: int
+
+    @staticmethod
+    def build(
+        seq_ids: list[int],
+        token_chunks: list[list[int]],
+        start_positions: list[int],
+        block_tables: list[tuple[int, ...]],
+        sample: list[bool],
+        sampling_params: list[SamplingParams],
+        block_size: int,
+    ) -> "StepPlan":
+        """Assemble a plan from per-sequence lists (one concatenation, no per-token loop)."""
+        lens = np.fromiter((len(c) for c in token_chunks), dtype=np.int32, count=len(token_chunks))
+        flat = np.fromiter(
+            (t for c in token_chunks for t in c), dtype=np.int64, count=int(lens.sum())
+        )
+        return StepPlan(
+            seq_ids=tuple(seq_ids),
+            token_ids=_frozen(flat),
+            query_lens=_frozen(lens),
+            start_positions=_frozen(np.asarray(start_positions, dtype=np.int32)),
+            block_tables=tuple(block_tables),
+            sample=_frozen(np.asarray(sample, dtype=bool)),
+            sampling_params=tuple(sampling_params),
+            block_size=block_size,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence feeds exactly one token (the CUDA-graph path)."""
+        return bool(np.all(self.query_lens == 1))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the executor produced: the next token of every sampling sequence.
+
+    Attributes:
+        sampled: sequence id -> sampled token id, for exactly the sequences with
+            ``plan.sample`` true.
+        logprobs: optional sequence id -> log-probability of the sampled token.
+    """
+
+    sampled: dict[int, int]
+    logprobs: dict[int, float] = field(default_factory=dict)

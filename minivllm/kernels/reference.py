@@ -1,0 +1,72 @@
+"""Plain-torch paged attention: the reference every kernel is tested against,
+and the ``torch`` attention backend (any device).
+
+Cache layout (one layer): ``k_cache``, ``v_cache`` are (num_blocks, block_size,
+num_kv_heads, head_dim); token slot s lives at ``[s // block_size, s % block_size]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_reference(
+    key: torch.Tensor,           # (T, Hkv, D)
+    value: torch.Tensor,         # (T, Hkv, D)
+    k_cache: torch.Tensor,       # (N, bs, Hkv, D)
+    v_cache: torch.Tensor,       # (N, bs, Hkv, D)
+    slot_mapping: torch.Tensor,  # (T,) int, -1 = padding row, write nothing
+) -> None:
+    """Write each token's K/V at its slot, in place; rows with slot -1 are skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The first ``kv_len`` tokens of one sequence, read through its block table: (kv_len, Hkv, D)."""
+    bs = cache.shape[1]
+    pos = torch.arange(kv_len, device=cache.device)
+    blocks = block_table[pos // bs].long()
+    return cache[blocks, pos % bs]
+
+
+def paged_attention_reference(
+    q: torch.Tensor,             # (T, H, D) new tokens' queries, sequences concatenated
+    k_cache: torch.Tensor,       # (N, bs, Hkv, D), already holding the new tokens' K/V
+    v_cache: torch.Tensor,       # (N, bs, Hkv, D)
+    cu_seqlens_q: torch.Tensor,  # (B+1,) int
+    kv_lens: torch.Tensor,       # (B,) int: cached prefix + new tokens
+    block_tables: torch.Tensor,  # (B, max_blocks) int, -1 padded
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Sequence b feeds q_len = cu_q[b+1] - cu_q[b] tokens at positions
+    kv_len - q_len .. kv_len - 1; query i sees keys 0 .. kv_len - q_len + i.
+    Covers prefill (q_len = kv_len), prefill over a cached prefix or earlier
+    chunks (q_len < kv_len) and decode (q_len = 1) alike. Computed in fp32;
+    returns q's dtype. A row with kv_len 0 (CUDA-graph padding) yields zeros.
+    """
+    T, H, D = q.shape
+    hkv = k_cache.shape[2]
+    out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    lens = kv_lens.tolist()
+    for b, kv_len in enumerate(lens):
+        q_len = cu[b + 1] - cu[b]
+        if q_len == 0 or kv_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], kv_len).float()   # (S, Hkv, D)
+        v = gather_kv(v_cache, block_tables[b], kv_len).float()
+        k = k.repeat_interleave(H // hkv, dim=1)                   # (S, H, D)
+        v = v.repeat_interleave(H // hkv, dim=1)
+        qb = q[cu[b]:cu[b + 1]].float()                            # (q_len, H, D)
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale       # (H, q_len, S)
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        k_pos = torch.arange(kv_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,83 @@
+"""What a request asks of the sampler.
+
+``SamplingParams`` is plain validated data and never imports torch, so the
+engine can carry it. The torch implementation lives in
+``minivllm/layers/sampler.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (validated; bad values raise ``ValueError``).
+
+    Attributes:
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_k: keep the k most likely tokens; -1 or 0 disables.
+        top_p: keep the smallest set whose probability reaches top_p; 1 disables.
+        min_p: drop tokens whose probability is below min_p * max probability.
+        max_tokens: most completion tokens.
+        ignore_eos: keep generating past the eos token.
+        stop_token_ids: extra tokens that end the request (included in the output).
+        seed: per-request generator seed; same seed -> same tokens in any batch.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {m!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        stop = self.stop_token_ids
+        # A tuple, not a list, so the frozen params stay immutable and hashable.
+        if not isinstance(stop, tuple) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stop
+        ):
+            raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {stop!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "SamplingParams":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown SamplingParams key(s): {unknown}")
+        values = dict(values)
+        if isinstance(values.get("stop_token_ids"), list):
+            values["stop_token_ids"] = tuple(values["stop_token_ids"])
+        return cls(**values)
