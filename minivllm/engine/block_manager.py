@@ -1,0 +1,187 @@
+"""The paged KV cache's bookkeeping: which block belongs to whom.
+
+A pool of ``num_blocks`` blocks of ``block_size`` token slots. Each live
+sequence owns a block table; a block's ref count is the number of live
+sequences whose table holds it. Free blocks (ref 0) sit in an LRU queue.
+
+Prefix caching: every full, computed block is registered under a chained hash
+``h_i = xxh64(h_{i-1} || token ids of block i)``, so equal hashes mean equal
+whole prefixes. A freed block keeps its hash and stays hittable until the pool
+hands it out again (least recently freed first), so a prefix is reused across
+requests, not only between sequences alive at the same time. A block that is
+hit is full and already computed, so a shared block (ref > 1) is never written.
+
+No tensor lives here; the executor owns the K/V values, addressed by
+``slot = block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from minivllm.config import cdiv
+from minivllm.engine.sequence import Sequence
+
+
+class InvariantError(AssertionError):
+    """An engine invariant does not hold (a bug in the engine, never user error)."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InvariantError(msg)
+
+
+def chain_hash(parent: int, block_tokens: list[int]) -> int:
+    """Hash of a full block given its parent's hash (0 for the first block)."""
+    data = parent.to_bytes(8, "little") + np.asarray(block_tokens, dtype=np.int64).tobytes()
+    return xxhash.xxh64_intdigest(data)
+
+
+class BlockManager:
+    """Allocates blocks to sequences and serves prefix-cache hits."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # LRU queue of free blocks: handed out from the front, freed to the back.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    # ---- prefix cache -------------------------------------------------------
+
+    def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of the first ``num_blocks`` full blocks of ``seq``."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq``'s tokens.
+
+        At most ``(num_tokens - 1) // block_size`` blocks: the last token is
+        always recomputed, so a step always computes at least one token (the
+        one that samples) and never writes into a hit block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hit: list[int] = []
+        for h in self._full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Offer ``seq``'s newly full, computed blocks to the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._full_block_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block = seq.block_table[i]
+            # An equal block may already be cached (the last block of a fully
+            # cached prompt is recomputed into a fresh block): keep the first.
+            if hashes[i] not in self.hash_to_block and self.block_hash[block] is None:
+                self.hash_to_block[hashes[i]] = block
+                self.block_hash[block] = hashes[i]
+        seq.num_registered_blocks = num_full
+
+    # ---- allocation ---------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        old = self.block_hash[block]
+        if old is not None:  # evict: its contents are about to be overwritten
+            del self.hash_to_block[old]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def admission_cost(self, seq: Sequence, hit: list[int], num_new_tokens: int) -> int:
+        """Free blocks needed to admit ``seq`` with ``hit`` and ``num_new_tokens`` to compute."""
+        fresh = cdiv(len(hit) * self.block_size + num_new_tokens, self.block_size) - len(hit)
+        revived = sum(1 for b in hit if self.ref_counts[b] == 0)
+        return fresh + revived
+
+    def allocate(self, seq: Sequence, hit: list[int], num_new_tokens: int) -> None:
+        """Give a waiting ``seq`` the hit blocks plus fresh ones for ``num_new_tokens``."""
+        assert not seq.block_table, "allocate() is for sequences holding no blocks"
+        for block in hit:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+        seq.block_table = list(hit)
+        seq.num_registered_blocks = len(hit)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * self.block_size
+        self.append_slots(seq, num_new_tokens)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Fresh blocks a running ``seq`` needs to compute ``num_new_tokens`` more tokens."""
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Extend ``seq``'s table to cover ``num_new_tokens`` more tokens (caller checked room)."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        assert need <= len(self.free_blocks), "caller must check blocks_needed() first"
+        seq.block_table.extend(self._take_free_block() for _ in range(need))
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks; tail blocks first, so they are evicted first."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+        seq.num_computed_tokens = 0
+
+    # ---- invariants ---------------------------------------------------------
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Raise ``InvariantError`` unless the pool agrees with the live tables."""
+        expected = [0] * self.num_blocks
+        for seq in live:
+            _check(len(set(seq.block_table)) == len(seq.block_table),
+                   f"{seq} holds a block twice")
+            for block in seq.block_table:
+                expected[block] += 1
+        _check(expected == self.ref_counts, "ref counts differ from the live block tables: "
+               f"{[(b, e, r) for b, (e, r) in enumerate(zip(expected, self.ref_counts)) if e != r]}")
+        free = set(self.free_blocks)
+        _check(len(free) == len(self.free_blocks), "free list holds a block twice")
+        for block, ref in enumerate(self.ref_counts):
+            _check((ref == 0) == (block in free), f"block {block}: ref {ref} but free={block in free}")
+        for h, block in self.hash_to_block.items():
+            _check(self.block_hash[block] == h, f"hash map points {h} at block {block} with another hash")
+        for block, h in enumerate(self.block_hash):
+            _check(h is None or self.hash_to_block.get(h) == block,
+                   f"block {block} carries hash {h} the map does not point back to it")
+        self._check_written_blocks(live)
+
+    def _check_written_blocks(self, live: list[Sequence]) -> None:
+        """Blocks that can still be written are private and unhashed; full ones precede them."""
+        bs = self.block_size
+        for seq in live:
+            _check(len(seq.block_table) == cdiv(seq.num_computed_tokens, bs),
+                   f"{seq}: block table does not cover exactly its computed tokens")
+            for block in seq.block_table[seq.num_computed_tokens // bs:]:
+                _check(self.ref_counts[block] == 1 and self.block_hash[block] is None,
+                       f"{seq}: partially filled block {block} is shared or hashed")
+            if not self.enable_prefix_caching:
+                _check(all(self.block_hash[b] is None for b in seq.block_table),
+                       "a block carries a hash with prefix caching off")

@@ -1,0 +1,161 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+``schedule()`` is a few named phases over two queues:
+
+- ``waiting`` (FIFO; preempted sequences go back to its front) and
+- ``running`` (in admission order; preemption takes from its tail).
+
+Policies:
+
+- ``prefill_first``: prefill work (running sequences mid-prefill, then waiting
+  admissions) is scheduled first; if there was any, the step is prefill-only
+  and decodes wait (the original design: time to first token first).
+- ``mixed``: every running sequence first (decodes and prefill chunks), then
+  waiting admissions fill the rest of the token budget, all in one batch.
+
+When a running sequence needs a block and none is free, the *tail* of the
+running queue (the most recently admitted sequence) is preempted by recompute:
+its blocks are freed and it restarts later from its cache-hit prefix. If the
+tail is the sequence itself, it preempts itself and stops the phase.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The decisions of one ``schedule()`` call."""
+
+    # (sequence, number of its tokens to compute this step), in batch order.
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Sequences preempted (sent back to waiting) during this call.
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that got fewer tokens than they have uncomputed (a prefill chunk).
+    num_chunked: int = 0
+    # Tokens still allowed this step (starts at max_num_batched_tokens).
+    budget: int = 0
+    # Prompt tokens served from the prefix cache for the sequences admitted.
+    num_cached_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Owns the queues and the block manager; decides each step's batch."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size,
+                                          cache_config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step -----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch (see the module docstring for the policies)."""
+        out = SchedulerOutput(budget=self.config.max_num_batched_tokens)
+        if self.config.policy == "prefill_first":
+            self._schedule_running(out, prefill_only=True)
+            self._schedule_waiting(out)
+            if not out.scheduled:
+                self._schedule_running(out, prefill_only=False)
+        else:
+            self._schedule_running(out, prefill_only=False)
+            self._schedule_waiting(out)
+        return out
+
+    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+        """Tokens to compute of ``remaining`` within ``budget`` (0 = does not fit)."""
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.chunked_prefill else 0
+
+    def _schedule_running(self, out: SchedulerOutput, prefill_only: bool) -> None:
+        """Running sequences in queue order; preempt from the tail when blocks run out."""
+        i = 0
+        while i < len(self.running) and out.budget > 0:
+            seq = self.running[i]
+            i += 1
+            remaining = seq.num_uncomputed_tokens
+            if prefill_only and remaining <= 1:
+                continue
+            n = self._num_new_tokens(remaining, out.budget)
+            if n == 0:
+                continue
+            if not self._make_room(seq, n, out):
+                break  # seq preempted itself: everything after it is gone too
+            self.block_manager.append_slots(seq, n)
+            self._take(out, seq, n, remaining)
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempt tail sequences until ``seq`` can grow by ``n`` tokens; False if it preempted itself."""
+        bm = self.block_manager
+        while bm.blocks_needed(seq, n) > bm.num_free_blocks:
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        """Admit waiting sequences in FIFO order while budget, seats and blocks allow.
+
+        Nothing is admitted in a step that preempted: blocks were short, and the
+        preempted sequence (now at the front of waiting) must not churn back in.
+        """
+        bm = self.block_manager
+        if out.preempted:
+            return
+        while self.waiting and out.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit = bm.find_cached_prefix(seq)
+            remaining = seq.num_tokens - len(hit) * bm.block_size
+            n = self._num_new_tokens(remaining, out.budget)
+            if n == 0 or bm.admission_cost(seq, hit, n) > bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, hit, n)
+            out.num_cached_tokens += seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._take(out, seq, n, remaining)
+
+    @staticmethod
+    def _take(out: SchedulerOutput, seq: Sequence, n: int, remaining: int) -> None:
+        out.scheduled.append((seq, n))
+        out.num_chunked += n < remaining
+        out.budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    # ---- after the step -----------------------------------------------------
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence from its queue and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
