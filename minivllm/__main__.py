@@ -1,0 +1,65 @@
+"""Command line: ``python -m minivllm generate --model DIR "prompt" ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete prompts and print each completion",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("prompts", nargs="+", help="prompt texts")
+    g.add_argument("--model", required=True, help="HF-format model directory or hub id")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from minivllm.llm import LLM
+    from minivllm.sampling import SamplingParams
+
+    opts = {k: v for k, v in dict(block_size=args.block_size, num_blocks=args.num_blocks,
+                                  max_num_seqs=args.max_num_seqs,
+                                  max_model_len=args.max_model_len).items() if v is not None}
+    if args.enforce_eager:
+        opts["enforce_eager"] = True
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype,
+                  attention_backend=args.attention_backend, **opts)
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
+                            use_tqdm=False)
+        else:
+            outs = llm.generate(args.prompts, params, use_tqdm=False)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(args.prompts, outs):
+        print(f"{prompt!r} -> {out.text!r}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The user-facing front end: ``LLM(model).generate(prompts)``.
+
+Wires tokenizer, model executor and engine together. Engine options are the
+config fields by name; an unknown option is a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Sequence, Union
+
+from minivllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+_CACHE_KEYS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHED_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+# Executor options: validated by the executor itself.
+_EXEC_KEYS = {"enforce_eager", "gpu_memory_utilization", "tensor_parallel_size"}
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory as is; otherwise a Hugging Face hub id resolved through its cache.
+
+    Raises:
+        ValueError: not a directory and not obtainable (offline and not cached).
+    """
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+    except Exception as e:  # any hub/network failure becomes one clear message
+        raise ValueError(
+            f"model {model!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub or found in its cache ({type(e).__name__}: {e})") from e
+
+
+def split_engine_options(options: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """Sort engine options into cache, scheduler and executor settings.
+
+    Raises:
+        TypeError: an option name that nothing uses.
+    """
+    unknown = sorted(set(options) - _CACHE_KEYS - _SCHED_KEYS - _EXEC_KEYS)
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}; valid: "
+                        f"{sorted(_CACHE_KEYS | _SCHED_KEYS | _EXEC_KEYS)}")
+    pick = lambda keys: {k: v for k, v in options.items() if k in keys}  # noqa: E731
+    return pick(_CACHE_KEYS), pick(_SCHED_KEYS), pick(_EXEC_KEYS)
+
+
+class LLM:
+    """Offline inference over a Qwen3 checkpoint.
+
+    Args:
+        model: a local HF-format directory or a hub id.
+        device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``...
+        dtype: ``auto`` (bfloat16 on cuda, float32 on cpu) or a torch dtype name.
+        attention_backend: ``auto`` (triton on cuda, torch on cpu), ``torch`` or ``triton``.
+        seed: seed of the sampler's generator for unseeded requests.
+        **options: engine options by config field name (block_size, num_blocks,
+            enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
+            max_model_len, policy, chunked_prefill, enforce_eager,
+            gpu_memory_utilization, tensor_parallel_size).
+
+    Raises:
+        TypeError: unknown option. ValueError: a bad option value or model.
+    """
+
+    def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
+                 attention_backend: str = "auto", seed: int = 0, **options: Any) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from minivllm.executor.model_executor import ModelExecutor
+
+        cache_opts, sched_opts, exec_opts = split_engine_options(options)
+        path = resolve_model_path(model)
+        self.model_config = ModelConfig.from_hf_json(path)
+        sched_opts.setdefault("max_model_len", self.model_config.max_position_embeddings)
+        if sched_opts["max_model_len"] > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {sched_opts['max_model_len']} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        self.scheduler_config = SchedulerConfig(**sched_opts)
+        cache_config = CacheConfig(**cache_opts)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        executor = ModelExecutor(
+            self.model_config, path, device=device, dtype=dtype,
+            attention_backend=attention_backend, block_size=cache_config.block_size,
+            num_blocks=cache_config.num_blocks, max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_model_len=self.scheduler_config.max_model_len, seed=seed, **exec_opts)
+        eos = self.model_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos)
+        self._next_request = 0
+
+    # ---- generation ---------------------------------------------------------
+
+    def _to_token_ids(self, i: int, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                  for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"prompt {i}: expected a string or a list of token ids")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_fits(self, i: int, ids: list[int], params: SamplingParams) -> None:
+        max_len = self.scheduler_config.max_model_len
+        if len(ids) + params.max_tokens > max_len:
+            raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} "
+                             f"exceeds max_model_len {max_len}")
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order with ``text`` decoded.
+
+        Every prompt is checked before any is queued: a bad one raises
+        ``ValueError``/``TypeError`` naming its index, nothing of this call is
+        queued, and the engine stays ready for the next call.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = self._params_list(sampling_params, len(prompts))
+        token_ids = [self._to_token_ids(i, p) for i, p in enumerate(prompts)]
+        for i, (ids, p) in enumerate(zip(token_ids, params)):
+            self._check_fits(i, ids, p)
+        ids_of = {}
+        for ids, p in zip(token_ids, params):
+            rid = f"req-{self._next_request}"
+            self._next_request += 1
+            self.engine.add_request(rid, ids, p)
+            ids_of[rid] = len(ids_of)
+        results = self._run(len(prompts), use_tqdm)
+        ordered = sorted(results, key=lambda o: ids_of[o.request_id])
+        return [dataclasses.replace(o, text=self.tokenizer.decode(list(o.token_ids),
+                                                                  skip_special_tokens=True))
+                for o in ordered]
+
+    @staticmethod
+    def _params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n or not all(isinstance(p, SamplingParams) for p in sp):
+            raise ValueError(f"sampling_params: expected one SamplingParams or a list of {n}")
+        return sp
+
+    def _run(self, total: int, use_tqdm: bool) -> list[RequestOutput]:
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
+        done: list[RequestOutput] = []
+        start, ntok = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            finished = self.engine.step()
+            done.extend(finished)
+            if bar is not None and finished:
+                ntok += sum(len(o.token_ids) for o in finished)
+                bar.set_postfix(tok_s=f"{ntok / (time.perf_counter() - start):.0f}")
+                bar.update(len(finished))
+        if bar is not None:
+            bar.close()
+        return done
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the tokenizer's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in convs]  # type: ignore[arg-type]
+        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm)
