@@ -1,0 +1,116 @@
+"""CUDA graphs for decode steps.
+
+A decode step runs the same kernels for every batch of the same size, so the
+whole forward (all layers, attention included) is captured once per batch size
+and replayed. The graphs read from static buffers owned by this runner; a
+batch of B sequences is copied into the first B rows and replayed with the
+smallest captured size >= B. The padding rows get slot -1 (their K/V write
+nothing), kv_len 0 (attention reads nothing) and block tables of -1.
+
+    input_ids     (G,)     int64
+    positions     (G,)     int64
+    slot_mapping  (G,)     int64   -1 beyond B
+    kv_lens       (G,)     int32    0 beyond B
+    block_tables  (G, W)   int32   -1 beyond each row's blocks
+    hidden        (G, hidden_size) the graph's output
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+import torch
+
+from minivllm.executor.inputs import BatchInputs
+from minivllm.layers.attention import AttentionMetadata
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (always including it)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class CudaGraphRunner:
+    """Captures ``forward(input_ids, positions, meta) -> hidden`` for decode batch sizes.
+
+    Args:
+        forward: the model's forward.
+        kv_cache: the whole KV cache (static: graphs bake in its address).
+        hidden_size: width of the forward's output rows.
+        max_blocks_per_seq: block-table width W (max_model_len / block_size).
+        capture_sizes: batch sizes to capture.
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
+                 hidden_size: int, max_blocks_per_seq: int, capture_sizes: list[int]) -> None:
+        if not capture_sizes or min(capture_sizes) < 1:
+            raise ValueError(f"capture_sizes must be positive batch sizes, got {capture_sizes}")
+        self.sizes = sorted(set(capture_sizes))
+        self.width = max_blocks_per_seq
+        g, dev = self.sizes[-1], kv_cache.device
+        self.input_ids = torch.zeros(g, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(g, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((g,), -1, dtype=torch.int64, device=dev)
+        self.kv_lens = torch.zeros(g, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((g, self.width), -1, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
+        self.hidden = torch.zeros(g, hidden_size, dtype=kv_cache.dtype, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._capture(forward, kv_cache)
+
+    def _meta(self, bs: int, kv_cache: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+            kv_lens=self.kv_lens[:bs], block_tables=self.block_tables[:bs], max_q_len=1,
+            is_decode=True, kv_cache=kv_cache)
+
+    @torch.inference_mode()
+    def _capture(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor) -> None:
+        pool = None
+        # Largest first, so smaller graphs reuse the pool's memory.
+        for bs in reversed(self.sizes):
+            meta = self._meta(bs, kv_cache)
+            args = (self.input_ids[:bs], self.positions[:bs], meta)
+            self.hidden[:bs] = forward(*args)  # warm-up: compile kernels outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[:bs] = forward(*args)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, inputs: BatchInputs) -> bool:
+        """A decode batch that fits a captured size and the static table width."""
+        return (inputs.max_q_len == 1 and len(inputs.kv_lens) <= self.sizes[-1]
+                and inputs.block_tables.shape[1] <= self.width)
+
+    def run(self, inputs: BatchInputs, device_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Replay for this batch; ``device_inputs`` are its arrays already on the device.
+
+        Returns:
+            (B, hidden_size) hidden states (a view into the static output).
+        Raises:
+            ValueError: the batch is not one this runner can replay.
+        """
+        if not self.can_run(inputs):
+            raise ValueError(f"CUDA graphs cover decode batches up to {self.sizes[-1]} sequences "
+                             f"and {self.width} blocks per sequence; got {len(inputs.kv_lens)} "
+                             f"sequences, max_q_len {inputs.max_q_len}, "
+                             f"{inputs.block_tables.shape[1]} blocks")
+        b = len(inputs.kv_lens)
+        g = self.sizes[bisect.bisect_left(self.sizes, b)]
+        w = inputs.block_tables.shape[1]
+        self.input_ids[:b].copy_(device_inputs["input_ids"])
+        self.positions[:b].copy_(device_inputs["positions"])
+        self.slot_mapping[b:g].fill_(-1)
+        self.slot_mapping[:b].copy_(device_inputs["slot_mapping"])
+        self.kv_lens[b:g].zero_()
+        self.kv_lens[:b].copy_(device_inputs["kv_lens"])
+        self.block_tables[:g].fill_(-1)
+        self.block_tables[:b, :w].copy_(device_inputs["block_tables"])
+        self.graphs[g].replay()
+        return self.hidden[:b]

@@ -1,0 +1,15 @@
+"""The gated activation of the Qwen3 MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` for ``x = [gate | up]`` packed along the last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., 2I) -> (..., I)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,167 @@
+"""Paged attention: the per-step metadata, the backends, and the ``Attention`` module.
+
+No global forward context: the executor builds one frozen ``AttentionMetadata``
+per step and the model passes it down to every layer. The KV cache is one
+tensor for all layers (see ``ModelExecutor``)::
+
+    kv_cache  (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+              [layer, 0] = K cache of that layer, [layer, 1] = V cache
+
+and each ``Attention`` picks its own layer's slices by index, so nothing is
+bound into the modules after construction.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from minivllm.kernels.reference import paged_attention_reference, store_kv_reference
+
+BackendName = Literal["torch", "triton"]
+BACKENDS: tuple[str, ...] = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, on the model's device.
+
+    B sequences feed T tokens (shapes as in ``minivllm/executor/inputs.py``).
+    """
+
+    # int64 (T,): cache slot of each fed token (-1 = write nothing).
+    slot_mapping: torch.Tensor
+    # int32 (B+1,): prefix sums of the tokens fed per sequence.
+    cu_seqlens_q: torch.Tensor
+    # int32 (B,): keys each sequence attends to (cached + fed).
+    kv_lens: torch.Tensor
+    # int32 (B, W): block ids per sequence, -1 padded.
+    block_tables: torch.Tensor
+    # Most tokens fed by one sequence (a host int: kernels size their grid by it).
+    max_q_len: int
+    # Every sequence feeds exactly one token (T == B): the decode kernel applies.
+    is_decode: bool
+    # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): all layers' K/V.
+    kv_cache: torch.Tensor
+
+
+class AttentionBackend(ABC):
+    """How K/V are written to and attention is read from one layer's paged cache."""
+
+    @abstractmethod
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write ``key``/``value`` (T, Hkv, D) at ``slot_mapping`` (T,) into the caches."""
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of ``q`` (T, H, D) over each sequence's paged context -> (T, H, D)."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of one query per sequence ``q`` (B, H, D) -> (B, H, D)."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The plain-torch reference (any device; syncs the host once per layer)."""
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens,
+                                         meta.block_tables, scale)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.prefill(q, k_cache, v_cache, meta, scale)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Our Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+
+    The kernel modules are imported here, not at module import, so the torch
+    backend never needs Triton.
+    """
+
+    def __init__(self) -> None:
+        from minivllm.kernels.decode_attention import decode_attention
+        from minivllm.kernels.prefill_attention import prefill_attention
+        from minivllm.kernels.store_kv import store_kv
+
+        self._store_kv = store_kv
+        self._prefill = prefill_attention
+        self._decode = decode_attention
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens,
+                             meta.block_tables, scale, meta.max_q_len)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, meta.kv_lens, meta.block_tables, scale)
+
+
+def make_attention_backend(name: str) -> AttentionBackend:
+    """The backend called ``name`` ("torch" or "triton").
+
+    Raises:
+        ValueError: an unknown name.
+        ImportError: "triton" when the kernels cannot be imported.
+    """
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+
+
+class Attention(nn.Module):
+    """Stores the new tokens' K/V in this layer's cache, then attends over it.
+
+    Args:
+        num_heads: query heads (on this rank).
+        num_kv_heads: KV heads (on this rank).
+        head_dim: D.
+        layer_idx: which ``kv_cache[layer_idx]`` this layer owns.
+        backend: the attention implementation (shared by all layers).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.scale = head_dim ** -0.5
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``q`` (T, H, D), ``k``/``v`` (T, Hkv, D) of the fed tokens -> (T, H, D)."""
+        k_cache = meta.kv_cache[self.layer_idx, 0]  # (N, bs, Hkv, D)
+        v_cache = meta.kv_cache[self.layer_idx, 1]
+        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return self.backend.decode(q, k_cache, v_cache, meta, self.scale)
+        return self.backend.prefill(q, k_cache, v_cache, meta, self.scale)
+
+    def extra_repr(self) -> str:
+        return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, backend={type(self.backend).__name__}")

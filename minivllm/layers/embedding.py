@@ -1,0 +1,71 @@
+"""Vocab-parallel token embedding and LM head.
+
+The vocabulary is cut into ``tp_size`` contiguous ranges of
+``shard_size = ceil(vocab / tp_size)`` rows; rank r holds rows
+``[r * shard_size, min(vocab, (r + 1) * shard_size))`` and zero padding up to
+``shard_size`` (only the last rank pads). The embedding looks up the ids in its
+range, zeros the others and all-reduces; the LM head computes logits for its
+range and all-gathers them along the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.config import cdiv
+from minivllm.layers.linear import ShardId, check_tp, load_slice, set_weight_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows are split across ranks by vocabulary range."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.shard_size = cdiv(num_embeddings, tp_size)
+        self.vocab_start = min(num_embeddings, tp_rank * self.shard_size)
+        self.vocab_end = min(num_embeddings, self.vocab_start + self.shard_size)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's vocabulary rows of the full (vocab, dim) tensor; zero the padding.
+
+        Raises:
+            ValueError: a shard id was given, or the checkpoint shape is wrong.
+        """
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not packed; got shard id {shard_id!r}")
+        n = self.vocab_end - self.vocab_start
+        load_slice(param.data[:n], loaded, 0, self.vocab_start, self.num_embeddings, type(self).__name__)
+        with torch.no_grad():
+            param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, dim)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        out = F.embedding((input_ids - self.vocab_start) * mine, self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        torch.distributed.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to logits; shares the embedding's sharding (and can
+    share its weight, for tied embeddings)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, dim) -> (S, vocab)
+        """Logits for exactly the rows given (the caller passes only sampling rows)."""
+        logits = F.linear(hidden, self.weight)  # (S, shard_size)
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(parts, logits)
+        return torch.cat(parts, dim=-1)[:, : self.num_embeddings]

@@ -1,0 +1,303 @@
+"""Tensor-parallel linear layers and the weight-loader convention.
+
+A column-parallel layer splits ``W (out, in)`` along ``out``: rank r computes
+its slice of the output features and nothing is communicated. A row-parallel
+layer splits ``W`` along ``in``: rank r multiplies its slice of the input
+features (the output of a column-parallel layer) and the partial results are
+summed with ``all_reduce``. An MLP or attention block is therefore
+column -> (local work) -> row, one collective per block.
+
+Packed layers keep several checkpoint tensors in one matmul; each rank holds
+its own shard of every part, parts concatenated in order::
+
+    qkv_proj.weight on rank r (rows):  [ q heads of r | k heads of r | v heads of r ]
+    gate_up_proj.weight on rank r:     [ gate rows of r | up rows of r ]
+
+QKV shards fall on head boundaries. When there are fewer KV heads than ranks,
+each KV head is replicated on ``tp_size // num_kv_heads`` consecutive ranks.
+
+Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``
+and ``shard_ids`` (the shard ids the loader expects, ``(None,)`` for a plain
+tensor). A loader checks the *full* checkpoint shape before narrowing to its
+rank's slice, so a wrong-shaped tensor raises ``ValueError`` rather than loading
+a slice of it by luck. With one rank it is a checked plain copy.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ShardId = str | int | None
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+
+
+def set_weight_loader(
+    param: nn.Parameter, loader: WeightLoader, shard_ids: tuple[ShardId, ...] = (None,)
+) -> nn.Parameter:
+    """Attach ``loader`` and the shard ids it expects to ``param`` (returned for chaining)."""
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_ids = shard_ids  # type: ignore[attr-defined]
+    return param
+
+
+def get_weight_loader(param: nn.Parameter) -> WeightLoader:
+    """The parameter's loader, or ``default_weight_loader`` for a plain parameter."""
+    return getattr(param, "weight_loader", default_weight_loader)
+
+
+def get_shard_ids(param: nn.Parameter) -> tuple[ShardId, ...]:
+    """The shard ids that together write the whole parameter (``(None,)``: one tensor)."""
+    return getattr(param, "shard_ids", (None,))
+
+
+def load_slice(
+    dest: torch.Tensor, loaded: torch.Tensor, dim: int, start: int, full: int, what: str
+) -> None:
+    """Copy ``loaded.narrow(dim, start, dest.shape[dim])`` into ``dest``.
+
+    Args:
+        dest: the (view of the) parameter to fill.
+        loaded: the whole checkpoint tensor.
+        dim: the dimension the checkpoint tensor is sharded along.
+        start: this rank's first index along ``dim``.
+        full: the checkpoint tensor's expected size along ``dim``.
+        what: names the destination in error messages.
+
+    Raises:
+        ValueError: ``loaded`` does not have the expected full shape.
+    """
+    expected = list(dest.shape)
+    expected[dim] = full
+    if list(loaded.shape) != expected:
+        raise ValueError(f"{what}: expected checkpoint shape {tuple(expected)}, got {tuple(loaded.shape)}")
+    with torch.no_grad():
+        dest.copy_(loaded.narrow(dim, start, dest.shape[dim]))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    """Checked plain copy of a replicated (unsharded) parameter.
+
+    Raises:
+        ValueError: a shard id was given, or the shapes differ.
+    """
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is not packed; got shard id {shard_id!r}")
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"parameter: expected checkpoint shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    with torch.no_grad():
+        param.data.copy_(loaded)
+
+
+def divide(size: int, tp_size: int, what: str) -> int:
+    """``size // tp_size``, or ``ValueError`` naming ``what`` when it does not divide."""
+    if size % tp_size:
+        raise ValueError(f"{what} ({size}) is not divisible by tp_size ({tp_size})")
+    return size // tp_size
+
+
+def check_tp(tp_rank: int, tp_size: int) -> None:
+    """Raises ValueError unless ``0 <= tp_rank < tp_size``."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+
+
+class LinearBase(nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` this rank's shard, stored (out_local, in_local)."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        # Uninitialised: the loader checks every parameter gets written.
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.bias: nn.Parameter | None = (
+            nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out_local)
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Linear layer whose output features are split across ranks (no collective).
+
+    Args:
+        input_size: input features (every rank sees all of them).
+        output_size: output features over all ranks.
+        bias: add a (sharded) bias.
+        tp_rank: this rank; tp_size: number of ranks.
+
+    Raises:
+        ValueError: ``output_size`` is not divisible by ``tp_size``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias, tp_rank, tp_size)
+        self.output_size = output_size
+        for p in self._parameters.values():
+            if p is not None:
+                set_weight_loader(p, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's rows of the full (output_size, ...) tensor.
+
+        Raises:
+            ValueError: a shard id was given, or the checkpoint shape is wrong.
+        """
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not packed; got shard id {shard_id!r}")
+        local = param.shape[0]
+        load_slice(param.data, loaded, 0, self.tp_rank * local, self.output_size, type(self).__name__)
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel outputs in one matmul (gate/up: shard ids 0 and 1).
+
+    Args:
+        input_size: input features.
+        output_sizes: full output features of each packed part, in order.
+        bias: add a (sharded) bias.
+        tp_rank: this rank; tp_size: number of ranks.
+
+    Raises:
+        ValueError: an output size is not divisible by ``tp_size``.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], *, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        locals_ = [divide(s, tp_size, f"output_sizes[{i}]") for i, s in enumerate(output_sizes)]
+        super().__init__(input_size, sum(locals_), bias, tp_rank, tp_size)
+        self.output_sizes = tuple(output_sizes)
+        self.local_sizes = tuple(locals_)
+        shard_ids = tuple(range(len(output_sizes)))
+        for p in self._parameters.values():
+            if p is not None:
+                set_weight_loader(p, self.weight_loader, shard_ids)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's rows of part ``shard_id`` into its place in the packed tensor.
+
+        Raises:
+            ValueError: an unknown shard id, or the checkpoint shape is wrong.
+        """
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"{type(self).__name__}: shard id must be in "
+                             f"0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        local = self.local_sizes[shard_id]
+        dest = param.data.narrow(0, sum(self.local_sizes[:shard_id]), local)
+        load_slice(dest, loaded, 0, self.tp_rank * local, self.output_sizes[shard_id],
+                   f"{type(self).__name__} shard {shard_id}")
+
+
+class QKVParallelLinear(LinearBase):
+    """The q, k and v projections packed in one matmul, sharded on head boundaries.
+
+    Args:
+        hidden_size: input features.
+        head_dim: D.
+        num_heads: query heads over all ranks.
+        num_kv_heads: KV heads over all ranks.
+        bias: add a (sharded) bias.
+        tp_rank: this rank; tp_size: number of ranks.
+
+    Attributes:
+        num_heads: query heads on this rank.
+        num_kv_heads: KV heads on this rank (1 when KV heads are replicated).
+
+    Raises:
+        ValueError: ``num_heads`` is not divisible by ``tp_size``, or neither of
+            ``num_kv_heads`` and ``tp_size`` divides the other.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        check_tp(tp_rank, tp_size)
+        heads = divide(num_heads, tp_size, "num_heads")
+        if num_kv_heads >= tp_size:
+            kv_heads = divide(num_kv_heads, tp_size, "num_kv_heads")
+            kv_start = tp_rank * kv_heads
+        elif tp_size % num_kv_heads == 0:
+            kv_heads = 1
+            kv_start = tp_rank // (tp_size // num_kv_heads)
+        else:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) and tp_size ({tp_size}): "
+                             "neither divides the other")
+        super().__init__(hidden_size, (heads + 2 * kv_heads) * head_dim, bias, tp_rank, tp_size)
+        self.head_dim = head_dim
+        self.num_heads = heads
+        self.num_kv_heads = kv_heads
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        q, kv = heads * head_dim, kv_heads * head_dim
+        # shard id -> (offset in the packed rows, local rows, start in checkpoint rows, checkpoint rows)
+        self._layout: dict[str, tuple[int, int, int, int]] = {
+            "q": (0, q, tp_rank * q, num_heads * head_dim),
+            "k": (q, kv, kv_start * head_dim, num_kv_heads * head_dim),
+            "v": (q + kv, kv, kv_start * head_dim, num_kv_heads * head_dim),
+        }
+        for p in self._parameters.values():
+            if p is not None:
+                set_weight_loader(p, self.weight_loader, ("q", "k", "v"))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's heads of the q, k or v tensor into the packed tensor.
+
+        Raises:
+            ValueError: shard id not one of "q", "k", "v", or the checkpoint shape is wrong.
+        """
+        if shard_id not in self._layout:
+            raise ValueError(f"{type(self).__name__}: shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        offset, local, start, full = self._layout[shard_id]  # type: ignore[index]
+        load_slice(param.data.narrow(0, offset, local), loaded, 0, start, full,
+                   f"{type(self).__name__} shard {shard_id!r}")
+
+
+class RowParallelLinear(LinearBase):
+    """Linear layer whose input features are split across ranks; outputs are all-reduced.
+
+    The bias is replicated and added once, after the reduction.
+
+    Args:
+        input_size: input features over all ranks.
+        output_size: output features (every rank produces all of them).
+        bias: add a replicated bias.
+        tp_rank: this rank; tp_size: number of ranks.
+        reduce_results: all-reduce the partial outputs (off: the caller reduces).
+
+    Raises:
+        ValueError: ``input_size`` is not divisible by ``tp_size``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True) -> None:
+        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size)
+        self.input_size = input_size
+        self.reduce_results = reduce_results
+        set_weight_loader(self.weight, self.weight_loader)
+        if self.bias is not None:
+            set_weight_loader(self.bias, default_weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's columns of the full (output_size, input_size) weight.
+
+        Raises:
+            ValueError: a shard id was given, or the checkpoint shape is wrong.
+        """
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not packed; got shard id {shard_id!r}")
+        local = param.shape[1]
+        load_slice(param.data, loaded, 1, self.tp_rank * local, self.input_size, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1 and self.reduce_results:
+            torch.distributed.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

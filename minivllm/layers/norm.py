@@ -1,0 +1,47 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.layers.linear import default_weight_loader, set_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
+
+    The statistics are computed in float32 and the normalised value is cast
+    back to the input dtype *before* the weight multiply, as Hugging Face's
+    Qwen3RMSNorm does, so bf16 results round the same way.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise ``x`` (..., hidden); with ``residual``, normalise ``x + residual``.
+
+        Args:
+            x: the input, (..., hidden_size).
+            residual: the residual stream; when given, ``x + residual`` becomes
+                the new residual stream and is returned with the normalised value.
+
+        Returns:
+            ``norm(x)``, or ``(norm(x + residual), x + residual)``.
+        """
+        if residual is None:
+            return self._norm(x)
+        # Added in the model dtype, matching HF's ``residual + hidden_states``.
+        residual = x + residual
+        return self._norm(residual), residual

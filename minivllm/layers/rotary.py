@@ -1,0 +1,68 @@
+"""Rotary position embedding (RoPE), neox / half-rotation style as in Qwen3.
+
+For a head vector ``x = [x1 | x2]`` (two halves of D/2) at position p::
+
+    x1' = x1 * cos(p f) - x2 * sin(p f)
+    x2' = x2 * cos(p f) + x1 * sin(p f)        f_i = theta ** (-2i / D)
+
+which is Hugging Face's ``x * cos + rotate_half(x) * sin``. The cos/sin table is
+built once, in float32, for every position below ``max_position`` and indexed
+by the positions the caller passes (from the plan), never derived from
+sequence lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to queries and keys from a position-indexed cos/sin cache.
+
+    Args:
+        head_dim: D, even.
+        max_position: number of positions in the cache (max_position_embeddings).
+        base: theta.
+
+    Raises:
+        ValueError: odd ``head_dim`` or non-positive ``max_position``.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
+        super().__init__()
+        if head_dim % 2 or max_position < 1:
+            raise ValueError(f"need an even head_dim and max_position >= 1, got {head_dim}, {max_position}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        # Same float32 arithmetic as HF, so float32 results agree bit for bit.
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (P, D/2)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)                          # (P, D)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        # Only on the CPU: checking a device tensor would sync the host every step.
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_position):
+            raise ValueError(
+                f"positions must be in [0, {self.max_position}) (max_position_embeddings), got "
+                f"[{int(positions.min())}, {int(positions.max())}]"
+            )
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` (T, H, D) and ``k`` (T, Hkv, D) by the angles of ``positions`` (T,).
+
+        Raises:
+            ValueError: (CPU only) a position outside the cache.
+        """
+        if positions.device.type == "cpu":
+            self._check_positions(positions)
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

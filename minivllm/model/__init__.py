@@ -1,0 +1,1 @@
+"""Model definitions (Qwen3) and the checkpoint loader."""

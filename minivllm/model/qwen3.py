@@ -1,0 +1,186 @@
+"""Qwen3 dense decoder over a paged KV cache, tensor-parallel ready.
+
+Token-major throughout: a step's tokens from all sequences are concatenated
+into one (T, ...) batch; the attention metadata says which sequence each
+belongs to. Per layer::
+
+    h, res = input_layernorm(h, res)            # fused residual add
+    qkv = qkv_proj(h)                           # (T, (H + 2 Hkv) D) one matmul
+    q, k = q_norm(q), k_norm(k)                 # RMSNorm per head, before RoPE
+    q, k = rope(positions, q, k)
+    o = attn(q, k, v)                           # writes K/V to the paged cache
+    h = o_proj(o)
+    h, res = post_attention_layernorm(h, res)
+    h = down_proj(silu(gate) * up)              # gate_up_proj packed
+
+Positions come from the caller (the plan), never from cu_seqlens, so chunked
+prefill and prefix hits need no special case here.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.attention import Attention, AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardId,
+)
+from minivllm.layers.norm import RMSNorm
+from minivllm.layers.rotary import RotaryEmbedding
+
+# Checkpoint module name -> (our packed module, shard id in it).
+QWEN3_PACKED_MODULES: Mapping[str, tuple[str, ShardId]] = MappingProxyType({
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+})
+
+
+class Qwen3Attention(nn.Module):
+    """Self-attention block: packed QKV, per-head q/k norm, RoPE, paged attention, output proj."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, d, config.num_attention_heads, config.num_key_value_heads,
+            bias=config.attention_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size,
+            bias=config.attention_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.rotary_emb = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, layer_idx, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """(T,) positions, (T, hidden) -> (T, hidden)."""
+        t, d = hidden.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, d))       # (T, H, D)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, d))    # (T, Hkv, D)
+        v = v.reshape(t, self.num_kv_heads, d).contiguous()    # kernels want dense rows
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, meta)                           # (T, H, D)
+        return self.o_proj(o.reshape(t, q_size))
+
+
+class Qwen3MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up packed in one matmul."""
+
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        i = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [i, i], tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP, residual adds fused into the following norm."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, layer_idx, rotary, backend, tp_rank, tp_size)
+        self.mlp = Qwen3MLP(config, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream before it)``, both (T, hidden); the
+        next layer's input norm adds them."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, decoder layers and final norm (``model.*`` in HF checkpoints)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        # One cos/sin table shared by every layer.
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, i, rotary, backend, tp_rank, tp_size)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """(T,) token ids and positions -> (T, hidden) final hidden states."""
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 with its LM head; logits only for the rows the caller asks for.
+
+    Args:
+        config: the model's shapes.
+        attention_backend: paged attention implementation (default: torch reference).
+        tp_rank: this process's tensor-parallel rank.
+        tp_size: number of tensor-parallel ranks.
+
+    Attributes:
+        packed_modules_mapping: checkpoint module name -> (packed module, shard id),
+            read by the loader.
+        tie_word_embeddings: the LM head is the embedding (no ``lm_head.weight``
+            parameter of its own).
+    """
+
+    packed_modules_mapping: Mapping[str, tuple[str, ShardId]] = QWEN3_PACKED_MODULES
+
+    def __init__(self, config: ModelConfig, *, attention_backend: AttentionBackend | None = None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = config.tie_word_embeddings
+        backend = attention_backend if attention_backend is not None else TorchAttentionBackend()
+        self.model = Qwen3Model(config, backend, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """(T,) token ids, (T,) positions -> (T, hidden) hidden states (no logits)."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """(S, hidden) rows that sample -> (S, vocab) logits."""
+        return self.lm_head(hidden_rows)

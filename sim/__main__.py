@@ -1,0 +1,212 @@
+"""``python -m sim``: fuzz the engine, record a trace, replay a trace.
+
+    python -m sim run --traces 10000 --seed 0 [--config policy=mixed block_size=4]
+    python -m sim record --seed 7 --out trace.jsonl
+    python -m sim record --trace inputs.jsonl --out golden.jsonl
+    python -m sim replay fixtures/traces/*.jsonl
+
+Exit codes: 0 all good, 1 a violation or a replay mismatch, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+from sim.runner import RunResult, record_trace, run_trace
+from sim.traces import OVERRIDE_KEYS, flatten_overrides, generate_trace, load
+
+# Trace i of ``run --seed S`` is generated from seed S * SEED_STRIDE + i.
+SEED_STRIDE = 1_000_000
+MAX_PRINTED_VIOLATIONS = 5
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``--config`` values: JSON objects and/or ``key=value`` pairs (value parsed as JSON if it can be).
+
+    Raises:
+        ValueError: malformed item or unknown key.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        item = item.strip()
+        if item.startswith("{"):
+            value = json.loads(item)
+            if not isinstance(value, dict):
+                raise ValueError(f"--config {item!r} is not a JSON object")
+            out.update(flatten_overrides(value))
+            continue
+        for pair in item.split():
+            key, sep, raw = pair.partition("=")
+            if not sep:
+                raise ValueError(f"--config item {pair!r} is not key=value")
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError:
+                value = raw
+            out.update(flatten_overrides({key: value}))
+    return out
+
+
+class Progress:
+    """A one-line text progress bar on a stream (redrawn at most ~10 times a second)."""
+
+    def __init__(self, total: int, stream: TextIO, width: int = 30) -> None:
+        self.total, self.stream, self.width = total, stream, width
+        self.start = self.last = time.perf_counter()
+        self.tty = stream.isatty()
+
+    def update(self, done: int, steps: int, failures: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        interval = 0.1 if self.tty else 10.0
+        if not force and now - self.last < interval:
+            return
+        self.last = now
+        frac = done / self.total if self.total else 1.0
+        bar = "#" * int(frac * self.width)
+        rate = steps / max(now - self.start, 1e-9)
+        line = (f"[{bar:<{self.width}}] {done}/{self.total} traces  {rate:,.0f} steps/s  "
+                f"{failures} failing")
+        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
+        if self.tty and force:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _summary(results: Sequence[RunResult], seconds: float, failures: int) -> str:
+    steps = sum(r.steps for r in results)
+    prefill = sum(r.prefill_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    prompt_work = prefill + cached
+    rows = [
+        ("traces", f"{len(results):,}"),
+        ("requests", f"{sum(r.requests for r in results):,} (+{sum(r.rejected for r in results):,} rejected at add)"),
+        ("steps", f"{steps:,}"),
+        ("steps/s", f"{steps / max(seconds, 1e-9):,.0f}  ({seconds:.1f} s)"),
+        ("tokens", f"{prefill + sum(r.decode_tokens for r in results):,} computed "
+                   f"({prefill:,} prefill, {sum(r.decode_tokens for r in results):,} decode), "
+                   f"{sum(r.completion_tokens for r in results):,} generated"),
+        ("prefix-hit", f"{100.0 * cached / max(prompt_work, 1):.1f} % ({cached:,} cached tokens)"),
+        ("preemptions", f"{sum(r.preemptions for r in results):,}"),
+        ("chunked prefills", f"{sum(r.chunked_prefills for r in results):,}"),
+        ("aborts", f"{sum(r.aborts for r in results):,}"),
+        ("violations", f"{sum(len(r.violations) for r in results):,} in {failures:,} trace(s)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    overrides = parse_overrides(args.config)
+    generate_trace(args.seed * SEED_STRIDE, overrides)  # bad overrides fail before the progress bar
+    out_dir = Path(args.out_dir)
+    progress = Progress(args.traces, sys.stderr) if not args.quiet else None
+    results: list[RunResult] = []
+    failures = steps = 0
+    start = time.perf_counter()
+    for i in range(args.traces):
+        seed = args.seed * SEED_STRIDE + i
+        trace = generate_trace(seed, overrides)
+        result = run_trace(trace)
+        results.append(result)
+        steps += result.steps
+        if not result.ok:
+            failures += 1
+            path = trace.save(out_dir / f"trace-{seed}.jsonl")
+            print(f"\nVIOLATION in trace seed {seed} (run --seed {args.seed}, trace {i}); saved {path}",
+                  file=sys.stderr)
+            for v in result.violations[:MAX_PRINTED_VIOLATIONS]:
+                print(f"  {v}", file=sys.stderr)
+            if failures >= args.max_failures:
+                print(f"stopping after {failures} failing traces", file=sys.stderr)
+                break
+        if progress:
+            progress.update(i + 1, steps, failures)
+    seconds = time.perf_counter() - start
+    if progress:
+        progress.update(len(results), steps, failures, force=True)
+    print(_summary(results, seconds, failures))
+    if failures:
+        print(f"FAILED: seed {args.seed}; failing traces saved under {out_dir}/ "
+              f"(replay one with: python -m sim replay {out_dir}/trace-<seed>.jsonl)")
+        return 1
+    return 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        trace = load(args.trace)
+    else:
+        trace = generate_trace(args.seed, parse_overrides(args.config))
+    recorded, result = record_trace(trace)
+    path = recorded.save(args.out)
+    print(f"recorded {result.steps} steps of {len(trace.events)} input events to {path}")
+    for v in result.violations[:MAX_PRINTED_VIOLATIONS]:
+        print(f"VIOLATION {v}", file=sys.stderr)
+    return 1 if result.violations else 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    status = 0
+    for name in args.files:
+        trace = load(name)
+        result = run_trace(trace, "replay" if trace.expects else "check")
+        if result.mismatch is not None:
+            print(f"{name}: MISMATCH at step {result.mismatch_step}: {result.mismatch}")
+            status = 1
+        for v in result.violations[:MAX_PRINTED_VIOLATIONS]:
+            print(f"{name}: VIOLATION {v}")
+        if result.violations:
+            status = 1
+        if result.ok:
+            what = f"all {result.steps} steps match" if trace.expects else f"{result.steps} steps, no expectations; checks pass"
+            print(f"{name}: OK, {what}")
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    config_help = ("force config values of generated traces: key=value pairs or a JSON object "
+                   f"(repeatable); keys: {', '.join(sorted(OVERRIDE_KEYS))}")
+
+    r = sub.add_parser("run", help="run random traces through the engine and check every step")
+    r.add_argument("--traces", type=int, default=1000, help="number of traces (default 1000)")
+    r.add_argument("--seed", type=int, default=0, help=f"run seed; trace i uses seed*{SEED_STRIDE}+i")
+    r.add_argument("--config", action="append", default=[], metavar="KEY=VALUE|JSON", help=config_help)
+    r.add_argument("--out-dir", default="sim_failures", help="where failing traces are saved")
+    r.add_argument("--max-failures", type=int, default=10, help="stop after this many failing traces")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("record", help="run one trace and save it with the engine's decisions per step")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--seed", type=int, help="generate the trace from this (trace) seed")
+    src.add_argument("--trace", help="record an existing JSONL trace's inputs instead")
+    c.add_argument("--config", action="append", default=[], metavar="KEY=VALUE|JSON", help=config_help)
+    c.add_argument("--out", required=True, help="output JSONL file")
+    c.set_defaults(func=cmd_record)
+
+    p_replay = sub.add_parser("replay", help="re-run recorded traces; report the first step that differs")
+    p_replay.add_argument("files", nargs="+", help="JSONL trace files")
+    p_replay.set_defaults(func=cmd_replay)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

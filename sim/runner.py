@@ -1,0 +1,298 @@
+"""Drive the real ``LLMEngine`` with a ``FakeExecutor`` over a trace and judge it.
+
+Per step the runner applies that step's input events, calls ``step()``, then
+``check_invariants()``, and checks the step's decisions (budget, seats, every
+scheduled sequence gets a token, outputs). Per request it checks the output
+against the unpaged oracle (aborted requests: a prefix of it, reason ``abort``),
+that impossible requests were rejected with ``ValueError`` leaving nothing
+queued, that the engine drains within a bounded number of steps, and that an
+idle engine holds no block. Every failed check becomes a violation message.
+
+Record mode captures ``engine.last_step`` of every step as expect events;
+replay mode compares them with the trace's and stops at the first difference.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Literal
+
+from minivllm.config import cdiv
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from sim.fake_executor import FakeExecutor
+from sim.oracle import Expected, oracle_generate
+from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
+
+Verdict = Literal["accept", "reject", "either"]
+
+# A step where requests are unfinished yet nothing is scheduled and nothing is
+# returned is a spin; this many in a row is a liveness violation.
+MAX_IDLE_STEPS = 3
+
+
+@dataclass
+class RunResult:
+    """What one trace run produced and found."""
+
+    seed: int
+    steps: int = 0
+    requests: int = 0
+    rejected: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    preemptions: int = 0
+    chunked_prefills: int = 0
+    aborts: int = 0
+    violations: list[str] = field(default_factory=list)
+    expects: list[ExpectEvent] = field(default_factory=list)
+    # Replay: the first step whose decisions differ from the trace, and how.
+    mismatch_step: int | None = None
+    mismatch: str | None = None
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and self.mismatch is None
+
+
+def classify_add(trace: Trace, ev: AddEvent) -> Verdict:
+    """Whether the engine must accept or reject this request (ignoring duplicates).
+
+    A request of N total tokens computes at most N - 1 of them (the last sampled
+    token is never fed), so it surely fits in a pool of ``cdiv(N, bs)`` blocks,
+    surely not if ``cdiv(N - 1, bs)`` blocks exceed it; in between either
+    answer is accepted.
+    """
+    n = len(ev.prompt_token_ids) + ev.sampling.max_tokens
+    if not ev.prompt_token_ids or n > trace.scheduler.max_model_len:
+        return "reject"
+    bs, pool = trace.cache.block_size, trace.num_blocks
+    if cdiv(n - 1, bs) > pool:
+        return "reject"
+    return "accept" if cdiv(n, bs) <= pool else "either"
+
+
+class _Run:
+    """One trace run: engine, bookkeeping of every request, and the checks."""
+
+    def __init__(self, trace: Trace, mode: Literal["check", "record", "replay"], max_steps: int | None) -> None:
+        self.trace = trace
+        self.mode = mode
+        self.result = RunResult(seed=trace.seed)
+        executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks)
+        self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id)
+        self.accepted: dict[str, AddEvent] = {}
+        self.rejected: set[str] = set()      # ids never accepted (so abort must raise)
+        self.aborted: dict[str, int] = {}    # id -> step of its abort
+        self.expected: dict[str, Expected] = {}
+        self.by_step: dict[int, list[AddEvent | AbortEvent]] = {}
+        for e in trace.events:
+            self.by_step.setdefault(e.step, []).append(e)
+        self.recorded = {e.step: e for e in trace.expects}
+        work = sum(len(e.prompt_token_ids) + e.sampling.max_tokens for e in trace.events if isinstance(e, AddEvent))
+        self.max_steps = max_steps if max_steps is not None else trace.last_input_step + 200 + 10 * work
+
+    def violation(self, step: int, msg: str) -> None:
+        self.result.violations.append(f"step {step}: {msg}")
+
+    # ---- inputs -------------------------------------------------------------
+
+    def apply_add(self, step: int, ev: AddEvent) -> None:
+        rid = ev.request_id
+        verdict = classify_add(self.trace, ev)
+        if rid in self.accepted:
+            verdict = "reject" if rid not in self.result.outputs else "either"
+        free, busy = self.engine.num_free_blocks, self.engine.has_unfinished_requests()
+        try:
+            self.engine.add_request(rid, list(ev.prompt_token_ids), ev.sampling)
+        except ValueError as exc:
+            if verdict == "accept":
+                self.violation(step, f"add {rid!r} rejected but it fits: {exc}")
+            if (self.engine.num_free_blocks, self.engine.has_unfinished_requests()) != (free, busy):
+                self.violation(step, f"rejected add {rid!r} changed the engine's state")
+            if rid not in self.accepted:
+                self.rejected.add(rid)
+            return
+        if verdict == "reject":
+            self.violation(step, f"add {rid!r} accepted but must be rejected "
+                                 f"(prompt {len(ev.prompt_token_ids)}, max_tokens {ev.sampling.max_tokens})")
+        self.accepted[rid] = ev
+        self.rejected.discard(rid)
+        self.result.requests += 1
+
+    def apply_abort(self, step: int, ev: AbortEvent) -> None:
+        rid = ev.request_id
+        try:
+            aborted = self.engine.abort_request(rid)
+        except ValueError as exc:
+            if rid in self.accepted:
+                self.violation(step, f"abort {rid!r} raised but it was added: {exc}")
+            return
+        if rid not in self.accepted:
+            self.violation(step, f"abort of never-added {rid!r} returned {aborted} instead of raising ValueError")
+            return
+        done = rid in self.result.outputs or rid in self.aborted
+        if aborted == done:
+            self.violation(step, f"abort {rid!r} returned {aborted} but the request is "
+                                 f"{'finished' if done else 'unfinished'}")
+        if aborted and not done:
+            self.aborted[rid] = step
+
+    # ---- outputs ------------------------------------------------------------
+
+    def oracle(self, rid: str) -> Expected:
+        if rid not in self.expected:
+            ev, t = self.accepted[rid], self.trace
+            self.expected[rid] = oracle_generate(ev.prompt_token_ids, ev.sampling, t.eos_token_id,
+                                                 t.scheduler.max_model_len, t.vocab_size)
+        return self.expected[rid]
+
+    def check_output(self, step: int, out: RequestOutput) -> None:
+        rid = out.request_id
+        if rid not in self.accepted:
+            self.violation(step, f"output for unknown or rejected request {rid!r}")
+            return
+        if rid in self.result.outputs:
+            self.violation(step, f"request {rid!r} finished twice")
+            return
+        self.result.outputs[rid] = out
+        self.result.completion_tokens += len(out.token_ids)
+        ev = self.accepted[rid]
+        if tuple(out.prompt_token_ids) != ev.prompt_token_ids:
+            self.violation(step, f"{rid!r}: output prompt differs from the prompt added")
+        want = self.oracle(rid)
+        got = tuple(out.token_ids)
+        if rid in self.aborted:
+            if out.finish_reason != "abort" or got != want.token_ids[: len(got)]:
+                self.violation(step, f"aborted {rid!r}: got {out.finish_reason} {list(got)}, "
+                                     f"want abort with a prefix of {list(want.token_ids)}")
+        elif (got, out.finish_reason) != (want.token_ids, want.finish_reason):
+            self.violation(step, f"{rid!r}: got {out.finish_reason} {list(got)}, "
+                                 f"oracle {want.finish_reason} {list(want.token_ids)}")
+
+    # ---- the step -----------------------------------------------------------
+
+    def check_step(self, step: int, outs: list[RequestOutput], busy_before: bool) -> bool:
+        """Per-step checks; returns whether the step made progress."""
+        rec, cfg = self.engine.last_step, self.trace.scheduler
+        scheduled = dict(rec.scheduled) if rec is not None else {}
+        live = set(self.accepted) - set(self.result.outputs) - set(self.aborted)
+        if sum(scheduled.values()) > cfg.max_num_batched_tokens:
+            self.violation(step, f"scheduled {sum(scheduled.values())} tokens > budget {cfg.max_num_batched_tokens}")
+        if len(scheduled) > cfg.max_num_seqs:
+            self.violation(step, f"scheduled {len(scheduled)} sequences > max_num_seqs {cfg.max_num_seqs}")
+        bad = {r: n for r, n in scheduled.items() if n < 1 or r not in live}
+        if bad:
+            self.violation(step, f"scheduled with no tokens or not live: {bad}")
+        for out in outs:
+            self.check_output(step, out)
+        late = [r for r, s in self.aborted.items() if s <= step and r not in self.result.outputs]
+        if late:
+            self.violation(step, f"aborted {late} not returned by the next step()")
+            for r in late:
+                self.aborted[r] = step + 1  # report once
+        if rec is not None:
+            if rec.num_free_blocks != self.engine.num_free_blocks:
+                self.violation(step, f"last_step.num_free_blocks {rec.num_free_blocks} != {self.engine.num_free_blocks}")
+            self.result.preemptions += len(rec.preempted)
+        expect = ExpectEvent(step, scheduled, tuple(rec.preempted) if rec else (),
+                             {k: tuple(v) for k, v in rec.finished.items()} if rec else {},
+                             rec.num_free_blocks if rec else self.engine.num_free_blocks)
+        if self.mode == "record":
+            self.result.expects.append(expect)
+        elif self.mode == "replay":
+            self.compare(step, expect)
+        return bool(scheduled) or bool(outs) or not busy_before
+
+    def compare(self, step: int, got: ExpectEvent) -> None:
+        if self.result.mismatch is not None:
+            return
+        want = self.recorded.get(step)
+        if want is None:
+            self.result.mismatch_step, self.result.mismatch = step, "the trace has no expectation for this step"
+            return
+        for name in ("scheduled", "preempted", "finished", "free_blocks"):
+            if getattr(want, name) != getattr(got, name):
+                self.result.mismatch_step = step
+                self.result.mismatch = f"{name}: expected {getattr(want, name)}, got {getattr(got, name)}"
+                return
+
+    def run(self) -> RunResult:
+        step, idle = 0, 0
+        engine = self.engine
+        while step <= self.trace.last_input_step or set(self.accepted) - set(self.result.outputs):
+            if step >= self.max_steps:
+                pending = sorted(set(self.accepted) - set(self.result.outputs))
+                self.violation(step, f"engine did not drain within {self.max_steps} steps; unfinished {pending}")
+                break
+            for ev in self.by_step.get(step, ()):
+                (self.apply_add if isinstance(ev, AddEvent) else self.apply_abort)(step, ev)  # type: ignore[operator]
+            busy = engine.has_unfinished_requests()
+            try:
+                outs = engine.step()
+                engine.check_invariants()
+            except Exception as exc:  # the engine's failure is the finding; keep its message
+                self.violation(step, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}")
+                break
+            idle = 0 if self.check_step(step, outs, busy) else idle + 1
+            step += 1
+            if idle >= MAX_IDLE_STEPS:
+                self.violation(step, f"{idle} steps in a row scheduled nothing with requests unfinished")
+                break
+        self.result.steps = step
+        if not self.result.violations:
+            self.finish_checks(step)
+        return self.result
+
+    def finish_checks(self, step: int) -> None:
+        engine, r = self.engine, self.result
+        if engine.has_unfinished_requests():
+            self.violation(step, "all requests finished but has_unfinished_requests() is True")
+        if engine.num_free_blocks != self.trace.num_blocks:
+            self.violation(step, f"idle engine has {engine.num_free_blocks} of {self.trace.num_blocks} blocks free")
+        for rid in sorted(self.rejected):
+            try:
+                engine.abort_request(rid)
+                self.violation(step, f"rejected request {rid!r} is known to the engine")
+            except ValueError:
+                pass
+        s = engine.stats
+        if s.num_aborts != len(self.aborted):
+            self.violation(step, f"stats.num_aborts {s.num_aborts} != {len(self.aborted)} aborted")
+        if s.num_preemptions != r.preemptions:
+            self.violation(step, f"stats.num_preemptions {s.num_preemptions} != {r.preemptions} recorded")
+        if self.mode == "replay" and r.mismatch is None and self.trace.expects:
+            extra = [e.step for e in self.trace.expects if e.step >= step]
+            if extra:
+                r.mismatch_step, r.mismatch = step, f"the run ended after {step} steps; the trace expects step {extra[0]}"
+        r.rejected = len(self.rejected)
+        r.prefill_tokens, r.decode_tokens = s.num_prefill_tokens, s.num_decode_tokens
+        r.cached_tokens, r.chunked_prefills, r.aborts = s.num_cached_tokens, s.num_chunked_prefills, s.num_aborts
+
+
+def run_trace(trace: Trace, mode: Literal["check", "record", "replay"] = "check",
+              max_steps: int | None = None) -> RunResult:
+    """Run ``trace`` through a fresh engine and return what was found.
+
+    Args:
+        trace: the inputs (and, for ``replay``, the expected decisions).
+        mode: ``check`` only judges; ``record`` also fills ``result.expects``;
+            ``replay`` compares each step with the trace's expect events.
+        max_steps: give up (a liveness violation) after this many steps; the
+            default is generous: the last input step + 200 + 10 x all tokens.
+    """
+    try:
+        run = _Run(trace, mode, max_steps)
+    except Exception as exc:  # a valid trace must build an engine; the failure is the finding
+        return RunResult(seed=trace.seed, violations=[f"engine construction: {type(exc).__name__}: {exc}"])
+    return run.run()
+
+
+def record_trace(trace: Trace) -> tuple[Trace, RunResult]:
+    """Run ``trace`` and return it with one expect event per step."""
+    result = run_trace(trace, "record")
+    return trace.with_expects(result.expects), result

@@ -1,0 +1,92 @@
+"""Helpers for model tests: tiny random Hugging Face Qwen3 checkpoints and plans."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import transformers
+
+from minivllm.engine.plan import StepPlan
+from minivllm.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Shapes of a tiny Qwen3 for tests."""
+
+    vocab_size: int = 97
+    hidden_size: int = 32
+    intermediate_size: int = 48
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 64
+    rope_theta: float = 10_000.0
+
+    def hf_config(self) -> transformers.Qwen3Config:
+        return transformers.Qwen3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=1e-6,
+        )
+
+
+def make_hf_model(cfg: TinyConfig, seed: int = 0, std: float = 0.5) -> transformers.Qwen3ForCausalLM:
+    """A float32 HF Qwen3 with large random weights (so argmax is not tie-prone) and
+    norm weights around 1 (so the norms' scales are exercised)."""
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(cfg.hf_config()).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    return model
+
+
+def save_hf_model(model: transformers.Qwen3ForCausalLM, path: str | os.PathLike[str],
+                  max_shard_size: str | None = None) -> str:
+    """``save_pretrained`` into ``path`` (sharded when ``max_shard_size`` is given)."""
+    path = os.fspath(path)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def hf_logits(model: transformers.Qwen3ForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """HF logits (L, V) for every position of one sequence, float32."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def make_plan(seqs: list[tuple[list[int], int, tuple[int, ...], bool]], block_size: int,
+              params: SamplingParams | None = None) -> StepPlan:
+    """A plan from (tokens fed, start position, block table, samples) per sequence."""
+    params = params or SamplingParams(temperature=0.0)
+    return StepPlan.build(
+        seq_ids=list(range(len(seqs))),
+        token_chunks=[s[0] for s in seqs],
+        start_positions=[s[1] for s in seqs],
+        block_tables=[s[2] for s in seqs],
+        sample=[s[3] for s in seqs],
+        sampling_params=[params] * len(seqs),
+        block_size=block_size,
+    )
+
+
+def random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    return [int(t) for t in rng.integers(0, vocab_size, size=n)]

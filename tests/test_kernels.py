@@ -1,0 +1,278 @@
+"""Triton kernels vs the torch references, on CPU under TRITON_INTERPRET=1.
+
+Shapes are small (the interpreter runs each program in Python) but cover what
+breaks paged kernels: blocks scattered over a larger pool, -1 padded block
+tables, contexts of 0 and 1 tokens and not a multiple of the block size, short
+and long sequences in one batch, GQA groups of 1, 2 and 3, block sizes 1..32.
+Cache slots that no sequence owns hold NaN, so any read past a mask shows up.
+
+Tolerances (vs the reference in fp32 on the same low-precision inputs):
+fp32 1e-5 abs + rel; fp16 2e-3; bf16 1.6e-2 (output rounding plus P cast to the
+cache dtype before P @ V, as on the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must precede the first triton import of this process (tests/conftest.py sets it
+# too, for every pytest worker); on this CPU-only machine kernels cannot run otherwise.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from minivllm.kernels.decode_attention import (  # noqa: E402
+    MAX_SPLITS, TARGET_PROGRAMS_PER_SM, DecodeConfig, choose_num_splits, decode_attention,
+)
+from minivllm.kernels.merge_attention_splits import (  # noqa: E402
+    merge_attention_splits, merge_attention_splits_reference,
+)
+from minivllm.kernels.prefill_attention import prefill_attention  # noqa: E402
+from minivllm.kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
+from minivllm.kernels.store_kv import store_kv  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_paged_kv(
+    kv_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    gen: torch.Generator, extra_width: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches, blocks scattered over a pool 3x the need; unowned slots are NaN.
+
+    Returns k_cache, v_cache (N, bs, Hkv, D) and block_tables (B, W) int32 padded with -1.
+    """
+    need = [-(-n // block_size) for n in kv_lens]
+    num_blocks = 3 * sum(need) + 2
+    width = max(need, default=0) + extra_width
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.full((len(kv_lens), width), -1, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    used = 0
+    for b, (n, nb) in enumerate(zip(kv_lens, need)):
+        tables[b, :nb] = perm[used:used + nb]
+        used += nb
+        for pos in range(n):
+            blk, off = tables[b, pos // block_size].item(), pos % block_size
+            k_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+    return k_cache, v_cache, tables
+
+
+def reference_fp32(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scale) -> torch.Tensor:
+    """The torch reference on the same (possibly low-precision) inputs, computed and returned in fp32."""
+    return paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu_seqlens_q, kv_lens,
+                                     block_tables, scale)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """Every element finite and within the dtype's tolerance of the fp32 reference."""
+    assert torch.isfinite(out).all(), "kernel output holds NaN/inf"
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ----------------------------------------------------------------------------- store_kv
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, hkv, d, bs, n = 9, 3, 16, 4, 12
+    # key/value as strided views of a packed (T, Hq + 2 Hkv, D) projection, as the model produces them.
+    qkv = torch.randn(num_tokens, 4 + 2 * hkv, d, generator=gen).to(dtype)
+    key, value = qkv[:, 4:4 + hkv], qkv[:, 4 + hkv:]
+    slots = torch.randperm(n * bs, generator=gen)[:num_tokens]
+    slots[[2, 5]] = -1
+    k_cache = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_reference(key, value, k_ref, v_ref, slots)
+    store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_store_kv_rejects_bad_arguments() -> None:
+    key = torch.randn(4, 2, 16)
+    cache = torch.zeros(3, 4, 2, 16)
+    slots = torch.arange(4)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        store_kv(key, key, cache, cache, slots.float())
+    with pytest.raises(TypeError, match="k_cache"):
+        store_kv(key, key, cache.to(torch.int32), cache, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(key, key, cache, cache, slots[:3])
+    with pytest.raises(ValueError, match="heads/head_dim"):
+        store_kv(key, key, torch.zeros(3, 4, 2, 32), torch.zeros(3, 4, 2, 32), slots)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        store_kv(key.transpose(1, 2).contiguous().transpose(1, 2), key, cache, cache, slots)
+
+
+# ----------------------------------------------------------------------------- decode
+
+DECODE_CASES = [
+    # (dtype, block_size, num_heads, num_kv_heads, head_dim, kv_lens)
+    (torch.float32, 4, 4, 2, 32, [0, 1, 7, 70, 16]),
+    (torch.float32, 1, 2, 2, 16, [3, 1, 40]),
+    (torch.float32, 32, 6, 2, 16, [33, 0, 5]),       # GQA group of 3 (padded to 16 rows)
+    (torch.float16, 16, 4, 1, 64, [1, 90, 17]),
+    (torch.bfloat16, 8, 4, 2, 32, [0, 9, 64, 2]),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
+def test_decode_attention_matches_reference(case) -> None:
+    dtype, bs, h, hkv, d, lens = case
+    gen = torch.Generator().manual_seed(len(lens) * 100 + bs)
+    k_cache, v_cache, tables = make_paged_kv(lens, bs, hkv, d, dtype, gen)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), h, d, generator=gen).to(dtype)
+    scale = d ** -0.5
+    ref = reference_fp32(q, k_cache, v_cache, torch.arange(len(lens) + 1, dtype=torch.int32), kv_lens, tables, scale)
+    # None: the heuristic, one split on CPU (direct write, no merge). 3: uneven shares, and
+    # empty splits for short rows. block_n 16: several tiles per split, tiles spanning blocks.
+    for num_splits, config in ((None, None), (3, None), (3, DecodeConfig(block_n=16))):
+        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, scale, num_splits=num_splits, config=config)
+        assert out.shape == q.shape and out.dtype == dtype
+        assert_close(out, ref, dtype)
+        assert (out[kv_lens == 0] == 0).all()
+
+
+def test_decode_attention_strided_q() -> None:
+    """q as a strided slice of a packed projection (the model's layout)."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [5, 30]
+    k_cache, v_cache, tables = make_paged_kv(lens, 4, 2, 16, torch.float32, gen)
+    packed = torch.randn(2, 4 + 2 * 2, 16, generator=gen)
+    q = packed[:, :4]
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = reference_fp32(q, k_cache, v_cache, torch.arange(3, dtype=torch.int32), kv_lens, tables, 0.25)
+    assert_close(decode_attention(q, k_cache, v_cache, kv_lens, tables, 0.25, num_splits=2), ref, torch.float32)
+
+
+def test_choose_num_splits_depends_on_shapes_only() -> None:
+    # Many (sequence, head) programs already fill the GPU: no split.
+    assert choose_num_splits(256, 8, 1024, 132, 64) == 1
+    assert choose_num_splits(64, 8, 1024, 132, 64) == 1
+    # Batch 8 x 8 KV heads on 132 SMs: split until the SMs have their target of programs.
+    s = choose_num_splits(8, 8, 8192, 132, 64)
+    assert 8 * 8 * s >= TARGET_PROGRAMS_PER_SM * 132 and s <= MAX_SPLITS
+    # Never more splits than tiles of the longest context the block table can hold.
+    assert choose_num_splits(1, 1, 16, 132, 64) == 1
+    assert choose_num_splits(1, 1, 10**6, 132, 64) == MAX_SPLITS
+    assert choose_num_splits(4, 2, 0, 1, 64) == 1
+
+
+def test_merge_attention_splits_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    part_out = torch.randn(3, 2, 5, 16, generator=gen)
+    part_lse = torch.randn(3, 2, 5, generator=gen) * 4
+    part_lse[0, 1, [1, 3]] = float("-inf")   # empty splits
+    part_lse[2, 0] = float("-inf")           # a padding row: every split empty
+    out = torch.empty(3, 2, 16)
+    merge_attention_splits(part_out, part_lse, out)
+    ref = merge_attention_splits_reference(part_out, part_lse)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    assert (out[2, 0] == 0).all()
+
+
+def test_decode_attention_rejects_bad_arguments() -> None:
+    q = torch.randn(2, 4, 16)
+    cache = torch.zeros(5, 4, 2, 16)
+    lens = torch.tensor([1, 2], dtype=torch.int32)
+    tables = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(TypeError, match="k_cache"):
+        decode_attention(q, cache.half(), cache, lens, tables, 1.0)
+    with pytest.raises(TypeError, match="kv_lens"):
+        decode_attention(q, cache, cache, lens.long(), tables, 1.0)
+    with pytest.raises(ValueError, match="H % Hkv"):
+        decode_attention(torch.randn(2, 3, 16), cache, cache, lens, tables, 1.0)
+    with pytest.raises(ValueError, match="block_size"):
+        decode_attention(q, torch.zeros(5, 3, 2, 16), torch.zeros(5, 3, 2, 16), lens, tables, 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_attention(torch.randn(2, 4, 24), torch.zeros(5, 4, 2, 24), torch.zeros(5, 4, 2, 24), lens, tables, 1.0)
+    with pytest.raises(ValueError, match="kv_lens"):
+        decode_attention(q, cache, cache, lens[:1], tables, 1.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        decode_attention(q, cache, cache, lens, tables, 1.0, num_splits=0)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+PREFILL_CASES = [
+    # (dtype, block_size, num_heads, num_kv_heads, head_dim, [(q_len, kv_len), ...])
+    # full prefill, prefix-cache hit / later chunk, single token, empty sequence, q_len 0 with a context
+    (torch.float32, 4, 4, 2, 32, [(13, 13), (5, 37), (1, 9), (0, 0), (0, 6)]),
+    (torch.float32, 1, 2, 2, 16, [(3, 3), (7, 20)]),
+    (torch.float32, 16, 6, 2, 16, [(40, 40), (22, 50)]),   # group of 3: 21 tokens per 64-row tile
+    (torch.float16, 8, 4, 1, 64, [(20, 20), (9, 30)]),
+    (torch.bfloat16, 4, 4, 2, 32, [(11, 11), (6, 19), (1, 1)]),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
+def test_prefill_attention_matches_reference(case) -> None:
+    dtype, bs, h, hkv, d, seqs = case
+    gen = torch.Generator().manual_seed(len(seqs) * 10 + bs)
+    q_lens = [ql for ql, _ in seqs]
+    lens = [kl for _, kl in seqs]
+    k_cache, v_cache, tables = make_paged_kv(lens, bs, hkv, d, dtype, gen)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    num_tokens = int(cu[-1]) + 2                      # two rows past the last sequence: must be zeros
+    q = torch.randn(num_tokens, h, d, generator=gen).to(dtype)
+    scale = d ** -0.5
+    ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, scale)
+    # max_q_len larger than needed: the extra tiles must do nothing.
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, scale, max(q_lens) + 5)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, ref, dtype)
+    assert (out[int(cu[-1]):] == 0).all()
+
+
+def test_chunked_prefill_through_store_kv_equals_one_shot() -> None:
+    """store_kv + prefill over 3 chunks (each chunk sees the earlier ones through the
+    cache) gives the one-shot prefill's output, and decode agrees on the next token."""
+    gen = torch.Generator().manual_seed(11)
+    n, bs, h, hkv, d = 23, 4, 4, 2, 16
+    table = torch.randperm(16, generator=gen)[: -(-(n + 1) // bs)].to(torch.int32)[None, :]
+    keys = torch.randn(n + 1, hkv, d, generator=gen)
+    values = torch.randn(n + 1, hkv, d, generator=gen)
+    q = torch.randn(n + 1, h, d, generator=gen)
+    slots = (table[0, torch.arange(n + 1) // bs] * bs + torch.arange(n + 1) % bs).long()
+    k_cache = torch.full((16, bs, hkv, d), float("nan"))
+    v_cache = torch.full((16, bs, hkv, d), float("nan"))
+
+    chunks = []
+    for lo, hi in ((0, 10), (10, 11), (11, n)):
+        store_kv(keys[lo:hi], values[lo:hi], k_cache, v_cache, slots[lo:hi])
+        cu = torch.tensor([0, hi - lo], dtype=torch.int32)
+        chunks.append(prefill_attention(q[lo:hi], k_cache, v_cache, cu, torch.tensor([hi], dtype=torch.int32),
+                                        table, 0.25, hi - lo))
+    one_shot = reference_fp32(q[:n], k_cache, v_cache, torch.tensor([0, n], dtype=torch.int32),
+                              torch.tensor([n], dtype=torch.int32), table, 0.25)
+    assert_close(torch.cat(chunks), one_shot, torch.float32)
+
+    store_kv(keys[n:], values[n:], k_cache, v_cache, slots[n:])
+    lens = torch.tensor([n + 1], dtype=torch.int32)
+    dec = decode_attention(q[n:], k_cache, v_cache, lens, table, 0.25, num_splits=2)
+    pre = prefill_attention(q[n:], k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32), lens, table, 0.25, 1)
+    torch.testing.assert_close(dec, pre, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_attention_rejects_bad_arguments() -> None:
+    q = torch.randn(5, 4, 16)
+    cache = torch.zeros(5, 4, 2, 16)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        prefill_attention(q, cache, cache, cu.long(), lens, tables, 1.0, 5)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        prefill_attention(q, cache, cache, cu[:1], lens, tables, 1.0, 5)
+    with pytest.raises(ValueError, match="max_q_len"):
+        prefill_attention(q, cache, cache, cu, lens, tables, 1.0, -1)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        prefill_attention(q, cache, cache, cu, lens, torch.zeros(1, 4, dtype=torch.int32)[:, ::2], 1.0, 5)

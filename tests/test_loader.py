@@ -1,0 +1,132 @@
+"""The loader is strict: every parameter written, every tensor used, all offenders listed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from minivllm.config import ModelConfig
+from minivllm.model.loader import checkpoint_files, load_weights, map_name
+from minivllm.model.qwen3 import QWEN3_PACKED_MODULES, Qwen3ForCausalLM
+from model_utils import TinyConfig, make_hf_model, save_hf_model
+
+SMALL = TinyConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def checkpoint(request, tmp_path_factory):
+    cfg = TinyConfig(**{**SMALL.__dict__, "tie_word_embeddings": request.param})
+    hf = make_hf_model(cfg)
+    return hf, save_hf_model(hf, tmp_path_factory.mktemp("ckpt"))
+
+
+def rewrite(src: str, dst: str, edit) -> str:
+    """Copy checkpoint ``src`` to ``dst`` with its tensors changed by ``edit(dict)``."""
+    os.makedirs(dst, exist_ok=True)
+    shutil.copy(os.path.join(src, "config.json"), dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def fresh_model(path: str) -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM(ModelConfig.from_hf_json(path))
+
+
+def test_loads_every_tensor_exactly(checkpoint):
+    hf, path = checkpoint
+    model = fresh_model(path)
+    load_weights(model, path)
+    sd = hf.state_dict()
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    want = torch.cat([sd[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv, want)
+    gate_up = model.model.layers[0].mlp.gate_up_proj.weight
+    assert torch.equal(gate_up, torch.cat([sd["model.layers.0.mlp.gate_proj.weight"],
+                                           sd["model.layers.0.mlp.up_proj.weight"]]))
+    assert torch.equal(model.lm_head.weight, sd["lm_head.weight"])
+    tied = hf.config.tie_word_embeddings
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    names = {n for n, _ in model.named_parameters()}
+    assert ("lm_head.weight" in names) == (not tied)
+
+
+def test_missing_extra_and_misshaped_all_listed(checkpoint, tmp_path):
+    _, path = checkpoint
+
+    def edit(t: dict) -> None:
+        del t["model.layers.0.self_attn.k_proj.weight"]
+        del t["model.norm.weight"]
+        t["model.layers.1.self_attn.rogue.weight"] = torch.zeros(3)
+        t["model.extra_bias"] = torch.zeros(2)
+        t["model.layers.1.mlp.up_proj.weight"] = torch.zeros(5, 16)
+        t["model.layers.0.input_layernorm.weight"] = torch.zeros(17)
+
+    bad = rewrite(path, str(tmp_path / "bad"), edit)
+    with pytest.raises(ValueError) as e:
+        load_weights(fresh_model(bad), bad)
+    msg = str(e.value)
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.norm.weight",
+                 "model.layers.1.self_attn.rogue.weight", "model.extra_bias",
+                 "model.layers.1.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight",
+                 # a rejected tensor leaves its parameter unwritten, so it is missing too
+                 "model.layers.1.mlp.up_proj.weight (-> model.layers.1.mlp.gate_up_proj.weight shard 1)"):
+        assert name in msg, (name, msg)
+
+
+def test_untied_checkpoint_without_lm_head_fails(tmp_path):
+    hf = make_hf_model(SMALL)
+    path = save_hf_model(hf, tmp_path / "ok")
+    bad = rewrite(path, str(tmp_path / "bad"), lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"missing \(1\):\n\s+lm_head.weight"):
+        load_weights(fresh_model(bad), bad)
+
+
+def test_tied_checkpoint_with_stored_head_copy_loads(tmp_path):
+    cfg = TinyConfig(**{**SMALL.__dict__, "tie_word_embeddings": True})
+    path = save_hf_model(make_hf_model(cfg), tmp_path / "ok")
+    copy = rewrite(path, str(tmp_path / "copy"),
+                   lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    model = fresh_model(copy)
+    load_weights(model, copy)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path):
+    hf = make_hf_model(SMALL, seed=3)
+    path = save_hf_model(hf, tmp_path / "sharded", max_shard_size="4KB")
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1
+    assert len(checkpoint_files(path)) > 1
+    model = fresh_model(path)
+    load_weights(model, path)
+    assert torch.equal(model.model.embed_tokens.weight, hf.state_dict()["model.embed_tokens.weight"])
+
+
+def test_index_naming_absent_file_raises(tmp_path):
+    path = save_hf_model(make_hf_model(SMALL), tmp_path / "sharded", max_shard_size="4KB")
+    victim = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0]
+    os.remove(os.path.join(path, victim))
+    with pytest.raises(FileNotFoundError, match=victim):
+        load_weights(fresh_model(path), path)
+
+
+def test_no_checkpoint_raises(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        checkpoint_files(tmp_path)
+
+
+def test_map_name_matches_whole_components():
+    assert map_name("model.layers.2.self_attn.v_proj.weight", QWEN3_PACKED_MODULES) == (
+        "model.layers.2.self_attn.qkv_proj.weight", "v")
+    assert map_name("model.layers.2.mlp.up_proj.weight", QWEN3_PACKED_MODULES) == (
+        "model.layers.2.mlp.gate_up_proj.weight", 1)
+    assert map_name("model.layers.2.self_attn.o_proj.weight", QWEN3_PACKED_MODULES) == (
+        "model.layers.2.self_attn.o_proj.weight", None)

@@ -1,0 +1,191 @@
+"""Triton kernels vs the torch references on CUDA, at Qwen3 shapes.
+
+16 query heads, 8 KV heads, head_dim 128 (plus groups of 4 and 5), contexts up to
+8192, batches up to 256, blocks scattered over a pool twice the need, -1 padded
+tables, cache slots no sequence owns set to NaN (a read past a mask shows up).
+The reference runs in fp32 on the *same* low-precision inputs.
+
+Tolerances (abs and rel, elementwise): fp32 1e-4 (tl.dot with input_precision
+"ieee"; exp2 is the hardware approximation); fp16 2e-3; bf16 1.6e-2 (output
+rounding plus P rounded to bf16 before P @ V).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.kernels.decode_attention import decode_attention
+from minivllm.kernels.prefill_attention import prefill_attention
+from minivllm.kernels.reference import paged_attention_reference, store_kv_reference
+from minivllm.kernels.store_kv import store_kv
+
+DEVICE = "cuda"
+H, HKV, D = 16, 8, 128
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def make_paged_kv(
+    kv_lens: list[int], block_size: int, num_kv_heads: int, dtype: torch.dtype, gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V at the context slots of each sequence, NaN elsewhere; blocks drawn at
+    random from a pool twice the need. Returns k_cache, v_cache (N, bs, Hkv, D) and
+    block_tables (B, W) int32, -1 padded with at least one padding column."""
+    need = torch.tensor([-(-n // block_size) for n in kv_lens])
+    num_blocks = 2 * int(need.sum()) + 8
+    width = int(need.max()) + 1
+    perm = torch.randperm(num_blocks, generator=gen, device=DEVICE).to(torch.int32)
+    owned = torch.arange(width)[None, :] < need[:, None]                  # (B, W)
+    tables = torch.full((len(kv_lens), width), -1, dtype=torch.int32, device=DEVICE)
+    tables[owned.to(DEVICE)] = perm[: int(need.sum())]
+    lens = torch.tensor(kv_lens, device=DEVICE)
+    pos = torch.arange(width * block_size, device=DEVICE)
+    valid = pos[None, :] < lens[:, None]                                    # (B, W*bs)
+    slots = (tables.long()[:, pos // block_size] * block_size + pos % block_size)[valid]
+    caches = []
+    for _ in range(2):
+        cache = torch.full((num_blocks, block_size, num_kv_heads, D), float("nan"), dtype=dtype, device=DEVICE)
+        cache.view(-1, num_kv_heads, D)[slots] = torch.randn(
+            len(slots), num_kv_heads, D, generator=gen, device=DEVICE).to(dtype)
+        caches.append(cache)
+    return caches[0], caches[1], tables
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """Finite, elementwise within the dtype's tolerance, and small relative norm error."""
+    assert torch.isfinite(out).all(), "kernel output holds NaN/inf"
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    rel = (out.float() - ref).norm() / ref.norm().clamp_min(1e-12)
+    assert rel < TOL[dtype] / 2, f"relative error {rel:.2e}"
+
+
+def reference_fp32(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, scale) -> torch.Tensor:
+    """The torch reference in fp32 on the same (possibly low-precision) inputs."""
+    return paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu_seqlens_q, kv_lens,
+                                     block_tables, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(dtype: torch.dtype) -> None:
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    num_tokens, bs, n = 5000, 16, 1024
+    qkv = torch.randn(num_tokens, H + 2 * HKV, D, generator=gen, device=DEVICE).to(dtype)
+    key, value = qkv[:, H:H + HKV], qkv[:, H + HKV:]
+    slots = torch.randperm(n * bs, generator=gen, device=DEVICE)[:num_tokens]
+    slots[::7] = -1
+    k_cache = torch.randn(n, bs, HKV, D, generator=gen, device=DEVICE).to(dtype)
+    v_cache = torch.randn(n, bs, HKV, D, generator=gen, device=DEVICE).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_reference(key, value, k_ref, v_ref, slots)
+    store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def _decode_lens(name: str, gen: torch.Generator) -> list[int]:
+    """Context lengths of one decode batch."""
+    if name == "b256-upto1k":
+        lens = torch.randint(1, 1025, (256,), generator=gen, device=DEVICE).tolist()
+        lens[:4] = [0, 1, 1024, 17]
+        return lens
+    if name == "b8-upto8k":
+        return [8192, 8191, 1, 0, 4097, 16, 8000, 3000]
+    if name == "b64-mixed":
+        short = torch.randint(1, 33, (32,), generator=gen, device=DEVICE).tolist()
+        long = torch.randint(6000, 8193, (32,), generator=gen, device=DEVICE).tolist()
+        return [x for pair in zip(short, long) for x in pair]
+    if name == "b1-8k":
+        return [8192]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", ["b256-upto1k", "b8-upto8k", "b64-mixed", "b1-8k"])
+def test_decode_attention(batch: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator(DEVICE).manual_seed(1)
+    lens = _decode_lens(batch, gen)
+    k_cache, v_cache, tables = make_paged_kv(lens, 16, HKV, dtype, gen)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), H, D, generator=gen, device=DEVICE).to(dtype)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
+    for num_splits in (None, 1, 7):
+        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, num_splits=num_splits)
+        assert_close(out, ref, dtype)
+        assert (out[kv_lens == 0] == 0).all()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 128])
+def test_decode_attention_block_sizes(block_size: int) -> None:
+    gen = torch.Generator(DEVICE).manual_seed(block_size)
+    lens = [1, 130, 0, 2000, 129, 4096]
+    k_cache, v_cache, tables = make_paged_kv(lens, block_size, HKV, torch.bfloat16, gen)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), H, D, generator=gen, device=DEVICE).bfloat16()
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
+    assert_close(decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5), ref, torch.bfloat16)
+
+
+def test_decode_attention_cuda_graph() -> None:
+    """Captured once, replayed on new lengths / tables / queries (including padding rows
+    with kv_len 0): the split count came from shapes, so every replay is right."""
+    gen = torch.Generator(DEVICE).manual_seed(2)
+    batch, width, bs = 32, 256, 16
+    shape = (batch * width, bs, HKV, D)
+    k_cache = torch.randn(shape, generator=gen, device=DEVICE).bfloat16()
+    v_cache = torch.randn(shape, generator=gen, device=DEVICE).bfloat16()
+    q = torch.zeros(batch, H, D, dtype=torch.bfloat16, device=DEVICE)
+    kv_lens = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    tables = torch.full((batch, width), -1, dtype=torch.int32, device=DEVICE)
+
+    def fill(lens: list[int]) -> None:
+        q.copy_(torch.randn(batch, H, D, generator=gen, device=DEVICE))
+        kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        tables.fill_(-1)
+        perm = torch.randperm(k_cache.shape[0], generator=gen, device=DEVICE).to(torch.int32)
+        for b, n in enumerate(lens):
+            tables[b, : -(-n // bs)] = perm[b * width: b * width + -(-n // bs)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fill([100] * batch)
+        decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5)  # compile outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5)
+
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    for trial in range(3):
+        lens = torch.randint(1, width * bs + 1, (batch,), generator=gen, device=DEVICE).tolist()
+        lens[-4 * trial - 1:] = [0] * (4 * trial + 1)        # CUDA-graph padding rows
+        fill(lens)
+        graph.replay()
+        ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
+        assert_close(out, ref, torch.bfloat16)
+        assert (out[-4 * trial - 1:] == 0).all()
+
+
+PREFILL_BATCH = [
+    # (q_len, kv_len): full prefill, a chunk over a long prefix, decode-like, prefix-cache
+    # hit, an empty row, a short prompt, a later chunk
+    (2048, 2048), (512, 8192), (1, 5000), (300, 301), (0, 0), (17, 17), (1000, 3000),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(16, 8), (40, 8)], ids=["gqa2", "gqa5"])
+def test_prefill_attention(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    q_lens = [ql for ql, _ in PREFILL_BATCH]
+    lens = [kl for _, kl in PREFILL_BATCH]
+    k_cache, v_cache, tables = make_paged_kv(lens, 16, num_kv_heads, dtype, gen)
+    cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(cu[-1]), num_heads, D, generator=gen, device=DEVICE).to(dtype)
+    ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max(q_lens))
+    assert_close(out, ref, dtype)
