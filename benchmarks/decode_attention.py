@@ -11,6 +11,16 @@ bandwidth is a 1 GiB device-to-device ``copy_``, counting bytes read + written.
     PYTHONPATH=. python3 -m benchmarks.decode_attention [--sweep]
 
 ``--sweep`` also times other tile configs and split counts (for tuning).
+
+Measured on one H200 (triton 3.6, torch 2.11; copy 4221 GB/s), default config
+(BLOCK_N 64, 4 warps, 3 stages), splits from ``choose_num_splits``:
+
+    batch   ctx  splits   eager (do_bench)    CUDA graph
+       64  1024       1   3530 GB/s  83.6%    4192 GB/s   99.3%
+      256  1024       1   4251 GB/s 100.7%    4457 GB/s  105.6%
+        8  8192       8   3367 GB/s  79.8%    4033 GB/s   95.6%
+
+(Above 100%: a read-only stream beats a copy's mixed read + write.)
 """
 
 from __future__ import annotations

@@ -52,9 +52,15 @@ TARGET_PROGRAMS_PER_SM = 3
 class DecodeConfig:
     """Tile and launch parameters of the split kernel (a tuning knob, not semantics)."""
 
-    block_n: int = 64     # context tokens per tile; a power of two >= 16
+    block_n: int = 64     # context tokens per tile; a power of two >= 16 (tl.dot's minimum)
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 3   # software-pipelining depth of the K/V loads
+
+    def __post_init__(self) -> None:
+        check_power_of_two("block_n", self.block_n, minimum=16)
+        check_power_of_two("num_warps", self.num_warps)
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
 
 @triton.jit
