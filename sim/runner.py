@@ -87,7 +87,8 @@ class _Run:
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id)
         self.accepted: dict[str, AddEvent] = {}
         self.rejected: set[str] = set()      # ids never accepted (so abort must raise)
-        self.aborted: dict[str, int] = {}    # id -> step of its abort
+        self.aborted: set[str] = set()       # ids aborted while unfinished
+        self.unfinished: set[str] = set()    # accepted ids without an output yet
         self.expected: dict[str, Expected] = {}
         self.by_step: dict[int, list[AddEvent | AbortEvent]] = {}
         for e in trace.events:
@@ -121,6 +122,7 @@ class _Run:
             self.violation(step, f"add {rid!r} accepted but must be rejected "
                                  f"(prompt {len(ev.prompt_token_ids)}, max_tokens {ev.sampling.max_tokens})")
         self.accepted[rid] = ev
+        self.unfinished.add(rid)
         self.rejected.discard(rid)
         self.result.requests += 1
 
@@ -140,7 +142,7 @@ class _Run:
             self.violation(step, f"abort {rid!r} returned {aborted} but the request is "
                                  f"{'finished' if done else 'unfinished'}")
         if aborted and not done:
-            self.aborted[rid] = step
+            self.aborted.add(rid)
 
     # ---- outputs ------------------------------------------------------------
 
@@ -160,6 +162,7 @@ class _Run:
             self.violation(step, f"request {rid!r} finished twice")
             return
         self.result.outputs[rid] = out
+        self.unfinished.discard(rid)
         self.result.completion_tokens += len(out.token_ids)
         ev = self.accepted[rid]
         if tuple(out.prompt_token_ids) != ev.prompt_token_ids:
@@ -180,22 +183,23 @@ class _Run:
         """Per-step checks; returns whether the step made progress."""
         rec, cfg = self.engine.last_step, self.trace.scheduler
         scheduled = dict(rec.scheduled) if rec is not None else {}
-        live = set(self.accepted) - set(self.result.outputs) - set(self.aborted)
         if sum(scheduled.values()) > cfg.max_num_batched_tokens:
             self.violation(step, f"scheduled {sum(scheduled.values())} tokens > budget {cfg.max_num_batched_tokens}")
         if len(scheduled) > cfg.max_num_seqs:
             self.violation(step, f"scheduled {len(scheduled)} sequences > max_num_seqs {cfg.max_num_seqs}")
-        bad = {r: n for r, n in scheduled.items() if n < 1 or r not in live}
+        bad = {r: n for r, n in scheduled.items() if n < 1 or r not in self.unfinished or r in self.aborted}
         if bad:
             self.violation(step, f"scheduled with no tokens or not live: {bad}")
         for out in outs:
             self.check_output(step, out)
-        late = [r for r, s in self.aborted.items() if s <= step and r not in self.result.outputs]
+        late = sorted(self.aborted & self.unfinished)
         if late:
             self.violation(step, f"aborted {late} not returned by the next step()")
-            for r in late:
-                self.aborted[r] = step + 1  # report once
         if rec is not None:
+            wrong = {r: t for r, t in rec.finished.items()
+                     if tuple(t) != tuple(next((o.token_ids for o in outs if o.request_id == r), (None,)))}
+            if wrong:
+                self.violation(step, f"last_step.finished {wrong} does not match the outputs returned")
             if rec.num_free_blocks != self.engine.num_free_blocks:
                 self.violation(step, f"last_step.num_free_blocks {rec.num_free_blocks} != {self.engine.num_free_blocks}")
             self.result.preemptions += len(rec.preempted)
@@ -206,6 +210,8 @@ class _Run:
             self.result.expects.append(expect)
         elif self.mode == "replay":
             self.compare(step, expect)
+        if not self.engine.has_unfinished_requests() and self.engine.num_free_blocks != self.trace.num_blocks:
+            self.violation(step, f"idle engine has {self.engine.num_free_blocks} of {self.trace.num_blocks} blocks free")
         return bool(scheduled) or bool(outs) or not busy_before
 
     def compare(self, step: int, got: ExpectEvent) -> None:
@@ -224,9 +230,9 @@ class _Run:
     def run(self) -> RunResult:
         step, idle = 0, 0
         engine = self.engine
-        while step <= self.trace.last_input_step or set(self.accepted) - set(self.result.outputs):
+        while step <= self.trace.last_input_step or self.unfinished:
             if step >= self.max_steps:
-                pending = sorted(set(self.accepted) - set(self.result.outputs))
+                pending = sorted(self.unfinished)
                 self.violation(step, f"engine did not drain within {self.max_steps} steps; unfinished {pending}")
                 break
             for ev in self.by_step.get(step, ()):
@@ -240,6 +246,8 @@ class _Run:
                 break
             idle = 0 if self.check_step(step, outs, busy) else idle + 1
             step += 1
+            if self.result.violations:
+                break  # later steps would only repeat the first finding
             if idle >= MAX_IDLE_STEPS:
                 self.violation(step, f"{idle} steps in a row scheduled nothing with requests unfinished")
                 break

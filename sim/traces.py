@@ -314,8 +314,12 @@ def _draw_config(rng: random.Random, ov: Mapping[str, Any]) -> dict[str, Any]:
     c["chunked_prefill"] = rng.random() < 0.6
     c["policy"] = rng.choice(POLICIES)
     c["enable_prefix_caching"] = rng.random() < 0.65
-    c["max_num_seqs"] = rng.choice([1, rng.randint(2, 4), rng.randint(4, 32), rng.randint(4, 32)])
-    c["max_num_batched_tokens"] = rng.choice([rng.randint(1, 8), rng.randint(8, 48), rng.randint(48, 512)])
+    # Serial (1 seat) and tiny-budget traces take many steps each: keep them a minority.
+    u = rng.random()
+    c["max_num_seqs"] = 1 if u < 0.08 else rng.randint(2, 4) if u < 0.35 else rng.randint(4, 32)
+    u = rng.random()
+    c["max_num_batched_tokens"] = (rng.randint(1, 8) if u < 0.15 else rng.randint(8, 48) if u < 0.5
+                                   else rng.randint(48, 512))
     c.update({k: v for k, v in ov.items() if k in ("block_size", "max_model_len", "chunked_prefill")})
     if not c["chunked_prefill"] and c["max_num_batched_tokens"] < c["max_model_len"]:
         c["max_num_batched_tokens"] = c["max_model_len"] + rng.choice([0, rng.randint(0, 64)])
@@ -397,7 +401,7 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
         if room <= 40 and d.cap == d.max_model_len and rng.random() < 0.1:
             max_tokens = room  # runs into max_model_len exactly
         else:
-            max_tokens = rng.randint(1, min(room, rng.choice([4, 16, 32])))
+            max_tokens = rng.randint(1, min(room, rng.choice([4, 8, 16, 32])))
         stop = ()
         if rng.random() < 0.25:
             stop = tuple(rng.randrange(d.vocab_size) for _ in range(rng.randint(1, 3)))
