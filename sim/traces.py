@@ -398,8 +398,8 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
         else:
             prompt = d.tokens(rng.randint(1, min(24, d.cap - 1)))
         room = d.cap - len(prompt)
-        if room <= 40 and d.cap == d.max_model_len and rng.random() < 0.1:
-            max_tokens = room  # runs into max_model_len exactly
+        if room <= 40 and rng.random() < 0.1:
+            max_tokens = room  # exactly max_model_len, or exactly the whole pool
         else:
             max_tokens = rng.randint(1, min(room, rng.choice([4, 8, 16, 32])))
         stop = ()
@@ -417,11 +417,11 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
 def _draw_impossible(d: _Draw) -> None:
     """A few requests the engine must reject at ``add_request`` (ValueError, nothing enqueued)."""
     rng = d.rng
-    if rng.random() >= 0.12:
+    if rng.random() >= 0.25:
         return
     L, pool = d.max_model_len, d.num_blocks * d.block_size
-    for j in range(rng.randint(1, 2)):
-        kinds = ["empty", "too_long"] + (["pool"] if pool + 2 <= L else []) + (["duplicate"] if d.valid else [])
+    for j in range(rng.randint(1, 3)):
+        kinds = ["empty", "too_long"] + (["pool"] * 2 if pool + 2 <= L else []) + (["duplicate"] if d.valid else [])
         kind = rng.choice(kinds)
         step = rng.randint(0, 10)
         rid = f"x{j}"
@@ -431,7 +431,7 @@ def _draw_impossible(d: _Draw) -> None:
             prompt = d.tokens(rng.randint(1, L))
             max_tokens = L - len(prompt) + rng.randint(1, 4)
         elif kind == "pool":  # needs more blocks than the pool holds, even without its last token
-            total = rng.randint(pool + 2, L)
+            total = rng.choice([pool + 2, rng.randint(pool + 2, L)])
             prompt = d.tokens(rng.randint(1, total - 1))
             max_tokens = total - len(prompt)
         else:  # the same id as a request added in the same step, which is still waiting

@@ -50,8 +50,8 @@ def make_executor(path: str, backend: str = "torch") -> ModelExecutor:
 
 def all_row_logits(ex: ModelExecutor, plan) -> torch.Tensor:
     """Logits of every fed token (T, V), not only the sampling rows."""
-    batch, _ = ex.prepare(plan)
-    return ex.model.compute_logits(ex.run_model(batch)).float().cpu()
+    batch, inputs = ex.prepare(plan)
+    return ex.model.compute_logits(ex.run_model(batch, inputs)).float().cpu()
 
 
 def check_prefill_then_decode(name: str, hf, ex: ModelExecutor, steps: int = 4) -> float:
@@ -163,8 +163,14 @@ def test_executor_argument_errors(small_path):
         ModelExecutor(cfg, small_path, dtype="float32", attention_backend="cuda", num_blocks=4, **common)
     with pytest.raises(ValueError, match="dtype"):
         ModelExecutor(cfg, small_path, dtype="int8", attention_backend="torch", num_blocks=4, **common)
-    with pytest.raises(NotImplementedError, match="num_blocks"):
+    with pytest.raises(ValueError, match="num_blocks must be given on a non-CUDA device"):
         ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch", num_blocks=None, **common)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch", num_blocks=4,
+                      tensor_parallel_size=2, **common)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch", num_blocks=4,
+                      gpu_memory_utilization=1.5, **common)
 
 
 def test_executor_seeded_sampling_is_batch_independent(small_path):
