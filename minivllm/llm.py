@@ -64,6 +64,8 @@ class LLM:
         dtype: ``auto`` (bfloat16 on cuda, float32 on cpu) or a torch dtype name.
         attention_backend: ``auto`` (triton on cuda, torch on cpu), ``torch`` or ``triton``.
         seed: seed of the sampler's generator for unseeded requests.
+        skip_tokenizer_init: run without a tokenizer (token-id prompts only,
+            ``text`` stays None), for checkpoints that ship none.
         **options: engine options by config field name (block_size, num_blocks,
             enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
             max_model_len, policy, chunked_prefill, enforce_eager,
@@ -74,7 +76,8 @@ class LLM:
     """
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
-                 attention_backend: str = "auto", seed: int = 0, **options: Any) -> None:
+                 attention_backend: str = "auto", seed: int = 0, skip_tokenizer_init: bool = False,
+                 **options: Any) -> None:
         import torch
         from transformers import AutoTokenizer
 
@@ -91,7 +94,7 @@ class LLM:
         cache_config = CacheConfig(**cache_opts)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(path)
         executor = ModelExecutor(
             self.model_config, path, device=device, dtype=dtype,
             attention_backend=attention_backend, block_size=cache_config.block_size,
@@ -99,7 +102,7 @@ class LLM:
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             max_model_len=self.scheduler_config.max_model_len, seed=seed, **exec_opts)
         eos = self.model_config.eos_token_id
-        if eos is None:
+        if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos)
         self._next_request = 0
@@ -108,7 +111,7 @@ class LLM:
 
     def _to_token_ids(self, i: int, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self._require_tokenizer().encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
                                                   for t in prompt):
             ids = list(prompt)
@@ -153,9 +156,16 @@ class LLM:
             ids_of[rid] = len(ids_of)
         results = self._run(len(prompts), use_tqdm)
         ordered = sorted(results, key=lambda o: ids_of[o.request_id])
+        if self.tokenizer is None:
+            return ordered
         return [dataclasses.replace(o, text=self.tokenizer.decode(list(o.token_ids),
                                                                   skip_special_tokens=True))
                 for o in ordered]
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this LLM was built with skip_tokenizer_init=True: pass token ids")
+        return self.tokenizer
 
     @staticmethod
     def _params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -190,8 +200,9 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the tokenizer's chat template."""
+        tok = self._require_tokenizer()
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                  for c in convs]  # type: ignore[arg-type]
-        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)

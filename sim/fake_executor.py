@@ -52,6 +52,7 @@ class FakeExecutor:
         self.num_steps = 0
 
     def num_kv_blocks(self) -> int:
+        """The pool size given at construction."""
         return self.num_blocks
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -63,6 +63,7 @@ class ExpectEvent:
     free_blocks: int
 
     def to_json(self) -> dict[str, Any]:
+        """The JSONL line of this event."""
         return {
             "step": self.step, "op": "expect", "scheduled": dict(self.scheduled),
             "preempted": list(self.preempted),
@@ -120,6 +121,7 @@ class Trace:
         return self.events[-1].step if self.events else -1
 
     def header(self) -> dict[str, Any]:
+        """The first JSONL line (the executor pool is written only when it is not cache.num_blocks)."""
         config: dict[str, Any] = {
             "cache": dataclasses.asdict(self.cache),
             "scheduler": dataclasses.asdict(self.scheduler),
@@ -138,7 +140,7 @@ class Trace:
         """The JSONL lines: header, then per step its inputs followed by its expect line."""
         out = [self.header()]
         items: list[tuple[int, int, dict[str, Any]]] = []
-        for i, e in enumerate(self.events):
+        for e in self.events:
             items.append((e.step, 0, _event_to_json(e)))
         for e in self.expects:
             items.append((e.step, 1, e.to_json()))
@@ -147,15 +149,18 @@ class Trace:
         return out
 
     def dumps(self) -> str:
+        """The whole trace as JSONL text."""
         return "".join(json.dumps(d) + "\n" for d in self.lines())
 
     def save(self, path: str | Path) -> Path:
+        """Write the trace to ``path`` (creating its folder); returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.dumps(), encoding="utf-8")
         return path
 
     def with_expects(self, expects: Iterable[ExpectEvent]) -> "Trace":
+        """The same inputs with these expected decisions."""
         return dataclasses.replace(self, expects=tuple(expects))
 
 
@@ -305,7 +310,7 @@ class _Draw:
 def _draw_config(rng: random.Random, ov: Mapping[str, Any]) -> dict[str, Any]:
     """Draw every config value, then apply overrides and the chunked-prefill rule."""
     c: dict[str, Any] = {}
-    c["block_size"] = rng.choice([1, 2, 4, 8, 16])
+    c["block_size"] = ov.get("block_size", rng.choice([1, 2, 4, 8, 16]))
     c["vocab_size"] = rng.choice([rng.randint(50, 120), rng.randint(50, 500)])
     c["eos_token_id"] = None if rng.random() < 0.1 else rng.randrange(c["vocab_size"])
     # Long contexts in 1-token blocks make huge pools, which slow every step's checks.

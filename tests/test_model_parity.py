@@ -163,8 +163,9 @@ def test_executor_argument_errors(small_path):
         ModelExecutor(cfg, small_path, dtype="float32", attention_backend="cuda", num_blocks=4, **common)
     with pytest.raises(ValueError, match="dtype"):
         ModelExecutor(cfg, small_path, dtype="int8", attention_backend="torch", num_blocks=4, **common)
-    with pytest.raises(ValueError, match="num_blocks must be given on a non-CUDA device"):
-        ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch", num_blocks=None, **common)
+    default = ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch",
+                            num_blocks=None, max_model_len=32, **common)
+    assert default.num_kv_blocks() == 4 * 32 // BS  # every sequence at full length
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch", num_blocks=4,
                       tensor_parallel_size=2, **common)

@@ -48,6 +48,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Largest default KV pool off CUDA (pass num_blocks for another size).
+CPU_KV_CACHE_BYTES = 4 << 30
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Create parameters directly in ``dtype`` (no float32 copy first); restored on exit."""
@@ -179,10 +183,13 @@ class ModelExecutor:
         one-block dummy cache, and counts its peak (weights + activations) as used.
 
         Raises:
-            ValueError: not on CUDA, or no block fits.
+            ValueError: no block fits.
+
+        Off CUDA there is no free-memory figure to go by: the pool holds every
+        sequence at full length, at most ``CPU_KV_CACHE_BYTES``.
         """
         if self.device.type != "cuda":
-            raise ValueError("num_blocks must be given on a non-CUDA device")
+            return self._default_cpu_pool()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -201,6 +208,12 @@ class ModelExecutor:
               f"{num_blocks * self.block_size:,} tokens, {num_blocks * self.block_bytes / 2**30:.2f} GiB "
               f"(peak of the warm-up {peak / 2**30:.2f} GiB)")
         return num_blocks
+
+    def _default_cpu_pool(self) -> int:
+        """Off CUDA: room for every sequence at full length, capped at CPU_KV_CACHE_BYTES."""
+        want = cdiv(self.max_num_seqs * self.max_model_len, self.block_size)
+        floor = cdiv(self.max_model_len, self.block_size)  # one full-length sequence always fits
+        return max(floor, min(want, CPU_KV_CACHE_BYTES // self.block_bytes))
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
