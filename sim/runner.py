@@ -195,24 +195,29 @@ class _Run:
         late = sorted(self.aborted & self.unfinished)
         if late:
             self.violation(step, f"aborted {late} not returned by the next step()")
-        if rec is not None:
-            wrong = {r: t for r, t in rec.finished.items()
-                     if tuple(t) != tuple(next((o.token_ids for o in outs if o.request_id == r), (None,)))}
-            if wrong:
-                self.violation(step, f"last_step.finished {wrong} does not match the outputs returned")
-            if rec.num_free_blocks != self.engine.num_free_blocks:
-                self.violation(step, f"last_step.num_free_blocks {rec.num_free_blocks} != {self.engine.num_free_blocks}")
-            self.result.preemptions += len(rec.preempted)
-        expect = ExpectEvent(step, scheduled, tuple(rec.preempted) if rec else (),
-                             {k: tuple(v) for k, v in rec.finished.items()} if rec else {},
-                             rec.num_free_blocks if rec else self.engine.num_free_blocks)
+        if not self.engine.has_unfinished_requests() and self.engine.num_free_blocks != self.trace.num_blocks:
+            self.violation(step, f"idle engine has {self.engine.num_free_blocks} of {self.trace.num_blocks} blocks free")
+        expect = self.check_record(step, outs)
         if self.mode == "record":
             self.result.expects.append(expect)
         elif self.mode == "replay":
             self.compare(step, expect)
-        if not self.engine.has_unfinished_requests() and self.engine.num_free_blocks != self.trace.num_blocks:
-            self.violation(step, f"idle engine has {self.engine.num_free_blocks} of {self.trace.num_blocks} blocks free")
         return bool(scheduled) or bool(outs) or not busy_before
+
+    def check_record(self, step: int, outs: list[RequestOutput]) -> ExpectEvent:
+        """Check ``engine.last_step`` against what the step returned; return it as an expect event."""
+        rec = self.engine.last_step
+        if rec is None:
+            return ExpectEvent(step, {}, (), {}, self.engine.num_free_blocks)
+        returned = {o.request_id: tuple(o.token_ids) for o in outs}
+        wrong = {r: t for r, t in rec.finished.items() if returned.get(r) != tuple(t)}
+        if wrong:
+            self.violation(step, f"last_step.finished {wrong} does not match the outputs returned")
+        if rec.num_free_blocks != self.engine.num_free_blocks:
+            self.violation(step, f"last_step.num_free_blocks {rec.num_free_blocks} != {self.engine.num_free_blocks}")
+        self.result.preemptions += len(rec.preempted)
+        return ExpectEvent(step, dict(rec.scheduled), tuple(rec.preempted),
+                           {k: tuple(v) for k, v in rec.finished.items()}, rec.num_free_blocks)
 
     def compare(self, step: int, got: ExpectEvent) -> None:
         if self.result.mismatch is not None:

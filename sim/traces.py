@@ -330,6 +330,8 @@ def _draw_config(rng: random.Random, ov: Mapping[str, Any]) -> dict[str, Any]:
         c["max_num_batched_tokens"] = c["max_model_len"] + rng.choice([0, rng.randint(0, 64)])
     if "max_num_batched_tokens" in ov:
         c["max_num_batched_tokens"] = ov["max_num_batched_tokens"]
+        if c["max_num_batched_tokens"] < 2 and "chunked_prefill" not in ov:
+            c["chunked_prefill"] = True  # max_model_len >= 2 cannot fit a 1-token budget whole
         if not c["chunked_prefill"] and "max_model_len" not in ov:
             c["max_model_len"] = max(2, min(c["max_model_len"], c["max_num_batched_tokens"]))
     seq_blocks = cdiv(c["max_model_len"], c["block_size"])

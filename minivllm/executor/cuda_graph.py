@@ -59,6 +59,7 @@ class CudaGraphRunner:
         self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
         self.hidden = torch.zeros(g, hidden_size, dtype=kv_cache.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0
         self._capture(forward, kv_cache)
 
     def _meta(self, bs: int, kv_cache: torch.Tensor) -> AttentionMetadata:
@@ -113,4 +114,5 @@ class CudaGraphRunner:
         self.block_tables[:g].fill_(-1)
         self.block_tables[:b, :w].copy_(device_inputs["block_tables"])
         self.graphs[g].replay()
+        self.num_replays += 1
         return self.hidden[:b]
