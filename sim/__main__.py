@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from sim.runner import RunResult, record_trace, run_trace
+from sim.runner import record_trace, run_trace
 from sim.traces import OVERRIDE_KEYS, flatten_overrides, generate_trace, load
 
 # Trace i of ``run --seed S`` is generated from seed S * SEED_STRIDE + i.
@@ -77,24 +77,26 @@ class Progress:
         self.stream.flush()
 
 
-def _summary(results: Sequence[RunResult], seconds: float, failures: int) -> str:
-    steps = sum(r.steps for r in results)
-    prefill = sum(r.prefill_tokens for r in results)
-    cached = sum(r.cached_tokens for r in results)
-    prompt_work = prefill + cached
+COUNTERS = ("steps", "requests", "rejected", "prefill_tokens", "decode_tokens", "cached_tokens",
+            "completion_tokens", "preemptions", "chunked_prefills", "aborts")
+
+
+def _summary(totals: dict[str, int], traces: int, seconds: float, failures: int) -> str:
+    t = totals
+    prompt_work = t["prefill_tokens"] + t["cached_tokens"]
     rows = [
-        ("traces", f"{len(results):,}"),
-        ("requests", f"{sum(r.requests for r in results):,} (+{sum(r.rejected for r in results):,} rejected at add)"),
-        ("steps", f"{steps:,}"),
-        ("steps/s", f"{steps / max(seconds, 1e-9):,.0f}  ({seconds:.1f} s)"),
-        ("tokens", f"{prefill + sum(r.decode_tokens for r in results):,} computed "
-                   f"({prefill:,} prefill, {sum(r.decode_tokens for r in results):,} decode), "
-                   f"{sum(r.completion_tokens for r in results):,} generated"),
-        ("prefix-hit", f"{100.0 * cached / max(prompt_work, 1):.1f} % ({cached:,} cached tokens)"),
-        ("preemptions", f"{sum(r.preemptions for r in results):,}"),
-        ("chunked prefills", f"{sum(r.chunked_prefills for r in results):,}"),
-        ("aborts", f"{sum(r.aborts for r in results):,}"),
-        ("violations", f"{sum(len(r.violations) for r in results):,} in {failures:,} trace(s)"),
+        ("traces", f"{traces:,}"),
+        ("requests", f"{t['requests']:,} (+{t['rejected']:,} rejected at add)"),
+        ("steps", f"{t['steps']:,}"),
+        ("steps/s", f"{t['steps'] / max(seconds, 1e-9):,.0f}  ({seconds:.1f} s)"),
+        ("tokens", f"{t['prefill_tokens'] + t['decode_tokens']:,} computed ({t['prefill_tokens']:,} prefill, "
+                   f"{t['decode_tokens']:,} decode), {t['completion_tokens']:,} generated"),
+        ("prefix-hit", f"{100.0 * t['cached_tokens'] / max(prompt_work, 1):.1f} % of prompt work "
+                       f"({t['cached_tokens']:,} cached tokens)"),
+        ("preemptions", f"{t['preemptions']:,}"),
+        ("chunked prefills", f"{t['chunked_prefills']:,}"),
+        ("aborts", f"{t['aborts']:,}"),
+        ("violations", f"{t['violations']:,} in {failures:,} trace(s)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -105,15 +107,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     generate_trace(args.seed * SEED_STRIDE, overrides)  # bad overrides fail before the progress bar
     out_dir = Path(args.out_dir)
     progress = Progress(args.traces, sys.stderr) if not args.quiet else None
-    results: list[RunResult] = []
-    failures = steps = 0
+    # Only totals are kept: holding every result would grow the heap the GC walks.
+    totals = dict.fromkeys(COUNTERS + ("violations",), 0)
+    failures = done = 0
     start = time.perf_counter()
     for i in range(args.traces):
         seed = args.seed * SEED_STRIDE + i
         trace = generate_trace(seed, overrides)
         result = run_trace(trace)
-        results.append(result)
-        steps += result.steps
+        done += 1
+        for k in COUNTERS:
+            totals[k] += getattr(result, k)
+        totals["violations"] += len(result.violations)
         if not result.ok:
             failures += 1
             path = trace.save(out_dir / f"trace-{seed}.jsonl")
@@ -125,11 +130,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"stopping after {failures} failing traces", file=sys.stderr)
                 break
         if progress:
-            progress.update(i + 1, steps, failures)
+            progress.update(done, totals["steps"], failures)
     seconds = time.perf_counter() - start
     if progress:
-        progress.update(len(results), steps, failures, force=True)
-    print(_summary(results, seconds, failures))
+        progress.update(done, totals["steps"], failures, force=True)
+    print(_summary(totals, done, seconds, failures))
     if failures:
         print(f"FAILED: seed {args.seed}; failing traces saved under {out_dir}/ "
               f"(replay one with: python -m sim replay {out_dir}/trace-<seed>.jsonl)")

@@ -5,7 +5,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.layers.fuse import fused
 from minivllm.layers.linear import default_weight_loader, set_weight_loader
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)``; statistics in float32, cast back before the weight multiply."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` in one fused pass on CUDA."""
+    # Added in the model dtype, matching HF's ``residual + hidden_states``.
+    residual = x + residual
+    x32 = residual.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(residual.dtype), residual
 
 
 class RMSNorm(nn.Module):
@@ -23,9 +43,7 @@ class RMSNorm(nn.Module):
         set_weight_loader(self.weight, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -42,6 +60,4 @@ class RMSNorm(nn.Module):
         """
         if residual is None:
             return self._norm(x)
-        # Added in the model dtype, matching HF's ``residual + hidden_states``.
-        residual = x + residual
-        return self._norm(residual), residual
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.layers.fuse import fused
+
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to queries and keys from a position-indexed cos/sin cache.
@@ -59,8 +61,15 @@ class RotaryEmbedding(nn.Module):
         """
         if positions.device.type == "cpu":
             self._check_positions(positions)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rope(positions, q, k, self.cos_sin_cache)
+
+
+@fused
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` (T, H, D) and ``k`` (T, Hkv, D) by ``cos_sin_cache[positions]`` (fused on CUDA)."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
