@@ -394,7 +394,7 @@ def _draw_prefixes(d: _Draw) -> list[list[int]]:
 def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
     rng = d.rng
     prefixes = _draw_prefixes(d)
-    horizon = rng.choice([0, 5, 20, 40])
+    horizon = rng.choice([0, 4, 12, 30])
     for i in range(rng.choice([rng.randint(1, 8), rng.randint(5, 25)])):
         if prefixes and rng.random() < 0.6:
             prefix = rng.choice(prefixes)

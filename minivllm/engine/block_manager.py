@@ -30,11 +30,6 @@ class InvariantError(AssertionError):
     """An engine invariant does not hold (a bug in the engine, never user error)."""
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise InvariantError(msg)
-
-
 def chain_hash(parent: int, block_tokens: list[int]) -> int:
     """Hash of a full block given its parent's hash (0 for the first block)."""
     data = parent.to_bytes(8, "little") + np.asarray(block_tokens, dtype=np.int64).tobytes()
@@ -153,35 +148,40 @@ class BlockManager:
     # ---- invariants ---------------------------------------------------------
 
     def check_invariants(self, live: list[Sequence]) -> None:
-        """Raise ``InvariantError`` unless the pool agrees with the live tables."""
+        """Raise ``InvariantError`` unless the pool agrees with the live tables.
+
+        Called after every simulated step, so it compares whole collections and
+        builds a message only when a check fails.
+        """
         expected = [0] * self.num_blocks
         for seq in live:
-            _check(len(set(seq.block_table)) == len(seq.block_table),
-                   f"{seq} holds a block twice")
+            if len(set(seq.block_table)) != len(seq.block_table):
+                raise InvariantError(f"{seq} holds a block twice")
             for block in seq.block_table:
                 expected[block] += 1
-        _check(expected == self.ref_counts, "ref counts differ from the live block tables: "
-               f"{[(b, e, r) for b, (e, r) in enumerate(zip(expected, self.ref_counts)) if e != r]}")
-        free = set(self.free_blocks)
-        _check(len(free) == len(self.free_blocks), "free list holds a block twice")
-        for block, ref in enumerate(self.ref_counts):
-            _check((ref == 0) == (block in free), f"block {block}: ref {ref} but free={block in free}")
+        if expected != self.ref_counts:
+            diff = [(b, e, r) for b, (e, r) in enumerate(zip(expected, self.ref_counts)) if e != r]
+            raise InvariantError(f"ref counts differ from the live block tables (block, want, have): {diff}")
+        zero = {b for b, r in enumerate(self.ref_counts) if r == 0}
+        if zero != self.free_blocks.keys():
+            raise InvariantError(f"free list {sorted(self.free_blocks)} != blocks with ref 0 {sorted(zero)}")
         for h, block in self.hash_to_block.items():
-            _check(self.block_hash[block] == h, f"hash map points {h} at block {block} with another hash")
-        for block, h in enumerate(self.block_hash):
-            _check(h is None or self.hash_to_block.get(h) == block,
-                   f"block {block} carries hash {h} the map does not point back to it")
+            if self.block_hash[block] != h:
+                raise InvariantError(f"hash map points {h} at block {block}, which carries {self.block_hash[block]}")
+        # Every map entry points at a block carrying it; equal counts make it one-to-one.
+        carried = sum(h is not None for h in self.block_hash)
+        if carried != len(self.hash_to_block):
+            raise InvariantError(f"{carried} blocks carry a hash but the map has {len(self.hash_to_block)}")
         self._check_written_blocks(live)
 
     def _check_written_blocks(self, live: list[Sequence]) -> None:
         """Blocks that can still be written are private and unhashed; full ones precede them."""
         bs = self.block_size
         for seq in live:
-            _check(len(seq.block_table) == cdiv(seq.num_computed_tokens, bs),
-                   f"{seq}: block table does not cover exactly its computed tokens")
+            if len(seq.block_table) != cdiv(seq.num_computed_tokens, bs):
+                raise InvariantError(f"{seq}: block table does not cover exactly its computed tokens")
             for block in seq.block_table[seq.num_computed_tokens // bs:]:
-                _check(self.ref_counts[block] == 1 and self.block_hash[block] is None,
-                       f"{seq}: partially filled block {block} is shared or hashed")
-            if not self.enable_prefix_caching:
-                _check(all(self.block_hash[b] is None for b in seq.block_table),
-                       "a block carries a hash with prefix caching off")
+                if self.ref_counts[block] != 1 or self.block_hash[block] is not None:
+                    raise InvariantError(f"{seq}: partially filled block {block} is shared or hashed")
+        if not self.enable_prefix_caching and self.hash_to_block:
+            raise InvariantError("blocks carry hashes with prefix caching off")

@@ -11,7 +11,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from minivllm.config import CacheConfig, SchedulerConfig, cdiv
-from minivllm.engine.block_manager import InvariantError, _check
+from minivllm.engine.block_manager import InvariantError
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -246,28 +246,35 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if any invariant of DESIGN.md does not hold."""
         sched, cfg = self.scheduler, self.scheduler_config
-        waiting, running = list(sched.waiting), sched.running
-        queued = [s.request_id for s in waiting + running]
-        _check(len(queued) == len(set(queued)), f"a request is queued twice: {queued}")
-        _check(set(queued) == set(self.requests),
-               f"queues {sorted(queued)} differ from unfinished requests {sorted(self.requests)}")
-        _check(not (set(queued) & self._finished_ids), "a finished request is still queued")
-        _check(all(s.status is SequenceStatus.WAITING for s in waiting), "non-waiting seq in waiting")
-        _check(all(s.status is SequenceStatus.RUNNING for s in running), "non-running seq in running")
+        waiting, running = sched.waiting, sched.running
+        queued = {s.request_id for s in waiting} | {s.request_id for s in running}
+        if len(queued) != len(waiting) + len(running):
+            raise InvariantError("a request is queued twice")
+        if queued != self.requests.keys():
+            raise InvariantError(f"queues {sorted(queued)} differ from unfinished {sorted(self.requests)}")
         for s in waiting:
-            _check(not s.block_table and s.num_computed_tokens == 0,
-                   f"{s}: a waiting (or preempted) sequence holds blocks or computed tokens")
+            if s.status is not SequenceStatus.WAITING or s.block_table or s.num_computed_tokens:
+                raise InvariantError(f"{s}: a waiting (or preempted) sequence is not bare")
         for s in running:
-            _check(s.num_uncomputed_tokens >= 1, f"{s}: running with nothing left to compute")
-        _check(len(running) <= cfg.max_num_seqs, f"{len(running)} running > max_num_seqs")
+            if s.status is not SequenceStatus.RUNNING or s.num_uncomputed_tokens < 1:
+                raise InvariantError(f"{s}: running but not RUNNING, or nothing left to compute")
+        if len(running) > cfg.max_num_seqs:
+            raise InvariantError(f"{len(running)} running > max_num_seqs {cfg.max_num_seqs}")
         sched.block_manager.check_invariants(running)
-        out = self._last_out
-        if out is not None:
-            _check(out.num_tokens <= cfg.max_num_batched_tokens,
-                   f"step scheduled {out.num_tokens} tokens > budget {cfg.max_num_batched_tokens}")
-            _check(len(out.scheduled) <= cfg.max_num_seqs, "step scheduled more than max_num_seqs")
-            _check(all(n >= 1 for _, n in out.scheduled), "a scheduled sequence got 0 tokens")
-        if not self.requests:
-            bm = sched.block_manager
-            _check(bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts),
-                   "engine idle but blocks are still held")
+        self._check_last_step()
+        bm = sched.block_manager
+        if not self.requests and (bm.num_free_blocks != bm.num_blocks or any(bm.ref_counts)):
+            raise InvariantError("engine idle but blocks are still held")
+
+    def _check_last_step(self) -> None:
+        out, cfg = self._last_out, self.scheduler_config
+        if out is None:
+            return
+        if out.num_tokens > cfg.max_num_batched_tokens:
+            raise InvariantError(f"step scheduled {out.num_tokens} tokens > budget {cfg.max_num_batched_tokens}")
+        if len(out.scheduled) > cfg.max_num_seqs:
+            raise InvariantError("step scheduled more than max_num_seqs sequences")
+        if any(n < 1 for _, n in out.scheduled):
+            raise InvariantError("a scheduled sequence got 0 tokens")
+        if any(s.status is SequenceStatus.WAITING and s.block_table for s in out.preempted):
+            raise InvariantError("a preempted sequence still holds blocks")
