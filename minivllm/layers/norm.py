@@ -9,12 +9,14 @@ from minivllm.layers.fuse import fused
 from minivllm.layers.linear import default_weight_loader, set_weight_loader
 
 
-@fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)``; statistics in float32, cast back before the weight multiply."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+rms_norm = fused(rms_norm_ref)
 
 
 @fused

@@ -43,9 +43,10 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)                          # (P, D)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def _check_positions(self, positions: torch.Tensor) -> None:
-        # Only on the CPU: checking a device tensor would sync the host every step.
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_position):
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """Raise ``ValueError`` for a position outside the cache (CPU tensors only:
+        checking a device tensor would sync the host every step)."""
+        if positions.device.type == "cpu" and positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_position):
             raise ValueError(
                 f"positions must be in [0, {self.max_position}) (max_position_embeddings), got "
                 f"[{int(positions.min())}, {int(positions.max())}]"
@@ -59,17 +60,18 @@ class RotaryEmbedding(nn.Module):
         Raises:
             ValueError: (CPU only) a position outside the cache.
         """
-        if positions.device.type == "cpu":
-            self._check_positions(positions)
+        self.check_positions(positions)
         return apply_rope(positions, q, k, self.cos_sin_cache)
 
 
-@fused
-def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` (T, H, D) and ``k`` (T, Hkv, D) by ``cos_sin_cache[positions]`` (fused on CUDA)."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+apply_rope = fused(rope_ref)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,9 @@ from minivllm.layers.linear import (
     RowParallelLinear,
     ShardId,
 )
-from minivllm.layers.norm import RMSNorm
-from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.layers.fuse import fused
+from minivllm.layers.norm import RMSNorm, rms_norm_ref
+from minivllm.layers.rotary import RotaryEmbedding, rope_ref
 
 # Checkpoint module name -> (our packed module, shard id in it).
 QWEN3_PACKED_MODULES: Mapping[str, tuple[str, ShardId]] = MappingProxyType({
@@ -46,6 +47,19 @@ QWEN3_PACKED_MODULES: Mapping[str, tuple[str, ShardId]] = MappingProxyType({
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 })
+
+
+@fused
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q (T, H, D) and k (T, Hkv, D), then RoPE; v made dense.
+
+    One function so that on CUDA it compiles into a couple of kernels instead of ~20.
+    """
+    q, k = rope_ref(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps),
+                    cos_sin_cache)
+    return q, k, v.contiguous()  # kernels want dense rows
 
 
 class Qwen3Attention(nn.Module):
@@ -74,10 +88,11 @@ class Qwen3Attention(nn.Module):
         t, d = hidden.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(t, self.num_heads, d))       # (T, H, D)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, d))    # (T, Hkv, D)
-        v = v.reshape(t, self.num_kv_heads, d).contiguous()    # kernels want dense rows
-        q, k = self.rotary_emb(positions, q, k)
+        self.rotary_emb.check_positions(positions)
+        q, k, v = qk_norm_rope(
+            q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d),
+            v.reshape(t, self.num_kv_heads, d), positions, self.q_norm.weight, self.k_norm.weight,
+            self.q_norm.eps, self.rotary_emb.cos_sin_cache)
         o = self.attn(q, k, v, meta)                           # (T, H, D)
         return self.o_proj(o.reshape(t, q_size))
 
