@@ -148,10 +148,11 @@ ENGINES = {
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
     path, prompts, expected = reference
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
-              gpu_memory_utilization=0.5, **ENGINES[engine])
     params = SamplingParams(temperature=0, max_tokens=NEW)
+    llm = None
     try:
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
+                  gpu_memory_utilization=0.5, **ENGINES[engine])
         got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         s = llm.engine.stats
         print(f"{engine}: preemptions {s.num_preemptions}, cached tokens {s.num_cached_tokens}, "
@@ -184,9 +185,10 @@ def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
 def test_cuda_graph_replay_equals_eager(reference, batch: int) -> None:
     """Captured sizes are 1, 2, 4, 8, 16: 3, 5 and 11 replay a padded larger graph."""
     path, prompts, expected = reference
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
-              gpu_memory_utilization=0.5)
+    llm = None
     try:
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
+                  gpu_memory_utilization=0.5)
         got = [list(o.token_ids) for o in llm.generate(
             prompts[:batch], SamplingParams(temperature=0, max_tokens=NEW), use_tqdm=False)]
         assert llm.engine.executor.graph_runner.num_replays > 0
