@@ -136,12 +136,15 @@ def reference(tmp_path_factory):
     return path, prompts, expected
 
 
+# An explicit pool, so results do not depend on what else the process holds
+# (the sizing from free memory runs in benchmarks/throughput.py).
+POOL = dict(num_blocks=2048)
 ENGINES = {
-    "graphs+prefix-cache": dict(),
-    "eager+no-prefix-cache": dict(enforce_eager=True, enable_prefix_caching=False),
+    "graphs+prefix-cache": dict(POOL),
+    "eager+no-prefix-cache": dict(POOL, enforce_eager=True, enable_prefix_caching=False),
     "tiny-pool-preemption": dict(num_blocks=48),
-    "chunked-prefill-budget-64": dict(max_num_batched_tokens=64),
-    "prefill-first": dict(policy="prefill_first"),
+    "chunked-prefill-budget-64": dict(POOL, max_num_batched_tokens=64),
+    "prefill-first": dict(POOL, policy="prefill_first"),
 }
 
 
@@ -152,7 +155,7 @@ def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
     llm = None
     try:
         llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
-                  gpu_memory_utilization=0.5, **ENGINES[engine])
+                  **ENGINES[engine])
         got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         s = llm.engine.stats
         print(f"{engine}: preemptions {s.num_preemptions}, cached tokens {s.num_cached_tokens}, "
@@ -188,7 +191,7 @@ def test_cuda_graph_replay_equals_eager(reference, batch: int) -> None:
     llm = None
     try:
         llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
-                  gpu_memory_utilization=0.5)
+                  **POOL)
         got = [list(o.token_ids) for o in llm.generate(
             prompts[:batch], SamplingParams(temperature=0, max_tokens=NEW), use_tqdm=False)]
         assert llm.engine.executor.graph_runner.num_replays > 0
