@@ -5,7 +5,11 @@ exit code, instead of skipping quietly and reporting success."""
 import os
 
 import pytest
-import torch
+
+try:
+    import torch
+except ImportError as e:  # fail with a plain message, not a conftest traceback
+    raise pytest.UsageError(f"tests_gpu needs torch with CUDA ({e})") from e
 
 
 def pytest_configure(config: pytest.Config) -> None:
