@@ -24,7 +24,7 @@ $(VENV)/.full: pyproject.toml | $(BIN)/python
 
 test: $(VENV)/.full
 	$(BIN)/python -m pytest -n 2 -q --cov=minivllm --cov=sim --cov-report=term-missing:skip-covered tests
-	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --fail-under=90 | tail -1
+	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --skip-covered --fail-under=90
 
 sim: $(VENV)/.core
 	$(BIN)/python -m sim run --traces 10000 --seed 0
