@@ -132,8 +132,9 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Extend ``seq``'s table to cover ``num_new_tokens`` more tokens (caller checked room)."""
         need = self.blocks_needed(seq, num_new_tokens)
-        assert need <= len(self.free_blocks), "caller must check blocks_needed() first"
-        seq.block_table.extend(self._take_free_block() for _ in range(need))
+        if need:  # most decode steps fit in the last block
+            assert need <= len(self.free_blocks), "caller must check blocks_needed() first"
+            seq.block_table.extend(self._take_free_block() for _ in range(need))
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; tail blocks first, so they are evicted first."""

@@ -22,6 +22,7 @@ Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -66,9 +67,7 @@ class StepPlan:
     ) -> "StepPlan":
         """Assemble a plan from per-sequence lists (one concatenation, no per-token loop)."""
         lens = np.fromiter((len(c) for c in token_chunks), dtype=np.int32, count=len(token_chunks))
-        flat = np.fromiter(
-            (t for c in token_chunks for t in c), dtype=np.int64, count=int(lens.sum())
-        )
+        flat = np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=int(lens.sum()))
         return StepPlan(
             seq_ids=tuple(seq_ids),
             token_ids=_frozen(flat),

@@ -107,7 +107,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt tail sequences until ``seq`` can grow by ``n`` tokens; False if it preempted itself."""
         bm = self.block_manager
-        while bm.blocks_needed(seq, n) > bm.num_free_blocks:
+        need = bm.blocks_needed(seq, n)  # fixed while others are preempted: only the pool grows
+        while need > bm.num_free_blocks:
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is seq:

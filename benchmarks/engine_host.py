@@ -1,0 +1,66 @@
+"""Host cost of the engine alone: schedule + plan + numpy inputs + apply, per step,
+at batch 256 decode (512-token prompts, block_size 16), with an executor that only
+runs ``prepare_inputs`` and returns a token per sequence. Runs on any CPU.
+
+    python3 -m benchmarks.engine_host [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import numpy as np
+
+from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.executor.inputs import prepare_inputs
+from minivllm.sampling import SamplingParams
+
+
+class InputsOnlyExecutor:
+    """Computes the step's index arrays (as every executor does) and samples token 7."""
+
+    def num_kv_blocks(self) -> int:
+        return 100_000
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        prepare_inputs(plan)
+        return StepResult({s: 7 for s, smp in zip(plan.seq_ids, plan.sample) if smp})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    engine = LLMEngine(SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=8192,
+                                       max_model_len=2048),
+                       CacheConfig(block_size=16, num_blocks=100_000), InputsOnlyExecutor())
+    rng = np.random.default_rng(0)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", rng.integers(0, 10000, 512).tolist(),
+                           SamplingParams(max_tokens=args.steps + 100, ignore_eos=True))
+    for _ in range(40):  # admit and prefill everyone: what follows is decode only
+        engine.step()
+    prof = cProfile.Profile() if args.profile else None
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    for _ in range(args.steps):
+        engine.step()
+    if prof:
+        prof.disable()
+    dt = (time.perf_counter() - t0) / args.steps
+    print(f"batch {args.batch} decode: {dt * 1e3:.2f} ms/step of engine host work"
+          + (" (profiled)" if prof else ""))
+    if prof:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
