@@ -424,7 +424,7 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
 def _draw_impossible(d: _Draw) -> None:
     """A few requests the engine must reject at ``add_request`` (ValueError, nothing enqueued)."""
     rng = d.rng
-    if rng.random() >= 0.25:
+    if rng.random() >= 0.35:
         return
     L, pool = d.max_model_len, d.num_blocks * d.block_size
     for j in range(rng.randint(1, 3)):
@@ -438,7 +438,9 @@ def _draw_impossible(d: _Draw) -> None:
             prompt = d.tokens(rng.randint(1, L))
             max_tokens = L - len(prompt) + rng.randint(1, 4)
         elif kind == "pool":  # needs more blocks than the pool holds, even without its last token
-            total = rng.choice([pool + 2, rng.randint(pool + 2, L)])
+            # Mostly exactly one block too many (pool + 1 computed tokens): an admission
+            # check that is one block too loose is caught only at this boundary.
+            total = pool + 2 if rng.random() < 0.75 else rng.randint(pool + 2, L)
             prompt = d.tokens(rng.randint(1, total - 1))
             max_tokens = total - len(prompt)
         else:  # the same id as a request added in the same step, which is still waiting
