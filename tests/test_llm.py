@@ -106,3 +106,17 @@ def test_seeded_sampling_through_the_engine_is_reproducible(model) -> None:
                                                          SamplingParams(max_tokens=7)],
                          use_tqdm=False)[1].token_ids
     assert alone == crowd
+
+
+def test_hub_id_offline_and_not_cached_is_a_clear_error(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = ("from minivllm import LLM\n"
+            "try:\n    LLM('Qwen/Qwen3-0.6B', device='cpu')\n"
+            "except ValueError as e:\n    print('VALUEERROR', e)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert "VALUEERROR model 'Qwen/Qwen3-0.6B' is not a local directory" in r.stdout, r.stdout + r.stderr
