@@ -49,13 +49,18 @@ def make_hf_model(cfg: TinyConfig, seed: int = 0, std: float = 0.5) -> transform
     norm weights around 1 (so the norms' scales are exercised)."""
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(cfg.hf_config()).float().eval()
+    randomize_weights(model, std)
+    return model
+
+
+def randomize_weights(model: torch.nn.Module, std: float) -> None:
+    """In place: norm weights 1 + 0.2 N(0, 1), every other weight N(0, std)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, std)
-    return model
 
 
 def save_hf_model(model: transformers.Qwen3ForCausalLM, path: str | os.PathLike[str],

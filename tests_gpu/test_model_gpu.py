@@ -23,6 +23,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.model_executor import ModelExecutor
+from tests.model_utils import randomize_weights
 
 CONFIGS = {
     "qwen3-0.6b": dict(QWEN3_0_6B, bos_token_id=None, eos_token_id=None),
@@ -42,12 +43,7 @@ def make_checkpoint(name: str, path: str, std: float = 0.5) -> tuple[transformer
     torch.manual_seed(0)
     with torch.device("cuda"):
         hf = transformers.Qwen3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, std)
+    randomize_weights(hf, std)
     hf.save_pretrained(path)
     return hf, path
 

@@ -78,6 +78,20 @@ def load_slice(
         dest.copy_(loaded.narrow(dim, start, dest.shape[dim]))
 
 
+def load_unpacked(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId,
+                  dim: int, full: int) -> None:
+    """This rank's slice along ``dim`` of an unpacked layer's full tensor (``full`` long there).
+
+    Raises:
+        ValueError: a shard id was given (the layer is not packed), or the shape is wrong.
+    """
+    what = type(layer).__name__
+    if shard_id is not None:
+        raise ValueError(f"{what} is not packed; got shard id {shard_id!r}")
+    local = param.shape[dim]
+    load_slice(param.data, loaded, dim, layer.tp_rank * local, full, what)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
     """Checked plain copy of a replicated (unsharded) parameter.
 
@@ -150,10 +164,7 @@ class ColumnParallelLinear(LinearBase):
         Raises:
             ValueError: a shard id was given, or the checkpoint shape is wrong.
         """
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not packed; got shard id {shard_id!r}")
-        local = param.shape[0]
-        load_slice(param.data, loaded, 0, self.tp_rank * local, self.output_size, type(self).__name__)
+        load_unpacked(self, param, loaded, shard_id, dim=0, full=self.output_size)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -289,10 +300,7 @@ class RowParallelLinear(LinearBase):
         Raises:
             ValueError: a shard id was given, or the checkpoint shape is wrong.
         """
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not packed; got shard id {shard_id!r}")
-        local = param.shape[1]
-        load_slice(param.data, loaded, 1, self.tp_rank * local, self.input_size, type(self).__name__)
+        load_unpacked(self, param, loaded, shard_id, dim=1, full=self.input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
         y = F.linear(x, self.weight)
