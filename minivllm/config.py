@@ -86,6 +86,9 @@ class SchedulerConfig:
         chunked_prefill: allow a prompt to be computed over several steps.
             Without it a whole (re)computation must fit in one step's budget, so
             ``max_num_batched_tokens >= max_model_len`` is required.
+        async_scheduling: keep one step in flight: schedule and submit step N+1
+            while step N runs (DESIGN.md, "Asynchronous steps"). Outputs are the
+            same as synchronous scheduling's. ``LLM`` turns it on for CUDA.
     """
 
     max_num_seqs: int = 256
@@ -93,6 +96,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     policy: Policy = "mixed"
     chunked_prefill: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -101,6 +105,7 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         _check_bool("chunked_prefill", self.chunked_prefill)
+        _check_bool("async_scheduling", self.async_scheduling)
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len when chunked_prefill is off "

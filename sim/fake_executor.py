@@ -6,6 +6,15 @@ for every sequence that samples, reads the whole context back *through its block
 table* and returns ``fake_next_token(context)``. A paging bug (wrong slot, stale
 block, missing write, block freed too early) changes what is read back, so the
 output differs from the unpaged oracle's. See DESIGN.md, "The fake model".
+
+Steps are deferred as on one CUDA stream: ``submit`` queues a plan, and a step
+is computed, in submission order, when its result (or a later step's) is
+asked for. A plan may feed a sequence the token it sampled in the previous plan
+by reference (``StepPlan.feeds_prev_sample``); it is resolved from this
+executor's own record. Two asynchronous-scheduling bugs are caught here rather
+than left to the outputs: a reference to a token the previous plan did not
+sample, and a plan that hands a block to one sequence while a submitted,
+unfinished step still writes that block for another.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import numpy as np
 import xxhash
 
 from minivllm.engine.plan import StepPlan, StepResult
-from minivllm.executor.inputs import prepare_inputs
+from minivllm.executor.inputs import BatchInputs, prepare_inputs
 
 
 def fake_next_token(context: Sequence[int] | np.ndarray, vocab_size: int) -> int:
@@ -50,23 +59,67 @@ class FakeExecutor:
         # int64 (num_blocks, block_size): token id stored in each slot, -1 = never written.
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.num_steps = 0
+        # Submitted steps whose results were not taken yet, oldest first.
+        self._queue: list[_FakeStep] = []
+        self._last_sampled: dict[int, int] = {}   # the last computed step's samples by sequence
+        self._last_submitted: StepPlan | None = None
 
     def num_kv_blocks(self) -> int:
         """The pool size given at construction."""
         return self.num_blocks
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Write the fed tokens, read back sampling contexts, hash them."""
+        """``submit(plan).result()``."""
+        return self.submit(plan).result()
+
+    def submit(self, plan: StepPlan) -> "_FakeStep":
+        """Check and queue ``plan``; it is computed when a result at or after it is asked for."""
         if plan.block_size != self.block_size:
             raise PagingError(f"plan block_size {plan.block_size} != executor block_size {self.block_size}")
         inputs = prepare_inputs(plan)
-        self._write(inputs.slot_mapping, inputs.input_ids)
+        self._check_references(plan)
+        for earlier in self._queue:
+            _check_no_handover(earlier, plan, inputs)
+        step = _FakeStep(self, plan, inputs)
+        self._queue.append(step)
+        self._last_submitted = plan
+        return step
+
+    def _check_references(self, plan: StepPlan) -> None:
+        """Every token fed by reference was sampled by the previous plan."""
+        if not plan.feeds_prev_sample.any():
+            return
+        prev = self._last_submitted
+        sampled = {sid for sid, s in zip(prev.seq_ids, prev.sample) if s} if prev is not None else set()
+        bad = [sid for sid, r in zip(plan.seq_ids, plan.feeds_prev_sample) if r and sid not in sampled]
+        if bad:
+            raise PagingError(f"plan feeds sequence(s) {bad[:8]} the previous step's sample, "
+                              "but the previous plan did not sample for them")
+
+    def _run_until(self, step: "_FakeStep") -> None:
+        """Compute every queued step up to and including ``step``, in submission order."""
+        for queued in self._queue:
+            if queued.value is None:
+                queued.value = self._compute(queued.plan, queued.inputs)
+            if queued is step:
+                return
+        raise PagingError("result() of a step whose result was already taken")
+
+    def _compute(self, plan: StepPlan, inputs: BatchInputs) -> StepResult:
+        """Write the fed tokens (references resolved), read back sampling contexts, hash them."""
+        ids = inputs.input_ids
+        if plan.feeds_prev_sample.any():
+            ids = ids.copy()
+            refs = np.asarray(plan.seq_ids)[plan.feeds_prev_sample].tolist()
+            ids[plan.prev_sample_slots] = [self._last_sampled[sid] for sid in refs]
+        self._write(inputs.slot_mapping, ids)
         rows = np.flatnonzero(plan.sample)
         contexts = self._read(inputs.block_tables[rows], inputs.kv_lens[rows])
         sampled = {
             plan.seq_ids[r]: fake_next_token(ctx, self.vocab_size)
             for r, ctx in zip(rows.tolist(), contexts)
         }
+        self._last_sampled = sampled
         self.num_steps += 1
         return StepResult(sampled=sampled)
 
@@ -107,3 +160,38 @@ class FakeExecutor:
         # (S, W * block_size): every sequence's slots in position order.
         flat = self.kv[np.where(tables >= 0, tables, 0)].reshape(len(tables), tables.shape[1] * self.block_size)
         return [flat[i, :n] for i, n in enumerate(kv_lens.tolist())]
+
+
+class _FakeStep:
+    """Handle of a submitted fake step: ``result()`` computes it (and the steps before it)."""
+
+    def __init__(self, executor: FakeExecutor, plan: StepPlan, inputs: BatchInputs) -> None:
+        self.executor = executor
+        self.plan = plan
+        self.inputs = inputs
+        self.value: StepResult | None = None
+
+    def result(self) -> StepResult:
+        try:
+            self.executor._run_until(self)
+        finally:  # a step that failed is not retried by the next one
+            if self in self.executor._queue:
+                self.executor._queue.remove(self)
+        assert self.value is not None
+        return self.value
+
+
+def _check_no_handover(running: _FakeStep, plan: StepPlan, inputs: BatchInputs) -> None:
+    """Raise ``PagingError`` if ``plan`` gives a block to a sequence while the unfinished step
+    ``running`` writes it for another sequence."""
+    if not running.inputs.slot_mapping.size or not plan.num_seqs:
+        return
+    writer = running.inputs.slot_mapping // running.plan.block_size          # (T,) block written per token
+    seq_of_token = np.repeat(np.asarray(running.plan.seq_ids), running.plan.query_lens)
+    owner = dict(zip(writer.tolist(), seq_of_token.tolist()))                 # block -> writing sequence
+    for sid, table in zip(plan.seq_ids, plan.block_tables):
+        for block in table:
+            w = owner.get(block)
+            if w is not None and w != sid:
+                raise PagingError(f"block {block} is handed to sequence {sid} while a step in flight "
+                                  f"still writes it for sequence {w}")

@@ -30,6 +30,9 @@ Verdict = Literal["accept", "reject", "either"]
 # A step where requests are unfinished yet nothing is scheduled and nothing is
 # returned is a spin; this many in a row is a liveness violation.
 MAX_IDLE_STEPS = 3
+# After the last output, steps an engine may still need (the step in flight
+# finishing, its blocks freed) before it reports itself idle.
+MAX_DRAIN_STEPS = 2
 
 
 @dataclass
@@ -235,7 +238,14 @@ class _Run:
     def run(self) -> RunResult:
         step, idle = 0, 0
         engine = self.engine
-        while step <= self.trace.last_input_step or self.unfinished:
+        drained_at: int | None = None  # the step when the last output arrived
+        while step <= self.trace.last_input_step or self.unfinished or engine.has_unfinished_requests():
+            if not self.unfinished and step > self.trace.last_input_step:
+                drained_at = step if drained_at is None else drained_at
+                if step - drained_at >= MAX_DRAIN_STEPS:
+                    self.violation(step, f"has_unfinished_requests() still True {MAX_DRAIN_STEPS} "
+                                         "steps after the last output")
+                    break
             if step >= self.max_steps:
                 pending = sorted(self.unfinished)
                 self.violation(step, f"engine did not drain within {self.max_steps} steps; unfinished {pending}")

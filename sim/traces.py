@@ -16,7 +16,8 @@ executor's pool, which the engine adopts when ``cache.num_blocks`` is null.
 arrivals over time, shared prefixes (among live requests and across finished
 ones), prompts that need chunking, pools small enough to preempt and evict,
 aborts of waiting/running/finished requests, eos and stop hits, ``ignore_eos``,
-``max_model_len`` hits and requests that must be rejected when added.
+``max_model_len`` hits and requests that must be rejected when added. Half the
+traces run with asynchronous scheduling (one step in flight).
 """
 
 from __future__ import annotations
@@ -362,6 +363,8 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
     ov = flatten_overrides(overrides or {})
     rng = random.Random(seed)
     c = _draw_config(rng, ov)
+    # Its own stream, so a seed draws the same requests in either mode.
+    c.setdefault("async_scheduling", random.Random(f"async-{seed}").random() < 0.5)
     cache = CacheConfig.from_dict({k: c[k] for k in _CACHE_KEYS})
     sched = SchedulerConfig.from_dict({k: c[k] for k in _SCHED_KEYS})
     num_blocks = cache.num_blocks if cache.num_blocks is not None else c["executor_num_blocks"]

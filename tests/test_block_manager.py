@@ -46,7 +46,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.allocate(seq, hit, n)
         assert free_before - self.bm.num_free_blocks == cost
         seq.num_computed_tokens += n
-        self.bm.register_computed_blocks(seq)
+        self.bm.register_computed_blocks(seq, seq.num_computed_tokens)
         self.live.append(seq)
 
     @precondition(lambda self: bool(self.live))
@@ -62,7 +62,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         self.bm.append_slots(seq, n)
         seq.num_computed_tokens += n
-        self.bm.register_computed_blocks(seq)
+        self.bm.register_computed_blocks(seq, seq.num_computed_tokens)
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -103,7 +103,7 @@ def test_prefix_survives_the_request_and_is_evicted_lru() -> None:
     a = _seq(0, [1, 2, 3, 4, 5])
     bm.allocate(a, [], 5)
     a.num_computed_tokens = 5
-    bm.register_computed_blocks(a)
+    bm.register_computed_blocks(a, a.num_computed_tokens)
     blocks = list(a.block_table)
     bm.free(a)
     assert bm.num_free_blocks == 4
@@ -122,13 +122,13 @@ def test_fully_cached_prompt_recomputes_last_block() -> None:
     a = _seq(0, list(range(8)))
     bm.allocate(a, [], 8)
     a.num_computed_tokens = 8
-    bm.register_computed_blocks(a)
+    bm.register_computed_blocks(a, a.num_computed_tokens)
     b = _seq(1, list(range(8)))
     hit = bm.find_cached_prefix(b)
     assert hit == a.block_table[:1]            # (8 - 1) // 4 = 1 block, last token recomputed
     bm.allocate(b, hit, 8 - 4)
     b.num_computed_tokens = 8
-    bm.register_computed_blocks(b)             # equal block already cached: no double entry
+    bm.register_computed_blocks(b, b.num_computed_tokens)             # equal block already cached: no double entry
     bm.check_invariants([a, b])
 
 
@@ -138,7 +138,7 @@ def test_broken_manager_is_caught() -> None:
     a = _seq(0, [1, 2, 3])
     bm.allocate(a, [], 3)
     a.num_computed_tokens = 3
-    bm.register_computed_blocks(a)
+    bm.register_computed_blocks(a, a.num_computed_tokens)
     bm.free(a)
     bm.block_hash[0] = None  # simulate a stale map entry: the map still points at block 0
     with pytest.raises(InvariantError, match="hash"):

@@ -80,9 +80,14 @@ class BlockManager:
             hit.append(block)
         return hit
 
-    def register_computed_blocks(self, seq: Sequence) -> None:
-        """Offer ``seq``'s newly full, computed blocks to the prefix cache."""
-        num_full = seq.num_computed_tokens // self.block_size
+    def register_computed_blocks(self, seq: Sequence, num_done_tokens: int) -> None:
+        """Offer ``seq``'s newly full blocks among its first ``num_done_tokens`` to the prefix cache.
+
+        ``num_done_tokens`` counts tokens whose K/V a *completed* step wrote (the
+        scheduler advances ``num_computed_tokens`` when it schedules, before the
+        step runs): a block is hittable only once its contents exist.
+        """
+        num_full = num_done_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
             return
         hashes = self._full_block_hashes(seq, num_full)

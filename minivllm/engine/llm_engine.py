@@ -1,6 +1,19 @@
 """The engine loop: requests in, a plan per step to the executor, outputs back.
 
 Pure Python + numpy; the executor behind ``Executor`` does the model work.
+
+Synchronous mode runs each step to completion: schedule, execute, apply.
+Asynchronous mode (``SchedulerConfig.async_scheduling``) keeps one step in
+flight, so the host's scheduling overlaps the device's work::
+
+    step() call k:   schedule N+1 | submit N+1 | wait for N | apply N
+    device:          ... runs N ........|... runs N+1 ......
+
+Step N+1 is planned as if every sequence sampling in N already had its token
+(a *pending* token, fed by reference). Applying N then appends the real
+tokens; a request that ended in N (eos, stop id, abort) has its step-N+1 token
+dropped and keeps its blocks until N+1 completes (``_InFlight.retired``), so
+no block goes to another sequence while a step that writes it may still run.
 """
 
 from __future__ import annotations
@@ -15,20 +28,24 @@ from minivllm.engine.block_manager import InvariantError
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.executor.base import Executor
+from minivllm.executor.base import Executor, StepHandle
 from minivllm.outputs import FinishReason, RequestOutput
 from minivllm.sampling import SamplingParams
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 
+# Finished request ids remembered (to tell "already finished" from "unknown"
+# on abort, and to refuse a reused id); older ones are forgotten.
+MAX_FINISHED_IDS = 100_000
+
 
 @dataclass
 class EngineStats:
-    """Running counters over the engine's life."""
+    """Running counters over the engine's life (the sums of the ``StepRecord`` counters)."""
 
     num_steps: int = 0
-    num_prefill_tokens: int = 0   # tokens computed other than single decode tokens
-    num_decode_tokens: int = 0    # one per sequence per decode step
+    num_prefill_tokens: int = 0   # tokens of chunks that are not decodes
+    num_decode_tokens: int = 0    # one per decode chunk (``is_decode_chunk``)
     num_cached_tokens: int = 0    # prompt tokens served by the prefix cache
     num_preemptions: int = 0
     num_chunked_prefills: int = 0  # scheduled sequences that got a partial chunk
@@ -43,13 +60,27 @@ class StepRecord:
     preempted: tuple[str, ...]
     finished: dict[str, tuple[int, ...]] = field(default_factory=dict)
     num_free_blocks: int = 0
+    num_prefill_tokens: int = 0               # this step's share of EngineStats
+    num_decode_tokens: int = 0
+
+
+@dataclass
+class _InFlight:
+    """A submitted step whose result has not been applied yet."""
+
+    out: SchedulerOutput
+    handle: StepHandle
+    seq_ids: frozenset[int]
+    # Sequences that finished (or were aborted) while this step may still write
+    # their blocks: freed when it completes.
+    retired: list[Sequence] = field(default_factory=list)
 
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     Args:
-        scheduler_config: batching limits and policy.
+        scheduler_config: batching limits, policy and synchronous/asynchronous steps.
         cache_config: block size, pool size (None: ask the executor), prefix caching.
         executor: computes the planned tokens (fake numpy model or real model).
         eos_token_id: ends a request (unless its params say ``ignore_eos``).
@@ -71,9 +102,11 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks)
         self.requests: dict[str, Sequence] = {}   # unfinished requests by id
-        self._finished_ids: set[str] = set()
+        self._finished_ids: dict[str, None] = {}  # insertion-ordered, at most MAX_FINISHED_IDS
         self._pending_outputs: list[RequestOutput] = []  # aborts, returned by the next step()
         self._next_seq_id = 0
+        self._inflight: _InFlight | None = None
+        self._drain_first = False   # the last schedule was blocked: complete the in-flight step first
         self.stats = EngineStats()
         self.last_step: StepRecord | None = None
         self._last_out: SchedulerOutput | None = None
@@ -82,19 +115,28 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks
 
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduler_config.async_scheduling
+
     # ---- requests -----------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
                     sampling_params: SamplingParams | None = None) -> None:
         """Queue a request; raises ``ValueError``/``TypeError`` (nothing queued) if it can never run."""
         params = SamplingParams() if sampling_params is None else sampling_params
-        self._validate_request(request_id, prompt_token_ids, params)
+        self.validate_request(request_id, prompt_token_ids, params)
         seq = Sequence(self._next_seq_id, request_id, [int(t) for t in prompt_token_ids], params)
         self._next_seq_id += 1
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def _validate_request(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
+    def validate_request(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
+        """Raise ``ValueError``/``TypeError`` if ``add_request`` would refuse this request.
+
+        The one admission check: front ends call it for every prompt of a batch
+        before queuing any.
+        """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests or request_id in self._finished_ids:
@@ -129,20 +171,36 @@ class LLMEngine:
             if request_id in self._finished_ids:
                 return False
             raise ValueError(f"abort_request: unknown request id {request_id!r}")
-        self.scheduler.finish(seq)
         seq.finish_reason = "abort"
-        self._finished_ids.add(request_id)
+        self._retire(seq)
         self._pending_outputs.append(self._output(seq))
         self.stats.num_aborts += 1
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        """Whether ``step()`` has more to do: requests, undelivered outputs or a step in flight."""
+        return bool(self.requests) or bool(self._pending_outputs) or self._inflight is not None
+
+    def _retire(self, seq: Sequence) -> None:
+        """Take a finished or aborted ``seq`` out of the engine; free its blocks when no step in
+        flight writes them, else when that step completes."""
+        inflight = self._inflight
+        if inflight is not None and seq.seq_id in inflight.seq_ids:
+            self.scheduler.finish(seq, free_blocks=False)
+            inflight.retired.append(seq)
+        else:
+            self.scheduler.finish(seq)
+        self._finished_ids[seq.request_id] = None
+        if len(self._finished_ids) > MAX_FINISHED_IDS:
+            del self._finished_ids[next(iter(self._finished_ids))]
 
     # ---- the step -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute and apply one step; returns requests finished since the last step.
+        """Schedule and submit one step and apply the previous one; returns requests finished since.
+
+        Synchronously, the step submitted is also the one applied. With one
+        step in flight, the step submitted now is applied by the next call.
 
         Raises:
             RuntimeError: nothing could be scheduled or preempted although requests
@@ -150,75 +208,99 @@ class LLMEngine:
                 or the executor's result does not match the plan.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
-        out = self.scheduler.schedule()
+        if self._drain_first and self._inflight is not None:
+            outputs.extend(self._complete(self._take_inflight()))
+        out = self.scheduler.schedule(can_preempt=self._inflight is None)
+        self._drain_first = out.blocked
         self._last_out = out
-        if not out.scheduled:
-            if self.scheduler.has_unfinished() and not out.preempted:
-                bm = self.scheduler.block_manager
-                raise RuntimeError(
-                    f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
-                    f"{len(self.scheduler.running)} running, {bm.num_free_blocks} of "
-                    f"{bm.num_blocks} blocks free")
-            self._record(out, outputs)
-            return outputs
-        plan = self._build_plan(out)
-        result = self.executor.execute(plan)
-        self._check_result(plan, result)
-        outputs.extend(self._apply(out, result))
+        if not out.scheduled and self._inflight is None:
+            self._check_progress(out)
+        previous = self._take_inflight()
+        if out.scheduled:
+            plan = self._build_plan(out)
+            self._inflight = _InFlight(out, self.executor.submit(plan), frozenset(plan.seq_ids))
+        if previous is not None:
+            outputs.extend(self._complete(previous))
+        if not self.async_scheduling and self._inflight is not None:
+            outputs.extend(self._complete(self._take_inflight()))
         self._record(out, outputs)
         return outputs
 
+    def _take_inflight(self) -> _InFlight | None:
+        step, self._inflight = self._inflight, None
+        return step
+
+    def _check_progress(self, out: SchedulerOutput) -> None:
+        if self.scheduler.has_unfinished() and not out.preempted:
+            bm = self.scheduler.block_manager
+            raise RuntimeError(
+                f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
+                f"{len(self.scheduler.running)} running, {bm.num_free_blocks} of "
+                f"{bm.num_blocks} blocks free")
+
+    def _complete(self, step: _InFlight) -> list[RequestOutput]:
+        """Wait for ``step``, free what it retired, apply its samples."""
+        result = step.handle.result()
+        for seq in step.retired:
+            self.scheduler.block_manager.free(seq)
+        return self._apply(step.out, result)
+
     def _build_plan(self, out: SchedulerOutput) -> StepPlan:
-        seqs = [s for s, _ in out.scheduled]
-        starts = [s.num_computed_tokens for s in seqs]
-        chunks = [s.token_ids[c:c + n] for (s, n), c in zip(out.scheduled, starts)]
+        chunks, refs = [], []
+        for c in out.scheduled:
+            known = c.seq.token_ids
+            # A chunk past the known tokens ends with the pending token of the step in flight.
+            ref = c.end > len(known)
+            chunks.append(known[c.start:c.end] + [-1] if ref else known[c.start:c.end])
+            refs.append(ref)
         return StepPlan.build(
-            seq_ids=[s.seq_id for s in seqs],
+            seq_ids=[c.seq.seq_id for c in out.scheduled],
             token_chunks=chunks,
-            start_positions=starts,
-            block_tables=[tuple(s.block_table) for s in seqs],
-            sample=[c + n == s.num_tokens for (s, n), c in zip(out.scheduled, starts)],
-            sampling_params=[s.sampling_params for s in seqs],
+            start_positions=[c.start for c in out.scheduled],
+            block_tables=[tuple(c.seq.block_table) for c in out.scheduled],
+            sample=[c.samples for c in out.scheduled],
+            sampling_params=[c.seq.sampling_params for c in out.scheduled],
             block_size=self.cache_config.block_size,
+            feeds_prev_sample=refs,
         )
 
     @staticmethod
-    def _check_result(plan: StepPlan, result: StepResult) -> None:
-        expected = {sid for sid, smp in zip(plan.seq_ids, plan.sample) if smp}
+    def _check_result(out: SchedulerOutput, result: StepResult) -> None:
+        expected = {c.seq.seq_id for c in out.scheduled if c.samples}
         if set(result.sampled) != expected:
             raise RuntimeError(f"executor sampled for sequences {sorted(result.sampled)}, "
                                f"the plan asked for {sorted(expected)}")
 
     def _apply(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        """Advance computed tokens, cache full blocks, append samples, finish requests."""
+        """Cache the step's full blocks, resolve pending tokens, finish requests."""
+        self._check_result(out, result)
         bm = self.scheduler.block_manager
         finished = []
-        for seq, n in out.scheduled:
-            decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-            if decode:
-                self.stats.num_decode_tokens += 1
-            else:
-                self.stats.num_prefill_tokens += n
-            seq.num_computed_tokens += n
-            bm.register_computed_blocks(seq)
-            token = result.sampled.get(seq.seq_id)
-            if token is None:
+        for c in out.scheduled:
+            seq = c.seq
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted while the step ran: its sample is dropped
+            bm.register_computed_blocks(seq, c.end)
+            if not c.samples:
                 continue
+            token = result.sampled[seq.seq_id]
+            seq.num_pending_tokens -= 1
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
-                self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
-                self._finished_ids.add(seq.request_id)
+                self._retire(seq)  # a pending token of the step in flight is dropped
                 finished.append(self._output(seq))
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Judged on the known tokens only (a pending one is not there yet)."""
         p = seq.sampling_params
         if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.scheduler_config.max_model_len:
+        known = len(seq.token_ids)
+        if known - seq.num_prompt_tokens >= p.max_tokens or known >= self.scheduler_config.max_model_len:
             return "length"
         return None
 
@@ -229,16 +311,22 @@ class LLMEngine:
                              seq.output_token_ids, seq.finish_reason)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        decode = sum(c.is_decode for c in out.scheduled)
+        prefill = out.num_tokens - decode
         s = self.stats
         s.num_steps += 1
         s.num_preemptions += len(out.preempted)
         s.num_chunked_prefills += out.num_chunked
         s.num_cached_tokens += out.num_cached_tokens
+        s.num_prefill_tokens += prefill
+        s.num_decode_tokens += decode
         self.last_step = StepRecord(
-            scheduled={seq.request_id: n for seq, n in out.scheduled},
+            scheduled={c.seq.request_id: c.num_tokens for c in out.scheduled},
             preempted=tuple(seq.request_id for seq in out.preempted),
             finished={o.request_id: o.token_ids for o in outputs},
             num_free_blocks=self.num_free_blocks,
+            num_prefill_tokens=prefill,
+            num_decode_tokens=decode,
         )
 
     # ---- invariants ---------------------------------------------------------
@@ -253,18 +341,37 @@ class LLMEngine:
         if queued != self.requests.keys():
             raise InvariantError(f"queues {sorted(queued)} differ from unfinished {sorted(self.requests)}")
         for s in waiting:
-            if s.status is not SequenceStatus.WAITING or s.block_table or s.num_computed_tokens:
+            if (s.status is not SequenceStatus.WAITING or s.block_table or s.num_computed_tokens
+                    or s.num_pending_tokens):
                 raise InvariantError(f"{s}: a waiting (or preempted) sequence is not bare")
         for s in running:
             if s.status is not SequenceStatus.RUNNING or s.num_uncomputed_tokens < 1:
                 raise InvariantError(f"{s}: running but not RUNNING, or nothing left to compute")
+            # The last token a request may have is sampled, never fed: nothing is scheduled past it.
+            last = min(s.num_prompt_tokens + s.sampling_params.max_tokens, cfg.max_model_len) - 1
+            if s.num_computed_tokens > last:
+                raise InvariantError(f"{s}: scheduled past its last token (position {last})")
         if len(running) > cfg.max_num_seqs:
             raise InvariantError(f"{len(running)} running > max_num_seqs {cfg.max_num_seqs}")
-        sched.block_manager.check_invariants(running)
+        self._check_pending(running)
+        retired = self._inflight.retired if self._inflight is not None else []
+        sched.block_manager.check_invariants(running + retired)
         self._check_last_step()
         bm = sched.block_manager
-        if not self.requests and (bm.num_free_blocks != bm.num_blocks or any(bm.ref_counts)):
+        if not self.has_unfinished_requests() and (bm.num_free_blocks != bm.num_blocks or any(bm.ref_counts)):
             raise InvariantError("engine idle but blocks are still held")
+
+    def _check_pending(self, running: list[Sequence]) -> None:
+        """A running sequence's pending tokens are exactly its samples in the step in flight."""
+        sampling = set()
+        if self._inflight is not None:
+            sampling = {c.seq.seq_id for c in self._inflight.out.scheduled if c.samples}
+            if any(s.status is not SequenceStatus.FINISHED for s in self._inflight.retired):
+                raise InvariantError("a retired sequence is not finished")
+        for s in running:
+            if s.num_pending_tokens != (s.seq_id in sampling):
+                raise InvariantError(f"{s}: {s.num_pending_tokens} pending tokens, "
+                                     f"{'one' if s.seq_id in sampling else 'no'} sample in flight")
 
     def _check_last_step(self) -> None:
         out, cfg = self._last_out, self.scheduler_config
@@ -274,7 +381,7 @@ class LLMEngine:
             raise InvariantError(f"step scheduled {out.num_tokens} tokens > budget {cfg.max_num_batched_tokens}")
         if len(out.scheduled) > cfg.max_num_seqs:
             raise InvariantError("step scheduled more than max_num_seqs sequences")
-        if any(n < 1 for _, n in out.scheduled):
+        if any(c.num_tokens < 1 for c in out.scheduled):
             raise InvariantError("a scheduled sequence got 0 tokens")
         if any(s.status is SequenceStatus.WAITING and s.block_table for s in out.preempted):
             raise InvariantError("a preempted sequence still holds blocks")

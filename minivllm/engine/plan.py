@@ -17,6 +17,11 @@ Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
     block_tables     B tuples, block ids covering start_positions + query_lens tokens
     sample           (B,)  True where the last fed token is the sequence's last
                            token, so the step produces its next token
+    feeds_prev_sample (B,) True where the sequence's last fed token is the token
+                           it sampled in the PREVIOUS plan (asynchronous
+                           scheduling: the value is not known when this plan is
+                           built); token_ids holds -1 there and the executor
+                           fills it in from its own record, e.g. a device buffer
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class StepPlan:
     sampling_params: tuple[SamplingParams, ...]
     # Tokens per KV block.
     block_size: int
+    # bool (B,): the last fed token is this sequence's sample of the previous plan.
+    feeds_prev_sample: np.ndarray
 
     @staticmethod
     def build(
@@ -64,8 +71,12 @@ class StepPlan:
         sample: list[bool],
         sampling_params: list[SamplingParams],
         block_size: int,
+        feeds_prev_sample: list[bool] | None = None,
     ) -> "StepPlan":
-        """Assemble a plan from per-sequence lists (one concatenation, no per-token loop)."""
+        """Assemble a plan from per-sequence lists (one concatenation, no per-token loop).
+
+        A chunk whose sequence ``feeds_prev_sample`` ends with the placeholder -1.
+        """
         lens = np.fromiter((len(c) for c in token_chunks), dtype=np.int32, count=len(token_chunks))
         flat = np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=int(lens.sum()))
         return StepPlan(
@@ -77,7 +88,15 @@ class StepPlan:
             sample=_frozen(np.asarray(sample, dtype=bool)),
             sampling_params=tuple(sampling_params),
             block_size=block_size,
+            feeds_prev_sample=_frozen(np.asarray(
+                feeds_prev_sample if feeds_prev_sample is not None else [False] * len(seq_ids), dtype=bool)),
         )
+
+    @property
+    def prev_sample_slots(self) -> np.ndarray:
+        """int64 (R,): indices into ``token_ids`` of the tokens fed by reference."""
+        ends = np.cumsum(self.query_lens, dtype=np.int64) - 1
+        return ends[self.feeds_prev_sample]
 
     @property
     def num_seqs(self) -> int:
@@ -88,8 +107,10 @@ class StepPlan:
         return int(self.token_ids.shape[0])
 
     @property
-    def is_decode_only(self) -> bool:
-        """Every sequence feeds exactly one token (the CUDA-graph path)."""
+    def one_token_per_seq(self) -> bool:
+        """Every sequence feeds exactly one token: the shape of the decode kernel and
+        of the CUDA graphs. Whether a chunk *is* a decode is the question of
+        ``is_decode_chunk``; a 1-token prefill remainder has this shape too."""
         return bool(np.all(self.query_lens == 1))
 
 

@@ -17,6 +17,14 @@ When a running sequence needs a block and none is free, the *tail* of the
 running queue (the most recently admitted sequence) is preempted by recompute:
 its blocks are freed and it restarts later from its cache-hit prefix. If the
 tail is the sequence itself, it preempts itself and stops the phase.
+
+Scheduling a chunk advances the sequence at once (``num_computed_tokens``
+grows, and a chunk that samples adds a pending token), so the next step can be
+planned before this one has run (asynchronous scheduling). While a step is in
+flight nothing is preempted (``can_preempt=False``): that step may still write
+the victim's blocks, which must not go to another sequence. A shortage then
+stops the phase (``blocked``) and the engine completes the in-flight step
+before scheduling again.
 """
 
 from __future__ import annotations
@@ -26,17 +34,35 @@ from dataclasses import dataclass, field
 
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.sequence import Sequence, SequenceStatus, is_decode_chunk
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One sequence's share of a step, fixed when it was scheduled."""
+
+    seq: Sequence
+    start: int        # position of the first fed token (tokens computed before)
+    num_tokens: int   # tokens fed this step (>= 1)
+    samples: bool     # the chunk reaches the sequence's end: the step samples its next token
+    is_decode: bool   # ``is_decode_chunk``: one sampled token fed back
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     """The decisions of one ``schedule()`` call."""
 
-    # (sequence, number of its tokens to compute this step), in batch order.
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    # One chunk per scheduled sequence, in batch order.
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
     # Sequences preempted (sent back to waiting) during this call.
     preempted: list[Sequence] = field(default_factory=list)
+    # A sequence needed blocks that only preemption could free, and preemption
+    # was not allowed (a step is in flight).
+    blocked: bool = False
     # Sequences that got fewer tokens than they have uncomputed (a prefill chunk).
     num_chunked: int = 0
     # Tokens still allowed this step (starts at max_num_batched_tokens).
@@ -46,7 +72,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(c.num_tokens for c in self.scheduled)
 
 
 class Scheduler:
@@ -59,6 +85,7 @@ class Scheduler:
                                           cache_config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._can_preempt = True
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,9 +95,14 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch (see the module docstring for the policies)."""
+    def schedule(self, can_preempt: bool = True) -> SchedulerOutput:
+        """Pick this step's batch (see the module docstring for the policies).
+
+        Args:
+            can_preempt: False while a submitted step may still write blocks.
+        """
         out = SchedulerOutput(budget=self.config.max_num_batched_tokens)
+        self._can_preempt = can_preempt
         if self.config.policy == "prefill_first":
             self._schedule_running(out, prefill_only=True)
             self._schedule_waiting(out)
@@ -93,21 +125,35 @@ class Scheduler:
         while i < len(self.running) and out.budget > 0:
             seq = self.running[i]
             i += 1
-            remaining = seq.num_uncomputed_tokens
-            if prefill_only and remaining <= 1:
+            if (prefill_only and seq.is_decoding) or self._done_when_resolved(seq):
                 continue
+            remaining = seq.num_uncomputed_tokens
             n = self._num_new_tokens(remaining, out.budget)
             if n == 0:
                 continue
             if not self._make_room(seq, n, out):
-                break  # seq preempted itself: everything after it is gone too
+                break  # seq preempted itself (everything after it is gone too) or is blocked
             self.block_manager.append_slots(seq, n)
             self._take(out, seq, n, remaining)
 
+    def _done_when_resolved(self, seq: Sequence) -> bool:
+        """Its pending token is its last allowed one: nothing is scheduled past a request's end."""
+        if not seq.num_pending_tokens:
+            return False
+        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.config.max_model_len)
+
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Preempt tail sequences until ``seq`` can grow by ``n`` tokens; False if it preempted itself."""
+        """Preempt tail sequences until ``seq`` can grow by ``n`` tokens.
+
+        Returns False if ``seq`` preempted itself, or if room was short and
+        preemption is not allowed now (``out.blocked``).
+        """
         bm = self.block_manager
         need = bm.blocks_needed(seq, n)  # fixed while others are preempted: only the pool grows
+        if need > bm.num_free_blocks and not self._can_preempt:
+            out.blocked = True
+            return False
         while need > bm.num_free_blocks:
             victim = self.running.pop()
             self._preempt(victim, out)
@@ -122,10 +168,11 @@ class Scheduler:
         preempted sequence (now at the front of waiting) must not churn back in.
         """
         bm = self.block_manager
-        if out.preempted:
+        if out.preempted or out.blocked:
             return
         while self.waiting and out.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            assert not seq.num_pending_tokens, "a waiting sequence's tokens are all known"
             hit = bm.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(hit) * bm.block_size
             n = self._num_new_tokens(remaining, out.budget)
@@ -140,9 +187,15 @@ class Scheduler:
 
     @staticmethod
     def _take(out: SchedulerOutput, seq: Sequence, n: int, remaining: int) -> None:
-        out.scheduled.append((seq, n))
-        out.num_chunked += n < remaining
+        """Record the chunk and advance ``seq`` past it (a sampling chunk adds a pending token)."""
+        start = seq.num_computed_tokens
+        samples = n == remaining
+        out.scheduled.append(ScheduledChunk(seq, start, n, samples,
+                                            is_decode_chunk(start, n, seq.num_prompt_tokens)))
+        out.num_chunked += not samples
         out.budget -= n
+        seq.num_computed_tokens += n
+        seq.num_pending_tokens += samples
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
@@ -152,11 +205,13 @@ class Scheduler:
 
     # ---- after the step -----------------------------------------------------
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence from its queue and free its blocks."""
+    def finish(self, seq: Sequence, free_blocks: bool = True) -> None:
+        """Remove a finished or aborted sequence from its queue; free its blocks unless a
+        step in flight may still write them (then the caller frees them later)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -8,6 +8,18 @@ from minivllm.outputs import FinishReason
 from minivllm.sampling import SamplingParams
 
 
+def is_decode_chunk(start: int, num_tokens: int, num_prompt_tokens: int) -> bool:
+    """THE definition of a decode: a chunk of one token past the prompt.
+
+    A chunk feeding ``num_tokens`` tokens from position ``start`` is a decode
+    when it feeds exactly one token that the model sampled (``start >=
+    num_prompt_tokens``). The 1-token remainder of a chunked prompt is prefill.
+    The scheduler's ``prefill_first`` policy, the engine's statistics and the
+    trace records all use this function.
+    """
+    return num_tokens == 1 and start >= num_prompt_tokens
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"    # in the waiting queue; holds no blocks
     RUNNING = "running"    # in the running queue; holds blocks covering its computed tokens
@@ -22,13 +34,20 @@ class Sequence:
     are in the cache) catches up with ``num_tokens``. Each step feeds some of
     the uncomputed tokens; when the fed tokens reach the end, the step samples
     one more token, which is appended (uncomputed) and fed next step.
+
+    With one step in flight (asynchronous scheduling) a sampled token is known
+    one step late: ``num_pending_tokens`` counts tokens sampled by submitted
+    steps whose values have not come back. They count in ``num_tokens`` (the
+    next step is planned as if they were there, feeding them by reference) but
+    not in ``token_ids``. Synchronous engines never have pending tokens.
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)   # known tokens only
+        self.num_pending_tokens = 0
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
@@ -45,11 +64,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known plus pending tokens: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Completion tokens, pending ones included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
@@ -57,7 +78,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its next chunk is a decode: see ``is_decode_chunk``."""
+        return is_decode_chunk(self.num_computed_tokens, self.num_uncomputed_tokens, self.num_prompt_tokens)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, id={self.seq_id}, {self.status.value}, "

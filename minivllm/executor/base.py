@@ -8,18 +8,44 @@ from minivllm.engine.plan import StepPlan, StepResult
 
 
 @runtime_checkable
+class StepHandle(Protocol):
+    """A submitted step; ``result()`` waits for it (steps complete in submission order)."""
+
+    def result(self) -> StepResult:
+        """Block until the step has run; return what it sampled."""
+        ...
+
+
+@runtime_checkable
 class Executor(Protocol):
     """Runs planned steps over a paged KV cache it owns.
 
     The engine asks ``num_kv_blocks`` once at start-up (the pool the executor
-    has room for; the CUDA executor sizes it from free memory) and then calls
-    ``execute`` once per step.
+    has room for; the CUDA executor sizes it from free memory) and then, per
+    step, either ``execute(plan)`` (synchronous) or ``submit(plan)`` and later
+    ``handle.result()`` (one step ahead). Steps run in submission order, as on
+    one CUDA stream, so a plan may feed a sequence the token it sampled in the
+    previous plan by reference (``StepPlan.feeds_prev_sample``).
     """
 
     def num_kv_blocks(self) -> int:
         """How many KV blocks of the engine's block size the executor holds."""
         ...
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Write the plan's K/V, run the model, sample for ``plan.sample`` rows."""
+    def submit(self, plan: StepPlan) -> StepHandle:
+        """Start the step (write the plan's K/V, run the model, sample) without waiting for it."""
         ...
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """``submit(plan).result()``."""
+        ...
+
+
+class DoneStep:
+    """The handle of a step that already ran (executors that compute on submit)."""
+
+    def __init__(self, result: StepResult) -> None:
+        self._result = result
+
+    def result(self) -> StepResult:
+        return self._result
