@@ -312,7 +312,7 @@ class ModelExecutor:
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu_q.to(torch.int32), kv_lens=kv_lens.to(torch.int32),
             block_tables=tables.to(torch.int32), max_q_len=inputs.max_q_len,
-            is_decode=plan.is_decode_only, kv_cache=self.kv_cache)
+            is_decode=plan.one_token_per_seq, kv_cache=self.kv_cache)
         batch = DeviceBatch(input_ids=ids, positions=pos, sample_indices=sample, attn_metadata=meta)
         return batch, inputs
 
