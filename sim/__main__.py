@@ -85,7 +85,7 @@ def _summary(totals: dict[str, int], traces: int, seconds: float, failures: int)
     t = totals
     prompt_work = t["prefill_tokens"] + t["cached_tokens"]
     rows = [
-        ("traces", f"{traces:,}"),
+        ("traces", f"{traces:,} ({t['async_traces']:,} with one step in flight)"),
         ("requests", f"{t['requests']:,} (+{t['rejected']:,} rejected at add)"),
         ("steps", f"{t['steps']:,}"),
         ("steps/s", f"{t['steps'] / max(seconds, 1e-9):,.0f}  ({seconds:.1f} s)"),
@@ -108,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     progress = Progress(args.traces, sys.stderr) if not args.quiet else None
     # Only totals are kept: holding every result would grow the heap the GC walks.
-    totals = dict.fromkeys(COUNTERS + ("violations",), 0)
+    totals = dict.fromkeys(COUNTERS + ("violations", "async_traces"), 0)
     failures = done = 0
     start = time.perf_counter()
     for i in range(args.traces):
@@ -119,6 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for k in COUNTERS:
             totals[k] += getattr(result, k)
         totals["violations"] += len(result.violations)
+        totals["async_traces"] += trace.scheduler.async_scheduling
         if not result.ok:
             failures += 1
             path = trace.save(out_dir / f"trace-{seed}.jsonl")

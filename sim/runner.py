@@ -220,7 +220,8 @@ class _Run:
             self.violation(step, f"last_step.num_free_blocks {rec.num_free_blocks} != {self.engine.num_free_blocks}")
         self.result.preemptions += len(rec.preempted)
         return ExpectEvent(step, dict(rec.scheduled), tuple(rec.preempted),
-                           {k: tuple(v) for k, v in rec.finished.items()}, rec.num_free_blocks)
+                           {k: tuple(v) for k, v in rec.finished.items()}, rec.num_free_blocks,
+                           rec.num_prefill_tokens, rec.num_decode_tokens)
 
     def compare(self, step: int, got: ExpectEvent) -> None:
         if self.result.mismatch is not None:
@@ -229,7 +230,10 @@ class _Run:
         if want is None:
             self.result.mismatch_step, self.result.mismatch = step, "the trace has no expectation for this step"
             return
-        for name in ("scheduled", "preempted", "finished", "free_blocks"):
+        names = ["scheduled", "preempted", "finished", "free_blocks"]
+        if want.prefill_tokens is not None:  # older traces carry no counters
+            names += ["prefill_tokens", "decode_tokens"]
+        for name in names:
             if getattr(want, name) != getattr(got, name):
                 self.result.mismatch_step = step
                 self.result.mismatch = f"{name}: expected {getattr(want, name)}, got {getattr(got, name)}"

@@ -62,15 +62,21 @@ class ExpectEvent:
     preempted: tuple[str, ...]
     finished: dict[str, tuple[int, ...]]
     free_blocks: int
+    # The step's token counters (``StepRecord``); None in traces recorded before they existed.
+    prefill_tokens: int | None = None
+    decode_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSONL line of this event."""
-        return {
+        d: dict[str, Any] = {
             "step": self.step, "op": "expect", "scheduled": dict(self.scheduled),
             "preempted": list(self.preempted),
             "finished": {k: list(v) for k, v in self.finished.items()},
             "free_blocks": self.free_blocks,
         }
+        if self.prefill_tokens is not None:
+            d["prefill_tokens"], d["decode_tokens"] = self.prefill_tokens, self.decode_tokens
+        return d
 
 
 InputEvent = Union[AddEvent, AbortEvent]
@@ -198,12 +204,16 @@ def _parse_event(d: Mapping[str, Any], where: str) -> InputEvent | ExpectEvent:
         _check_keys(d, {"step", "op", "request_id"}, set(), where)
         return AbortEvent(int(d["step"]), str(d["request_id"]))
     if op == "expect":
-        _check_keys(d, {"step", "op", "scheduled", "preempted", "finished", "free_blocks"}, set(), where)
+        _check_keys(d, {"step", "op", "scheduled", "preempted", "finished", "free_blocks"},
+                    {"prefill_tokens", "decode_tokens"}, where)
+        counters = [d.get(k) for k in ("prefill_tokens", "decode_tokens")]
+        if (counters[0] is None) != (counters[1] is None):
+            raise ValueError(f"{where}: prefill_tokens and decode_tokens come together")
         return ExpectEvent(
             int(d["step"]), {str(k): int(v) for k, v in d["scheduled"].items()},
             tuple(str(r) for r in d["preempted"]),
             {str(k): tuple(int(t) for t in v) for k, v in d["finished"].items()},
-            int(d["free_blocks"]),
+            int(d["free_blocks"]), *(None if c is None else int(c) for c in counters),
         )
     raise ValueError(f"{where}: unknown op {op!r}")
 

@@ -8,6 +8,7 @@ To re-record one after an intended scheduler change:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -47,10 +48,24 @@ def test_replay_matches(path: Path) -> None:
     assert not result.violations, result.violations
 
 
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_golden_inputs_in_the_other_mode(path: Path) -> None:
+    """Decisions differ between modes, outputs do not: each golden trace's inputs run in the
+    other mode too, judged by the oracle and the invariants."""
+    trace = load(path)
+    other = dataclasses.replace(trace, expects=(), scheduler=dataclasses.replace(
+        trace.scheduler, async_scheduling=not trace.scheduler.async_scheduling))
+    result = run_trace(other)
+    assert result.ok, result.violations
+
+
 def test_golden_set_is_present() -> None:
     names = {p.stem for p in FILES}
     assert {"pool_full_at_next_token", "budget_cuts_prefill_batch", "budget_cuts_prefill_batch_chunked",
-            "tail_preemption_most_recent", "shared_prefix_three_seqs", "append_boundary_new_block"} <= names
+            "tail_preemption_most_recent", "shared_prefix_three_seqs", "append_boundary_new_block",
+            "exact_budget_fit", "prefill_remainder_one_token", "async_free_retired_after_step",
+            "async_no_preemption_in_flight", "async_nothing_past_max_tokens", "async_abort_drops_sample",
+            "async_register_after_step"} <= names
 
 
 def test_pool_full_at_next_token_preempts_instead_of_losing() -> None:
@@ -101,3 +116,16 @@ def test_append_at_block_boundary_needs_a_new_block() -> None:
     s1 = step(trace, 1)
     assert s1.scheduled == {"a": 1} and s1.preempted == ("b",) and s1.free_blocks == 1
     assert {o.finish_reason for o in result.outputs.values()} == {"length"}
+
+
+def test_exact_budget_fit_is_scheduled_in_the_same_step() -> None:
+    trace, _ = replay("exact_budget_fit")
+    s1 = step(trace, 1)
+    assert s1.scheduled == {"a": 1, "b": 7}
+    assert (s1.prefill_tokens, s1.decode_tokens) == (7, 1)
+
+
+def test_one_token_prefill_remainder_is_prefill() -> None:
+    trace, result = replay("prefill_remainder_one_token")
+    assert [(e.prefill_tokens, e.decode_tokens) for e in trace.expects] == [(5, 0), (1, 0), (0, 1), (0, 1)]
+    assert (result.prefill_tokens, result.decode_tokens) == (6, 2)

@@ -17,7 +17,7 @@ from sim.runner import record_trace, run_trace
 from sim.traces import generate_trace, load
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACES_PER_CONFIG = 250  # x 8 configs = 2,000 traces per run
+TRACES_PER_CONFIG = 250  # x 8 configs = 2,000 traces per run (all async, 500 also sync)
 CONFIGS = list(itertools.product(("prefill_first", "mixed"), (True, False), (True, False)))
 
 
@@ -29,11 +29,20 @@ def test_random_traces(policy: str, prefix: bool, chunked: bool, tmp_path: Path)
     base = 10_000 * (1 + CONFIGS.index((policy, prefix, chunked)))
     totals = dict(preemptions=0, cached_tokens=0, chunked_prefills=0, aborts=0, rejected=0)
     for seed in range(base, base + TRACES_PER_CONFIG):
-        trace = generate_trace(seed, overrides)
-        result = run_trace(trace)
-        if not result.ok:
-            path = trace.save(tmp_path / f"trace-{seed}.jsonl")
-            pytest.fail(f"trace seed {seed} ({overrides}) saved to {path}:\n" + "\n".join(result.violations[:5]))
+        # Every trace with one step in flight; every fourth also synchronously, outputs compared.
+        modes = (True, False) if seed % 4 == 0 else (True,)
+        outputs = []
+        for mode in modes:
+            trace = generate_trace(seed, {**overrides, "async_scheduling": mode})
+            result = run_trace(trace)
+            if not result.ok:
+                path = trace.save(tmp_path / f"trace-{seed}.jsonl")
+                pytest.fail(f"trace seed {seed} ({overrides}, async {mode}) saved to {path}:\n"
+                            + "\n".join(result.violations[:5]))
+            outputs.append({k: (o.token_ids, o.finish_reason) for k, o in result.outputs.items()
+                            if o.finish_reason != "abort"})
+        finished_in_both = outputs[0].keys() & outputs[-1].keys()
+        assert all(outputs[0][k] == outputs[-1][k] for k in finished_in_both), seed
         for k in totals:
             totals[k] += getattr(result, k)
     assert totals["preemptions"] > 0 and totals["aborts"] > 0 and totals["rejected"] > 0, totals

@@ -347,10 +347,6 @@ class LLMEngine:
         for s in running:
             if s.status is not SequenceStatus.RUNNING or s.num_uncomputed_tokens < 1:
                 raise InvariantError(f"{s}: running but not RUNNING, or nothing left to compute")
-            # The last token a request may have is sampled, never fed: nothing is scheduled past it.
-            last = min(s.num_prompt_tokens + s.sampling_params.max_tokens, cfg.max_model_len) - 1
-            if s.num_computed_tokens > last:
-                raise InvariantError(f"{s}: scheduled past its last token (position {last})")
         if len(running) > cfg.max_num_seqs:
             raise InvariantError(f"{len(running)} running > max_num_seqs {cfg.max_num_seqs}")
         self._check_pending(running)
@@ -383,5 +379,12 @@ class LLMEngine:
             raise InvariantError("step scheduled more than max_num_seqs sequences")
         if any(c.num_tokens < 1 for c in out.scheduled):
             raise InvariantError("a scheduled sequence got 0 tokens")
+        for c in out.scheduled:
+            # A request's last token is sampled, never fed: nothing is scheduled past it.
+            s = c.seq
+            last = min(s.num_prompt_tokens + s.sampling_params.max_tokens, cfg.max_model_len) - 1
+            if c.end > last:
+                raise InvariantError(f"{s}: scheduled up to position {c.end - 1}, past its last fed "
+                                     f"position {last - 1}")
         if any(s.status is SequenceStatus.WAITING and s.block_table for s in out.preempted):
             raise InvariantError("a preempted sequence still holds blocks")
