@@ -42,7 +42,9 @@ def main() -> None:
     from minivllm import LLM, SamplingParams
     from minivllm.layers import sampler as sampler_mod
 
-    llm = LLM(write_random_qwen3(args.model_dir), max_num_seqs=max(args.batch, 1), max_model_len=2048)
+    # Synchronous: the phase timers synchronise the device, which one step in flight cannot survive.
+    llm = LLM(write_random_qwen3(args.model_dir), max_num_seqs=max(args.batch, 1), max_model_len=2048,
+              async_scheduling=False)
     eng, ex = llm.engine, llm.engine.executor
     eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
     eng._build_plan = timed("build_plan", eng._build_plan)

@@ -118,6 +118,52 @@ class SchedulerConfig:
         return _from_dict(cls, values)
 
 
+DTYPE_NAMES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How the model executor runs (the batch limits come from the scheduler and cache configs).
+
+    Attributes:
+        device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``, ``cuda:1``...
+        dtype: ``auto`` (bfloat16 on cuda, float32 on cpu), ``float32``, ``bfloat16``, ``float16``.
+        attention_backend: ``auto`` (triton on cuda, torch elsewhere), ``torch``, ``triton``.
+        seed: seed of the sampler's stream for requests without a seed of their own.
+        enforce_eager: never use CUDA graphs.
+        gpu_memory_utilization: fraction of the device's memory the executor may use.
+        tensor_parallel_size: ranks the model is split over (only 1 runs today).
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be a non-empty str, got {self.device!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        _check_int("seed", self.seed, -(1 << 63))
+        _check_bool("enforce_eager", self.enforce_eager)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":
+        return _from_dict(cls, values)
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""
     return -(-a // b)

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any, Sequence, Union
 
-from minivllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling import SamplingParams
@@ -20,8 +20,7 @@ Prompt = Union[str, Sequence[int]]
 
 _CACHE_KEYS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-# Executor options: validated by the executor itself.
-_EXEC_KEYS = {"enforce_eager", "gpu_memory_utilization", "tensor_parallel_size"}
+_EXEC_KEYS = {f.name for f in dataclasses.fields(ExecutorConfig)}
 
 
 def resolve_model_path(model: str) -> str:
@@ -66,10 +65,12 @@ class LLM:
         seed: seed of the sampler's generator for unseeded requests.
         skip_tokenizer_init: run without a tokenizer (token-id prompts only,
             ``text`` stays None), for checkpoints that ship none.
-        **options: engine options by config field name (block_size, num_blocks,
-            enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-            max_model_len, policy, chunked_prefill, enforce_eager,
-            gpu_memory_utilization, tensor_parallel_size).
+        **options: engine options by config field name: ``CacheConfig``
+            (block_size, num_blocks, enable_prefix_caching), ``SchedulerConfig``
+            (max_num_seqs, max_num_batched_tokens, max_model_len, policy,
+            chunked_prefill, async_scheduling: default on for CUDA) and
+            ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
+            tensor_parallel_size).
 
     Raises:
         TypeError: unknown option. ValueError: a bad option value or model.
@@ -84,23 +85,23 @@ class LLM:
         from minivllm.executor.model_executor import ModelExecutor
 
         cache_opts, sched_opts, exec_opts = split_engine_options(options)
+        executor_config = ExecutorConfig.from_dict(
+            {**exec_opts, "device": device, "dtype": dtype, "attention_backend": attention_backend, "seed": seed})
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_hf_json(path)
         sched_opts.setdefault("max_model_len", self.model_config.max_position_embeddings)
+        # One step in flight pays where a device runs beside the host.
+        sched_opts.setdefault("async_scheduling", torch.device(device).type == "cuda")
         if sched_opts["max_model_len"] > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {sched_opts['max_model_len']} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
         self.scheduler_config = SchedulerConfig(**sched_opts)
         cache_config = CacheConfig(**cache_opts)
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(path)
-        executor = ModelExecutor(
-            self.model_config, path, device=device, dtype=dtype,
-            attention_backend=attention_backend, block_size=cache_config.block_size,
-            num_blocks=cache_config.num_blocks, max_num_seqs=self.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
-            max_model_len=self.scheduler_config.max_model_len, seed=seed, **exec_opts)
+        executor = ModelExecutor(self.model_config, path, self.scheduler_config, cache_config,
+                                 dataclasses.replace(executor_config, device=device))
         eos = self.model_config.eos_token_id
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
@@ -125,12 +126,6 @@ class LLM:
             raise ValueError(f"prompt {i}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
         return ids
 
-    def _check_fits(self, i: int, ids: list[int], params: SamplingParams) -> None:
-        max_len = self.scheduler_config.max_model_len
-        if len(ids) + params.max_tokens > max_len:
-            raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} "
-                             f"exceeds max_model_len {max_len}")
-
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -146,14 +141,16 @@ class LLM:
         prompts = list(prompts)  # type: ignore[arg-type]
         params = self._params_list(sampling_params, len(prompts))
         token_ids = [self._to_token_ids(i, p) for i, p in enumerate(prompts)]
-        for i, (ids, p) in enumerate(zip(token_ids, params)):
-            self._check_fits(i, ids, p)
-        ids_of = {}
-        for ids, p in zip(token_ids, params):
-            rid = f"req-{self._next_request}"
-            self._next_request += 1
+        rids = [f"req-{self._next_request + i}" for i in range(len(prompts))]
+        for i, (rid, ids, p) in enumerate(zip(rids, token_ids, params)):
+            try:  # the engine's own admission check, for every prompt before any is queued
+                self.engine.validate_request(rid, ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        self._next_request += len(prompts)
+        for rid, ids, p in zip(rids, token_ids, params):
             self.engine.add_request(rid, ids, p)
-            ids_of[rid] = len(ids_of)
+        ids_of = {rid: i for i, rid in enumerate(rids)}
         results = self._run(len(prompts), use_tqdm)
         ordered = sorted(results, key=lambda o: ids_of[o.request_id])
         if self.tokenizer is None:

@@ -95,3 +95,17 @@ def make_plan(seqs: list[tuple[list[int], int, tuple[int, ...], bool]], block_si
 
 def random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
     return [int(t) for t in rng.integers(0, vocab_size, size=n)]
+
+
+def make_model_executor(path: str, *, block_size: int, num_blocks: int | None, max_num_seqs: int,
+                        max_num_batched_tokens: int, max_model_len: int | None = None,
+                        **executor: object) -> "ModelExecutor":
+    """A ``ModelExecutor`` over ``path`` from the few settings tests vary (configs built here)."""
+    from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+    from minivllm.executor.model_executor import ModelExecutor
+
+    model_config = ModelConfig.from_hf_json(path)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len or model_config.max_position_embeddings)
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+    return ModelExecutor(model_config, path, sched, cache, ExecutorConfig(**executor))  # type: ignore[arg-type]

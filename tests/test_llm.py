@@ -44,12 +44,13 @@ def make_llm(path: str, **opts) -> LLM:
     return LLM(path, **{**base, **opts})
 
 
-def test_greedy_matches_hf_under_preemption_caching_and_chunking(model) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_matches_hf_under_preemption_caching_and_chunking(model, async_scheduling: bool) -> None:
     hf, path = model
     prompts = shared_prefix_prompts(12, seed=0)
     # 40 blocks of 4 = 160 slots for 12 sequences of up to 61 tokens: preemption is forced.
     llm = make_llm(path, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24,
-                   enable_prefix_caching=True, chunked_prefill=True)
+                   enable_prefix_caching=True, chunked_prefill=True, async_scheduling=async_scheduling)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
                         use_tqdm=False)
     stats = llm.engine.stats
@@ -120,3 +121,16 @@ def test_hub_id_offline_and_not_cached_is_a_clear_error(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120)
     assert "VALUEERROR model 'Qwen/Qwen3-0.6B' is not a local directory" in r.stdout, r.stdout + r.stderr
+
+
+def test_too_big_prompt_queues_nothing_and_next_generate_works(model) -> None:
+    """Regression: a prompt the pool cannot hold, after a good one, used to queue the good one
+    and break the next generate() with a KeyError."""
+    _, path = model
+    llm = make_llm(path, num_blocks=12, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1: .*KV blocks"):
+        llm.generate([[1, 2, 3], [9] * 50], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert len(out) == 1 and len(out[0].token_ids) == 4

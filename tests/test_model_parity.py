@@ -17,7 +17,8 @@ from minivllm.config import ModelConfig
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.model_executor import ModelExecutor
 from minivllm.sampling import SamplingParams
-from model_utils import TinyConfig, hf_logits, make_hf_model, make_plan, random_tokens, save_hf_model
+from model_utils import (TinyConfig, hf_logits, make_hf_model, make_model_executor, make_plan, random_tokens,
+                         save_hf_model)
 
 TOL = 1e-4
 BS = 4
@@ -43,9 +44,8 @@ def setup(request, tmp_path_factory):
 
 
 def make_executor(path: str, backend: str = "torch") -> ModelExecutor:
-    return ModelExecutor(ModelConfig.from_hf_json(path), path, device="cpu", dtype=torch.float32,
-                         attention_backend=backend, block_size=BS, num_blocks=16, max_num_seqs=4,
-                         max_num_batched_tokens=64)
+    return make_model_executor(path, device="cpu", dtype="float32", attention_backend=backend,
+                               block_size=BS, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def all_row_logits(ex: ModelExecutor, plan) -> torch.Tensor:
@@ -157,21 +157,43 @@ def test_executor_rejects_plans_that_do_not_fit(small_path):
 
 
 def test_executor_argument_errors(small_path):
-    cfg = ModelConfig.from_hf_json(small_path)
     common = dict(device="cpu", block_size=BS, max_num_seqs=4, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="attention_backend"):
-        ModelExecutor(cfg, small_path, dtype="float32", attention_backend="cuda", num_blocks=4, **common)
+        make_model_executor(small_path, dtype="float32", attention_backend="cuda", num_blocks=4, **common)
     with pytest.raises(ValueError, match="dtype"):
-        ModelExecutor(cfg, small_path, dtype="int8", attention_backend="torch", num_blocks=4, **common)
-    default = ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch",
-                            num_blocks=None, max_model_len=32, **common)
+        make_model_executor(small_path, dtype="int8", attention_backend="torch", num_blocks=4, **common)
+    default = make_model_executor(small_path, dtype="float32", attention_backend="torch",
+                                  num_blocks=None, max_model_len=32, **common)
     assert default.num_kv_blocks() == 4 * 32 // BS  # every sequence at full length
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch", num_blocks=4,
-                      tensor_parallel_size=2, **common)
+        make_model_executor(small_path, dtype="float32", attention_backend="torch", num_blocks=4,
+                            tensor_parallel_size=2, **common)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        ModelExecutor(cfg, small_path, dtype="float32", attention_backend="torch", num_blocks=4,
-                      gpu_memory_utilization=1.5, **common)
+        make_model_executor(small_path, dtype="float32", attention_backend="torch", num_blocks=4,
+                            gpu_memory_utilization=1.5, **common)
+
+
+def test_executor_feeds_previous_samples_by_reference(small_path):
+    """A plan that refers to the previous plan's samples equals one that carries their values."""
+    def run(by_reference: bool) -> list[int]:
+        ex = make_executor(small_path)
+        params = [SamplingParams(temperature=0.0)] * 2
+        first = StepPlan.build([0, 1], [[5, 6, 7], [9, 8]], [0, 0], [(1,), (2,)], [True, True], params, BS)
+        sampled = ex.execute(first).sampled
+        out = [sampled[0], sampled[1]]
+        for step in range(3):
+            chunks = [[-1], [-1]] if by_reference else [[out[-2]], [out[-1]]]
+            plan = StepPlan.build([0, 1], chunks, [3 + step, 2 + step], [(1, 3), (2, 4)], [True, True],
+                                  params, BS, feeds_prev_sample=[by_reference] * 2)
+            sampled = ex.execute(plan).sampled
+            out += [sampled[0], sampled[1]]
+        return out
+
+    assert run(True) == run(False)
+    ex = make_executor(small_path)
+    dangling = StepPlan.build([3], [[-1]], [2], [(1,)], [True], [SamplingParams()], BS, feeds_prev_sample=[True])
+    with pytest.raises(ValueError, match="did not sample"):
+        ex.execute(dangling)
 
 
 def test_executor_seeded_sampling_is_batch_independent(small_path):
@@ -195,9 +217,8 @@ def test_executor_seeded_sampling_is_batch_independent(small_path):
 
 
 def test_executor_bf16_runs_with_float32_rope_table(small_path):
-    ex = ModelExecutor(ModelConfig.from_hf_json(small_path), small_path, device="cpu", dtype="bfloat16",
-                       attention_backend="torch", block_size=BS, num_blocks=8, max_num_seqs=2,
-                       max_num_batched_tokens=32)
+    ex = make_model_executor(small_path, device="cpu", dtype="bfloat16", attention_backend="torch",
+                             block_size=BS, num_blocks=8, max_num_seqs=2, max_num_batched_tokens=32)
     assert ex.kv_cache.dtype == torch.bfloat16
     assert {p.dtype for p in ex.model.parameters()} == {torch.bfloat16}
     assert ex.model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32

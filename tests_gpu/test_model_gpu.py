@@ -23,7 +23,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.model_executor import ModelExecutor
-from tests.model_utils import randomize_weights
+from tests.model_utils import make_model_executor, randomize_weights
 
 CONFIGS = {
     "qwen3-0.6b": dict(QWEN3_0_6B, bos_token_id=None, eos_token_id=None),
@@ -75,9 +75,9 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 def test_logits_match_hf_fp32(checkpoint) -> None:
     name, hf, path = checkpoint
-    ex = ModelExecutor(ModelConfig.from_hf_json(path), path, device="cuda", dtype="float32",
-                       attention_backend="triton", block_size=16, num_blocks=64, max_num_seqs=4,
-                       max_num_batched_tokens=1024, enforce_eager=True)
+    ex = make_model_executor(path, device="cuda", dtype="float32", attention_backend="triton",
+                             block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024,
+                             enforce_eager=True)
     rng = np.random.default_rng(0)
     ctx = rng.integers(0, CONFIGS[name]["vocab_size"], 300).tolist()
     ours = last_logits(ex, ctx)
@@ -92,9 +92,9 @@ def test_bf16_top5_at_first_difference(checkpoint) -> None:
     name, hf, path = checkpoint
     hf16 = hf.to(torch.bfloat16)
     try:
-        ex = ModelExecutor(ModelConfig.from_hf_json(path), path, device="cuda", dtype="bfloat16",
-                           attention_backend="triton", block_size=16, num_blocks=64, max_num_seqs=4,
-                           max_num_batched_tokens=1024, enforce_eager=True)
+        ex = make_model_executor(path, device="cuda", dtype="bfloat16", attention_backend="triton",
+                                 block_size=16, num_blocks=64, max_num_seqs=4,
+                                 max_num_batched_tokens=1024, enforce_eager=True)
         rng = np.random.default_rng(1)
         prompt = rng.integers(0, CONFIGS[name]["vocab_size"], 40).tolist()
         theirs = hf_greedy(hf16, prompt, 32)
@@ -135,10 +135,13 @@ def reference(tmp_path_factory):
 # An explicit pool, so results do not depend on what else the process holds
 # (the sizing from free memory runs in benchmarks/throughput.py).
 POOL = dict(num_blocks=2048)
+# Asynchronous scheduling is the CUDA default; the "-sync" engines run the synchronous path.
 ENGINES = {
     "graphs+prefix-cache": dict(POOL),
+    "graphs+prefix-cache-sync": dict(POOL, async_scheduling=False),
     "eager+no-prefix-cache": dict(POOL, enforce_eager=True, enable_prefix_caching=False),
     "tiny-pool-preemption": dict(num_blocks=48),
+    "tiny-pool-preemption-sync": dict(num_blocks=48, async_scheduling=False),
     "chunked-prefill-budget-64": dict(POOL, max_num_batched_tokens=64),
     "prefill-first": dict(POOL, policy="prefill_first"),
 }
@@ -157,7 +160,8 @@ def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
         print(f"{engine}: preemptions {s.num_preemptions}, cached tokens {s.num_cached_tokens}, "
               f"chunked {s.num_chunked_prefills}")
         assert got == expected
-        if engine == "tiny-pool-preemption":
+        assert llm.engine.async_scheduling == ENGINES[engine].get("async_scheduling", True)
+        if engine.startswith("tiny-pool-preemption"):
             assert s.num_preemptions > 0
         if engine == "chunked-prefill-budget-64":
             assert s.num_chunked_prefills > 0
@@ -166,7 +170,7 @@ def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
             assert runner is None
         else:
             assert runner is not None and runner.num_replays > 0
-        if engine == "graphs+prefix-cache":
+        if engine.startswith("graphs+prefix-cache"):
             # All 16 prompts are admitted in the first step, before any block is
             # computed, so hits come from the second call (or from readmissions).
             before = s.num_cached_tokens

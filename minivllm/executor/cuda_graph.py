@@ -7,7 +7,12 @@ batch of B sequences is copied into the first B rows and replayed with the
 smallest captured size >= B. The padding rows get slot -1 (their K/V write
 nothing), kv_len 0 (attention reads nothing) and block tables of -1.
 
-    input_ids     (G,)     int64
+Tokens fed by reference (asynchronous scheduling) are gathered inside the graph
+from the executor's ``prev_sampled`` buffer (a static address), so the previous
+step's samples go from the sampler to the next forward without leaving the device.
+
+    input_ids     (G,)     int64   -1 where fed by reference
+    prev_rows     (G,)     int64   row of prev_sampled for those, -1 elsewhere
     positions     (G,)     int64
     slot_mapping  (G,)     int64   -1 beyond B
     kv_lens       (G,)     int32    0 beyond B
@@ -22,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from minivllm.executor.inputs import BatchInputs
+from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
 from minivllm.layers.attention import AttentionMetadata
 
 
@@ -39,19 +44,23 @@ class CudaGraphRunner:
     Args:
         forward: the model's forward.
         kv_cache: the whole KV cache (static: graphs bake in its address).
+        prev_sampled: the executor's buffer of last-step samples (static too).
         hidden_size: width of the forward's output rows.
         max_blocks_per_seq: block-table width W (max_model_len / block_size).
         capture_sizes: batch sizes to capture.
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
-                 hidden_size: int, max_blocks_per_seq: int, capture_sizes: list[int]) -> None:
+                 prev_sampled: torch.Tensor, hidden_size: int, max_blocks_per_seq: int,
+                 capture_sizes: list[int]) -> None:
         if not capture_sizes or min(capture_sizes) < 1:
             raise ValueError(f"capture_sizes must be positive batch sizes, got {capture_sizes}")
         self.sizes = sorted(set(capture_sizes))
         self.width = max_blocks_per_seq
         g, dev = self.sizes[-1], kv_cache.device
         self.input_ids = torch.zeros(g, dtype=torch.int64, device=dev)
+        self.prev_rows = torch.full((g,), -1, dtype=torch.int64, device=dev)
+        self.prev_sampled = prev_sampled
         self.positions = torch.zeros(g, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((g,), -1, dtype=torch.int64, device=dev)
         self.kv_lens = torch.zeros(g, dtype=torch.int32, device=dev)
@@ -72,47 +81,52 @@ class CudaGraphRunner:
     def _capture(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor) -> None:
         pool = None
         # Largest first, so smaller graphs reuse the pool's memory.
+        def step(bs: int, meta: AttentionMetadata) -> None:
+            ids = resolve_input_ids(self.input_ids[:bs], self.prev_rows[:bs], self.prev_sampled)
+            self.hidden[:bs] = forward(ids, self.positions[:bs], meta)
+
         for bs in reversed(self.sizes):
             meta = self._meta(bs, kv_cache)
-            args = (self.input_ids[:bs], self.positions[:bs], meta)
-            self.hidden[:bs] = forward(*args)  # warm-up: compile kernels outside capture
+            step(bs, meta)  # warm-up: compile kernels outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.hidden[:bs] = forward(*args)
+                step(bs, meta)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, inputs: BatchInputs) -> bool:
-        """A decode batch that fits a captured size and the static table width."""
-        return (inputs.max_q_len == 1 and len(inputs.kv_lens) <= self.sizes[-1]
-                and inputs.block_tables.shape[1] <= self.width)
+    def can_run(self, batch: DeviceBatch) -> bool:
+        """One token per sequence, a captured size and the static table width."""
+        return (batch.attn_metadata.is_decode and batch.num_seqs <= self.sizes[-1]
+                and batch.table_width <= self.width)
 
-    def run(self, inputs: BatchInputs, device_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Replay for this batch; ``device_inputs`` are its arrays already on the device.
+    def run(self, batch: DeviceBatch) -> torch.Tensor:
+        """Replay for this batch (its tensors already on the device).
 
         Returns:
             (B, hidden_size) hidden states (a view into the static output).
         Raises:
             ValueError: the batch is not one this runner can replay.
         """
-        if not self.can_run(inputs):
-            raise ValueError(f"CUDA graphs cover decode batches up to {self.sizes[-1]} sequences "
-                             f"and {self.width} blocks per sequence; got {len(inputs.kv_lens)} "
-                             f"sequences, max_q_len {inputs.max_q_len}, "
-                             f"{inputs.block_tables.shape[1]} blocks")
-        b = len(inputs.kv_lens)
+        if not self.can_run(batch):
+            raise ValueError(f"CUDA graphs cover batches of one token per sequence, up to "
+                             f"{self.sizes[-1]} sequences and {self.width} blocks per sequence; got "
+                             f"{batch.num_seqs} sequences, decode-shaped {batch.attn_metadata.is_decode}, "
+                             f"{batch.table_width} blocks")
+        b, w = batch.num_seqs, batch.table_width
         g = self.sizes[bisect.bisect_left(self.sizes, b)]
-        w = inputs.block_tables.shape[1]
-        self.input_ids[:b].copy_(device_inputs["input_ids"])
-        self.positions[:b].copy_(device_inputs["positions"])
+        meta = batch.attn_metadata
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.prev_rows[b:g].fill_(-1)
+        self.prev_rows[:b].copy_(batch.prev_rows)
+        self.positions[:b].copy_(batch.positions)
         self.slot_mapping[b:g].fill_(-1)
-        self.slot_mapping[:b].copy_(device_inputs["slot_mapping"])
+        self.slot_mapping[:b].copy_(meta.slot_mapping)
         self.kv_lens[b:g].zero_()
-        self.kv_lens[:b].copy_(device_inputs["kv_lens"])
+        self.kv_lens[:b].copy_(meta.kv_lens)
         self.block_tables[:g].fill_(-1)
-        self.block_tables[:b, :w].copy_(device_inputs["block_tables"])
+        self.block_tables[:b, :w].copy_(meta.block_tables)
         self.graphs[g].replay()
         self.num_replays += 1
         return self.hidden[:b]

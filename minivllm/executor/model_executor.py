@@ -4,7 +4,12 @@ One step::
 
     StepPlan --prepare_inputs (numpy)--> BatchInputs --upload--> DeviceBatch
              --model--> hidden (T, hidden) --rows sample_indices--> logits (S, V)
-             --sampler--> token ids (S,) --one host sync--> StepResult
+             --sampler--> token ids (S,) --> prev_sampled (device, next step's references)
+                                         --> pinned host buffer + event --> StepResult
+
+``submit`` enqueues all of it and returns; ``result()`` waits on the event. So
+the engine can plan and submit step N+1 while the device runs step N, and the
+tokens step N+1 feeds by reference never leave the device.
 
 The KV cache is ONE tensor for all layers::
 
@@ -21,24 +26,26 @@ graphs (``executor/cuda_graph.py``); ``_forward`` is the one place that routes
 a decode-only batch to them.
 
 Host -> device: the step's index arrays are packed into one pinned int64
-buffer and sent with a single non-blocking copy (see ``_upload_all``).
+buffer and sent with a single non-blocking copy (see ``_upload_all``);
+device -> host: one copy of the sampled ids per step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from minivllm.config import ModelConfig, cdiv
+from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig, cdiv
 from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.executor.base import DoneStep, StepHandle
 from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
+from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
-from minivllm.layers.attention import BACKENDS, AttentionMetadata, make_attention_backend
+from minivllm.layers.attention import AttentionMetadata, make_attention_backend
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.model.loader import load_weights
 from minivllm.model.qwen3 import Qwen3ForCausalLM
@@ -73,14 +80,17 @@ def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtyp
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
-@dataclass(frozen=True)
-class DeviceBatch:
-    """One step's model inputs on the device (shapes as in ``BatchInputs``)."""
+class _CudaStep:
+    """A submitted CUDA step: its sampled ids land in a pinned host buffer behind an event."""
 
-    input_ids: torch.Tensor       # int64 (T,)
-    positions: torch.Tensor       # int64 (T,)
-    sample_indices: torch.Tensor  # int64 (S,)
-    attn_metadata: AttentionMetadata
+    def __init__(self, seq_ids: list[int], host: torch.Tensor, done: torch.cuda.Event) -> None:
+        self.seq_ids = seq_ids
+        self.host = host
+        self.done = done
+
+    def result(self) -> StepResult:
+        self.done.synchronize()  # the one wait per step: by now usually already past
+        return StepResult(sampled=dict(zip(self.seq_ids, self.host.tolist())))
 
 
 class ModelExecutor:
@@ -89,71 +99,59 @@ class ModelExecutor:
     Args:
         model_config: the model's shapes.
         model_path: directory of the safetensors checkpoint.
-        device: torch device ("cpu", "cuda", "cuda:1", ...).
-        dtype: parameter and KV cache dtype (torch dtype or "float32"/"bfloat16"/"float16").
-        attention_backend: "torch" (reference) or "triton" (own kernels).
-        block_size: tokens per KV block (must equal the plans' block size).
-        num_blocks: size of the block pool; None sizes it from free device
-            memory (CUDA only).
-        max_num_seqs: most sequences in one plan.
-        max_num_batched_tokens: most tokens in one plan.
-        max_model_len: most tokens of one sequence (sizes the CUDA-graph block tables).
-        seed: seed of the generator of unseeded random sampling.
-        enforce_eager: never use CUDA graphs.
-        gpu_memory_utilization: fraction of the device's memory this executor may use.
-        tensor_parallel_size: only 1 is supported by this executor.
+        scheduler_config: batch limits (max_num_seqs, max_num_batched_tokens,
+            max_model_len: sizes the CUDA-graph block tables).
+        cache_config: block size and pool size (None: sized from free device
+            memory on CUDA; every sequence at full length elsewhere).
+        config: device, dtype, attention backend, seed, graphs, memory share.
 
     Raises:
-        ValueError: a bad argument, or a checkpoint that does not match the model.
+        ValueError: a bad setting, or a checkpoint that does not match the model.
     """
 
-    def __init__(self, model_config: ModelConfig, model_path: str | os.PathLike[str], *,
-                 device: str | torch.device, dtype: torch.dtype | str, attention_backend: str,
-                 block_size: int, num_blocks: int | None, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int | None = None, seed: int = 0,
-                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
-                 tensor_parallel_size: int = 1) -> None:
+    def __init__(self, model_config: ModelConfig, model_path: str | os.PathLike[str],
+                 scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 config: ExecutorConfig = ExecutorConfig()) -> None:
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if attention_backend == "auto":
-            attention_backend = "triton" if self.device.type == "cuda" else "torch"
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this executor runs one "
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: this executor runs one "
                              "rank; multi-GPU execution is not built yet")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        use_graphs = self.device.type == "cuda" and not enforce_eager
-        if use_graphs and attention_backend != "triton":
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        if use_graphs and backend != "triton":
             raise ValueError("CUDA graphs need attention_backend='triton' (the torch reference "
                              "syncs the host); pass enforce_eager=True to run it eagerly")
         self.model_config = model_config
-        self.dtype = _resolve_dtype(dtype, self.device)
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        self.config = config
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.block_size = cache_config.block_size
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings)
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
-        self._staging: torch.Tensor | None = None   # pinned int64 host buffer (CUDA)
-        self._staging_done: torch.cuda.Event | None = None
-        self.model = self._load_model(model_path, attention_backend)
+        self.model = self._load_model(model_path, backend)
+        num_blocks = cache_config.num_blocks
         if num_blocks is None:
-            num_blocks = self.size_kv_pool_from_free_memory(gpu_memory_utilization)
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+            num_blocks = self.size_kv_pool_from_free_memory(config.gpu_memory_utilization)
         self.num_blocks = num_blocks
         self.kv_cache = self._allocate_kv_cache(num_blocks)
+        # The last step's sampled ids, by sampling row (``prev_sample_row`` maps sequences to rows).
+        self.prev_sampled = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.prev_sample_row: dict[int, int] = {}
+        self._staging = _PinnedRing(self.device)
+        self._outputs = _PinnedRing(self.device)
         self.graph_runner: CudaGraphRunner | None = None
         if use_graphs:
             self.graph_runner = CudaGraphRunner(
-                self.model.forward, self.kv_cache, model_config.hidden_size,
-                cdiv(self.max_model_len, block_size), default_capture_sizes(max_num_seqs))
+                self.model.forward, self.kv_cache, self.prev_sampled, model_config.hidden_size,
+                cdiv(self.max_model_len, self.block_size), default_capture_sizes(self.max_num_seqs))
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.model_config
@@ -248,26 +246,44 @@ class ModelExecutor:
         """The size of the block pool."""
         return self.num_blocks
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Write the plan's K/V, run the model, sample for the ``plan.sample`` rows.
+        """``submit(plan).result()``."""
+        return self.submit(plan).result()
+
+    @torch.inference_mode()
+    def submit(self, plan: StepPlan) -> StepHandle:
+        """Enqueue the step (inputs up, model, sampler, ids down) and return without waiting.
+
+        On CUDA nothing here waits for the device: the inputs go up from pinned
+        memory, referenced tokens are gathered from ``prev_sampled`` on the
+        device, and the sampled ids come down into a pinned buffer behind an
+        event that ``result()`` waits on. Elsewhere the step runs to completion.
 
         Raises:
             ValueError: the plan does not fit this executor (see ``prepare``).
         """
         if plan.num_seqs == 0:
-            return StepResult(sampled={})
+            return DoneStep(StepResult(sampled={}))
         batch, inputs = self.prepare(plan)
         logits = self._logits(batch, inputs)  # (S, V)
-        if logits.shape[0] == 0:
-            return StepResult(sampled={})
+        seq_ids = [i for i, s in zip(plan.seq_ids, plan.sample) if s]
+        if not seq_ids:
+            self.prev_sample_row = {}  # the next plan can refer to nothing of this one
+            return DoneStep(StepResult(sampled={}))
         params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
         # A sampled token's position is its sequence's length so far: the seeded-row counter.
         tensors = SamplingTensors.build(params, inputs.kv_lens[plan.sample], self.model_config.vocab_size,
                                         self.device)
-        tokens = self.sampler(logits, tensors).tolist()  # the step's one host sync
-        seq_ids = [i for i, s in zip(plan.seq_ids, plan.sample) if s]
-        return StepResult(sampled=dict(zip(seq_ids, tokens)))
+        tokens = self.sampler(logits, tensors)        # (S,) int64 on the device
+        self.prev_sampled[:len(seq_ids)].copy_(tokens)
+        self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}
+        if self.device.type != "cuda":
+            return DoneStep(StepResult(sampled=dict(zip(seq_ids, tokens.tolist()))))
+        host = self._outputs.next(len(seq_ids))
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _CudaStep(seq_ids, host, done)
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> torch.Tensor:
@@ -278,66 +294,73 @@ class ModelExecutor:
     @torch.inference_mode()
     def run_model(self, batch: DeviceBatch, inputs: BatchInputs) -> torch.Tensor:
         """Write the batch's K/V into the cache and return the hidden states (T, hidden)."""
-        return self._forward(batch, inputs)
+        return self._forward(batch)
 
     def _logits(self, batch: DeviceBatch, inputs: BatchInputs) -> torch.Tensor:
-        hidden = self._forward(batch, inputs)                           # (T, hidden)
+        hidden = self._forward(batch)                                   # (T, hidden)
         return self.model.compute_logits(hidden[batch.sample_indices])  # (S, V)
 
-    def _forward(self, batch: DeviceBatch, inputs: BatchInputs) -> torch.Tensor:
-        """Decode-only batches that a captured graph covers replay it; the rest run eagerly."""
-        meta = batch.attn_metadata
-        if self.graph_runner is not None and meta.is_decode and self.graph_runner.can_run(inputs):
-            return self.graph_runner.run(inputs, {
-                "input_ids": batch.input_ids, "positions": batch.positions,
-                "slot_mapping": meta.slot_mapping, "kv_lens": meta.kv_lens,
-                "block_tables": meta.block_tables})
-        return self.model(batch.input_ids, batch.positions, meta)
+    def _forward(self, batch: DeviceBatch) -> torch.Tensor:
+        """Batches of one token per sequence that a captured graph covers replay it; the rest
+        run eagerly."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
+        ids = resolve_input_ids(batch.input_ids, batch.prev_rows, self.prev_sampled)
+        return self.model(ids, batch.positions, batch.attn_metadata)
 
     def prepare(self, plan: StepPlan) -> tuple[DeviceBatch, BatchInputs]:
         """Compute the plan's index arrays on the host and move them to the device.
 
         Raises:
             ValueError: the plan exceeds the batch limits, has another block
-                size, or names a block outside the pool.
+                size, names a block outside the pool, or feeds a sequence a
+                previous-step token that the previous step did not sample.
         """
         self._check_plan(plan)
         inputs = prepare_inputs(plan)
         if inputs.block_tables.size and int(inputs.block_tables.max()) >= self.num_blocks:
             raise ValueError(f"a block table names block {int(inputs.block_tables.max())}, "
                              f"but the pool has {self.num_blocks} blocks")
-        ids, pos, slots, sample, cu_q, kv_lens, tables = self._upload_all(
-            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.sample_indices,
-            inputs.cu_seqlens_q, inputs.kv_lens, inputs.block_tables)
+        ids, prev_rows, pos, slots, sample, cu_q, kv_lens, tables = self._upload_all(
+            inputs.input_ids, self._prev_rows(plan), inputs.positions, inputs.slot_mapping,
+            inputs.sample_indices, inputs.cu_seqlens_q, inputs.kv_lens, inputs.block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu_q.to(torch.int32), kv_lens=kv_lens.to(torch.int32),
             block_tables=tables.to(torch.int32), max_q_len=inputs.max_q_len,
             is_decode=plan.one_token_per_seq, kv_cache=self.kv_cache)
-        batch = DeviceBatch(input_ids=ids, positions=pos, sample_indices=sample, attn_metadata=meta)
+        batch = DeviceBatch(input_ids=ids, prev_rows=prev_rows, positions=pos, sample_indices=sample,
+                            attn_metadata=meta, num_seqs=plan.num_seqs,
+                            table_width=inputs.block_tables.shape[1])
         return batch, inputs
+
+    def _prev_rows(self, plan: StepPlan) -> np.ndarray:
+        """int64 (T,): for each token fed by reference, its row in ``prev_sampled``; -1 elsewhere."""
+        rows = np.full(plan.num_tokens, -1, dtype=np.int64)
+        if plan.feeds_prev_sample.any():
+            refs = np.asarray(plan.seq_ids)[plan.feeds_prev_sample].tolist()
+            missing = [sid for sid in refs if sid not in self.prev_sample_row]
+            if missing:
+                raise ValueError(f"plan feeds sequence(s) {missing[:8]} the previous step's sample, "
+                                 "but the previous step did not sample for them")
+            rows[plan.prev_sample_slots] = [self.prev_sample_row[sid] for sid in refs]
+        return rows
 
     def _upload_all(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Host arrays -> int64 device tensors of the same shapes, in ONE copy.
 
-        On CUDA the arrays are packed into a persistent pinned buffer and sent
-        with a single non-blocking copy (one transfer instead of seven). Before
-        the buffer is rewritten, the host waits on the event of the previous
-        copy: normally long done, since each step ends with a host sync.
+        On CUDA the arrays are packed into a pinned buffer (a ring of two, so the
+        host never rewrites one the previous step's copy may still read) and
+        sent with a single non-blocking copy.
         """
         sizes = [a.size for a in arrays]
         total = sum(sizes)
         if self.device.type == "cpu":
             flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64))
         else:
-            if self._staging is None or self._staging.numel() < total:
-                self._staging = torch.empty(max(total, 1 << 16), dtype=torch.int64, pin_memory=True)
-            elif self._staging_done is not None:
-                self._staging_done.synchronize()
-            np.concatenate([a.reshape(-1) for a in arrays], out=self._staging.numpy()[:total],
-                           casting="unsafe")
-            flat = self._staging[:total].to(self.device, non_blocking=True)
-            self._staging_done = torch.cuda.Event()
-            self._staging_done.record()
+            staging = self._staging.next(total)
+            np.concatenate([a.reshape(-1) for a in arrays], out=staging.numpy(), casting="unsafe")
+            flat = staging.to(self.device, non_blocking=True)
+            self._staging.record()
         parts = torch.split(flat, sizes)
         return [p.view(a.shape) for p, a in zip(parts, arrays)]
 
@@ -349,3 +372,34 @@ class ModelExecutor:
         if plan.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"plan has {plan.num_tokens} tokens > max_num_batched_tokens "
                              f"{self.max_num_batched_tokens}")
+
+
+class _PinnedRing:
+    """Two pinned int64 host buffers used in turn, each behind the event of its last copy.
+
+    With one step in flight, a buffer is reused two steps later; waiting on its
+    event before rewriting it costs nothing then, and makes reuse safe always.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def next(self, size: int) -> torch.Tensor:
+        """A pinned (size,) int64 view, free to write."""
+        self.turn ^= 1
+        buf, event = self.buffers[self.turn], self.events[self.turn]
+        if buf is None or buf.numel() < size:
+            buf = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
+            self.buffers[self.turn] = buf
+        elif event is not None:
+            event.synchronize()
+        return buf[:size]
+
+    def record(self) -> None:
+        """Mark the current buffer's copy as enqueued (call right after it)."""
+        event = torch.cuda.Event()
+        event.record()
+        self.events[self.turn] = event
