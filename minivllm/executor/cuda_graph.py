@@ -117,6 +117,9 @@ class CudaGraphRunner:
         b, w = batch.num_seqs, batch.table_width
         g = self.sizes[bisect.bisect_left(self.sizes, b)]
         meta = batch.attn_metadata
+        # Padding rows must hold valid ids: a -1 placeholder left by a larger batch would
+        # index the embedding out of bounds.
+        self.input_ids[b:g].zero_()
         self.input_ids[:b].copy_(batch.input_ids)
         self.prev_rows[b:g].fill_(-1)
         self.prev_rows[:b].copy_(batch.prev_rows)
