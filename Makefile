@@ -40,8 +40,22 @@ test-gpu:
 	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_kernels_gpu.py
 	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_model_gpu.py
 
+# Needs a CUDA device; one process per benchmark (each sizes GPU memory for itself),
+# each under a time limit (BENCH_TIMEOUT seconds, default 240). A failing one does
+# not stop the rest; the target fails at the end if any did. With OUT set, each
+# writes $(OUT)/<name>.json. BENCH_QUICK=1: fewer requests, async on only.
 bench:
-	PYTHONPATH=. python3 -m benchmarks.throughput
+	@rc=0; \
+	run() { echo "=== $$*"; PYTHONPATH=. timeout $(or $(BENCH_TIMEOUT),240) python3 -m "$$@" \
+	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }; \
+	run benchmarks.throughput $(if $(BENCH_QUICK),--num-requests 128 --hf-requests 16 --async on); \
+	run benchmarks.host_overlap $(if $(BENCH_QUICK),--async on); \
+	run benchmarks.kernel_count $(if $(BENCH_QUICK),--async on); \
+	run benchmarks.long_context $(if $(BENCH_QUICK),--repeats 2); \
+	if [ -f benchmarks/prefill_attention.py ]; then run benchmarks.prefill_attention --quick; fi; \
+	if [ -f benchmarks/decode_attention.py ]; then run benchmarks.decode_attention; fi; \
+	if [ -f benchmarks/sampler.py ]; then run benchmarks.sampler; fi; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache .coverage

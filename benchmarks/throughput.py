@@ -1,61 +1,409 @@
-"""Offline throughput ("offline-256" of DESIGN.md) and batch-1 decode latency.
+"""Offline throughput ("offline-256" of DESIGN.md) and batch-1 decode latency,
+minivllm (one step in flight and synchronous) against Hugging Face transformers.
 
-256 requests, prompt lengths uniform in [100, 1024] of random token ids
-< 10000, max_tokens uniform in [100, 1024], eos ignored, Qwen3-0.6B shapes
-(random weights), bf16. Throughput = completion tokens / wall time of generate().
+    PYTHONPATH=. python3 -m benchmarks.throughput [--engines minivllm,hf] [--async both]
+        [--num-requests 256] [--hf-requests 32] [--seed 0] [--smoke]
 
-    PYTHONPATH=. python3 -m benchmarks.throughput [--num-requests 256] [--enforce-eager]
+Workload "offline-256": 256 requests, prompt lengths uniform in [100, 1024] of
+random token ids < 10000, max_tokens uniform in [100, 1024], eos ignored,
+temperature 1 (unseeded), Qwen3-0.6B shapes with random weights, bf16.
+Throughput = completion tokens / wall time of the whole batch.
+
+minivllm: one engine (KV pool sized from free memory) runs the workload once per
+scheduling mode. Both runs have the same prompt lengths and max_tokens but fresh
+random token ids, so the second run gets no prefix-cache hits from the first;
+each is preceded by a short warm-up of other prompts. The mode is switched on the
+idle engine (``set_async_scheduling``). The batch-1 line: a 128-token prompt,
+256 greedy tokens, wall time / 256 (the prefill is included).
+
+Hugging Face (the baseline of DESIGN.md), made as fast as transformers documents:
+``AutoModelForCausalLM`` in bf16 on the GPU, ``generate(cache_implementation=
+"static")``, which on CUDA compiles the decode forward itself (torch.compile,
+mode "reduce-overhead", i.e. CUDA graphs; transformers' ``CompileConfig``
+default); the prefill runs eagerly. Requests are sorted by max_tokens
+(longest first) and batched ``--hf-batch`` (32) at a time, left-padded,
+``do_sample=True``, temperature 1, no top-k/top-p, eos ignored. A batch runs for
+the largest max_tokens of its requests, but only each request's own max_tokens
+count as completion tokens (the over-run is HF's waste, reported beside). Every
+batch is first run once, cut after 16 new tokens by a stopping criterion (same
+shapes, so the compile and graph capture happen there), the first batch twice;
+then all batches are timed. The HF run may use fewer requests than minivllm
+(``--hf-requests``, default 32, the first ones of the same workload): HF's
+figure is a rate (completion tokens / wall time), compared as such.
+
+HF runs first (then is freed), so minivllm sizes its KV pool from the memory HF
+left. With ``$OUT`` set, a JSON summary goes to ``$OUT/throughput.json``.
+
+``--smoke`` runs every code path on the CPU with a tiny random model and a few
+short requests (the numbers mean nothing).
+
+This module also holds the helpers the other end-to-end benchmarks share
+(model, mode switch, JSON summary).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import gc
+import json
+import os
 import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
 from benchmarks.qwen3_shapes import write_random_qwen3
 
+GOAL_TOK_S, STRETCH_TOK_S = 25_000, 30_000
+GOAL_MS_TOKEN, STRETCH_MS_TOKEN = 1.5, 1.0
+GOAL_RATIO = 25.0
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--num-requests", type=int, default=256)
+# A tiny Qwen3 for --smoke on the CPU: every code path, none of the cost.
+SMOKE_SHAPES: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    bos_token_id=1, eos_token_id=2,
+)
+
+
+# ---- helpers shared by the end-to-end benchmarks ------------------------------
+
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """--model-dir, --seed, --smoke."""
     ap.add_argument("--model-dir", default="/tmp/qwen3-0.6b-random")
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny random model on the CPU, small workload: checks the code paths only")
 
-    from minivllm import LLM, SamplingParams
 
-    path = write_random_qwen3(args.model_dir)
+def model_path(args: argparse.Namespace) -> str:
+    """Qwen3-0.6B shapes in bf16, or (--smoke) a tiny float32 model; written once."""
+    if args.smoke:
+        return write_random_qwen3("/tmp/minivllm-smoke-qwen3", dtype="float32", **SMOKE_SHAPES)
+    return write_random_qwen3(args.model_dir)
+
+
+def bench_device(args: argparse.Namespace) -> str:
+    """cpu under --smoke, else cuda (a missing GPU is an error, not a silent CPU run)."""
+    if args.smoke:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke for a CPU check of the code paths")
+    return "cuda"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def set_async_scheduling(llm: Any, on: bool) -> None:
+    """Switch an idle engine between one step in flight (on) and synchronous steps (off).
+
+    ``LLMEngine.step`` reads ``scheduler_config.async_scheduling`` on every call and
+    nothing else keeps the flag, so replacing the frozen config between runs is
+    the whole switch; the executor is the same in both modes.
+
+    Raises:
+        RuntimeError: the engine still has work (a step in flight would be lost).
+    """
+    eng = llm.engine
+    if eng.has_unfinished_requests():
+        raise RuntimeError("set_async_scheduling: the engine is not idle")
+    eng.scheduler_config = dataclasses.replace(eng.scheduler_config, async_scheduling=on)
+    llm.scheduler_config = eng.scheduler_config
+    if eng.async_scheduling is not on:
+        raise RuntimeError("set_async_scheduling: the engine did not take the new mode")
+
+
+def modes_of(flag: str) -> list[bool]:
+    """--async on|off|both -> [True], [False], [True, False]."""
+    return {"on": [True], "off": [False], "both": [True, False]}[flag]
+
+
+def mode_name(on: bool) -> str:
+    return "async on" if on else "async off"
+
+
+def write_summary(name: str, data: dict[str, Any]) -> None:
+    """$OUT/<name>.json when OUT is set."""
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    print(f"summary written to {path}")
+
+
+def met(value: float, goal: float, lower_is_better: bool = False) -> str:
+    ok = value <= goal if lower_is_better else value >= goal
+    return "MET" if ok else "not met"
+
+
+# ---- the workload --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompt lengths and max_tokens of each request; the token ids come per run."""
+
+    prompt_lens: list[int]
+    max_tokens: list[int]
+    id_limit: int
+    seed: int
+
+    def prompts(self, stream: int, n: int | None = None) -> list[list[int]]:
+        """Random token ids < id_limit for the first ``n`` requests; another ``stream``
+        gives other ids (so no prefix-cache hits between runs)."""
+        rng = np.random.default_rng([self.seed, stream])
+        return [rng.integers(0, self.id_limit, k).tolist() for k in self.prompt_lens[:n]]
+
+
+def offline_workload(n: int, seed: int, smoke: bool) -> Workload:
+    """offline-N: prompts uniform in [100, 1024] ids < 10000, max_tokens uniform in [100, 1024]."""
+    lo, hi, id_limit = (4, 24, SMOKE_SHAPES["vocab_size"]) if smoke else (100, 1024, 10000)
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, n).tolist()
+    if smoke:
+        maxes = rng.integers(4, 13, n).tolist()
+    else:
+        maxes = rng.integers(100, 1025, n).tolist()
+    return Workload(lens, maxes, id_limit, seed)
+
+
+# ---- minivllm ------------------------------------------------------------------
+
+def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
+    from minivllm import LLM
+
     t0 = time.perf_counter()
-    llm = LLM(path, max_num_seqs=args.max_num_seqs, max_model_len=2048,
-              max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
-    print(f"engine start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks")
+    llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True,
+              max_num_seqs=args.max_num_seqs, max_model_len=64 if args.smoke else 2048,
+              max_num_batched_tokens=64 if args.smoke else 8192, enforce_eager=args.enforce_eager)
+    print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks")
+    return llm
 
-    rng = np.random.default_rng(args.seed)
-    n = args.num_requests
-    prompts = [rng.integers(0, 10000, int(k)).tolist() for k in rng.integers(100, 1025, n)]
-    # Random sampling (temperature 1, unseeded), as vLLM's offline throughput benchmark does.
-    params = [SamplingParams(temperature=1.0, max_tokens=int(m), ignore_eos=True)
-              for m in rng.integers(100, 1025, n)]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
 
+def run_offline(llm: Any, wl: Workload, stream: int, label: str) -> dict[str, Any]:
+    """One timed generate() of the whole workload; tok/s = completion tokens / wall."""
+    from minivllm import SamplingParams
+
+    warm = wl.prompts(stream=1000 + stream, n=64)
+    llm.generate(warm, [SamplingParams(temperature=1.0, max_tokens=min(m, 16), ignore_eos=True)
+                        for m in wl.max_tokens[:len(warm)]], use_tqdm=False)
+    prompts = wl.prompts(stream=stream)
+    params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+    before = dataclasses.replace(llm.engine.stats)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    ntok = sum(len(o.token_ids) for o in outs)
     s = llm.engine.stats
-    print(f"offline-{n}: {ntok} completion tokens in {wall:.2f}s = {ntok / wall:,.0f} tok/s "
-          f"(steps {s.num_steps}, preemptions {s.num_preemptions})")
+    ntok = sum(len(o.token_ids) for o in outs)
+    if ntok != sum(wl.max_tokens):
+        print(f"WARNING: {ntok} completion tokens, expected {sum(wl.max_tokens)} (eos is ignored)")
+    r = dict(completion_tokens=ntok, wall_s=wall, tok_s=ntok / wall,
+             steps=s.num_steps - before.num_steps,
+             preemptions=s.num_preemptions - before.num_preemptions)
+    print(f"minivllm offline-{len(prompts)} [{label}]: {ntok} completion tokens in {wall:.2f}s = "
+          f"{ntok / wall:,.0f} tok/s (steps {r['steps']}, preemptions {r['preemptions']})", flush=True)
+    return r
 
+
+def run_batch1(llm: Any, stream: int, label: str, smoke: bool, id_limit: int) -> dict[str, Any]:
+    """Greedy, 128-token prompt, 256 new tokens (smoke: 8 and 8); ms/token includes the prefill."""
+    from minivllm import SamplingParams
+
+    plen, new = (8, 8) if smoke else (128, 256)
+    rng = np.random.default_rng([stream, 7])
+    greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.generate([rng.integers(0, id_limit, plen).tolist()],
+                 dataclasses.replace(greedy, max_tokens=8), use_tqdm=False)  # warm-up
+    prompt = rng.integers(0, id_limit, plen).tolist()
     t0 = time.perf_counter()
-    out = llm.generate([prompts[0][:128]], SamplingParams(temperature=0, max_tokens=257,
-                                                          ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate([prompt], greedy, use_tqdm=False)[0]
     dt = time.perf_counter() - t0
-    print(f"batch-1: {len(out.token_ids)} tokens in {dt * 1e3:.0f} ms = "
-          f"{dt * 1e3 / len(out.token_ids):.2f} ms/token (prefill of 128 included)")
+    ms = dt * 1e3 / len(out.token_ids)
+    print(f"minivllm batch-1 [{label}]: {len(out.token_ids)} tokens in {dt * 1e3:.0f} ms = "
+          f"{ms:.2f} ms/token (prefill of {plen} included)", flush=True)
+    return dict(tokens=len(out.token_ids), wall_s=dt, ms_per_token=ms)
+
+
+def run_minivllm(args: argparse.Namespace, path: str, device: str, wl: Workload) -> dict[str, Any]:
+    llm = build_llm(args, path, device)
+    results: dict[str, Any] = {"kv_blocks": llm.engine.num_blocks}
+    for i, on in enumerate(modes_of(args.async_mode)):
+        set_async_scheduling(llm, on)
+        results[mode_name(on)] = dict(offline=run_offline(llm, wl, stream=1 + i, label=mode_name(on)))
+    for i, on in enumerate(modes_of(args.async_mode)):
+        set_async_scheduling(llm, on)
+        results[mode_name(on)]["batch1"] = run_batch1(llm, 100 + i, mode_name(on), args.smoke, wl.id_limit)
+    return results
+
+
+# ---- Hugging Face --------------------------------------------------------------
+
+def _hf_batches(wl: Workload, n: int, batch: int) -> list[list[int]]:
+    """Request indices, longest max_tokens first, ``batch`` at a time."""
+    order = sorted(range(n), key=lambda i: (wl.max_tokens[i], wl.prompt_lens[i]), reverse=True)
+    return [order[i:i + batch] for i in range(0, n, batch)]
+
+
+def _left_pad(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _hf_generate(model: Any, gen_cfg: Any, ids: torch.Tensor, mask: torch.Tensor, max_new: int,
+                 stop_after: int | None = None) -> torch.Tensor:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfter(StoppingCriteria):
+        """Ends the warm-up early; the static cache is still sized for ``max_new`` tokens."""
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            done = input_ids.shape[1] >= ids.shape[1] + (stop_after or 0)
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    crit = StoppingCriteriaList([StopAfter()]) if stop_after else None
+    cfg = copy.deepcopy(gen_cfg)
+    cfg.max_new_tokens = max_new
+    return model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, stopping_criteria=crit)
+
+
+def _hf_model(path: str, device: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    gen_cfg = copy.deepcopy(model.generation_config)
+    gen_cfg.cache_implementation = "static"   # generate() compiles the decode forward on CUDA
+    gen_cfg.do_sample, gen_cfg.temperature, gen_cfg.top_k, gen_cfg.top_p = True, 1.0, 0, 1.0
+    gen_cfg.eos_token_id = None               # eos ignored, as in the workload
+    gen_cfg.pad_token_id = 0
+    return model, gen_cfg
+
+
+def run_hf(args: argparse.Namespace, path: str, device: str, wl: Workload) -> dict[str, Any]:
+    """HF generate over the first --hf-requests requests; see the module docstring."""
+    n = min(args.hf_requests, len(wl.prompt_lens))
+    model, gen_cfg = _hf_model(path, device)
+    prompts = wl.prompts(stream=1, n=n)
+    batches = [(_left_pad([prompts[i] for i in b], device), max(wl.max_tokens[i] for i in b), b)
+               for b in _hf_batches(wl, n, args.hf_batch)]
+    torch.manual_seed(args.seed)
+    for k, ((ids, mask), max_new, _) in enumerate(batches):
+        for rep in range(2 if k == 0 else 1):
+            t0 = time.perf_counter()
+            _hf_generate(model, gen_cfg, ids, mask, max_new, stop_after=16)
+            sync(device)
+            print(f"HF warm-up batch {k} ({ids.shape[0]}x{ids.shape[1]}, cache for {max_new} new) "
+                  f"run {rep}: {time.perf_counter() - t0:.1f}s", flush=True)
+    compiled = getattr(model, "_compiled_call", None) is not None
+    print(f"HF decode forward compiled by generate(): {'yes' if compiled else 'NO'}")
+    t0 = time.perf_counter()
+    generated = 0
+    for (ids, mask), max_new, _ in batches:
+        out = _hf_generate(model, gen_cfg, ids, mask, max_new)
+        if out.shape[1] != ids.shape[1] + max_new:
+            print(f"WARNING: HF generated {out.shape[1] - ids.shape[1]} tokens, expected {max_new}")
+        generated += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    sync(device)
+    wall = time.perf_counter() - t0
+    counted = sum(wl.max_tokens[:n])
+    how = "compiled decode" if compiled else "decode NOT compiled"
+    print(f"HF generate (static cache, {how}) on {n} requests in {len(batches)} batch(es) of "
+          f"<= {args.hf_batch}: {counted} completion tokens (each request's own max_tokens; "
+          f"{generated} generated with the batches' over-run) in {wall:.2f}s = {counted / wall:,.0f} tok/s "
+          f"(a rate over {n} requests, compared with minivllm's over {len(wl.prompt_lens)})", flush=True)
+    del model
+    return dict(requests=n, batches=len(batches), completion_tokens=counted, generated_tokens=generated,
+                wall_s=wall, tok_s=counted / wall, compiled=compiled)
+
+
+def free_hf(device: str) -> None:
+    """Release what HF and its compiled graphs hold before minivllm sizes its pool."""
+    gc.collect()
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        print(f"after HF: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
+              f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved in this process")
+
+
+# ---- main ----------------------------------------------------------------------
+
+def print_targets(n: int, results: dict[str, Any]) -> None:
+    mv, hf = results.get("minivllm"), results.get("hf")
+    if mv is not None:
+        for name in ("async on", "async off"):
+            if name in mv:
+                tps, ms = mv[name]["offline"]["tok_s"], mv[name]["batch1"]["ms_per_token"]
+                print(f"offline-{n}: {tps:,.0f} tok/s (goal >= {GOAL_TOK_S:,}; stretch {STRETCH_TOK_S:,}) "
+                      f"[{name}] {met(tps, GOAL_TOK_S)}")
+                print(f"batch-1: {ms:.2f} ms/token (goal <= {GOAL_MS_TOKEN}; stretch {STRETCH_MS_TOKEN}) "
+                      f"[{name}] {met(ms, GOAL_MS_TOKEN, lower_is_better=True)}")
+    if mv is not None and hf is not None and "tok_s" in hf:
+        name = "async on" if "async on" in mv else "async off"
+        ratio = mv[name]["offline"]["tok_s"] / hf["tok_s"]
+        results["ratio_minivllm_hf"] = ratio
+        print(f"ratio minivllm [{name}] / HF: {ratio:.1f}x (goal >= {GOAL_RATIO:.0f}x) {met(ratio, GOAL_RATIO)}")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--engines", default="minivllm,hf", help="comma list of minivllm, hf")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--hf-requests", type=int, default=32)
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--async", dest="async_mode", choices=("on", "off", "both"), default="both")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    args = ap.parse_args()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not engines or set(engines) - {"minivllm", "hf"}:
+        ap.error(f"--engines: expected a comma list of minivllm, hf; got {args.engines!r}")
+    args.engines = engines
+    if args.smoke:
+        args.num_requests, args.hf_requests = min(args.num_requests, 6), min(args.hf_requests, 4)
+        args.hf_batch, args.max_num_seqs = min(args.hf_batch, 2), min(args.max_num_seqs, 4)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = bench_device(args)
+    path = model_path(args)
+    wl = offline_workload(args.num_requests, args.seed, args.smoke)
+    print(f"offline-{args.num_requests}: {sum(wl.prompt_lens)} prompt tokens, {sum(wl.max_tokens)} "
+          f"completion tokens; engines {args.engines}, device {device}, smoke={args.smoke}", flush=True)
+    results: dict[str, Any] = {"args": vars(args), "workload": f"offline-{args.num_requests}"}
+    if "hf" in args.engines:
+        try:
+            results["hf"] = run_hf(args, path, device, wl)
+        except Exception as e:  # reported loudly; minivllm still runs
+            traceback.print_exc()
+            print(f"HF: FAILED ({type(e).__name__}: {e})", flush=True)
+            results["hf"] = {"error": f"{type(e).__name__}: {e}"}
+        free_hf(device)
+    if "minivllm" in args.engines:
+        results["minivllm"] = run_minivllm(args, path, device, wl)
+    print_targets(args.num_requests, results)
+    write_summary("throughput", results)
+    if "error" in results.get("hf", {}):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,25 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
+
+# As in vLLM, a temperature this small is greedy: dividing logits by it could
+# overflow float32 to inf (and inf - inf is nan).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy_temperature(temperature: float | np.ndarray) -> bool | np.ndarray:
+    """The one rule for "greedy" (``SamplingParams.greedy`` and the sampler's batched numpy use it)."""
+    return temperature < GREEDY_TEMPERATURE
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (validated; bad values raise ``ValueError``).
 
     Attributes:
-        temperature: 0 means greedy; otherwise logits are divided by it.
+        temperature: below ``GREEDY_TEMPERATURE`` (0 included) means greedy;
+            otherwise logits are divided by it.
         top_k: keep the k most likely tokens; -1 or 0 disables.
         top_p: keep the smallest set whose probability reaches top_p; 1 disables.
         min_p: drop tokens whose probability is below min_p * max probability.
@@ -64,7 +76,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether this request takes the argmax (``is_greedy_temperature``)."""
+        return bool(is_greedy_temperature(self.temperature))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -235,11 +235,15 @@ class ModelExecutor:
         hidden = self.model(ids, pos, meta)
         rows = min(self.max_num_seqs, t)
         logits = self.model.compute_logits(hidden[:rows])
-        params = [SamplingParams(top_k=50, top_p=0.9, min_p=0.05, seed=i % 2 or None)
-                  for i in range(rows)]
-        tensors = SamplingTensors.build(params, np.full(rows, seq_len), self.model_config.vocab_size,
-                                        self.device)
-        self.sampler(logits, tensors)
+        # Each sampler path once: compiled before the first request, and the full-vocab
+        # sort of a top-p-only batch (the sampler's memory peak) counted in the peak.
+        batches = ([SamplingParams(top_k=50, top_p=0.9, min_p=0.05, seed=i % 2 or None) for i in range(rows)],
+                   [SamplingParams()] * rows, [SamplingParams(top_p=0.9)] * rows,
+                   [SamplingParams(temperature=0.0)] * rows)
+        for params in batches:
+            tensors = SamplingTensors.build(params, np.full(rows, seq_len), self.model_config.vocab_size,
+                                            self.device)
+            self.sampler(logits, tensors)
         del hidden, logits, dummy
 
     def num_kv_blocks(self) -> int:

@@ -1,0 +1,241 @@
+"""Long context: prefill throughput at 16 x 8,192 tokens (vs transformers' SDPA forward) and
+the decode step of those 16 sequences against its memory-bandwidth floor.
+
+    PYTHONPATH=. python3 -m benchmarks.long_context [--num-prompts 16] [--prompt-len 8192] [--smoke]
+
+Qwen3-0.6B shapes, random weights, bf16, prefix caching off, max_model_len =
+prompt_len + decode_tokens (8,192 + 64), max_num_batched_tokens 16,384 (two
+prompts a step, chunked prefill as the scheduler decides), one step in flight,
+a fixed KV pool just large enough (so the HF model fits beside it).
+
+(a) Prefill: ``generate`` of the 16 prompts with max_tokens=1 (each request ends
+    when its prefill samples its first token), wall time, after one warm-up run
+    on other prompts; median of ``--repeats`` (3) runs, each on fresh random
+    prompts. tok/s = prompt tokens / wall. Beside it, transformers'
+    ``Qwen3ForCausalLM`` (bf16, ``attn_implementation="sdpa"``) forward over the
+    same prompts, ``--hf-batch`` (16) prompts a call, no padding or mask
+    (causal SDPA), ``use_cache=False``, ``logits_to_keep=1`` (minivllm, too,
+    computes logits only where it samples); timed after one warm-up, median of
+    the repeats. Goals: >= 1.5 x 139,700 tok/s (the engine's figure before this
+    issue) and >= 1.5 x HF's.
+(b) Decode: 16 fresh prompts with max_tokens = ``--decode-tokens`` (64); the
+    engine is stepped by hand and each ``step()`` return is time-stamped. The step
+    time is the median interval between returns over the steps that decode all
+    16 sequences and prefill nothing (the first 3 of them skipped); with one step
+    in flight that interval is the device's step period. The floor is the bytes
+    a decode step must read at least, the 16 sequences' K/V at their mean context
+    in the timed window plus every weight once (the tied embedding counted once,
+    as the LM head), all from the model config, over the copy bandwidth of a
+    1 GiB device-to-device ``copy_`` measured in the same run (bytes read +
+    written, as benchmarks/decode_attention.py counts it). Goal: <= 5 ms.
+
+With ``$OUT`` set, ``$OUT/long_context.json``. About a minute on an H200.
+``--smoke``: tiny model on the CPU, 2 prompts of 64 tokens (numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.throughput import add_common_args, bench_device, model_path, sync, write_summary
+
+TODAY_PREFILL_TOK_S = 139_700
+GOAL_FACTOR = 1.5
+GOAL_DECODE_MS = 5.0
+
+
+def random_prompts(args: argparse.Namespace, stream: int) -> list[list[int]]:
+    rng = np.random.default_rng([args.seed, stream])
+    return rng.integers(0, args.id_limit, (args.num_prompts, args.prompt_len)).tolist()
+
+
+# ---- bytes and bandwidth -------------------------------------------------------
+
+def kv_bytes_per_token(c: Any, dtype_bytes: int) -> int:
+    """K and V of one token over all layers."""
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
+
+
+def weight_bytes(c: Any, dtype_bytes: int) -> int:
+    """Every weight a decode step reads once: the layers, the final norm and the LM head
+    (a tied embedding is the LM head; an untied one is read only at B rows, not counted)."""
+    h, d = c.hidden_size, c.head_dim
+    qkv = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * d
+    o = c.num_attention_heads * d * h
+    mlp = 3 * h * c.intermediate_size
+    norms = 2 * h + 2 * d          # input/post-attention norms, q/k norms
+    return (c.num_hidden_layers * (qkv + o + mlp + norms) + h + c.vocab_size * h) * dtype_bytes
+
+
+def copy_bandwidth(device: str, nbytes: int, iters: int = 20) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read + written (median of ``iters``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
+
+
+# ---- (a) prefill ---------------------------------------------------------------
+
+def minivllm_prefill(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from minivllm import SamplingParams
+
+    one = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
+    ntok = args.num_prompts * args.prompt_len
+    llm.generate(random_prompts(args, 100), one, use_tqdm=False)  # warm-up (compile, autotune)
+    runs = []
+    for r in range(args.repeats):
+        prompts = random_prompts(args, 101 + r)
+        steps0 = llm.engine.stats.num_steps
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, one, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        if any(len(o.token_ids) != 1 for o in outs):
+            raise RuntimeError("a prefill request did not end with exactly one token")
+        runs.append(wall)
+        print(f"minivllm prefill run {r}: {ntok} tokens in {wall * 1e3:.1f} ms = {ntok / wall:,.0f} tok/s "
+              f"({llm.engine.stats.num_steps - steps0} steps)", flush=True)
+    wall = statistics.median(runs)
+    return dict(tokens=ntok, runs_s=runs, median_s=wall, tok_s=ntok / wall)
+
+
+def hf_prefill(path: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    ntok = args.num_prompts * args.prompt_len
+
+    def forward_all(prompts: list[list[int]]) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(0, len(prompts), args.hf_batch):
+                ids = torch.tensor(prompts[i:i + args.hf_batch], device=device)
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        sync(device)
+        return time.perf_counter() - t0
+
+    forward_all(random_prompts(args, 100))  # warm-up
+    runs = []
+    for r in range(args.repeats):
+        runs.append(forward_all(random_prompts(args, 101 + r)))
+        print(f"HF SDPA forward run {r}: {ntok} tokens in {runs[-1] * 1e3:.1f} ms = "
+              f"{ntok / runs[-1]:,.0f} tok/s", flush=True)
+    del model
+    wall = statistics.median(runs)
+    return dict(tokens=ntok, runs_s=runs, median_s=wall, tok_s=ntok / wall, batch=args.hf_batch)
+
+
+# ---- (b) decode ----------------------------------------------------------------
+
+def decode_step_times(llm: Any, args: argparse.Namespace) -> tuple[list[float], list[int]]:
+    """Step the engine through 16 fresh requests; (ms between returns, decode index) of the
+    full-decode steps after the first ``skip``."""
+    from minivllm import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(temperature=1.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    for i, p in enumerate(random_prompts(args, 200)):
+        eng.add_request(f"long-{i}", p, params)
+    stamps, full = [time.perf_counter()], []
+    while eng.has_unfinished_requests():
+        eng.step()
+        stamps.append(time.perf_counter())
+        rec = eng.last_step
+        full.append(rec is not None and rec.num_prefill_tokens == 0 and len(rec.scheduled) == args.num_prompts)
+    skip = 3
+    idx = [k for k in range(1, len(full)) if full[k] and full[k - 1]][skip:]
+    return [(stamps[k + 1] - stamps[k]) * 1e3 for k in idx], idx
+
+
+def minivllm_decode(llm: Any, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    dts, idx = decode_step_times(llm, args)
+    if len(dts) < 5:
+        raise RuntimeError(f"only {len(dts)} full decode steps were timed; raise --decode-tokens")
+    c = llm.model_config
+    dtype_bytes = 2 if device == "cuda" else 4
+    # Decode steps in the window feed tokens prompt_len .. prompt_len + decode_tokens - 2; the
+    # window is the last len(dts) of them, so its mean context is about:
+    ctx = args.prompt_len + args.decode_tokens - 1 - len(dts) / 2
+    kv = args.num_prompts * ctx * kv_bytes_per_token(c, dtype_bytes)
+    wb = weight_bytes(c, dtype_bytes)
+    params_b = sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
+    bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
+    floor_ms = (kv + wb) / bw * 1e3
+    ms = statistics.median(dts)
+    print(f"decode, {args.num_prompts} sequences at context ~{ctx:,.0f}: median {ms:.3f} ms/step over "
+          f"{len(dts)} steps (min {min(dts):.3f}, max {max(dts):.3f})")
+    print(f"  floor {floor_ms:.3f} ms = (K/V {kv / 1e9:.2f} GB + weights {wb / 1e9:.3f} GB) / copy "
+          f"{bw / 1e9:,.0f} GB/s (the executor's parameters: {params_b / 1e9:.3f} GB); "
+          f"measured / floor = {ms / floor_ms:.2f}", flush=True)
+    return dict(median_ms=ms, steps=len(dts), step_ms=dts, context=ctx, kv_bytes=kv, weight_bytes=wb,
+                param_bytes=params_b, copy_bw_bytes_s=bw, floor_ms=floor_ms)
+
+
+def print_targets(res: dict[str, Any]) -> None:
+    mv = res["prefill"]["minivllm"]["tok_s"]
+    goal = GOAL_FACTOR * TODAY_PREFILL_TOK_S
+    print(f"prefill {res['shape']}: {mv:,.0f} tok/s (goal >= {GOAL_FACTOR} x {TODAY_PREFILL_TOK_S:,} = "
+          f"{goal:,.0f}) {'MET' if mv >= goal else 'not met'}")
+    hf = res["prefill"].get("hf", {})
+    if "tok_s" in hf:
+        ratio = mv / hf["tok_s"]
+        print(f"prefill vs HF SDPA forward ({hf['tok_s']:,.0f} tok/s): {ratio:.2f}x (goal >= {GOAL_FACTOR}x) "
+              f"{'MET' if ratio >= GOAL_FACTOR else 'not met'}")
+    d = res["decode"]
+    print(f"decode step, {res['shape']}: {d['median_ms']:.2f} ms (goal <= {GOAL_DECODE_MS:g} ms; floor "
+          f"{d['floor_ms']:.2f} ms) {'MET' if d['median_ms'] <= GOAL_DECODE_MS else 'not met'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=8192)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        args.num_prompts, args.prompt_len, args.decode_tokens = 2, 64, 16
+        args.max_num_batched_tokens, args.repeats, args.hf_batch = 64, 2, 1
+    args.id_limit = 512 if args.smoke else 10000
+    device = bench_device(args)
+    from minivllm import LLM
+    from minivllm.config import cdiv
+
+    path = model_path(args)
+    max_len = args.prompt_len + args.decode_tokens
+    t0 = time.perf_counter()
+    llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True, max_num_seqs=args.num_prompts,
+              max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=False, async_scheduling=True,
+              num_blocks=args.num_prompts * cdiv(max_len, 16) + 64)
+    print(f"start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks", flush=True)
+    res: dict[str, Any] = {"args": vars(args), "shape": f"{args.num_prompts} x {args.prompt_len:,}"}
+    res["prefill"] = {"minivllm": minivllm_prefill(llm, args)}
+    res["decode"] = minivllm_decode(llm, args, device)
+    if not args.no_hf:
+        res["prefill"]["hf"] = hf_prefill(path, args, device)
+    print_targets(res)
+    write_summary("long_context", res)
+
+
+if __name__ == "__main__":
+    main()

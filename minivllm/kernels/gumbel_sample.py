@@ -1,0 +1,274 @@
+"""Sample one token per row of logits in one pass: ``argmax(logits / T + g)``, g Gumbel noise.
+
+Each program reads its slice of one row once (any float dtype), generates the
+uniforms it needs *in the kernel* from a counter-based hash (no (S, V) noise
+tensor in memory), and keeps a per-lane running (value, index) maximum. Greedy
+rows in the same launch take the plain argmax of the logits. A per-row ``floor``
+(optional) drops tokens whose logit is below it: top-k, top-p and min-p all
+reduce to such a threshold (see ``minivllm/layers/sampler.py``). It applies to
+the raw logit, before the division by T, so the comparison cannot depend on how
+two libraries round a division: a floor that *is* a row's logit keeps that token.
+
+Noise: ``U = (hash(k0, k1, vocab index) >> 9 + 0.5) / 2**23`` strictly in (0, 1),
+so ``g = -log(-log(U))`` is finite and a dropped token (``-inf``) never wins.
+Seeded rows use their ``row_key(seed, position)`` as (k0, k1); unseeded rows a key
+derived from the row index and a per-step seed the host passes as a plain int,
+so the launch never reads a device value on the host.
+
+Few rows leave most SMs idle with one program per row (a 151936-wide bf16 row is
+300 KB), so the vocab is split over ``num_splits`` programs per row; each writes
+its best (value, index) and a tiny torch reduction picks the row's winner. Ties
+go to the smallest index, as ``torch.argmax`` does.
+
+Torch reference: :func:`gumbel_sample_reference` (below), token-for-token the same
+given the same keys (up to 1-ulp differences of ``log`` between libraries, which
+can only matter on a near-exact tie of two perturbed logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._launch import (
+    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device,
+)
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MASK32 = 0xFFFFFFFF
+_UNIFORM_BITS = 23  # U = (k + 0.5) / 2**23 is exact in float32 and strictly in (0, 1)
+_STEP_MASK = 0x7FFFFFFF  # step key halves stay < 2**31: Triton types them i32, never u32/i64
+
+
+@dataclass(frozen=True)
+class GumbelConfig:
+    """Launch tunables of :func:`gumbel_sample` (``benchmarks/sampler.py --sweep`` times others).
+
+    Attributes:
+        block: columns per loop iteration (a power of two; smaller for a short split).
+        num_warps: warps per program at the full block.
+        programs_per_sm: target programs per SM when choosing the split count
+            (the hash makes the pass compute-heavy: enough warps must be resident).
+        min_split_columns: fewest columns per program (below, launch and the
+            cross-split reduction cost more than they save).
+    """
+
+    block: int = 1024
+    num_warps: int = 8
+    programs_per_sm: int = 8
+    min_split_columns: int = 2048
+
+    def __post_init__(self) -> None:
+        check_power_of_two("block", self.block, 16)
+        check_power_of_two("num_warps", self.num_warps)
+        for name in ("programs_per_sm", "min_split_columns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+# ----------------------------------------------------------------------------- Triton
+
+@triton.jit
+def _mix32(x):
+    """The 32-bit hash of ``_mix32_torch`` on uint32 (wrapping multiply == ``& 0xFFFFFFFF``)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x2C1B3C6D
+    return x ^ (x >> 16)
+
+
+@triton.jit(do_not_specialize=["step_lo", "step_hi"])
+def _gumbel_sample_kernel(
+    logits_ptr,                 # (S, V) float, last dim contiguous
+    temperature_ptr,            # (S,) float32 (ignored on greedy rows)
+    floor_ptr,                  # (S,) float32: drop logit < floor (read only if HAS_FLOOR)
+    greedy_ptr, seeded_ptr,     # (S,) bool each
+    keys_ptr,                   # (S, 2) int64: row_key of seeded rows, in [0, 2**32)
+    best_val_ptr,               # (S, num_splits) float32 out; num_splits = grid axis 1
+    best_idx_ptr,               # (S, num_splits) int64 out
+    stride_row, vocab_size, cols_per_split,
+    step_lo, step_hi,           # int32 in [0, 2**31): this step's key for unseeded rows
+    HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # The split count is not a constexpr: it changes with the batch size, and
+    # each value would compile another kernel.
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    greedy = tl.load(greedy_ptr + row)
+    temperature = tl.load(temperature_ptr + row)
+    floor = float("-inf")
+    if HAS_FLOOR:
+        floor = tl.load(floor_ptr + row)
+    # Unseeded key: a bijection of the row index mixed with the step's key.
+    k0 = _mix32(row.to(tl.uint32) ^ step_lo.to(tl.uint32))
+    k1 = _mix32(k0 ^ step_hi.to(tl.uint32))
+    seeded = tl.load(seeded_ptr + row)
+    k0 = tl.where(seeded, tl.load(keys_ptr + 2 * row).to(tl.uint32), k0)
+    k1 = tl.where(seeded, tl.load(keys_ptr + 2 * row + 1).to(tl.uint32), k1)
+
+    start = split * cols_per_split
+    end = tl.minimum(start + cols_per_split, vocab_size)
+    offs = tl.arange(0, BLOCK)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = start + offs
+    for col0 in range(start, end, BLOCK):
+        cols = col0 + offs
+        mask = cols < end
+        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        # Same arithmetic as the reference: the hash of the vocab index, an IEEE
+        # round-to-nearest division like torch's (Triton's fp32 `/` need not be), two logs.
+        h = _mix32(_mix32(_mix32(cols.to(tl.uint32)) ^ k0) ^ k1)
+        u = ((h >> (32 - 23)).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        scaled = tl.math.div_rn(x, temperature)
+        perturbed = tl.where(x >= floor, scaled + -tl.log(-tl.log(u)), float("-inf"))
+        z = tl.where(greedy, x, perturbed)
+        better = mask & (z > best_val)  # strict: an earlier column keeps a tie
+        best_val = tl.where(better, z, best_val)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == top, best_idx, vocab_size), axis=0)
+    tl.store(best_val_ptr + row * num_splits + split, top)
+    tl.store(best_idx_ptr + row * num_splits + split, idx.to(tl.int64))
+
+
+def gumbel_sample(
+    logits: torch.Tensor,         # (S, V) bf16 / fp16 / fp32
+    temperature: torch.Tensor,    # (S,) float32
+    floor: torch.Tensor | None,   # (S,) float32 or None (no filter)
+    greedy: torch.Tensor,         # (S,) bool
+    seeded: torch.Tensor,         # (S,) bool
+    seed_keys: torch.Tensor,      # (S, 2) int64
+    step_seed: int,
+    num_splits: int | None = None,
+    config: GumbelConfig | None = None,
+) -> torch.Tensor:
+    """One token id per row (S,) int64: greedy rows argmax, others a Gumbel-max draw.
+
+    A random row draws from ``softmax(logits / T)`` restricted to the tokens with
+    ``logits >= floor``; its noise comes from ``seed_keys`` where ``seeded``,
+    else from ``step_seed`` and the row index. Never syncs the host.
+
+    Args:
+        num_splits: programs per row (None: from ``config``; 1 off CUDA).
+        config: launch tunables (None: the defaults).
+
+    Raises:
+        TypeError: a dtype is wrong / ``step_seed`` is not an int.
+        ValueError: shapes disagree, logits' last dim is strided, tensors live on
+            different devices, or ``num_splits`` < 1.
+    """
+    _check_args(logits, temperature, floor, greedy, seeded, seed_keys, step_seed)
+    config = config or GumbelConfig()
+    rows, vocab = logits.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(rows, vocab, logits.device, config)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    block = max(16, min(config.block, triton.next_power_of_2(triton.cdiv(vocab, num_splits))))
+    cols_per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
+    num_splits = max(1, triton.cdiv(vocab, cols_per_split))  # rounding may leave fewer
+    best_val = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(rows, num_splits, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return best_idx[:, 0]
+    lo, hi = step_key(step_seed)
+    _gumbel_sample_kernel[(rows, num_splits)](
+        logits, temperature, floor if floor is not None else temperature, greedy, seeded,
+        seed_keys, best_val, best_idx, logits.stride(0), vocab, cols_per_split, lo, hi,
+        HAS_FLOOR=floor is not None, BLOCK=block,
+        num_warps=max(1, min(config.num_warps, block // 128)),
+    )
+    if num_splits == 1:
+        return best_idx[:, 0]
+    # Splits are in column order and argmax takes the first maximum: the smallest index wins a tie.
+    return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]
+
+
+def choose_num_splits(rows: int, vocab: int, device: torch.device, config: GumbelConfig) -> int:
+    """Programs per row: ``programs_per_sm`` per SM, each >= ``min_split_columns`` columns."""
+    if device.type != "cuda" or rows == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(config.programs_per_sm * sms, rows)
+    return max(1, min(want, vocab // config.min_split_columns))
+
+
+def _check_args(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
+                greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor,
+                step_seed: int) -> None:
+    """Validate the arguments of :func:`gumbel_sample` (raises TypeError / ValueError)."""
+    check_dtype("logits", logits, _FLOAT_DTYPES)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (S, V), got shape {tuple(logits.shape)}")
+    check_last_dim_contiguous("logits", logits)
+    rows = logits.shape[0]
+    per_row = {"temperature": (temperature, torch.float32), "greedy": (greedy, torch.bool),
+               "seeded": (seeded, torch.bool)}
+    if floor is not None:
+        per_row["floor"] = (floor, torch.float32)
+    for name, (t, dtype) in per_row.items():
+        check_dtype(name, t, (dtype,))
+        if t.shape != (rows,) or (rows > 1 and t.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous ({rows},), got shape {tuple(t.shape)}")
+    check_dtype("seed_keys", seed_keys, (torch.int64,))
+    if seed_keys.shape != (rows, 2) or (rows > 0 and not seed_keys.is_contiguous()):
+        raise ValueError(f"seed_keys must be a contiguous ({rows}, 2), got shape {tuple(seed_keys.shape)}")
+    tensors = {name: t for name, (t, _) in per_row.items()}
+    check_same_device(logits=logits, seed_keys=seed_keys, **tensors)
+    if isinstance(step_seed, bool) or not isinstance(step_seed, int):
+        raise TypeError(f"step_seed must be an int, got {type(step_seed).__name__}")
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors holding [0, 2**32).
+
+    Multipliers are odd and < 2**31, so products stay below 2**63: no int64
+    overflow on any device.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Counter-based uniforms: (R, 2) int64 keys -> (R, vocab_size) float32 strictly in (0, 1)."""
+    v = _mix32_torch(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))  # (V,)
+    x = _mix32_torch(v[None, :] ^ keys[:, :1])                                          # (R, V)
+    x = _mix32_torch(x ^ keys[:, 1:])
+    return ((x >> (32 - _UNIFORM_BITS)).float() + 0.5) / float(1 << _UNIFORM_BITS)
+
+
+def step_key(step_seed: int) -> tuple[int, int]:
+    """The two 31-bit halves of a step seed that key its unseeded rows (low 62 bits count)."""
+    return step_seed & _STEP_MASK, (step_seed >> 31) & _STEP_MASK
+
+
+def row_keys(seeded: torch.Tensor, seed_keys: torch.Tensor, step_seed: int) -> torch.Tensor:
+    """(S, 2) int64 keys: ``seed_keys`` on seeded rows, the step's per-row key elsewhere."""
+    lo, hi = step_key(step_seed)
+    rows = torch.arange(seeded.shape[0], device=seeded.device, dtype=torch.int64)
+    k0 = _mix32_torch(rows ^ lo)
+    k1 = _mix32_torch(k0 ^ hi)
+    return torch.where(seeded[:, None], seed_keys, torch.stack([k0, k1], dim=1))
+
+
+def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
+                            greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor,
+                            step_seed: int) -> torch.Tensor:
+    """:func:`gumbel_sample` in torch ops over a materialised (S, V) noise tensor."""
+    scaled = logits.float() / temperature[:, None]  # (S, V)
+    if floor is not None:
+        scaled = scaled.masked_fill(logits.float() < floor[:, None], float("-inf"))
+    u = hashed_uniform(row_keys(seeded, seed_keys, step_seed), logits.shape[1])
+    sampled = (scaled + -torch.log(-torch.log(u))).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
