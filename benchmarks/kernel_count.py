@@ -41,8 +41,10 @@ def build(args: argparse.Namespace, device: str, eager: bool) -> Any:
     from minivllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model_path(args), device=device, seed=args.seed, skip_tokenizer_init=True, max_num_seqs=1,
-              max_model_len=512, max_num_batched_tokens=512, num_blocks=64, enforce_eager=eager)
+    b = args.batch
+    llm = LLM(model_path(args), device=device, seed=args.seed, skip_tokenizer_init=True, max_num_seqs=b,
+              max_model_len=args.prompt_len + args.steps + 64, max_num_batched_tokens=max(512, min(8192, b * args.prompt_len)),
+              num_blocks=64 + b * (args.prompt_len + args.steps + 64) // 16, enforce_eager=eager)
     print(f"{'eager' if eager else 'graph'} engine start-up {time.perf_counter() - t0:.1f}s", flush=True)
     return llm
 
@@ -75,15 +77,17 @@ def kernel_counts(args: argparse.Namespace, device: str) -> dict[str, Any]:
     llm = build(args, device, eager=True)
     set_async_scheduling(llm, False)
     eng = llm.engine
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    # Long enough that the first admitted still decode when the last prefill chunk is done.
+    greedy = SamplingParams(temperature=0, max_tokens=16 + 2 * args.batch * args.prompt_len // 8192, ignore_eos=True)
     llm.generate([prompt(args, 1)], greedy, use_tqdm=False)
-    eng.add_request("count", prompt(args, 2), greedy)
-    step_until_full_decode(eng, 1)
-    run_steps(eng, 2, 1)
+    for i in range(args.batch):
+        eng.add_request(f"count-{i}", prompt(args, 2 + 1000 * i), greedy)
+    step_until_full_decode(eng, args.batch)
+    run_steps(eng, 2, args.batch)
     counts = [count_step(eng, device) for _ in range(2)]
     drain(eng)
     what = "CUDA kernels" if device == "cuda" else "CPU ops (smoke: no GPU)"
-    print(f"batch-1 decode step, eager: {counts[0]['kernels']} {what} "
+    print(f"batch-{args.batch} decode step, eager: {counts[0]['kernels']} {what} "
           f"(second step: {counts[1]['kernels']}), {counts[0]['memcpy']} memcpy, {counts[0]['memset']} memset, "
           f"kernel time {counts[0]['kernel_time_us']:.0f} µs")
     print(f"top {args.top} by count:      count   total µs")
@@ -100,13 +104,14 @@ def graph_step_time(args: argparse.Namespace, device: str) -> dict[str, Any]:
     results = {}
     for i, on in enumerate(modes_of(args.async_mode)):
         set_async_scheduling(llm, on)
-        eng.add_request(f"graph-{i}", prompt(args, 10 + i),
-                        SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True))
-        step_until_full_decode(eng, 1)
-        run_steps(eng, 5, 1)
+        for j in range(args.batch):
+            eng.add_request(f"graph-{i}-{j}", prompt(args, 10 + i + 1000 * j),
+                            SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True))
+        step_until_full_decode(eng, args.batch)
+        run_steps(eng, 5, args.batch)
         stamps = [time.perf_counter()]
         for _ in range(args.steps):
-            run_steps(eng, 1, 1)
+            run_steps(eng, 1, args.batch)
             stamps.append(time.perf_counter())
         drain(eng)
         dts = np.diff(stamps) * 1e3
@@ -114,7 +119,7 @@ def graph_step_time(args: argparse.Namespace, device: str) -> dict[str, Any]:
                                       steps=args.steps)
         graphs = "CUDA graphs" if device == "cuda" else "no graphs on the CPU"
         ms = results[mode_name(on)]["median_ms"]
-        print(f"batch-1 decode step [{mode_name(on)}, {graphs}]: median {ms:.3f} ms, mean {dts.mean():.3f} ms "
+        print(f"batch-{args.batch} decode step [{mode_name(on)}, {graphs}]: median {ms:.3f} ms, mean {dts.mean():.3f} ms "
               f"over {args.steps} steps (goal <= {GOAL_MS_TOKEN} ms/token; stretch {STRETCH_MS_TOKEN})",
               flush=True)
     return results
@@ -124,6 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (default 1)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--async", dest="async_mode", choices=("on", "off", "both"), default="both")
