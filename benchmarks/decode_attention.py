@@ -8,9 +8,20 @@ split partials are overhead, not counted). Time: ``triton.testing.do_bench``
 median (L2 flushed between runs) and the median of CUDA-graph replays. The copy
 bandwidth is a 1 GiB device-to-device ``copy_``, counting bytes read + written.
 
-    PYTHONPATH=. python3 -m benchmarks.decode_attention [--sweep]
+    PYTHONPATH=. python3 -m benchmarks.decode_attention [--sweep] [--no-engine]
 
 ``--sweep`` also times other tile configs and split counts (for tuning).
+
+The "engine-like" section (on by default) replays decode attention the way the
+engine's CUDA graphs run it (``minivllm/executor/cuda_graph.py``): static buffers
+captured with kv_lens 0 and block tables of -1 whose width is max_model_len /
+block_size (16384 / 16 = 1024 by default), then filled with the real batch (16
+sequences at context 8192) before each replay. It times, for one layer and for a
+28-layer graph over one (L, 2, N, bs, Hkv, D) cache as the executor allocates it:
+the split-count heuristic and other split counts, three block placements
+(contiguous per sequence, interleaved as sequences that grow together, random over
+a pool 4x the need), and an all-padding replay (kv_lens 0: only the launch and merge
+costs that every step pays).
 
 Measured on one H200 (triton 3.6, torch 2.11; copy 4221 GB/s), default config
 (BLOCK_N 64, 4 warps, 3 stages), splits from ``choose_num_splits``:
@@ -35,8 +46,9 @@ from minivllm.kernels.decode_attention import DecodeConfig, choose_num_splits, d
 from minivllm.kernels.reference import paged_attention_reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
-SHAPES = [(64, 1024), (256, 1024), (8, 8192)]          # (batch, context)
+SHAPES = [(64, 1024), (256, 1024), (8, 8192), (16, 8192)]          # (batch, context)
 DTYPE = torch.bfloat16
+DEVICE = "cuda"   # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it
 
 
 @dataclass(frozen=True)
@@ -60,22 +72,22 @@ class Problem:
 
 def make_problem(batch: int, context: int, seed: int = 0) -> Problem:
     """Random q/K/V; each sequence's blocks are drawn at random from the whole pool."""
-    gen = torch.Generator("cuda").manual_seed(seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     width = context // BLOCK_SIZE
     num_blocks = batch * width
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return Problem(
-        q=torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE),
-        k_cache=torch.randn(shape, generator=gen, device="cuda").to(DTYPE),
-        v_cache=torch.randn(shape, generator=gen, device="cuda").to(DTYPE),
-        kv_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
-        block_tables=torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32).view(batch, width),
+        q=torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device=DEVICE).to(DTYPE),
+        k_cache=torch.randn(shape, generator=gen, device=DEVICE).to(DTYPE),
+        v_cache=torch.randn(shape, generator=gen, device=DEVICE).to(DTYPE),
+        kv_lens=torch.full((batch,), context, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.randperm(num_blocks, generator=gen, device=DEVICE).to(torch.int32).view(batch, width),
     )
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
-    src = torch.randn(nbytes // 4, device="cuda")
+    src = torch.randn(nbytes // 4, device=DEVICE)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     return 2 * nbytes / (ms * 1e-3) / 1e9
@@ -85,7 +97,7 @@ def check(p: Problem, num_splits: int | None, config: DecodeConfig | None) -> fl
     """Max abs error vs the fp32 reference (raises if beyond the bf16 tolerance)."""
     out = decode_attention(p.q, p.k_cache, p.v_cache, p.kv_lens, p.block_tables, HEAD_DIM ** -0.5,
                            num_splits=num_splits, config=config)
-    cu = torch.arange(p.q.shape[0] + 1, dtype=torch.int32, device="cuda")
+    cu = torch.arange(p.q.shape[0] + 1, dtype=torch.int32, device=DEVICE)
     ref = paged_attention_reference(p.q.float(), p.k_cache.float(), p.v_cache.float(), cu, p.kv_lens,
                                     p.block_tables, HEAD_DIM ** -0.5)
     err = (out.float() - ref).abs().max().item()
@@ -133,9 +145,136 @@ def _sweep_line(p: Problem, batch: int, context: int, splits: int, cfg: DecodeCo
           f"{gbs:6.0f} GB/s  {100 * gbs / copy_gbs:5.1f}%", flush=True)
 
 
+ENGINE_BATCH, ENGINE_CONTEXT, ENGINE_MAX_MODEL_LEN, ENGINE_LAYERS = 16, 8192, 16384, 28
+ENGINE_POOL_FACTOR = 4          # pool blocks per layer / blocks the batch needs
+PLACEMENTS = ("contiguous", "interleaved", "random")
+SCALE = HEAD_DIM ** -0.5
+
+
+@dataclass(frozen=True)
+class GraphBuffers:
+    """Static decode inputs of one captured batch size, kept as ``CudaGraphRunner`` keeps them."""
+
+    q: torch.Tensor             # (L, B, H, D): each layer's queries
+    kv_lens: torch.Tensor       # (B,) int32: 0 while capturing, the real contexts at replay
+    block_tables: torch.Tensor  # (B, W) int32: -1 while capturing, W = max_model_len / bs
+    kv_cache: torch.Tensor      # (L, 2, N, bs, Hkv, D): all layers' K/V, as the executor allocates it
+
+
+def make_buffers(batch: int, width: int, num_layers: int, pool_blocks: int) -> GraphBuffers:
+    """Zeroed cache (values do not change the timing) except layer 0, random for the check."""
+    gen = torch.Generator(DEVICE).manual_seed(1)
+    kv_cache = torch.zeros(num_layers, 2, pool_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                           dtype=DTYPE, device=DEVICE)
+    kv_cache[0].normal_(generator=gen)
+    return GraphBuffers(
+        q=torch.randn(num_layers, batch, NUM_HEADS, HEAD_DIM, generator=gen, device=DEVICE).to(DTYPE),
+        kv_lens=torch.zeros(batch, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.full((batch, width), -1, dtype=torch.int32, device=DEVICE),
+        kv_cache=kv_cache)
+
+
+def capture(buf: GraphBuffers, num_layers: int, num_splits: int | None) -> tuple[torch.cuda.CUDAGraph,
+                                                                                   list[torch.Tensor]]:
+    """A graph of one decode_attention per layer, captured as the engine does: kv_lens 0, tables -1.
+
+    Returns the graph and its per-layer outputs (graph-pool memory, rewritten by each replay).
+    """
+    buf.kv_lens.zero_()
+    buf.block_tables.fill_(-1)
+
+    def step() -> list[torch.Tensor]:
+        return [decode_attention(buf.q[layer], buf.kv_cache[layer, 0], buf.kv_cache[layer, 1], buf.kv_lens,
+                                 buf.block_tables, SCALE, num_splits=num_splits) for layer in range(num_layers)]
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
+def fill(buf: GraphBuffers, context: int, placement: str, seed: int = 0) -> None:
+    """Write the real batch into the static buffers: every sequence at ``context`` tokens."""
+    batch, pool = buf.kv_lens.shape[0], buf.kv_cache.shape[2]
+    need = -(-context // BLOCK_SIZE)
+    if placement == "contiguous":      # a fresh pool after one prefill per sequence
+        ids = torch.arange(batch * need, device=DEVICE).view(batch, need)
+    elif placement == "interleaved":   # sequences that grew together, one block at a time
+        ids = torch.arange(batch * need, device=DEVICE).view(need, batch).t()
+    elif placement == "random":        # a long-running pool: blocks anywhere
+        gen = torch.Generator(DEVICE).manual_seed(seed)
+        ids = torch.randperm(pool, generator=gen, device=DEVICE)[: batch * need].view(batch, need)
+    else:
+        raise ValueError(f"unknown placement {placement!r}")
+    buf.block_tables.fill_(-1)
+    buf.block_tables[:, :need] = ids.to(torch.int32)
+    buf.kv_lens.fill_(context)
+
+
+def check_layer0(buf: GraphBuffers, out: torch.Tensor) -> float:
+    """Max abs error of layer 0's replayed output vs the fp32 reference (raises beyond bf16 tolerance)."""
+    cu = torch.arange(buf.kv_lens.shape[0] + 1, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_reference(buf.q[0].float(), buf.kv_cache[0, 0].float(), buf.kv_cache[0, 1].float(),
+                                    cu, buf.kv_lens, buf.block_tables, SCALE)
+    err = (out.float() - ref).abs().max().item()
+    if not err <= 1.6e-2:
+        raise AssertionError(f"engine-like decode differs from the reference by {err}")
+    return err
+
+
+def engine_like(copy_gbs: float, max_model_len: int) -> None:
+    """Time decode attention replayed the way the engine's CUDA graphs run it (see the module doc)."""
+    batch, context, layers = ENGINE_BATCH, ENGINE_CONTEXT, ENGINE_LAYERS
+    width = -(-max_model_len // BLOCK_SIZE)
+    pool = ENGINE_POOL_FACTOR * batch * -(-context // BLOCK_SIZE)
+    heuristic = choose_num_splits(batch, NUM_KV_HEADS, width * BLOCK_SIZE,
+                                  torch.cuda.get_device_properties(0).multi_processor_count,
+                                  default_config(DTYPE, HEAD_DIM).block_n)
+    layer_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * batch * NUM_HEADS * HEAD_DIM * 2
+    print(f"\nengine-like decode graph: batch {batch}, ctx {context}, table width {width} (max_model_len "
+          f"{max_model_len}), pool {pool} blocks/layer, heuristic splits {heuristic}; per layer "
+          f"{layer_bytes / 1e6:.0f} MB = {layer_bytes / copy_gbs / 1e3:.1f} us at copy bandwidth")
+    print(f"{'layers':>6} {'placement':>11} {'width':>5} {'splits':>6} {'us/step':>9} {'us/layer':>9} "
+          f"{'GB/s':>6} {'%copy':>6} {'max err':>8}", flush=True)
+    buf = make_buffers(batch, width, layers, pool)
+    # The microbenchmark's table width (just the context) over the same cache, for comparison.
+    tight = GraphBuffers(buf.q, buf.kv_lens, buf.block_tables[:, : -(-context // BLOCK_SIZE)].clone(), buf.kv_cache)
+    runs = [(1, "random", buf, s) for s in (None, 1, 2, 8, 16, 32)] + [(1, "random", tight, None)]
+    runs += [(layers, p, buf, None) for p in PLACEMENTS] + [(layers, "random", buf, 8)]
+    for num_layers, placement, b, splits in runs:
+        _engine_line(b, num_layers, placement, splits, heuristic, context, layer_bytes, copy_gbs)
+    _engine_line(buf, layers, "padding", None, heuristic, 0, layer_bytes, copy_gbs)
+
+
+def _engine_line(buf: GraphBuffers, num_layers: int, placement: str, splits: int | None, heuristic: int,
+                 context: int, layer_bytes: int, copy_gbs: float) -> None:
+    """Capture, fill, replay, check and print one engine-like point; a failure is printed, not raised."""
+    label = f"{heuristic}*" if splits is None else str(splits)
+    try:
+        graph, outs = capture(buf, num_layers, splits)
+        fill(buf, context, "random" if placement == "padding" else placement)
+        if placement == "padding":
+            buf.kv_lens.zero_()      # every row is graph padding: the fixed per-step cost
+        graph.replay()
+        err = check_layer0(buf, outs[0]) if context else 0.0
+        us = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3
+    except Exception as exc:  # noqa: BLE001 - a benchmark row reports its failure and the run goes on
+        print(f"{num_layers:>6} {placement:>11} {buf.block_tables.shape[1]:>5} {label:>6} FAILED "
+              f"{type(exc).__name__}: {exc}", flush=True)
+        return
+    gbs = num_layers * layer_bytes / (us * 1e-6) / 1e9 if context else 0.0
+    print(f"{num_layers:>6} {placement:>11} {buf.block_tables.shape[1]:>5} {label:>6} {us:>9.1f} "
+          f"{us / num_layers:>9.1f} {gbs:>6.0f} {100 * gbs / copy_gbs:>5.1f}% {err:>8.1e}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time other tile configs and split counts")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine-like CUDA-graph section")
+    ap.add_argument("--max-model-len", type=int, default=ENGINE_MAX_MODEL_LEN,
+                    help="sets the engine-like block-table width (max_model_len / block_size)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.decode_attention needs a CUDA device")
@@ -164,6 +303,10 @@ def main() -> None:
         print(f"{batch:>5} {context:>5} {splits:>6} {nbytes / 1e6:>7.1f} {eager:>9.1f} {e_gbs:>6.0f} "
               f"{100 * e_gbs / copy_gbs:>5.1f}% {graph:>9.1f} {g_gbs:>6.0f} {100 * g_gbs / copy_gbs:>5.1f}% "
               f"{err:>8.1e}")
+    if not args.no_engine:
+        del problems
+        torch.cuda.empty_cache()
+        engine_like(copy_gbs, args.max_model_len)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ breaks paged kernels: blocks scattered over a larger pool, -1 padded block
 tables, contexts of 0 and 1 tokens and not a multiple of the block size, short
 and long sequences in one batch, GQA groups of 1, 2 and 3, block sizes 1..32.
 Cache slots that no sequence owns hold NaN, so any read past a mask shows up.
+Prefill also runs with explicit tile configs (the GPU defaults' 128-row tiles at
+tiny head_dim) placed so that its unmasked/masked loop split meets its edge cases.
 
 Tolerances (vs the reference in fp32 on the same low-precision inputs):
 fp32 1e-5 abs + rel; fp16 2e-3; bf16 1.6e-2 (output rounding plus P cast to the
@@ -28,7 +30,7 @@ from minivllm.kernels.decode_attention import (  # noqa: E402
 from minivllm.kernels.merge_attention_splits import (  # noqa: E402
     merge_attention_splits, merge_attention_splits_reference,
 )
-from minivllm.kernels.prefill_attention import prefill_attention  # noqa: E402
+from minivllm.kernels.prefill_attention import PrefillConfig, default_config, prefill_attention  # noqa: E402
 from minivllm.kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
 from minivllm.kernels.store_kv import store_kv  # noqa: E402
 
@@ -197,6 +199,10 @@ def test_decode_attention_rejects_bad_arguments() -> None:
         decode_attention(q, cache, cache, lens[:1], tables, 1.0)
     with pytest.raises(ValueError, match="num_splits"):
         decode_attention(q, cache, cache, lens, tables, 1.0, num_splits=0)
+    with pytest.raises(ValueError, match="scale"):
+        decode_attention(q, cache, cache, lens, tables, 0.0)
+    with pytest.raises(TypeError, match="config"):
+        decode_attention(q, cache, cache, lens, tables, 1.0, config=PrefillConfig())
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -212,24 +218,90 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
-def test_prefill_attention_matches_reference(case) -> None:
-    dtype, bs, h, hkv, d, seqs = case
-    gen = torch.Generator().manual_seed(len(seqs) * 10 + bs)
+def run_prefill_case(dtype: torch.dtype, bs: int, h: int, hkv: int, d: int, seqs: list[tuple[int, int]],
+                     config: PrefillConfig | None, lead_rows: int = 0, tail_rows: int = 2) -> None:
+    """Prefill over (q_len, kv_len) sequences vs the reference; ``lead_rows`` before cu_seqlens_q[0]
+    and ``tail_rows`` past cu_seqlens_q[-1] belong to no sequence and must come out zero."""
+    gen = torch.Generator().manual_seed(len(seqs) * 10 + bs + h)
     q_lens = [ql for ql, _ in seqs]
     lens = [kl for _, kl in seqs]
     k_cache, v_cache, tables = make_paged_kv(lens, bs, hkv, d, dtype, gen)
-    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu = torch.tensor([lead_rows] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     kv_lens = torch.tensor(lens, dtype=torch.int32)
-    num_tokens = int(cu[-1]) + 2                      # two rows past the last sequence: must be zeros
-    q = torch.randn(num_tokens, h, d, generator=gen).to(dtype)
+    q = torch.randn(int(cu[-1]) + tail_rows, h, d, generator=gen).to(dtype)
     scale = d ** -0.5
     ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, scale)
     # max_q_len larger than needed: the extra tiles must do nothing.
-    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, scale, max(q_lens) + 5)
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, scale, max(q_lens, default=0) + 5,
+                            config=config)
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, ref, dtype)
-    assert (out[int(cu[-1]):] == 0).all()
+    assert (out[:lead_rows] == 0).all() and (out[int(cu[-1]):] == 0).all()
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
+def test_prefill_attention_matches_reference(case) -> None:
+    run_prefill_case(*case, config=None)
+
+
+# Explicit tile configs at small shapes: the unmasked/masked loop split and the grid orders.
+# With GQA group G a tile holds BLOCK_Q = block_m / G tokens; the unmasked loop ends at
+# full_end = (prefix + first token + 1) rounded down to block_n, the masked one at the
+# tile's last position.
+PREFILL_CONFIG_CASES = [
+    # (dtype, block_size, H, Hkv, D, [(q_len, kv_len)], config)
+    # 128 rows = 64 tokens x G 2 (the GPU default's shape): q_len 70 leaves a 6-token tile;
+    # prefix 35 is no multiple of block_n; q_len 1 in a prefill batch; empty rows.
+    (torch.float32, 4, 4, 2, 16, [(70, 70), (5, 40), (1, 9), (0, 0), (0, 6), (64, 64)],
+     PrefillConfig(128, 16, 8, 3)),
+    (torch.bfloat16, 4, 4, 2, 16, [(70, 70), (5, 40), (1, 9), (0, 6)], PrefillConfig(128, 16, 8, 3)),
+    # 16-token tiles, block_n 16: prefix 31 puts the first position + 1 exactly on a tile edge
+    # (row 0 sees none of the first masked tile); prefix 16 = one whole unmasked tile; q_len 33.
+    (torch.float32, 8, 4, 2, 16, [(16, 47), (33, 49), (1, 1), (17, 33)],
+     PrefillConfig(32, 16, 4, 1, heavy_first=False)),
+    (torch.float16, 8, 4, 2, 32, [(16, 47), (33, 49), (1, 1)], PrefillConfig(32, 16, 4, 2)),
+    # G 3: 64 rows = 21 tokens + 1 padding row; block_size 32 > block_n 16 (a tile inside one block).
+    (torch.float32, 32, 6, 2, 16, [(40, 40), (22, 50), (0, 0)], PrefillConfig(64, 16, 4, 2)),
+    # G 1 and block_size 1: every key its own block.
+    (torch.float32, 1, 2, 2, 16, [(20, 20), (7, 26)], PrefillConfig(16, 32, 4, 2, heavy_first=False)),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CONFIG_CASES,
+                         ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-h{c[2]}/{c[3]}-m{c[6].block_m}n{c[6].block_n}")
+def test_prefill_attention_configs_match_reference(case) -> None:
+    *shape, config = case
+    run_prefill_case(*shape, config=config)
+
+
+def test_prefill_attention_zeroes_rows_of_no_sequence() -> None:
+    """Rows before cu_seqlens_q[0] and after cu_seqlens_q[-1] (the output is torch.empty and
+    the kernel's extra programs zero them, also when there are more such rows than tiles)."""
+    cfg = PrefillConfig(16, 16, 4, 1)
+    run_prefill_case(torch.float32, 4, 4, 2, 16, [(3, 3), (2, 7)], cfg, lead_rows=21, tail_rows=45)
+    q = torch.randn(9, 4, 16)
+    empty = torch.zeros(0, dtype=torch.int32)
+    out = prefill_attention(q, torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16), torch.zeros(1, dtype=torch.int32),
+                            empty, empty.view(0, 1), 0.25, 0, config=cfg)
+    assert (out == 0).all()
+
+
+def test_prefill_default_configs() -> None:
+    # The GPU shapes: 128 x 64 tiles, 8 warps for long bf16/fp16 prompts, 64 rows for short ones.
+    assert default_config(torch.bfloat16, 128, 1024) == PrefillConfig(128, 64, 8, 3)
+    assert default_config(torch.float16, 128, 4096).block_m == 128
+    assert default_config(torch.bfloat16, 128, 16).block_m == 64
+    assert default_config(torch.float32, 128, 4096).block_m <= 32   # fp32: FMA dots, small tiles
+    for dtype in DTYPES:
+        for head_dim in (16, 64, 128, 256, 512):
+            for max_q_len in (0, 1, 100, 10**5):
+                assert isinstance(default_config(dtype, head_dim, max_q_len), PrefillConfig)
+    with pytest.raises(ValueError, match="block_m"):
+        PrefillConfig(block_m=8)
+    with pytest.raises(ValueError, match="block_n"):
+        PrefillConfig(block_n=48)
+    with pytest.raises(ValueError, match="num_stages"):
+        PrefillConfig(num_stages=0)
 
 
 def test_chunked_prefill_through_store_kv_equals_one_shot() -> None:
@@ -276,3 +348,7 @@ def test_prefill_attention_rejects_bad_arguments() -> None:
         prefill_attention(q, cache, cache, cu, lens, tables, 1.0, -1)
     with pytest.raises(ValueError, match="contiguous last dimension"):
         prefill_attention(q, cache, cache, cu, lens, torch.zeros(1, 4, dtype=torch.int32)[:, ::2], 1.0, 5)
+    with pytest.raises(ValueError, match="scale"):
+        prefill_attention(q, cache, cache, cu, lens, tables, float("nan"), 5)
+    with pytest.raises(TypeError, match="config"):
+        prefill_attention(q, cache, cache, cu, lens, tables, 1.0, 5, config=DecodeConfig())

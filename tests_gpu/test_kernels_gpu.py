@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from minivllm.kernels.decode_attention import decode_attention
-from minivllm.kernels.prefill_attention import prefill_attention
+from minivllm.kernels.prefill_attention import PrefillConfig, prefill_attention
 from minivllm.kernels.reference import paged_attention_reference, store_kv_reference
 from minivllm.kernels.store_kv import store_kv
 
@@ -186,6 +186,58 @@ def test_prefill_attention(heads: tuple[int, int], dtype: torch.dtype) -> None:
     cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(cu[-1]), num_heads, D, generator=gen, device=DEVICE).to(dtype)
+    ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max(q_lens))
+    assert_close(out, ref, dtype)
+
+
+# Tile configs beside the defaults (benchmarks/prefill_attention.py times them): the
+# unmasked/masked loop split with 32..256-row tiles, 32..128-key tiles, both grid orders.
+PREFILL_CONFIGS = [
+    PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 32, 8, 4),
+    PrefillConfig(256, 32, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 2, heavy_first=False),
+]
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS,
+                         ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}"
+                                       f"{'' if c.heavy_first else '-perhead'}")
+def test_prefill_attention_configs(config: PrefillConfig) -> None:
+    """Every swept config on the mixed batch, with rows before and after the sequences
+    (the output is torch.empty: the kernel itself must zero them)."""
+    gen = torch.Generator(DEVICE).manual_seed(4)
+    q_lens = [ql for ql, _ in PREFILL_BATCH]
+    lens = [kl for _, kl in PREFILL_BATCH]
+    k_cache, v_cache, tables = make_paged_kv(lens, 16, HKV, torch.bfloat16, gen)
+    lead, tail = 3, 200
+    cu = (torch.tensor([lead] + q_lens, device=DEVICE).cumsum(0)).to(torch.int32)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(cu[-1]) + tail, H, D, generator=gen, device=DEVICE).bfloat16()
+    ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max(q_lens), config=config)
+    assert_close(out, ref, torch.bfloat16)
+    assert (out[:lead] == 0).all() and (out[int(cu[-1]):] == 0).all()
+
+
+LOOP_SPLIT_SEQS = [
+    # (q_len, kv_len): a tile's first position on, just before and just after a 64-key tile
+    # edge; chunks of 1, 63, 64, 65 tokens; q_len 1 among long prompts
+    [(65, 65 + 63), (64, 64 + 64), (63, 63 + 65), (1, 1 + 127), (1, 1), (130, 130), (640, 700)],
+    # short chunks only: max_q_len < 128 picks the 64-row default
+    [(65, 65 + 63), (1, 1 + 127), (17, 17), (100, 1000), (0, 5)],
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqs", LOOP_SPLIT_SEQS, ids=["long", "short"])
+def test_prefill_attention_loop_split_edges(seqs: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    q_lens = [ql for ql, _ in seqs]
+    lens = [kl for _, kl in seqs]
+    k_cache, v_cache, tables = make_paged_kv(lens, 16, HKV, dtype, gen)
+    cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(cu[-1]), H, D, generator=gen, device=DEVICE).to(dtype)
     ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
     out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max(q_lens))
     assert_close(out, ref, dtype)

@@ -129,6 +129,11 @@ class ModelExecutor:
         self.model_config = model_config
         self.config = config
         self.dtype = _resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cuda":
+            # cuBLAS may otherwise sum split-K partials of bf16 GEMMs in bf16, which at decode
+            # batch sizes costs far more accuracy than HF's batch-1 GEMMs lose (issue 7).
+            # Process-wide: set before any GEMM is captured into a graph.
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         self.block_size = cache_config.block_size
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens

@@ -1,8 +1,11 @@
 """Helpers shared by the kernel launchers: argument checks (each raises TypeError or
-ValueError naming the offending argument, never an ``assert``) and the interpreter's
-bf16 workaround."""
+ValueError naming the offending argument, never an ``assert``), the one checker of
+the paged-attention arguments, and the interpreter's bf16 workaround."""
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
@@ -45,3 +48,91 @@ def upcast_dot(q: torch.Tensor) -> bool:
     interpreter still checks the GPU path's arithmetic. Never true on CUDA.
     """
     return q.device.type != "cuda" and q.dtype == torch.bfloat16
+
+
+# Dtypes of q and the K/V caches that the attention kernels accept.
+ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Scores are kept in base 2 (exp2 is one instruction): softmax scale * log2(e).
+LOG2E = 1.4426950408889634
+
+
+def check_host_int(name: str, value: object, minimum: int) -> None:
+    """Raise ValueError unless ``value`` is a host (Python/numpy) int >= ``minimum``.
+
+    Grid sizes and split counts must be host ints: reading them from a device
+    tensor would sync the host and break CUDA-graph capture.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be a host int >= {minimum}, got {value!r}")
+
+
+def check_attention_args(
+    q: torch.Tensor,             # decode (B, H, D); prefill (T, H, D)
+    k_cache: torch.Tensor,       # (N, bs, Hkv, D)
+    v_cache: torch.Tensor,       # (N, bs, Hkv, D), k_cache's shape and strides
+    kv_lens: torch.Tensor,       # (B,) int32
+    block_tables: torch.Tensor,  # (B, W) int32
+    scale: float,
+    cu_seqlens_q: torch.Tensor | None = None,  # prefill only: (B+1,) int32
+) -> None:
+    """Validate the arguments shared by the paged-attention launchers.
+
+    ``cu_seqlens_q`` None means decode (one query row per sequence, so q's first
+    dimension is B); otherwise q holds the concatenated new tokens of B sequences.
+
+    Raises:
+        TypeError: q and the caches do not share one of bf16/fp16/fp32, or an index
+            tensor is not int32.
+        ValueError: mismatched shapes, strided last dimensions, H not a multiple of
+            Hkv, head_dim or block_size not a power of two, tensors on different
+            devices, or a scale that is not a finite positive number.
+    """
+    check_dtype("q", q, ATTENTION_DTYPES)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dtype(name, t, (q.dtype,))
+    index = {"kv_lens": kv_lens, "block_tables": block_tables}
+    if cu_seqlens_q is not None:
+        index = {"cu_seqlens_q": cu_seqlens_q, **index}
+    for name, t in index.items():
+        check_dtype(name, t, (torch.int32,))
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, **index}
+    for name, t in tensors.items():
+        check_last_dim_contiguous(name, t)
+    check_same_device(**tensors)
+    _check_head_shapes(q, k_cache, v_cache)
+    _check_batch_shapes(q, kv_lens, block_tables, cu_seqlens_q)
+    if (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)
+            or scale <= 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+
+
+def _check_head_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """q (., H, D) against caches (N, bs, Hkv, D): equal D, H % Hkv == 0, powers of two."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (tokens, H, D), got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must be (N, block_size, Hkv, D) with equal shapes and strides")
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"q (H={num_heads}, D={head_dim}) does not fit the cache "
+                         f"(Hkv={num_kv_heads}, D={cache_dim}): need equal D and H % Hkv == 0")
+    check_power_of_two("head_dim", head_dim, minimum=16)
+    check_power_of_two("block_size", block_size)
+
+
+def _check_batch_shapes(q: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor | None) -> None:
+    """kv_lens (B,), block_tables (B, W), and q (B, H, D) for decode or cu_seqlens_q (B+1,) for prefill."""
+    batch = kv_lens.shape[0] if kv_lens.dim() == 1 else -1
+    ok = batch >= 0 and block_tables.dim() == 2 and block_tables.shape[0] == batch
+    if cu_seqlens_q is None:
+        ok = ok and q.shape[0] == batch
+        rows = f"q {tuple(q.shape)}"
+    else:
+        ok = ok and cu_seqlens_q.shape == (batch + 1,)
+        rows = f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}"
+    if not ok:
+        want = "q (B, H, D)" if cu_seqlens_q is None else "cu_seqlens_q (B+1,)"
+        raise ValueError(f"need kv_lens (B,), block_tables (B, W) and {want}; got kv_lens "
+                         f"{tuple(kv_lens.shape)}, block_tables {tuple(block_tables.shape)}, {rows}")

@@ -26,20 +26,16 @@ with ``cu_seqlens_q = arange(B + 1)``.
 from __future__ import annotations
 
 import functools
-import numbers
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import (
-    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, upcast_dot,
-)
+from minivllm.kernels._launch import LOG2E, check_attention_args, check_host_int, check_power_of_two, upcast_dot
+from minivllm.kernels._softmax import normalize_rows, online_softmax_step
 from minivllm.kernels.merge_attention_splits import merge_attention_splits
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_LOG2E = 1.4426950408889634
 # Splits beyond this add merge traffic and barely any parallelism.
 MAX_SPLITS = 64
 # Split until there are this many (sequence, KV head, split) programs per SM. Measured
@@ -117,25 +113,16 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)      # (BLOCK_G, BLOCK_N), unscaled
         s = tl.where(valid[None, :], s, float("-inf"))
-        # Every tile holds >= 1 valid token, so m_new is finite and no exp2 sees -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        p = p.to(v.dtype)  # P @ V runs in the cache dtype (tensor cores); the sum stays fp32
-        if UPCAST_DOT:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Every tile holds >= 1 valid token, so m_i is finite after the first one.
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
 
     # An empty split (or kv_len 0) has l_i == 0: output 0, log-sum-exp -inf (weight 0 in the merge).
     # Scores are base 2 (scaled by log2 e), so the split's log-sum-exp is m + log2(l), in base 2.
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = normalize_rows(acc, l_i)
     if WRITE_FINAL:
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
@@ -160,6 +147,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     Enough (sequence, KV head, split) programs for ``TARGET_PROGRAMS_PER_SM`` per SM,
     but never more splits than tiles of the longest possible context
     (``max_context`` = block-table width * block size) nor than ``MAX_SPLITS``.
+    ``max_context`` only caps: a CUDA graph captured with the padded width
+    max_model_len / block_size gets the same count as an eager call whose table
+    holds at least ``splits * block_n`` tokens (e.g. 4 splits at batch 16, Hkv 8,
+    132 SMs either way), and the kernel divides each row's *real* kv_len.
     """
     programs = max(1, batch * num_kv_heads)
     wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs)
@@ -192,12 +183,16 @@ def decode_attention(
 
     Raises:
         TypeError: unsupported dtypes (q and caches must share one of bf16/fp16/fp32;
-            kv_lens and block_tables int32).
+            kv_lens and block_tables int32), or a config that is not a DecodeConfig.
         ValueError: mismatched shapes, strided last dimensions, H not a multiple of
-            Hkv, head_dim or block_size not a power of two, bad num_splits, or
-            tensors on different devices.
+            Hkv, head_dim or block_size not a power of two, a bad scale or
+            num_splits, or tensors on different devices.
     """
-    _check_decode_args(q, k_cache, v_cache, kv_lens, block_tables, num_splits)
+    check_attention_args(q, k_cache, v_cache, kv_lens, block_tables, scale)
+    if num_splits is not None:
+        check_host_int("num_splits", num_splits, minimum=1)
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     config = config or default_config(q.dtype, head_dim)
@@ -215,7 +210,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, kv_lens, block_tables, out, part_out, part_lse,
-        scale * _LOG2E, num_splits,
+        scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -228,36 +223,3 @@ def decode_attention(
     if num_splits > 1:
         merge_attention_splits(part_out, part_lse, out)
     return out
-
-
-def _check_decode_args(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor,
-    block_tables: torch.Tensor, num_splits: int | None,
-) -> None:
-    """Validate the arguments of :func:`decode_attention` (raises TypeError / ValueError)."""
-    check_dtype("q", q, _FLOAT_DTYPES)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t, (q.dtype,))
-    check_dtype("kv_lens", kv_lens, (torch.int32,))
-    check_dtype("block_tables", block_tables, (torch.int32,))
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("kv_lens", kv_lens),
-                    ("block_tables", block_tables)):
-        check_last_dim_contiguous(name, t)
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=kv_lens, block_tables=block_tables)
-    if q.dim() != 3:
-        raise ValueError(f"q must be (B, H, D), got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must be (N, block_size, Hkv, D) with equal shapes and strides")
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"q (H={num_heads}, D={head_dim}) does not fit the cache "
-                         f"(Hkv={num_kv_heads}, D={cache_dim}): need equal D and H % Hkv == 0")
-    check_power_of_two("head_dim", head_dim, minimum=16)
-    check_power_of_two("block_size", block_size)
-    if kv_lens.shape != (batch,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"kv_lens must be ({batch},) and block_tables ({batch}, W), got "
-                         f"{tuple(kv_lens.shape)} and {tuple(block_tables.shape)}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
-                                   or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")

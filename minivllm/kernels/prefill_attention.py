@@ -8,33 +8,205 @@ cache through the block table, so prefix hits and chunks see the right context::
     positions  0 ........... kv_len-q_len-1 | kv_len-q_len ... kv_len-1
                cached prefix (no new query)  | new tokens (queries, causal)
 
-Grid ``(ceil(max_q_len / BLOCK_Q), B, Hkv)``. GQA is folded into the tile rows:
-a program takes BLOCK_Q query tokens times the G = H / Hkv heads of one KV head,
-as BLOCK_M = pow2(BLOCK_Q * G) rows (row r = token r // G, head r % G), so each K/V
-tile is loaded once for the whole group. Online softmax, fp32 accumulation.
-Tiles past a sequence's q_len do no work; the grid comes from the host int
-``max_q_len`` so nothing syncs with the device.
+GQA is folded into the tile rows: a program takes BLOCK_Q query tokens times the
+G = H / Hkv heads of one KV head, as BLOCK_M = pow2(BLOCK_Q * G) rows (row r =
+token r // G, head r % G), so each K/V tile is loaded once for the whole group.
+
+Each q tile walks its keys in two loops (online softmax, fp32 accumulation)::
+
+    keys  0 ............ full_end ...... kv_end
+          | unmasked tiles | masked tiles |      full_end = (first position + 1)
+          (every key seen  (the diagonal:         rounded down to BLOCK_N
+           by every row)    causal mask)
+
+so only the one or two tiles on the diagonal pay for the mask, and the loop
+stops at the tile's last query position (causal tile skipping).
+
+Grid: one program per (KV head, sequence, q tile) plus one extra "sequence" B
+whose programs zero the output rows that belong to no sequence (before
+``cu_q[0]`` or past ``cu_q[B]``), so the output is ``torch.empty`` and no memset
+pass runs. With ``heavy_first`` the q tile is the slowest grid axis, reversed:
+the tiles with the most keys (each sequence's last) start first and the short
+ones fill the tail of the launch. Tiles past a sequence's q_len do no work; the
+grid comes from the host int ``max_q_len`` so nothing syncs with the device.
 
 Torch reference: :func:`minivllm.kernels.reference.paged_attention_reference`.
 """
 
 from __future__ import annotations
 
-import numbers
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, upcast_dot,
+    LOG2E, check_attention_args, check_host_int, check_power_of_two, upcast_dot,
 )
+from minivllm.kernels._softmax import normalize_rows, online_softmax_step
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_LOG2E = 1.4426950408889634
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile and launch parameters of the prefill kernel (a tuning knob, not semantics)."""
+
+    block_m: int = 128        # query rows per tile (tokens x GQA group); power of two >= 16
+    block_n: int = 64         # keys per tile; power of two >= 16 (tl.dot's minimum)
+    num_warps: int = 8
+    num_stages: int = 3       # software-pipelining depth of the K/V loads
+    heavy_first: bool = True  # q tiles on the slowest grid axis, longest first (see module doc)
+
+    def __post_init__(self) -> None:
+        check_power_of_two("block_m", self.block_m, minimum=16)
+        check_power_of_two("block_n", self.block_n, minimum=16)
+        check_power_of_two("num_warps", self.num_warps)
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if not isinstance(self.heavy_first, bool):
+            raise ValueError(f"heavy_first must be a bool, got {self.heavy_first!r}")
+
+
+# Default configs, first matching row wins: (fp32?, head_dim <=, max_q_len >=, config).
+# Not yet timed with this kernel: the 16-bit rows are chosen by reasoning about an H200
+# (132 SMs, 227 KB shared memory per block, 64K registers per SM, wgmma over warpgroups
+# of 4 warps x 64 rows) and checked by compiling for sm_90a (triton 3.9, ptxas -v):
+#   bf16 D128 128 x 64, 8 warps, 3 stages: 128 KB shared memory (q 32 KB + 3 buffers of
+#     K and V, loads 2 tiles ahead), 182 registers, no spills: one program per SM with
+#     two warpgroups; 64 tokens x G 2 per tile = 2048 programs at 16 x 1024.
+#   bf16 D128 64 x 64, 4 warps, 3 stages: 112 KB, 186 registers (two programs per SM);
+#     for short chunks (max_q_len < 128), where 128-row tiles would be mostly empty.
+#   Spilled, so not used: 128 x 64 with 4 warps, 256 x 64 with 8, 64 x 128 with 4.
+# `python -m benchmarks.prefill_attention` times these against alternatives and prints
+# the best per shape. The previous kernel (64 x 64 tiles, 4 warps, 2 stages, K/V loads
+# chained to a same-iteration table load so barely pipelined, memset output) measured
+# 214 TFLOP/s vs SDPA's 426 at 16 x 1024. fp32 (exactness, not speed: tl.dot "ieee" runs
+# on FMA units) uses the spill-free tiles found by the same compile.
+CONFIG_TABLE: tuple[tuple[bool, int, int, PrefillConfig], ...] = (
+    (False, 128, 128, PrefillConfig(128, 64, num_warps=8, num_stages=3)),
+    (False, 128, 0, PrefillConfig(64, 64, num_warps=4, num_stages=3)),
+    (False, 256, 0, PrefillConfig(64, 32, num_warps=4, num_stages=2)),
+    (True, 64, 0, PrefillConfig(64, 32, num_warps=8, num_stages=2)),
+    (True, 256, 0, PrefillConfig(16, 32, num_warps=8, num_stages=2)),
+)
+_FALLBACK_CONFIG = PrefillConfig(16, 16, num_warps=4, num_stages=1)
+_MAX_GRID_YZ = 65535
+
+
+def default_config(dtype: torch.dtype, head_dim: int, max_q_len: int) -> PrefillConfig:
+    """The table's config for this dtype, head_dim and longest chunk (see ``CONFIG_TABLE``)."""
+    fp32 = dtype == torch.float32
+    for is_fp32, max_dim, min_q, config in CONFIG_TABLE:
+        if is_fp32 == fp32 and head_dim <= max_dim and max_q_len >= min_q:
+            return config
+    return _FALLBACK_CONFIG
 
 
 @triton.jit
+def _attend_kv_range(
+    q, q_pos, m_i, l_i, acc,              # (M, D) queries, (M,) positions, softmax state
+    k_ptr, v_ptr,                         # caches, already offset to this KV head
+    table_row,                            # this sequence's block-table row
+    start, end, scale_log2, stride_cn, stride_cb,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,                 # False: every key in [start, end) is visible to every row
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Fold the keys [start, end) into the online softmax; returns (m_i, l_i, acc)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Block ids are looked up one tile ahead (loop-carried): the K/V loads' addresses then do
+    # not wait on a load of the same iteration, so the pipeliner can issue them stages ahead.
+    # Masked lookups never touch the table's -1 padding or the next row.
+    block = tl.load(table_row + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n                                              # (BLOCK_N,)
+        # int64: the pool can exceed 2**31 elements.
+        kv_off = (block.to(tl.int64) * stride_cn + (pos % BLOCK_SIZE) * stride_cb)[:, None] + offs_d[None, :]
+        if MASKED:
+            in_range = pos < end
+            k = tl.load(k_ptr + kv_off, mask=in_range[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_off)
+            v = tl.load(v_ptr + kv_off)
+        block = tl.load(table_row + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end, other=0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)      # (M, BLOCK_N), unscaled
+        if MASKED:
+            # A real row's q_pos < end, so this also hides the keys past `end` (loaded as 0).
+            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_q_tile(
+    q_ptr, k_ptr, v_ptr, out_ptr, table_row, cu_seqlens_q_ptr, kv_lens_ptr,
+    seq, kv_head, q_tile, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Attention of one q tile (BLOCK_Q tokens x GROUP heads) of one sequence; writes its rows."""
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q < q_len:
+        kv_len = tl.load(kv_lens_ptr + seq)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        token = q_tile * BLOCK_Q + offs_m // GROUP                     # (BLOCK_M,) index in the chunk
+        head = kv_head * GROUP + offs_m % GROUP
+        row_ok = (offs_m < BLOCK_Q * GROUP) & (token < q_len)
+        q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+        prefix = kv_len - q_len                                        # cached tokens before the chunk
+        q_pos = prefix + token                                         # (BLOCK_M,) absolute positions
+        # Keys every row sees: up to the tile's first position, whole tiles only. Keys
+        # the tile needs at all: up to its last position. Clamped for q_len > kv_len
+        # (a caller error) so the loops stay empty rather than read before the context.
+        full_end = tl.maximum(prefix + q_tile * BLOCK_Q + 1, 0) // BLOCK_N * BLOCK_N
+        kv_end = tl.minimum(prefix + (q_tile + 1) * BLOCK_Q, kv_len)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # The first tile holds key 0, visible to every row (q_pos >= 0): m_i is finite after it.
+        m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table_row, 0, full_end,
+                                         scale_log2, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                         False, DOT_PRECISION, UPCAST_DOT)
+        m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table_row, full_end, kv_end,
+                                         scale_log2, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                         True, DOT_PRECISION, UPCAST_DOT)
+        out = normalize_rows(acc, l_i)                                 # kv_len 0: zeros
+        tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _zero_rows(
+    out_ptr, start, stop, kv_head, first_tile, num_tiles, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Zero tokens [start, stop) x this KV head's GROUP heads; program ``first_tile`` of
+    ``num_tiles`` takes every num_tiles-th chunk of BLOCK_Q tokens (grid-stride loop)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + offs_m % GROUP
+    zeros = tl.zeros([BLOCK_M, HEAD_DIM], out_ptr.dtype.element_ty)
+    first = start + first_tile * BLOCK_Q
+    stride = num_tiles * BLOCK_Q
+    for i in range(0, tl.cdiv(stop - first, stride)):
+        token = first + i * stride + offs_m // GROUP
+        ok = (offs_m < BLOCK_Q * GROUP) & (token < stop)
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 zeros, mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _prefill_kernel(
     q_ptr,                                # (T, H, D)
     k_cache_ptr, v_cache_ptr,             # (N, bs, Hkv, D), same strides
@@ -43,79 +215,39 @@ def _prefill_kernel(
     kv_lens_ptr,                          # (B,) int32
     block_tables_ptr,                     # (B, W) int32, -1 padded
     scale_log2,                           # softmax scale * log2(e): scores live in base 2
+    num_tokens,                           # T (not specialised: one compile for every batch)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cn, stride_cb, stride_ch,
     stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
 ):
-    q_tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
-
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    kv_len = tl.load(kv_lens_ptr + seq)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    token = q_tile * BLOCK_Q + offs_m // GROUP                         # (BLOCK_M,) index in the chunk
-    head = kv_head * GROUP + offs_m % GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (token < q_len)
-    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)                       # (BLOCK_M, D)
-    q_pos = kv_len - q_len + token                                     # (BLOCK_M,) absolute position
-
-    # Keys up to the tile's last query position; none for tiles past q_len.
-    kv_end = tl.minimum(kv_len, kv_len - q_len + (q_tile + 1) * BLOCK_Q)
-    kv_end = tl.where(q_tile * BLOCK_Q < q_len, kv_end, 0)
-
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)               # running max (base 2)
-    l_i = tl.zeros([BLOCK_M], tl.float32)                             # running sum of exp
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    table_row = block_tables_ptr + seq * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
-        pos = n0 + offs_n                                              # (BLOCK_N,)
-        valid = pos < kv_end
-        # Masked lookups never touch the table's -1 padding; int64: the pool can exceed 2**31 elements.
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cn + (pos % BLOCK_SIZE) * stride_cb + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        # Key 0 is in the first tile and visible to every row (q_pos >= 0 since
-        # kv_len >= q_len), so m_new is finite from the first tile on: no -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        p = p.to(v.dtype)  # P @ V runs in the cache dtype (tensor cores); the sum stays fp32
-        if UPCAST_DOT:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # kv_len 0 leaves l_i == 0: those rows get zeros, as in the reference.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-def _tile_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, num_warps): q/K/V tiles stay within shared memory."""
-    elem = 4 if dtype == torch.float32 else 2
-    if head_dim * elem <= 256:       # bf16/fp16 D <= 128, fp32 D <= 64
-        return 64, 64, 4
-    return 32, 32, 4
+    # Grid (Hkv, B+1, tiles) when HEAVY_FIRST, else (tiles, Hkv, B+1); q tiles reversed either way.
+    if HEAVY_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_seqs = tl.num_programs(1) - 1
+        num_tiles = tl.num_programs(2)
+        q_tile = num_tiles - 1 - tl.program_id(2)
+    else:
+        kv_head = tl.program_id(1)
+        seq = tl.program_id(2)
+        num_seqs = tl.num_programs(2) - 1
+        num_tiles = tl.num_programs(0)
+        q_tile = num_tiles - 1 - tl.program_id(0)
+    if seq == num_seqs:
+        _zero_rows(out_ptr, 0, tl.load(cu_seqlens_q_ptr), kv_head, q_tile, num_tiles, stride_ot, stride_oh,
+                   GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
+        _zero_rows(out_ptr, tl.load(cu_seqlens_q_ptr + num_seqs), num_tokens, kv_head, q_tile, num_tiles,
+                   stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
+    else:
+        _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch, out_ptr,
+                       block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
+                       seq, kv_head, q_tile, scale_log2,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
+                       GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT)
 
 
 def prefill_attention(
@@ -127,77 +259,56 @@ def prefill_attention(
     block_tables: torch.Tensor,  # (B, W) int32, -1 padded
     scale: float,
     max_q_len: int,              # host int >= every q_len (sizes the grid; no device sync)
+    *,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:               # (T, H, D), q's dtype
     """Causal attention of each sequence's new tokens over its whole paged context.
 
-    Rows of sequences with kv_len 0, and rows past ``cu_seqlens_q[-1]``, are zeros.
-    The caller guarantees q_len <= kv_len and q_len <= max_q_len per sequence
+    Rows of sequences with kv_len 0, and rows outside ``cu_seqlens_q[0]:cu_seqlens_q[-1]``,
+    are zeros. The caller guarantees q_len <= kv_len and q_len <= max_q_len per sequence
     (checking would need a device->host sync).
+
+    Args:
+        config: tile/launch parameters; None picks :func:`default_config`.
 
     Raises:
         TypeError: unsupported dtypes (q and caches share one of bf16/fp16/fp32;
-            cu_seqlens_q, kv_lens and block_tables are int32).
+            cu_seqlens_q, kv_lens and block_tables are int32), or a config that is
+            not a PrefillConfig.
         ValueError: mismatched shapes, strided last dimensions, H not a multiple of
-            Hkv, head_dim or block_size not a power of two, negative max_q_len, or
-            tensors on different devices.
+            Hkv, head_dim or block_size not a power of two, a bad scale, negative
+            max_q_len, or tensors on different devices.
     """
-    _check_prefill_args(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, max_q_len)
+    check_attention_args(q, k_cache, v_cache, kv_lens, block_tables, scale, cu_seqlens_q=cu_seqlens_q)
+    check_host_int("max_q_len", max_q_len, minimum=0)
+    if config is not None and not isinstance(config, PrefillConfig):
+        raise TypeError(f"config must be a PrefillConfig or None, got {type(config).__name__}")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    batch = kv_lens.shape[0]
-    # zeros, not empty: rows that belong to no sequence must not hold garbage.
-    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_tokens == 0 or batch == 0 or max_q_len == 0:
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
         return out
+    config = config or default_config(q.dtype, head_dim, int(max_q_len))
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps = _tile_config(q.dtype, head_dim)
-    block_m = max(block_m, triton.next_power_of_2(group))
+    block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
-    _prefill_kernel[(triton.cdiv(int(max_q_len), block_q), batch, num_kv_heads)](
+    # >= 1 tile even when max_q_len is 0: the extra sequence's programs still zero the rows.
+    tiles = max(1, triton.cdiv(int(max_q_len), block_q))
+    seqs = kv_lens.shape[0] + 1
+    # CUDA caps grid axes 1 and 2 at 65535: a longer chunk puts its tiles on axis 0.
+    heavy_first = config.heavy_first and tiles <= _MAX_GRID_YZ
+    grid = (num_kv_heads, seqs, tiles) if heavy_first else (tiles, num_kv_heads, seqs)
+    _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, kv_lens, block_tables,
-        scale * _LOG2E,
+        scale * LOG2E, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
+        HEAVY_FIRST=heavy_first,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q),
-        num_warps=num_warps, num_stages=2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
-
-
-def _check_prefill_args(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor, block_tables: torch.Tensor, max_q_len: int,
-) -> None:
-    """Validate the arguments of :func:`prefill_attention` (raises TypeError / ValueError)."""
-    check_dtype("q", q, _FLOAT_DTYPES)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t, (q.dtype,))
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("kv_lens", kv_lens), ("block_tables", block_tables)):
-        check_dtype(name, t, (torch.int32,))
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cu_seqlens_q", cu_seqlens_q),
-                    ("kv_lens", kv_lens), ("block_tables", block_tables)):
-        check_last_dim_contiguous(name, t)
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
-                      kv_lens=kv_lens, block_tables=block_tables)
-    if q.dim() != 3:
-        raise ValueError(f"q must be (T, H, D), got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must be (N, block_size, Hkv, D) with equal shapes and strides")
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"q (H={num_heads}, D={head_dim}) does not fit the cache "
-                         f"(Hkv={num_kv_heads}, D={cache_dim}): need equal D and H % Hkv == 0")
-    check_power_of_two("head_dim", head_dim, minimum=16)
-    check_power_of_two("block_size", block_size)
-    batch = kv_lens.shape[0] if kv_lens.dim() == 1 else -1
-    if (batch < 0 or cu_seqlens_q.shape != (batch + 1,) or block_tables.dim() != 2
-            or block_tables.shape[0] != batch):
-        raise ValueError(f"need kv_lens (B,), cu_seqlens_q (B+1,), block_tables (B, W); got "
-                         f"{tuple(kv_lens.shape)}, {tuple(cu_seqlens_q.shape)}, {tuple(block_tables.shape)}")
-    if isinstance(max_q_len, bool) or not isinstance(max_q_len, numbers.Integral) or max_q_len < 0:
-        raise ValueError(f"max_q_len must be a host int >= 0, got {max_q_len!r}")
