@@ -352,3 +352,162 @@ def test_prefill_attention_rejects_bad_arguments() -> None:
         prefill_attention(q, cache, cache, cu, lens, tables, float("nan"), 5)
     with pytest.raises(TypeError, match="config"):
         prefill_attention(q, cache, cache, cu, lens, tables, 1.0, 5, config=DecodeConfig())
+
+
+# ----------------------------------------------------------------------------- qk_norm_rope_store
+
+from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store  # noqa: E402
+from minivllm.kernels.reference import qk_norm_rope_store_reference  # noqa: E402
+from minivllm.layers.rotary import RotaryEmbedding  # noqa: E402
+
+QK_NORM_CASES = [(t, h, hkv, d) for t in (1, 5, 37) for h, hkv in ((4, 2), (2, 1), (6, 3)) for d in (16, 64)]
+
+
+def make_qk_norm_problem(
+    t: int, h: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator, exact_sums: bool = False,
+) -> tuple[list, list]:
+    """Arguments of ``qk_norm_rope_store`` and a deep copy for the reference.
+
+    ``exact_sums``: QKV entries are multiples of 1/4 in [-1, 1], so every head's sum of
+    squares is exact in any order (the one place the kernel may round differently)."""
+    width = (h + 2 * hkv) * d
+    if exact_sums:
+        qkv = torch.randint(-4, 5, (t, width), generator=gen) * 0.25
+    else:
+        qkv = torch.randn(t, width, generator=gen) * 3
+    q_weight = 1 + 0.5 * torch.randn(d, generator=gen)
+    k_weight = 1 + 0.5 * torch.randn(d, generator=gen)
+    max_pos = 200
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    cos_sin = RotaryEmbedding(d, max_pos, 10_000.0).cos_sin_cache
+    n, bs = 3 * t + 2, 4
+    slots = torch.randperm(n * bs, generator=gen)[:t]
+    slots[1::3] = -1
+    k_cache = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
+    args = [qkv.to(dtype), positions, q_weight.to(dtype), k_weight.to(dtype), 1e-6, cos_sin, k_cache, v_cache, slots]
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    return args, ref_args
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", QK_NORM_CASES, ids=lambda c: f"t{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
+def test_qk_norm_rope_store_matches_reference(case: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    t, h, hkv, d = case
+    gen = torch.Generator().manual_seed(t * 1000 + h * 10 + d)
+    args, ref_args = make_qk_norm_problem(t, h, hkv, d, dtype, gen)
+    q = qk_norm_rope_store(*args)
+    q_ref = qk_norm_rope_store_reference(*ref_args)
+    assert q.shape == (t, h, d) and q.dtype == dtype and q.is_contiguous()
+    k_cache, v_cache, k_ref, v_ref = args[6], args[7], ref_args[6], ref_args[7]
+    assert torch.equal(v_cache, v_ref), "v must be copied unchanged, and only at valid slots"
+    # fp32/fp16: the sum of squares' order (rstd within 1 fp32 ulp). The interpreter
+    # rounds fp32 -> bf16 toward zero (the GPU rounds to nearest): a few bf16 ulps.
+    atol, rtol = {torch.float32: (2e-6, 2e-6), torch.float16: (4e-3, 1e-3), torch.bfloat16: (6e-2, 2e-2)}[dtype]
+    torch.testing.assert_close(q, q_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(k_cache, k_ref, atol=atol, rtol=rtol)
+    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool)
+    untouched.view(-1)[args[8][args[8] >= 0]] = False
+    assert torch.equal(k_cache[untouched], k_ref[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", [(5, 4, 2, 16), (37, 6, 3, 64)], ids=lambda c: f"t{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
+def test_qk_norm_rope_store_is_bit_identical_on_exact_sums(case: tuple[int, int, int, int],
+                                                           dtype: torch.dtype) -> None:
+    """With sums of squares exact in any order, every rounding is the reference's: equal bits."""
+    gen = torch.Generator().manual_seed(11)
+    args, ref_args = make_qk_norm_problem(*case, dtype, gen, exact_sums=True)
+    assert torch.equal(qk_norm_rope_store(*args), qk_norm_rope_store_reference(*ref_args))
+    assert torch.equal(args[6], ref_args[6]) and torch.equal(args[7], ref_args[7])
+
+
+def test_qk_norm_rope_store_cache_view_and_int32_indices() -> None:
+    """One layer's caches as views of the engine's (L, 2, N, bs, Hkv, D) tensor; int32 positions/slots."""
+    gen = torch.Generator().manual_seed(5)
+    args, ref_args = make_qk_norm_problem(6, 4, 2, 16, torch.float32, gen)
+    kv = torch.randn(3, 2, *args[6].shape, generator=gen)
+    kv_ref = kv.clone()
+    args[6], args[7] = kv[1, 0], kv[1, 1]
+    ref_args[6], ref_args[7] = kv_ref[1, 0], kv_ref[1, 1]
+    args[1], args[8] = args[1].int(), args[8].int()
+    q = qk_norm_rope_store(*args)
+    torch.testing.assert_close(q, qk_norm_rope_store_reference(*ref_args), atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(kv, kv_ref, atol=2e-6, rtol=2e-6)
+    assert torch.equal(kv[[0, 2]], kv_ref[[0, 2]])   # other layers untouched
+
+
+def test_qk_norm_rope_store_empty_batch() -> None:
+    args, _ = make_qk_norm_problem(0, 4, 2, 16, torch.float32, torch.Generator().manual_seed(0))
+    assert qk_norm_rope_store(*args).shape == (0, 4, 16)
+
+
+def test_qk_norm_rope_store_rejects_bad_arguments() -> None:
+    args, _ = make_qk_norm_problem(3, 4, 2, 16, torch.float32, torch.Generator().manual_seed(0))
+
+    def call(**changes: object) -> None:
+        names = ["qkv", "positions", "q_weight", "k_weight", "eps", "cos_sin_cache", "k_cache", "v_cache",
+                 "slot_mapping"]
+        kwargs = dict(zip(names, args))
+        kwargs.update(changes)
+        qk_norm_rope_store(**kwargs)  # type: ignore[arg-type]
+
+    qkv, cache = args[0], args[6]
+    with pytest.raises(TypeError, match="q_weight"):
+        call(q_weight=args[2].half())
+    with pytest.raises(TypeError, match="cos_sin_cache"):
+        call(cos_sin_cache=args[5].double())
+    with pytest.raises(TypeError, match="slot_mapping"):
+        call(slot_mapping=args[8].float())
+    with pytest.raises(TypeError, match="eps"):
+        call(eps="1e-6")
+    with pytest.raises(ValueError, match="qkv"):
+        call(qkv=qkv[:, :-8])                       # not a multiple of D wide
+    with pytest.raises(ValueError, match="qkv"):
+        call(qkv=qkv[:, :4 * 16])                   # no room for a q head
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        call(qkv=qkv.t().contiguous().t())
+    with pytest.raises(ValueError, match="positions"):
+        call(positions=args[1][:2])
+    with pytest.raises(ValueError, match="k_cache and v_cache"):
+        call(v_cache=cache[:, :2])
+    with pytest.raises(ValueError, match="head_dim"):
+        call(k_cache=torch.zeros(4, 4, 2, 12), v_cache=torch.zeros(4, 4, 2, 12))
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        call(cos_sin_cache=args[5][:, :8])
+    with pytest.raises(ValueError, match="k_weight"):
+        call(k_weight=args[3][:8])
+
+
+def test_model_with_fused_qk_norm_rope_matches_torch_backend(tmp_path) -> None:
+    """Tiny Qwen3, float32: Triton backend with the fused kernel (forced on the CPU
+    interpreter) vs the torch backend and vs the unfused Triton path, on a ragged
+    prefill, a decode step and a prefill over a cached prefix; K/V caches compared too."""
+    from model_utils import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
+
+    path = save_hf_model(make_hf_model(TinyConfig()), tmp_path)
+    bs = 4
+    executors = {name: make_model_executor(path, device="cpu", dtype="float32", attention_backend=backend,
+                                           block_size=bs, num_blocks=16, max_num_seqs=4,
+                                           max_num_batched_tokens=64)
+                 for name, backend in (("torch", "torch"), ("unfused", "triton"), ("fused", "triton"))}
+    for name, ex in executors.items():
+        backend = ex.model.model.layers[0].self_attn.attn.backend
+        if name != "torch":
+            backend.fuse_qk_norm_rope = name == "fused"
+        assert backend.fuses_qk_norm_rope(torch.device("cpu")) == (name == "fused")
+    a, b, c = [3, 14, 15, 92, 65, 35, 8], [9, 79, 32, 38, 46], [26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69]
+    plans = [
+        make_plan([(a, 0, (9, 2, 14), True), (b, 0, (5, 11, 0), True)], bs),                  # prefill
+        make_plan([([1], 7, (9, 2, 14), True), ([2], 5, (5, 11, 0), True)], bs),              # decode
+        make_plan([(c[:6], 0, (3, 12, 7), False)], bs),                                       # first chunk
+        make_plan([(c[6:], 6, (3, 12, 7), True), ([5, 6, 7], 0, (1,), True)], bs),            # cached prefix
+    ]
+    for plan in plans:
+        logits = {}
+        for name, ex in executors.items():
+            batch, inputs = ex.prepare(plan)
+            logits[name] = ex.model.compute_logits(ex.run_model(batch, inputs)).float()
+        torch.testing.assert_close(logits["fused"], logits["unfused"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits["fused"], logits["torch"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(executors["fused"].kv_cache, executors["torch"].kv_cache, atol=1e-5, rtol=1e-5)

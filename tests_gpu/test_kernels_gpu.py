@@ -241,3 +241,73 @@ def test_prefill_attention_loop_split_edges(seqs: list[tuple[int, int]], dtype: 
     ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
     out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max(q_lens))
     assert_close(out, ref, dtype)
+
+
+# ----------------------------------------------------------------------------- qk_norm_rope_store
+
+from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store  # noqa: E402
+from minivllm.kernels.reference import qk_norm_rope_store_reference  # noqa: E402
+from minivllm.layers.rotary import RotaryEmbedding  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 256, 8192])
+def test_qk_norm_rope_store(num_tokens: int, dtype: torch.dtype) -> None:
+    """Qwen3-0.6B shapes, block_size 16, slots scattered over a pool twice the need
+    (every 7th row -1), positions up to 40960, caches as one layer of the engine's tensor.
+
+    vs the eager torch reference on the GPU: fp32 within rounding (sum order, torch's
+    approximate CUDA rsqrt); bf16 at most one bf16 ulp on a small share of elements."""
+    gen = torch.Generator(DEVICE).manual_seed(num_tokens)
+    bs, max_pos = 16, 40960
+    qkv = (torch.randn(num_tokens, (H + 2 * HKV) * D, generator=gen, device=DEVICE) * 3).to(dtype)
+    q_weight = (1 + 0.5 * torch.randn(D, generator=gen, device=DEVICE)).to(dtype)
+    k_weight = (1 + 0.5 * torch.randn(D, generator=gen, device=DEVICE)).to(dtype)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen, device=DEVICE)
+    cos_sin = RotaryEmbedding(D, max_pos, 1_000_000.0).cos_sin_cache.to(DEVICE)
+    n = 2 * (-(-num_tokens // bs)) + 2
+    slots = torch.randperm(n * bs, generator=gen, device=DEVICE)[:num_tokens]
+    slots[3::7] = -1
+    kv = torch.randn(3, 2, n, bs, HKV, D, generator=gen, device=DEVICE).to(dtype)   # (L, 2, N, bs, Hkv, D)
+    kv_ref = kv.clone()
+    q = qk_norm_rope_store(qkv, positions, q_weight, k_weight, 1e-6, cos_sin, kv[1, 0], kv[1, 1], slots)
+    q_ref = qk_norm_rope_store_reference(qkv, positions, q_weight, k_weight, 1e-6, cos_sin,
+                                         kv_ref[1, 0], kv_ref[1, 1], slots)
+    assert torch.equal(kv[:, 1], kv_ref[:, 1]), "v copied unchanged, at valid slots only"
+    assert torch.equal(kv[[0, 2]], kv_ref[[0, 2]]), "other layers untouched"
+    for out, ref in ((q, q_ref), (kv[1, 0], kv_ref[1, 0])):
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        else:
+            # One bf16 ulp at |x| <= 16 is <= 2**-4; a different rounding (rstd one fp32
+            # ulp away) moves only values near a rounding boundary.
+            torch.testing.assert_close(out, ref, atol=2 ** -4, rtol=2 ** -7)
+            assert (out != ref).float().mean() < 0.01
+
+
+def test_qk_norm_rope_store_cuda_graph() -> None:
+    """Captured at batch 1 and replayed with new inputs: same as eager (the decode path)."""
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    qkv = torch.randn(1, (H + 2 * HKV) * D, generator=gen, device=DEVICE).bfloat16()
+    weight = torch.ones(D, device=DEVICE, dtype=torch.bfloat16)
+    positions = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    cos_sin = RotaryEmbedding(D, 1024, 1_000_000.0).cos_sin_cache.to(DEVICE)
+    k_cache = torch.zeros(4, 16, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    args = (qkv, positions, weight, weight, 1e-6, cos_sin, k_cache, v_cache, slots)
+    qk_norm_rope_store(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = qk_norm_rope_store(*args)
+    qkv.copy_(torch.randn(qkv.shape, generator=gen, device=DEVICE))
+    positions.fill_(777)
+    slots.fill_(37)
+    graph.replay()
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    q_ref = qk_norm_rope_store_reference(qkv, positions, weight, weight, 1e-6, cos_sin, k_ref, v_ref, slots)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(q, q_ref, atol=2 ** -6, rtol=2 ** -7)
+    torch.testing.assert_close(k_cache[2, 5], k_ref[2, 5], atol=2 ** -6, rtol=2 ** -7)
+    assert torch.equal(v_cache[2, 5], v_ref[2, 5])

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.layers.norm import rms_norm_ref
+from minivllm.layers.rotary import rope_ref
+
 
 def store_kv_reference(
     key: torch.Tensor,           # (T, Hkv, D)
@@ -22,6 +25,26 @@ def store_kv_reference(
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def qk_norm_rope_store_reference(
+    qkv: torch.Tensor,            # (T, (H + 2 Hkv) * D)
+    positions: torch.Tensor,      # (T,) int
+    q_weight: torch.Tensor,       # (D,)
+    k_weight: torch.Tensor,       # (D,)
+    eps: float,
+    cos_sin_cache: torch.Tensor,  # (P, D) float32 [cos | sin]
+    k_cache: torch.Tensor,        # (N, bs, Hkv, D)
+    v_cache: torch.Tensor,        # (N, bs, Hkv, D)
+    slot_mapping: torch.Tensor,   # (T,) int, -1 = write nothing
+) -> torch.Tensor:
+    """The unfused path: per-head RMSNorm of q and k, RoPE, K/V stored; returns q (T, H, D)."""
+    hkv, d = k_cache.shape[2:]
+    t = qkv.shape[0]
+    q, k, v = qkv.view(t, -1, d).split([qkv.shape[1] // d - 2 * hkv, hkv, hkv], dim=1)
+    q, k = rope_ref(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), cos_sin_cache)
+    store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, kv_len: int) -> torch.Tensor:

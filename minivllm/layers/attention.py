@@ -13,6 +13,7 @@ bound into the modules after construction.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -67,6 +68,18 @@ class AttentionBackend(ABC):
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention of one query per sequence ``q`` (B, H, D) -> (B, H, D)."""
 
+    def fuses_qk_norm_rope(self, device: torch.device) -> bool:
+        """Whether :meth:`qk_norm_rope_store` runs for tensors on ``device`` (default: never)."""
+        return False
+
+    def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Per-head q/k RMSNorm + RoPE of the packed ``qkv`` (T, (H + 2 Hkv) D), K/V stored
+        at ``slot_mapping``; returns q (T, H, D). Only where :meth:`fuses_qk_norm_rope`."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused qk_norm_rope_store")
+
 
 class TorchAttentionBackend(AttentionBackend):
     """The plain-torch reference (any device; syncs the host once per layer)."""
@@ -90,16 +103,40 @@ class TritonAttentionBackend(AttentionBackend):
 
     The kernel modules are imported here, not at module import, so the torch
     backend never needs Triton.
+
+    Args:
+        fuse_qk_norm_rope: run the model's q/k norm + RoPE + K/V store as one kernel
+            (:mod:`minivllm.kernels.qk_norm_rope_store`). None (default): on CUDA
+            only, unless ``MINIVLLM_FUSE_QK_NORM_ROPE`` is "0" (never) or "1"
+            (also on the CPU interpreter). The CPU default keeps the unfused path,
+            which the parity tests check against Hugging Face.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fuse_qk_norm_rope: bool | None = None) -> None:
         from minivllm.kernels.decode_attention import decode_attention
         from minivllm.kernels.prefill_attention import prefill_attention
+        from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store
         from minivllm.kernels.store_kv import store_kv
 
         self._store_kv = store_kv
         self._prefill = prefill_attention
         self._decode = decode_attention
+        self._qk_norm_rope_store = qk_norm_rope_store
+        if fuse_qk_norm_rope is None:
+            fuse_qk_norm_rope = {"0": False, "1": True}.get(os.environ.get("MINIVLLM_FUSE_QK_NORM_ROPE", ""))
+        self.fuse_qk_norm_rope = fuse_qk_norm_rope
+
+    def fuses_qk_norm_rope(self, device: torch.device) -> bool:
+        if self.fuse_qk_norm_rope is None:
+            return device.type == "cuda"
+        return self.fuse_qk_norm_rope
+
+    def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> torch.Tensor:
+        return self._qk_norm_rope_store(qkv, positions, q_weight, k_weight, eps, cos_sin_cache,
+                                        k_cache, v_cache, slot_mapping)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -130,7 +167,8 @@ def make_attention_backend(name: str) -> AttentionBackend:
 
 
 class Attention(nn.Module):
-    """Stores the new tokens' K/V in this layer's cache, then attends over it.
+    """Stores the new tokens' K/V in this layer's cache, then attends over it
+    (``attend`` alone when a fused kernel has stored them already).
 
     Args:
         num_heads: query heads (on this rank).
@@ -155,9 +193,17 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q`` (T, H, D), ``k``/``v`` (T, Hkv, D) of the fed tokens -> (T, H, D)."""
-        k_cache = meta.kv_cache[self.layer_idx, 0]  # (N, bs, Hkv, D)
-        v_cache = meta.kv_cache[self.layer_idx, 1]
-        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.backend.store_kv(k, v, *self.kv_caches(meta), meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def kv_caches(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V caches, each (N, bs, Hkv, D) (views of ``meta.kv_cache``)."""
+        return meta.kv_cache[self.layer_idx, 0], meta.kv_cache[self.layer_idx, 1]
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of ``q`` (T, H, D) over the cache, whose K/V already hold the fed
+        tokens (stored by ``forward`` or by a fused kernel) -> (T, H, D)."""
+        k_cache, v_cache = self.kv_caches(meta)
         if meta.is_decode:
             return self.backend.decode(q, k_cache, v_cache, meta, self.scale)
         return self.backend.prefill(q, k_cache, v_cache, meta, self.scale)

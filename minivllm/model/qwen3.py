@@ -87,13 +87,23 @@ class Qwen3Attention(nn.Module):
         """(T,) positions, (T, hidden) -> (T, hidden)."""
         t, d = hidden.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)                            # (T, (H + 2 Hkv) D)
         self.rotary_emb.check_positions(positions)
-        q, k, v = qk_norm_rope(
-            q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d),
-            v.reshape(t, self.num_kv_heads, d), positions, self.q_norm.weight, self.k_norm.weight,
-            self.q_norm.eps, self.rotary_emb.cos_sin_cache)
-        o = self.attn(q, k, v, meta)                           # (T, H, D)
+        backend = self.attn.backend
+        if backend.fuses_qk_norm_rope(qkv.device):
+            # One kernel: q/k norm + RoPE, k and v written to the cache; only q comes back.
+            # (q_norm and k_norm share config.rms_norm_eps.)
+            q = backend.qk_norm_rope_store(
+                qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                self.rotary_emb.cos_sin_cache, *self.attn.kv_caches(meta), meta.slot_mapping)
+            o = self.attn.attend(q, meta)                      # (T, H, D)
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = qk_norm_rope(
+                q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d),
+                v.reshape(t, self.num_kv_heads, d), positions, self.q_norm.weight, self.k_norm.weight,
+                self.q_norm.eps, self.rotary_emb.cos_sin_cache)
+            o = self.attn(q, k, v, meta)                       # (T, H, D)
         return self.o_proj(o.reshape(t, q_size))
 
 
