@@ -562,21 +562,29 @@ def engine_summary(hf32, setup: Setup, ours: dict[str, Any], hf: dict[str, Any])
 
 # ---- report ----------------------------------------------------------------------------------
 
+def _cell(errs: dict[str, list[float]], c: str, layer: int) -> float:
+    """A sub-step's error, nan where it was not recorded (the fused q/k kernel has no q/k hooks)."""
+    values = errs.get(c, [])
+    return values[layer] if layer < len(values) else float("nan")
+
+
 def print_layer_tables(phase: str, tables: dict[str, dict[str, list[float]]]) -> None:
     """Per layer x sub-step error tables of one phase, then ours / HF ratios."""
     for name, errs in tables.items():
         print(f"\n[{phase}] {name}: ||bf16 - fp32|| / ||fp32||")
         print("layer " + " ".join(f"{c:>10}" for c in STEPS))
         for layer in range(len(errs["in_norm"])):
-            print(f"{layer:5d} " + " ".join(f"{errs[c][layer]:10.2e}" for c in STEPS))
+            print(f"{layer:5d} " + " ".join(f"{_cell(errs, c, layer):10.2e}" for c in STEPS))
         print(f"final_norm {errs['final_norm'][0]:.2e}")
     if "ours" in tables and "hf" in tables:
         ours, hf = tables["ours"], tables["hf"]
         print(f"\n[{phase}] ratio ours / HF (> 1: ours loses more)")
         print("layer " + " ".join(f"{c:>10}" for c in STEPS))
         for layer in range(len(ours["in_norm"])):
-            print(f"{layer:5d} " + " ".join(f"{ours[c][layer] / max(hf[c][layer], 1e-30):10.2f}" for c in STEPS))
-        print(" mean " + " ".join(f"{np.mean(ours[c]) / max(np.mean(hf[c]), 1e-30):10.2f}" for c in STEPS))
+            print(f"{layer:5d} " + " ".join(
+                f"{_cell(ours, c, layer) / max(_cell(hf, c, layer), 1e-30):10.2f}" for c in STEPS))
+        print(" mean " + " ".join(f"{np.mean(ours.get(c) or [np.nan]) / max(np.mean(hf.get(c) or [np.nan]), 1e-30):10.2f}"
+                                  for c in STEPS))
         print(f"final_norm {ours['final_norm'][0] / max(hf['final_norm'][0], 1e-30):.2f}")
 
 
@@ -587,12 +595,12 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"{'gemm':<18}{'M':>5}{'K':>7}{'N':>8}{'default':>10}{'fp32 red.':>10}")
         for r in report["gemm"]:
             print(f"{r['gemm']:<18}{r['m']:>5}{r['k']:>7}{r['n']:>8}{r['default']:>10.2f}{r['fp32_reduction']:>10.2f}")
-    for phase, tables in report["layers"].items():
-        print_layer_tables(phase, tables)
     print("\n[tokens] teacher-forced on the float32 greedy continuation, every (prompt, step)")
     print(f"{'variant':<46}{'flip':>8}{'>top5':>8}{'logits rel':>12}{'s':>7}")
     for name, s in report["tokens"].items():
         print(f"{name:<46}{s['flip']:8.3f}{s['outside_top5']:8.3f}{s['logits_rel']:12.3e}{s['seconds']:7.1f}")
+    for phase, tables in report["layers"].items():
+        print_layer_tables(phase, tables)
     if "graph_vs_eager_max_abs_diff" in report:
         print(f"ours graphs vs eager, same kernels: max |logits diff| = {report['graph_vs_eager_max_abs_diff']:.3e}")
     eng = report.get("engine")
@@ -664,8 +672,8 @@ def main() -> None:
         if not args.no_engine:
             report["engine"] = engine_summary(hf32, setup, ours, hf)
         report["seconds"] = time.perf_counter() - t0
+    write_json(report)  # first: the report survives a printing error
     print_report(report)
-    write_json(report)
 
 
 if __name__ == "__main__":
