@@ -16,7 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--temperature", type=float, default=0.0, help="below 1e-5 = greedy")
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (processes; one GPU each on CUDA) the model is split over")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     return p
 
@@ -42,17 +44,19 @@ def main(argv: list[str] | None = None) -> int:
                                   max_model_len=args.max_model_len).items() if v is not None}
     if args.enforce_eager:
         opts["enforce_eager"] = True
+    if args.tensor_parallel_size != 1:
+        opts["tensor_parallel_size"] = args.tensor_parallel_size
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype,
-                  attention_backend=args.attention_backend, **opts)
-        if args.chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
-                            use_tqdm=False)
-        else:
-            outs = llm.generate(args.prompts, params, use_tqdm=False)
+        with LLM(args.model, device=args.device, dtype=args.dtype,
+                 attention_backend=args.attention_backend, **opts) as llm:
+            if args.chat:
+                outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
+                                use_tqdm=False)
+            else:
+                outs = llm.generate(args.prompts, params, use_tqdm=False)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

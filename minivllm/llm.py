@@ -70,7 +70,7 @@ class LLM:
             (max_num_seqs, max_num_batched_tokens, max_model_len, policy,
             chunked_prefill, async_scheduling: default on for CUDA) and
             ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
-            tensor_parallel_size).
+            tensor_parallel_size: N ranks in N processes, one GPU each on CUDA).
 
     Raises:
         TypeError: unknown option. ValueError: a bad option value or model.
@@ -100,13 +100,34 @@ class LLM:
         self.scheduler_config = SchedulerConfig(**sched_opts)
         cache_config = CacheConfig(**cache_opts)
         self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(path)
-        executor = ModelExecutor(self.model_config, path, self.scheduler_config, cache_config,
-                                 dataclasses.replace(executor_config, device=device))
+        executor_config = dataclasses.replace(executor_config, device=device)
+        if executor_config.tensor_parallel_size > 1:
+            from minivllm.executor.distributed import TPExecutor
+            executor = TPExecutor(self.model_config, path, self.scheduler_config, cache_config,
+                                  executor_config)
+        else:
+            executor = ModelExecutor(self.model_config, path, self.scheduler_config, cache_config,
+                                     executor_config)
         eos = self.model_config.eos_token_id
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos)
         self._next_request = 0
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the executor's processes (tensor parallelism); idempotent. Also runs at
+        interpreter exit, and on leaving a ``with LLM(...) as llm:`` block."""
+        close = getattr(self.engine.executor, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- generation ---------------------------------------------------------
 

@@ -18,11 +18,13 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_
 from minivllm.layers.activation import SiluAndMul, silu_and_mul
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.fuse import compile_fused
+from minivllm.config import ModelConfig
 from minivllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    check_tp_divisibility,
 )
 from minivllm.layers.norm import RMSNorm, rms_norm_ref
 from minivllm.layers.rotary import RotaryEmbedding
@@ -67,6 +69,32 @@ def test_qkv_replicates_kv_heads_when_fewer_than_ranks():
         assert torch.equal(v, full["v"][(r // 2) * D:(r // 2 + 1) * D])
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_qkv_shards_split_or_replicate_kv_heads(tp, kv_heads):
+    """8 query heads over tp ranks; KV heads split (kv >= tp) or each replicated on tp // kv
+    consecutive ranks, so that rank r's query heads find their GQA KV head locally."""
+    heads = 8
+    full = {s: torch.randn(n * D, HIDDEN) for s, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    local_q, local_kv = heads // tp, max(1, kv_heads // tp)
+    holders: dict[int, list[int]] = {h: [] for h in range(kv_heads)}
+    for r in range(tp):
+        layer = QKVParallelLinear(HIDDEN, D, heads, kv_heads, tp_rank=r, tp_size=tp)
+        load(layer, full)
+        assert (layer.num_heads, layer.num_kv_heads) == (local_q, local_kv)
+        q, k, v = qkv_shards(layer)
+        assert torch.equal(q, full["q"][r * local_q * D:(r + 1) * local_q * D])
+        first_kv = r * local_kv if kv_heads >= tp else r // (tp // kv_heads)
+        for i in range(local_kv):
+            holders[first_kv + i].append(r)
+        kv_rows = slice(first_kv * D, (first_kv + local_kv) * D)
+        assert torch.equal(k, full["k"][kv_rows]) and torch.equal(v, full["v"][kv_rows])
+        # GQA: query head h reads KV head h // (heads // kv_heads); all of rank r's do so locally.
+        for h in range(r * local_q, (r + 1) * local_q):
+            assert first_kv <= h // (heads // kv_heads) < first_kv + local_kv
+    assert all(len(ranks) == max(1, tp // kv_heads) for ranks in holders.values()), holders
+
+
 @pytest.mark.parametrize("heads,kv_heads,tp", [(6, 6, 4), (4, 3, 2), (8, 3, 2), (4, 4, 3)])
 def test_qkv_non_divisible_heads_raise(heads, kv_heads, tp):
     with pytest.raises(ValueError, match="tp_size"):
@@ -81,6 +109,43 @@ def test_qkv_wrong_shape_raises_naming_the_shard():
         layer.weight.weight_loader(layer.weight, torch.randn(8, HIDDEN), None)
 
 
+def tp_model_config(**kw) -> ModelConfig:
+    shapes = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    return ModelConfig(**{**shapes, **kw})
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_check_tp_divisibility_accepts_split_or_replicated_kv_heads_and_any_vocab(tp):
+    check_tp_divisibility(tp_model_config(), tp)  # vocab 101 is prime: padding, not an error
+    check_tp_divisibility(tp_model_config(vocab_size=3), tp)
+
+
+@pytest.mark.parametrize("kw,tp,field", [
+    (dict(num_attention_heads=6, num_key_value_heads=6), 4, "num_attention_heads"),
+    (dict(num_attention_heads=12, num_key_value_heads=3), 2, "num_kv_heads"),
+    (dict(num_attention_heads=12, num_key_value_heads=3), 4, "num_kv_heads"),
+    (dict(num_attention_heads=8, num_key_value_heads=4), 8, None),  # replicated: fine
+    (dict(intermediate_size=90), 4, "intermediate_size"),
+])
+def test_check_tp_divisibility_rejects_what_layers_reject(kw, tp, field):
+    cfg = tp_model_config(**kw)
+    if field is None:
+        check_tp_divisibility(cfg, tp)
+        return
+    with pytest.raises(ValueError, match=field):
+        check_tp_divisibility(cfg, tp)
+    with pytest.raises(ValueError):  # the layers enforce the same rule
+        QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                          tp_rank=0, tp_size=tp)
+        MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp_rank=0, tp_size=tp)
+
+
+def test_check_tp_divisibility_rejects_bad_size():
+    with pytest.raises(ValueError, match="tp_size"):
+        check_tp_divisibility(tp_model_config(), 0)
+
+
 def test_two_rank_mlp_partial_sums_equal_single_rank():
     inter, x = 8, torch.randn(5, HIDDEN)
     gate, up, down = torch.randn(inter, HIDDEN), torch.randn(inter, HIDDEN), torch.randn(HIDDEN, inter)
@@ -93,6 +158,67 @@ def test_two_rank_mlp_partial_sums_equal_single_rank():
         load(row, {None: down})
         total += row(SiluAndMul()(gate_up(x)))  # what all_reduce would sum
     torch.testing.assert_close(total, want)
+
+
+def test_unreduced_row_partials_carry_the_bias_once():
+    """``reduce_results=False``: the caller sums the ranks' outputs, so only rank 0 adds the bias."""
+    w, b, x = torch.randn(5, 8), torch.randn(5), torch.randn(3, 8)
+    total = torch.zeros(3, 5)
+    for r in range(2):
+        row = RowParallelLinear(8, 5, bias=True, tp_rank=r, tp_size=2, reduce_results=False)
+        row.weight.weight_loader(row.weight, w)
+        row.bias.weight_loader(row.bias, b)
+        total += row(x.chunk(2, dim=-1)[r])
+    torch.testing.assert_close(total, F.linear(x, w, b))
+
+
+class CountingTensor:
+    """A ``CheckpointTensor`` over a plain tensor that counts the elements read through it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t, self.shape, self.dtype, self.numel_read = t, t.shape, t.dtype, 0
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        out = self._t.narrow(dim, start, length).clone()
+        self.numel_read += out.numel()
+        return out
+
+    def read(self) -> torch.Tensor:
+        self.numel_read += self._t.numel()
+        return self._t.clone()
+
+
+def lazy_layers(r: int, tp: int) -> list[tuple[torch.nn.Module, dict]]:
+    """(layer on rank r of tp, its full checkpoint tensors by shard id) for every loader kind."""
+    torch.manual_seed(0)
+    return [
+        (ColumnParallelLinear(HIDDEN, 8, tp_rank=r, tp_size=tp), {None: torch.randn(8, HIDDEN)}),
+        (RowParallelLinear(8, HIDDEN, tp_rank=r, tp_size=tp), {None: torch.randn(HIDDEN, 8)}),
+        (MergedColumnParallelLinear(HIDDEN, [8, 8], tp_rank=r, tp_size=tp),
+         {0: torch.randn(8, HIDDEN), 1: torch.randn(8, HIDDEN)}),
+        (QKVParallelLinear(HIDDEN, D, 4, 1, tp_rank=r, tp_size=tp),
+         {"q": torch.randn(4 * D, HIDDEN), "k": torch.randn(D, HIDDEN), "v": torch.randn(D, HIDDEN)}),
+        (VocabParallelEmbedding(11, HIDDEN, tp_rank=r, tp_size=tp), {None: torch.randn(11, HIDDEN)}),
+        (RMSNorm(HIDDEN, 1e-6), {None: torch.randn(HIDDEN)}),
+    ]
+
+
+@pytest.mark.parametrize("r", [0, 1])
+def test_loaders_read_only_their_slice_of_a_lazy_tensor(r):
+    """Rank r of 2 reads exactly its shard (a replicated KV head and a norm whole, vocab
+    padding not at all) and gets what narrowing the whole tensor gives."""
+    for (lazy_layer, full), (eager_layer, _) in zip(lazy_layers(r, 2), lazy_layers(r, 2)):
+        read = 0
+        for shard_id, w in full.items():
+            lazy = CountingTensor(w)
+            lazy_layer.weight.weight_loader(lazy_layer.weight, lazy, shard_id)
+            eager_layer.weight.weight_loader(eager_layer.weight, w, shard_id)
+            read += lazy.numel_read
+        assert torch.equal(lazy_layer.weight, eager_layer.weight), type(lazy_layer).__name__
+        padding = lazy_layer.shard_size * (r + 1) - 11 if isinstance(lazy_layer, VocabParallelEmbedding) else 0
+        assert read == lazy_layer.weight.numel() - max(0, padding) * HIDDEN, type(lazy_layer).__name__
+        if not isinstance(lazy_layer, RMSNorm):
+            assert read < sum(w.numel() for w in full.values())
 
 
 def test_column_and_row_shards_concatenate_to_full():

@@ -10,8 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from safetensors import safe_open
+
 from minivllm.config import ModelConfig
-from minivllm.model.loader import checkpoint_files, load_weights, map_name
+from minivllm.layers.linear import get_weight_loader
+from minivllm.model.loader import LazyTensor, checkpoint_files, load_weights, map_name
 from minivllm.model.qwen3 import QWEN3_PACKED_MODULES, Qwen3ForCausalLM
 from model_utils import TinyConfig, make_hf_model, save_hf_model
 
@@ -36,8 +39,17 @@ def rewrite(src: str, dst: str, edit) -> str:
     return dst
 
 
-def fresh_model(path: str) -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM(ModelConfig.from_hf_json(path))
+def fresh_model(path: str, tp_rank: int = 0, tp_size: int = 1) -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM(ModelConfig.from_hf_json(path), tp_rank=tp_rank, tp_size=tp_size)
+
+
+def load_whole_tensors(model: Qwen3ForCausalLM, path: str) -> None:
+    """The reference: every tensor read whole, then narrowed by the weight loaders."""
+    params = dict(model.named_parameters())
+    for ckpt_name, tensor in load_file(os.path.join(path, "model.safetensors")).items():
+        name, shard_id = map_name(ckpt_name, model.packed_modules_mapping)
+        if name in params:
+            get_weight_loader(params[name])(params[name], tensor, shard_id)
 
 
 def test_loads_every_tensor_exactly(checkpoint):
@@ -130,3 +142,67 @@ def test_map_name_matches_whole_components():
         "model.layers.2.mlp.gate_up_proj.weight", 1)
     assert map_name("model.layers.2.self_attn.o_proj.weight", QWEN3_PACKED_MODULES) == (
         "model.layers.2.self_attn.o_proj.weight", None)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp_rank_reads_only_its_shards(checkpoint, rank):
+    """Rank r of 2 reads exactly the elements it holds (half of every sharded tensor, the
+    norms whole), and gets the parameters that narrowing the whole tensors gives."""
+    _, path = checkpoint
+    model = fresh_model(path, rank, 2)
+    report = load_weights(model, path)
+    want = fresh_model(path, rank, 2)
+    load_whole_tensors(want, path)
+    for (name, got), (_, ref) in zip(model.named_parameters(), want.named_parameters()):
+        assert torch.equal(got, ref), name
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    assert report.num_tensors == len(stored)
+    assert report.numel_total == sum(t.numel() for t in stored.values())
+    assert report.numel_read == sum(p.numel() for p in model.parameters())  # vocab 40: no padding
+    replicated = sum(t.numel() for n, t in stored.items() if n.endswith("norm.weight"))
+    assert report.numel_read == (report.numel_total - replicated) // 2 + replicated
+
+
+def test_tp_load_error_names_rank_and_tensor(tmp_path):
+    path = save_hf_model(make_hf_model(SMALL), tmp_path / "ok")
+    bad = rewrite(path, str(tmp_path / "bad"),
+                  lambda t: t.__setitem__("model.layers.1.self_attn.o_proj.weight", torch.zeros(16, 30)))
+    with pytest.raises(ValueError, match=r"rank 1 of 2(.|\n)*model.layers.1.self_attn.o_proj.weight"):
+        load_weights(fresh_model(bad, 1, 2), bad)
+    with pytest.raises(ValueError) as e:
+        load_weights(fresh_model(bad), bad)
+    assert "tensor-parallel rank" not in str(e.value)
+
+
+def test_lazy_tensor_reads_the_requested_slice(tmp_path):
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(torch.bfloat16)
+    save_file({"w": w}, str(tmp_path / "x.safetensors"))
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt", device="cpu") as f:
+        lazy = LazyTensor(f, "w")
+        assert (lazy.shape, lazy.dtype, lazy.numel_read) == (torch.Size([4, 6]), torch.bfloat16, 0)
+        assert torch.equal(lazy.narrow(1, 2, 3), w.narrow(1, 2, 3)) and lazy.numel_read == 12
+        assert lazy.narrow(0, 4, 0).shape == (0, 6)
+        assert torch.equal(lazy.read(), w) and lazy.numel_read == 36
+        with pytest.raises(ValueError, match=r"w: cannot narrow shape \(4, 6\)"):
+            lazy.narrow(0, 3, 2)
+
+
+def test_tensor_stored_in_two_checkpoint_shards_is_duplicated(tmp_path):
+    """Issue 10: a tensor in two files of a sharded checkpoint is an error, not a silent overwrite."""
+    path = save_hf_model(make_hf_model(SMALL), tmp_path / "one")
+    dup = str(tmp_path / "dup")
+    os.makedirs(dup)
+    shutil.copy(os.path.join(path, "config.json"), dup)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    victim = halves["model-00001-of-00002.safetensors"][0]
+    halves["model-00002-of-00002.safetensors"].append(victim)
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, os.path.join(dup, file))
+    weight_map = {n: file for file, part in halves.items() for n in part}
+    with open(os.path.join(dup, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with pytest.raises(ValueError, match=rf"{victim}: appears more than once"):
+        load_weights(fresh_model(dup), dup)

@@ -18,6 +18,7 @@ no block goes to another sequence while a step that writes it may still run.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
@@ -176,6 +177,17 @@ class LLMEngine:
         self._pending_outputs.append(self._output(seq))
         self.stats.num_aborts += 1
         return True
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Switch between one step in flight and synchronous steps (only while idle).
+
+        Raises:
+            RuntimeError: requests are unfinished or a step is in flight.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_async_scheduling: the engine is not idle")
+        self.scheduler_config = dataclasses.replace(self.scheduler_config, async_scheduling=on)
+        self.scheduler.config = self.scheduler_config
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` has more to do: requests, undelivered outputs or a step in flight."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -103,7 +103,13 @@ class ModelExecutor:
             max_model_len: sizes the CUDA-graph block tables).
         cache_config: block size and pool size (None: sized from free device
             memory on CUDA; every sequence at full length elsewhere).
-        config: device, dtype, attention backend, seed, graphs, memory share.
+        config: device, dtype, attention backend, seed, graphs, memory share,
+            tensor-parallel size.
+        tp_rank: this process's rank when ``config.tensor_parallel_size > 1``
+            (``executor/distributed.py`` builds one executor per rank, inside a
+            process group).
+        agree_num_blocks: with several ranks, maps this rank's pool size to the
+            one all ranks use (the minimum over ranks).
 
     Raises:
         ValueError: a bad setting, or a checkpoint that does not match the model.
@@ -111,7 +117,8 @@ class ModelExecutor:
 
     def __init__(self, model_config: ModelConfig, model_path: str | os.PathLike[str],
                  scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 config: ExecutorConfig = ExecutorConfig()) -> None:
+                 config: ExecutorConfig = ExecutorConfig(), tp_rank: int = 0,
+                 agree_num_blocks: Callable[[int], int] | None = None) -> None:
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,9 +126,12 @@ class ModelExecutor:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: this executor runs one "
-                             "rank; multi-GPU execution is not built yet")
+        self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
+        if self.tp_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ValueError(f"tensor_parallel_size={self.tp_size} needs a process group: build it with "
+                             "LLM(..., tensor_parallel_size=N) (minivllm/executor/distributed.py)")
+        if not 0 <= tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if use_graphs and backend != "triton":
             raise ValueError("CUDA graphs need attention_backend='triton' (the torch reference "
@@ -142,14 +152,20 @@ class ModelExecutor:
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
         self.model = self._load_model(model_path, backend)
+        # This rank's KV heads (all of them, a shard, or one replicated head).
+        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         num_blocks = cache_config.num_blocks
         if num_blocks is None:
             num_blocks = self.size_kv_pool_from_free_memory(config.gpu_memory_utilization)
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
         self.num_blocks = num_blocks
         self.kv_cache = self._allocate_kv_cache(num_blocks)
         # The last step's sampled ids, by sampling row (``prev_sample_row`` maps sequences to rows).
         self.prev_sampled = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         self.prev_sample_row: dict[int, int] = {}
+        self.keep_logits = False
+        self.last_logits: torch.Tensor | None = None
         self._staging = _PinnedRing(self.device)
         self._outputs = _PinnedRing(self.device)
         self.graph_runner: CudaGraphRunner | None = None
@@ -161,20 +177,21 @@ class ModelExecutor:
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.model_config
         return torch.zeros(
-            (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim),
+            (c.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim),
             dtype=self.dtype, device=self.device)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers (K and V)."""
         c = self.model_config
-        return (c.num_hidden_layers * 2 * self.block_size * c.num_key_value_heads * c.head_dim
+        return (c.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim
                 * torch.finfo(self.dtype).bits // 8)
 
     def _load_model(self, model_path: str | os.PathLike[str], attention_backend: str) -> Qwen3ForCausalLM:
         backend = make_attention_backend(attention_backend)
         with _default_dtype(self.dtype), self.device:
-            model = Qwen3ForCausalLM(self.model_config, attention_backend=backend)
+            model = Qwen3ForCausalLM(self.model_config, attention_backend=backend,
+                                     tp_rank=self.tp_rank, tp_size=self.tp_size)
         load_weights(model, model_path)
         return model.eval()
 
@@ -283,6 +300,8 @@ class ModelExecutor:
         # A sampled token's position is its sequence's length so far: the seeded-row counter.
         tensors = SamplingTensors.build(params, inputs.kv_lens[plan.sample], self.model_config.vocab_size,
                                         self.device)
+        if self.keep_logits:  # tests: TP logits against TP=1 (distributed.TPExecutor.compute_logits)
+            self.last_logits = logits
         tokens = self.sampler(logits, tensors)        # (S,) int64 on the device
         self.prev_sampled[:len(seq_ids)].copy_(tokens)
         self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}

@@ -3,9 +3,13 @@
 The vocabulary is cut into ``tp_size`` contiguous ranges of
 ``shard_size = ceil(vocab / tp_size)`` rows; rank r holds rows
 ``[r * shard_size, min(vocab, (r + 1) * shard_size))`` and zero padding up to
-``shard_size`` (only the last rank pads). The embedding looks up the ids in its
-range, zeros the others and all-reduces; the LM head computes logits for its
-range and all-gathers them along the vocabulary.
+``shard_size``: only the trailing ranks pad (usually just the last; with a tiny
+vocab a rank may hold nothing but padding), so the vocabulary needs no
+divisibility by ``tp_size``. The embedding looks up the ids in its half-open
+range ``[vocab_start, vocab_end)`` (an id equal to ``vocab_end`` belongs to the
+next rank: every id is looked up on exactly one rank), zeros the others and
+all-reduces; the LM head computes logits for its range and all-gathers them
+along the vocabulary, then drops the trailing padding.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import cdiv
-from minivllm.layers.linear import ShardId, check_tp, load_slice, set_weight_loader
+from minivllm.layers.linear import Loaded, ShardId, check_tp, load_slice, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,8 +38,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        """Copy this rank's vocabulary rows of the full (vocab, dim) tensor; zero the padding.
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+        """Copy this rank's vocabulary rows of the full (vocab, dim) tensor (reading only
+        those); zero the padding.
 
         Raises:
             ValueError: a shard id was given, or the checkpoint shape is wrong.

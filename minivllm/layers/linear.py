@@ -18,21 +18,62 @@ each KV head is replicated on ``tp_size // num_kv_heads`` consecutive ranks.
 
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``
 and ``shard_ids`` (the shard ids the loader expects, ``(None,)`` for a plain
-tensor). A loader checks the *full* checkpoint shape before narrowing to its
-rank's slice, so a wrong-shaped tensor raises ``ValueError`` rather than loading
-a slice of it by luck. With one rank it is a checked plain copy.
+tensor). ``loaded_weight`` is a ``torch.Tensor`` or a ``CheckpointTensor`` (a
+checkpoint tensor not read yet): a loader checks the *full* checkpoint shape
+before narrowing to its rank's slice, so a wrong-shaped tensor raises
+``ValueError`` rather than loading a slice of it by luck, and reads only that
+slice, so rank r of N reads about 1/N of every sharded tensor. With one rank it
+is a checked plain copy.
+
+Divisibility: ``check_tp_divisibility`` states every constraint the TP size puts
+on a model's shapes, in one place, so a launcher can reject a bad size before
+any process starts; the layers raise the same errors from the same functions.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from minivllm.config import ModelConfig
+
 ShardId = str | int | None
-WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+
+
+@runtime_checkable
+class CheckpointTensor(Protocol):
+    """A checkpoint tensor that has not been read: its shape, and reads of part or all of it.
+
+    ``torch.Tensor`` has the same ``shape``, ``dtype`` and ``narrow``; only ``read``
+    differs (see ``read_whole``).
+    """
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Read only ``[start, start + length)`` along ``dim``."""
+        ...
+
+    def read(self) -> torch.Tensor:
+        """Read the whole tensor."""
+        ...
+
+
+Loaded = torch.Tensor | CheckpointTensor
+WeightLoader = Callable[[nn.Parameter, Loaded, ShardId], None]
+
+
+def read_whole(loaded: Loaded) -> torch.Tensor:
+    """The whole tensor: ``loaded`` itself, or read from the checkpoint."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
 
 
 def set_weight_loader(
@@ -55,13 +96,15 @@ def get_shard_ids(param: nn.Parameter) -> tuple[ShardId, ...]:
 
 
 def load_slice(
-    dest: torch.Tensor, loaded: torch.Tensor, dim: int, start: int, full: int, what: str
+    dest: torch.Tensor, loaded: Loaded, dim: int, start: int, full: int, what: str
 ) -> None:
     """Copy ``loaded.narrow(dim, start, dest.shape[dim])`` into ``dest``.
 
+    Only that slice of a ``CheckpointTensor`` is read.
+
     Args:
         dest: the (view of the) parameter to fill.
-        loaded: the whole checkpoint tensor.
+        loaded: the whole checkpoint tensor, read or not.
         dim: the dimension the checkpoint tensor is sharded along.
         start: this rank's first index along ``dim``.
         full: the checkpoint tensor's expected size along ``dim``.
@@ -78,7 +121,7 @@ def load_slice(
         dest.copy_(loaded.narrow(dim, start, dest.shape[dim]))
 
 
-def load_unpacked(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId,
+def load_unpacked(layer: nn.Module, param: nn.Parameter, loaded: Loaded, shard_id: ShardId,
                   dim: int, full: int) -> None:
     """This rank's slice along ``dim`` of an unpacked layer's full tensor (``full`` long there).
 
@@ -92,18 +135,18 @@ def load_unpacked(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, s
     load_slice(param.data, loaded, dim, layer.tp_rank * local, full, what)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-    """Checked plain copy of a replicated (unsharded) parameter.
+def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+    """Checked plain copy of a replicated (unsharded) parameter: every rank reads it whole.
 
     Raises:
-        ValueError: a shard id was given, or the shapes differ.
+        ValueError: a shard id was given, or the shapes differ (checked before reading).
     """
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not packed; got shard id {shard_id!r}")
     if tuple(loaded.shape) != tuple(param.shape):
         raise ValueError(f"parameter: expected checkpoint shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
     with torch.no_grad():
-        param.data.copy_(loaded)
+        param.data.copy_(read_whole(loaded))
 
 
 def divide(size: int, tp_size: int, what: str) -> int:
@@ -117,6 +160,43 @@ def check_tp(tp_rank: int, tp_size: int) -> None:
     """Raises ValueError unless ``0 <= tp_rank < tp_size``."""
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: ``num_kv_heads // tp_size``, or 1 when there are fewer
+    KV heads than ranks (each head then replicated on ``tp_size // num_kv_heads`` ranks).
+
+    Raises:
+        ValueError: neither of ``num_kv_heads`` and ``tp_size`` divides the other.
+    """
+    if num_kv_heads >= tp_size:
+        return divide(num_kv_heads, tp_size, "num_kv_heads")
+    if num_kv_heads < 1 or tp_size % num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) and tp_size ({tp_size}): "
+                         "neither divides the other")
+    return 1
+
+
+def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
+    """Raises ValueError unless ``model_config`` can be split over ``tp_size`` ranks.
+
+    Call it before starting any process; the layers check the same rules (through
+    the same functions) when they are built. Requires:
+
+    - ``num_attention_heads % tp_size == 0`` (query heads and o_proj's input);
+    - ``num_key_value_heads % tp_size == 0`` or ``tp_size % num_key_value_heads == 0``
+      (fewer KV heads than ranks: each is replicated);
+    - ``intermediate_size % tp_size == 0`` (gate/up and down_proj).
+
+    Nothing of the vocabulary: ``VocabParallelEmbedding`` gives every rank
+    ``ceil(vocab / tp_size)`` rows and zero-pads the last shard(s), and the LM head
+    drops the padding after its all-gather, so any vocab size works.
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    divide(model_config.num_attention_heads, tp_size, "num_attention_heads")
+    kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
+    divide(model_config.intermediate_size, tp_size, "intermediate_size")
 
 
 class LinearBase(nn.Module):
@@ -158,7 +238,7 @@ class ColumnParallelLinear(LinearBase):
             if p is not None:
                 set_weight_loader(p, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         """Copy this rank's rows of the full (output_size, ...) tensor.
 
         Raises:
@@ -191,7 +271,7 @@ class MergedColumnParallelLinear(LinearBase):
             if p is not None:
                 set_weight_loader(p, self.weight_loader, shard_ids)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         """Copy this rank's rows of part ``shard_id`` into its place in the packed tensor.
 
         Raises:
@@ -230,15 +310,9 @@ class QKVParallelLinear(LinearBase):
                  bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
         check_tp(tp_rank, tp_size)
         heads = divide(num_heads, tp_size, "num_heads")
-        if num_kv_heads >= tp_size:
-            kv_heads = divide(num_kv_heads, tp_size, "num_kv_heads")
-            kv_start = tp_rank * kv_heads
-        elif tp_size % num_kv_heads == 0:
-            kv_heads = 1
-            kv_start = tp_rank // (tp_size // num_kv_heads)
-        else:
-            raise ValueError(f"num_kv_heads ({num_kv_heads}) and tp_size ({tp_size}): "
-                             "neither divides the other")
+        kv_heads = kv_heads_per_rank(num_kv_heads, tp_size)
+        # Replicated (fewer KV heads than ranks): ranks share a head tp_size // num_kv_heads at a time.
+        kv_start = tp_rank * kv_heads if num_kv_heads >= tp_size else tp_rank // (tp_size // num_kv_heads)
         super().__init__(hidden_size, (heads + 2 * kv_heads) * head_dim, bias, tp_rank, tp_size)
         self.head_dim = head_dim
         self.num_heads = heads
@@ -256,7 +330,7 @@ class QKVParallelLinear(LinearBase):
             if p is not None:
                 set_weight_loader(p, self.weight_loader, ("q", "k", "v"))
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         """Copy this rank's heads of the q, k or v tensor into the packed tensor.
 
         Raises:
@@ -272,7 +346,9 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Linear layer whose input features are split across ranks; outputs are all-reduced.
 
-    The bias is replicated and added once, after the reduction.
+    The bias is replicated but must count once in the sum over ranks: it is added
+    after the all-reduce, or, with ``reduce_results=False`` (the caller sums the
+    partial outputs), by rank 0 only.
 
     Args:
         input_size: input features over all ranks.
@@ -294,7 +370,7 @@ class RowParallelLinear(LinearBase):
         if self.bias is not None:
             set_weight_loader(self.bias, default_weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         """Copy this rank's columns of the full (output_size, input_size) weight.
 
         Raises:
@@ -306,6 +382,7 @@ class RowParallelLinear(LinearBase):
         y = F.linear(x, self.weight)
         if self.tp_size > 1 and self.reduce_results:
             torch.distributed.all_reduce(y)
-        if self.bias is not None:
+        # Unreduced, y is a partial sum: only rank 0's carries the bias, so it counts once.
+        if self.bias is not None and (self.reduce_results or self.tp_rank == 0):
             y = y + self.bias
         return y

@@ -8,7 +8,13 @@ Checkpoint names map onto our modules by name, except the packed ones
 
 Strict: after reading every tensor, each parameter must have received exactly
 the shards it expects. Missing, unexpected, duplicated and mis-shaped tensors
-are all collected and reported together in one ``ValueError``.
+are all collected and reported together in one ``ValueError``, which names the
+tensor-parallel rank when there is more than one.
+
+Sliced: a weight loader gets a ``LazyTensor`` (the tensor's place in the open
+file) and reads only its rank's slice of it, so with N ranks each process reads
+about 1/N of the sharded weights (and all of the small replicated ones) instead
+of the whole checkpoint. ``load_weights`` returns how much it read.
 
 One deliberate exception, stated here so nothing is skipped silently: with
 tied embeddings the head *is* the embedding, so an ``lm_head.weight`` stored
@@ -20,7 +26,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator, Mapping, Protocol
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Protocol
 
 import torch
 from safetensors import safe_open
@@ -30,6 +37,13 @@ from minivllm.layers.linear import ShardId, get_shard_ids, get_weight_loader
 
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
+
+# safetensors dtype names -> torch dtypes (the ones Qwen3 checkpoints use, and a few more).
+_DTYPES: Mapping[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
 
 
 class LoadableModel(Protocol):
@@ -63,12 +77,60 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     return files
 
 
-def iter_checkpoint(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of every checkpoint file, on the CPU."""
+class LazyTensor:
+    """One tensor of an open safetensors file, read only as far as a weight loader asks.
+
+    Satisfies ``minivllm.layers.linear.CheckpointTensor``. Valid while its file is
+    open, i.e. until ``iter_checkpoint`` yields the next tensor.
+
+    Attributes:
+        name: the checkpoint tensor name.
+        shape: its full shape (from the file header; nothing is read).
+        numel_read: elements read so far through ``narrow`` and ``read``.
+    """
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle = handle
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.shape = torch.Size(self._slice.get_shape())
+        self.numel_read = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored dtype."""
+        stored = self._slice.get_dtype()
+        if stored in _DTYPES:
+            return _DTYPES[stored]
+        return self.narrow(0, 0, 0).dtype if self.shape else self.read().dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Read ``[start, start + length)`` along ``dim`` (like ``torch.Tensor.narrow``).
+
+        Raises:
+            ValueError: ``dim`` or the range is outside the tensor.
+        """
+        if not 0 <= dim < len(self.shape) or start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"{self.name}: cannot narrow shape {tuple(self.shape)} "
+                             f"to [{start}, {start + length}) along dim {dim}")
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._count(self._slice[index])
+
+    def read(self) -> torch.Tensor:
+        """Read the whole tensor."""
+        return self._count(self._handle.get_tensor(self.name))
+
+    def _count(self, t: torch.Tensor) -> torch.Tensor:
+        self.numel_read += t.numel()
+        return t
+
+
+def iter_checkpoint(path: str | os.PathLike[str]) -> Iterator[LazyTensor]:
+    """Yield every tensor of every checkpoint file, unread (a ``LazyTensor`` on the CPU)."""
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield LazyTensor(f, name)
 
 
 def map_name(name: str, packed: Mapping[str, tuple[str, ShardId]]) -> tuple[str, ShardId]:
@@ -81,23 +143,51 @@ def map_name(name: str, packed: Mapping[str, tuple[str, ShardId]]) -> tuple[str,
     return name, None
 
 
-def load_weights(model: LoadableModel, path: str | os.PathLike[str]) -> None:
-    """Fill every parameter of ``model`` from the safetensors checkpoint in ``path``.
+@dataclass(frozen=True)
+class LoadReport:
+    """What ``load_weights`` read.
+
+    Attributes:
+        num_tensors: tensors in the checkpoint.
+        numel_total: their elements.
+        numel_read: elements this process read (its shards, and replicated tensors whole).
+    """
+
+    num_tensors: int
+    numel_total: int
+    numel_read: int
+
+
+def load_weights(model: LoadableModel, path: str | os.PathLike[str], *,
+                 tp_rank: int | None = None, tp_size: int | None = None) -> LoadReport:
+    """Fill every parameter of ``model`` (this rank's shards) from the checkpoint in ``path``.
+
+    Each parameter's ``weight_loader`` reads only its rank's slice of each tensor.
 
     Args:
         model: a model with ``packed_modules_mapping`` and ``tie_word_embeddings``.
         path: a directory with ``*.safetensors`` (and ``model.safetensors.index.json``
             when sharded).
+        tp_rank, tp_size: named in errors; by default taken from the model's layers
+            (their ``tp_rank``/``tp_size``; 0 and 1 when it has none).
+
+    Returns:
+        How many tensors and elements the checkpoint holds and how many were read.
 
     Raises:
         FileNotFoundError: no checkpoint files.
-        ValueError: listing every missing, unexpected, duplicated or mis-shaped tensor.
+        ValueError: listing every missing, unexpected, duplicated or mis-shaped tensor
+            (and the rank, when ``tp_size > 1``).
     """
     params = dict(model.named_parameters())
     loaded: dict[str, set[ShardId]] = {name: set() for name in params}
     unexpected: list[str] = []
     bad: list[str] = []
-    for ckpt_name, tensor in iter_checkpoint(path):
+    num_tensors = numel_total = numel_read = 0
+    for tensor in iter_checkpoint(path):
+        ckpt_name = tensor.name
+        num_tensors += 1
+        numel_total += tensor.shape.numel()
         if model.tie_word_embeddings and ckpt_name == TIED_HEAD:
             continue  # the head shares the embedding (see the module docstring)
         name, shard_id = map_name(ckpt_name, model.packed_modules_mapping)
@@ -112,9 +202,22 @@ def load_weights(model: LoadableModel, path: str | os.PathLike[str]) -> None:
         except ValueError as e:
             bad.append(f"{ckpt_name} -> {name}: {e}")
             continue
+        finally:
+            numel_read += tensor.numel_read
         loaded[name].add(shard_id)
     missing = _missing_shards(params, loaded, model.packed_modules_mapping)
-    _raise_if_any(path, missing, unexpected, bad)
+    rank, size = _tp_of(model) if tp_rank is None or tp_size is None else (tp_rank, tp_size)
+    _raise_if_any(path, missing, unexpected, bad, rank, size)
+    return LoadReport(num_tensors, numel_total, numel_read)
+
+
+def _tp_of(model: LoadableModel) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` of the model's tensor-parallel layers; ``(0, 1)`` without any."""
+    modules = model.modules() if isinstance(model, nn.Module) else [model]
+    found = {(m.tp_rank, m.tp_size) for m in modules if hasattr(m, "tp_rank") and hasattr(m, "tp_size")}
+    if len(found) > 1:
+        raise ValueError(f"the model's layers disagree on (tp_rank, tp_size): {sorted(found)}")
+    return found.pop() if found else (0, 1)
 
 
 def _missing_shards(params: Mapping[str, nn.Parameter], loaded: Mapping[str, set[ShardId]],
@@ -138,10 +241,11 @@ def _unpacked_name(name: str, shard_id: ShardId, packed: Mapping[str, tuple[str,
 
 
 def _raise_if_any(path: str | os.PathLike[str], missing: list[str], unexpected: list[str],
-                  bad: list[str]) -> None:
+                  bad: list[str], tp_rank: int, tp_size: int) -> None:
     if not (missing or unexpected or bad):
         return
-    lines = [f"checkpoint {os.fspath(path)} does not match the model:"]
+    where = f" (tensor-parallel rank {tp_rank} of {tp_size})" if tp_size > 1 else ""
+    lines = [f"checkpoint {os.fspath(path)} does not match the model{where}:"]
     for title, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped or invalid", bad)):
         if names:
             lines.append(f"  {title} ({len(names)}):")

@@ -1,0 +1,293 @@
+"""Tensor parallelism: one process per rank, the engine once, in the driver (rank 0).
+
+    driver process (rank 0)                      worker process r = 1 .. N-1 (spawned)
+    LLMEngine --plan--> TPExecutor.submit        loop:
+        broadcast(plan)   ----- gloo ----->          plan = broadcast(...)   (None: stop)
+        ModelExecutor(rank 0).submit(plan)           ModelExecutor(rank r).submit(plan)
+            ... all-reduces inside the model (gloo on the CPU, NCCL on GPUs) ...
+        <-- StepResult (rank 0's samples)
+
+Each rank holds its shard of every weight (loaded through the parameters'
+``weight_loader``) and of the KV cache (its KV heads). The LM head all-gathers
+the logits, so every rank holds the whole (S, V) logits and runs the same
+sampler with the same seed and call count: every rank samples the same tokens.
+It has to: a rank's next step gathers its input ids from its own samples, and a
+rank that sampled another token would embed another token, corrupting the
+all-reduced hidden states of every rank. So TP=N producing TP=1's tokens
+(tests/test_tp.py) also shows that the ranks agree.
+
+The plan (plain data) reaches each worker once per step, as one
+``broadcast_object_list`` on a CPU ``gloo`` group; nothing else is exchanged
+outside the model's own collectives.
+
+Failure: a worker that raises puts its traceback on a queue and exits; the
+driver checks the queue and the workers' liveness before every step, and a
+collective that fails because a peer went away is re-raised with the worker's
+own error. Shutdown (``close``, the ``LLM`` context manager, interpreter exit)
+sends ``None`` to a healthy group; after an error or an interrupt the workers
+are terminated. Workers ignore SIGINT: Ctrl-C reaches the driver, which ends
+them.
+
+Testing hook: ``MINIVLLM_TP_FAULT="RANK:load"`` or ``"RANK:stepK"`` makes worker
+RANK raise at load or at its K-th step (tests/test_tp.py uses it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import queue
+import signal
+import socket
+import traceback
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.executor.base import StepHandle
+from minivllm.executor.model_executor import ModelExecutor
+
+FAULT_ENV = "MINIVLLM_TP_FAULT"
+# Collectives that wait longer than this raise (a hung peer); generous for slow CPUs.
+TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+JOIN_TIMEOUT_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it; never hard-coded)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to build its executor: plain, picklable data."""
+
+    model_config: ModelConfig
+    model_path: str
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    executor_config: ExecutorConfig
+    master_addr: str
+    master_port: int
+    timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return self.executor_config.tensor_parallel_size
+
+
+def _rank_device(device: str, rank: int) -> str:
+    """Rank r's device: ``cuda`` means ``cuda:r``; the CPU is shared."""
+    return f"cuda:{rank}" if device == "cuda" else device
+
+
+def _init_group(spec: RankSpec, rank: int) -> dist.ProcessGroup:
+    """Join the process group; returns the CPU (gloo) group that carries plans."""
+    cuda = spec.executor_config.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo", init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        world_size=spec.world_size, rank=rank, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    return dist.new_group(backend="gloo") if cuda else dist.group.WORLD
+
+
+def _min_over_ranks(group: dist.ProcessGroup) -> Any:
+    def agree(n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return int(t.item())
+    return agree
+
+
+def _build_executor(spec: RankSpec, rank: int, group: dist.ProcessGroup) -> ModelExecutor:
+    config = replace(spec.executor_config, device=_rank_device(spec.executor_config.device, rank))
+    return ModelExecutor(spec.model_config, spec.model_path, spec.scheduler_config, spec.cache_config,
+                         config, tp_rank=rank, agree_num_blocks=_min_over_ranks(group))
+
+
+def _fault(rank: int) -> str | None:
+    """The injected fault for this rank (``MINIVLLM_TP_FAULT``), e.g. ``load`` or ``step3``."""
+    value = os.environ.get(FAULT_ENV, "")
+    if ":" not in value:
+        return None
+    r, stage = value.split(":", 1)
+    return stage if r == str(rank) else None
+
+
+def _worker_main(rank: int, spec: RankSpec, errors: Any) -> None:
+    """A worker rank: build its shard, then run every broadcast plan until ``None``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    fault = _fault(rank)
+    try:
+        group = _init_group(spec, rank)
+        if fault == "load":
+            raise RuntimeError(f"injected fault at load ({FAULT_ENV})")
+        executor = _build_executor(spec, rank, group)
+        step = 0
+        while True:
+            box: list[StepPlan | None] = [None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            if box[0] is None:
+                break
+            step += 1
+            if fault == f"step{step}":
+                raise RuntimeError(f"injected fault at step {step} ({FAULT_ENV})")
+            executor.submit(box[0])  # its samples stay on its device: its next inputs
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        errors.close()
+        errors.join_thread()  # the message is in the pipe before this process ends
+        os._exit(1)  # no teardown collective: the driver sees this rank leave
+    dist.destroy_process_group()
+
+
+class TPExecutor:
+    """The ``Executor`` of ``tensor_parallel_size`` ranks: rank 0 here, the rest in workers.
+
+    Args:
+        model_config, model_path, scheduler_config, cache_config, config: as for
+            ``ModelExecutor``; ``config.tensor_parallel_size`` ranks are started.
+
+    Raises:
+        ValueError: the model cannot be split that many ways, or too few GPUs.
+        RuntimeError: a worker failed while starting (its traceback included).
+    """
+
+    def __init__(self, model_config: ModelConfig, model_path: str, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, config: ExecutorConfig) -> None:
+        from minivllm.layers.linear import check_tp_divisibility
+
+        tp = config.tensor_parallel_size
+        check_tp_divisibility(model_config, tp)
+        if config.device.startswith("cuda") and torch.cuda.device_count() < tp:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, "
+                             f"{torch.cuda.device_count()} visible")
+        if config.device not in ("cpu", "cuda"):
+            raise ValueError(f"tensor parallelism runs on device 'cpu' or 'cuda' (rank r on cuda:r), "
+                             f"got {config.device!r}")
+        self.spec = RankSpec(model_config, str(model_path), scheduler_config, cache_config, config,
+                             "127.0.0.1", free_port(), float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+        ctx = mp.get_context("spawn")
+        self._errors = ctx.Queue()
+        self.workers = [ctx.Process(target=_worker_main, args=(r, self.spec, self._errors), daemon=True,
+                                    name=f"minivllm-tp-rank{r}") for r in range(1, tp)]
+        self._healthy = False
+        self._closed = False
+        for p in self.workers:
+            p.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
+        try:
+            self.group = _init_group(self.spec, 0)
+            self.local = _build_executor(self.spec, 0, self.group)
+        except BaseException as e:
+            self._closed = True
+            self._terminate()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._raise_worker_error(e)
+            raise
+        self._healthy = True
+
+    # ---- the Executor protocol ----------------------------------------------
+
+    def num_kv_blocks(self) -> int:
+        """The pool every rank holds (the minimum over ranks)."""
+        return self.local.num_kv_blocks()
+
+    def submit(self, plan: StepPlan) -> StepHandle:
+        """Send the plan to every worker, then run rank 0's shard of it."""
+        self._check_workers()
+        try:
+            dist.broadcast_object_list([plan], src=0, group=self.group)
+            return self.local.submit(plan)
+        except BaseException as e:
+            self._healthy = False
+            self._raise_worker_error(e)
+            raise
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """``submit(plan).result()``."""
+        return self.submit(plan).result()
+
+    def compute_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step on every rank and return rank 0's (S, V) logits of its sampling rows.
+
+        Every rank does exactly what ``submit`` does (sampler included), so the ranks'
+        sampling streams stay in step; for tests that compare TP logits with TP=1's.
+        """
+        self.local.keep_logits = True
+        try:
+            self.submit(plan).result()
+            assert self.local.last_logits is not None
+            return self.local.last_logits
+        finally:
+            self.local.keep_logits = False
+            self.local.last_logits = None
+
+    @property
+    def graph_runner(self) -> Any:
+        """Rank 0's CUDA-graph runner (every rank captures its own)."""
+        return self.local.graph_runner
+
+    # ---- failure and shutdown -----------------------------------------------
+
+    def _check_workers(self) -> None:
+        if self._closed:
+            raise RuntimeError("this tensor-parallel executor is closed")
+        self._raise_worker_error(None)
+        dead = [p for p in self.workers if not p.is_alive()]
+        if dead:
+            self._healthy = False
+            raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})")
+
+    def _raise_worker_error(self, cause: BaseException | None) -> None:
+        """Raise a worker's reported error, if any (waiting briefly when ``cause`` says a peer left)."""
+        try:
+            rank, tb = (self._errors.get(timeout=5.0) if cause is not None else self._errors.get_nowait())
+        except (queue.Empty, OSError, ValueError):
+            return
+        self._healthy = False
+        raise RuntimeError(f"tensor-parallel worker rank {rank} failed:\n{tb}") from cause
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._healthy and all(p.is_alive() for p in self.workers):
+            try:
+                dist.broadcast_object_list([None], src=0, group=self.group)
+            except Exception:  # a peer already gone: terminate below
+                self._healthy = False
+        for p in self.workers:
+            p.join(timeout=JOIN_TIMEOUT_S if self._healthy else 0.5)
+        self._terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _terminate(self) -> None:
+        for p in self.workers:
+            if p.is_alive():
+                p.terminate()
+        for p in self.workers:
+            p.join(timeout=JOIN_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=JOIN_TIMEOUT_S)
+
+
+def _close_at_exit(ref: "weakref.ReferenceType[TPExecutor]") -> None:
+    executor = ref()
+    if executor is not None:
+        executor.close()

@@ -1,0 +1,164 @@
+"""Tensor parallelism end to end on the CPU: 2 processes over gloo.
+
+TP=2 must give TP=1's greedy tokens (prefix caching and preemption on, one step
+in flight and not) and its logits; a worker that fails at load or mid-run must
+surface as a clear error in the driver; and no worker process may outlive its
+``LLM``: after ``close``, a ``with`` block, interpreter exit or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.engine.plan import StepPlan
+from tests.model_utils import TinyConfig, make_hf_model, save_hf_model
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = str(ROOT / "fixtures" / "tiny-qwen3")
+# Heads and intermediate divide by 2; the odd vocabulary pads rank 1's shard.
+CFG = TinyConfig(vocab_size=113, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+# A pool of 20 blocks of 4 for 8 sequences of up to ~45 tokens: preemption is forced.
+ENGINE = dict(device="cpu", attention_backend="torch", skip_tokenizer_init=True, block_size=4,
+              max_model_len=96, num_blocks=20, max_num_seqs=8, max_num_batched_tokens=32,
+              enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory) -> str:
+    return save_hf_model(make_hf_model(CFG, seed=5), tmp_path_factory.mktemp("tp"))
+
+
+def prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
+    """Two shared prefixes (prefix-cache hits) with short random tails."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, vocab, 9).tolist(), rng.integers(0, vocab, 14).tolist()]
+    return [prefixes[i % 2] + rng.integers(0, vocab, int(rng.integers(1, 8))).tolist() for i in range(n)]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in state
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.engine.executor.workers]
+
+
+def test_tp2_greedy_and_logits_equal_tp1(random_model: str) -> None:
+    ps = prompts(CFG.vocab_size)
+    plan = StepPlan.build([0, 1], [ps[0], ps[1]], [0, 0], [tuple(range(6)), tuple(range(6, 12))],
+                          [True, True], [GREEDY, GREEDY], 4)
+    with LLM(random_model, **ENGINE) as one:
+        want = [o.token_ids for o in one.generate(ps, GREEDY, use_tqdm=False)]
+        logits_one = one.engine.executor.compute_logits(plan)
+    with LLM(random_model, **ENGINE, tensor_parallel_size=2) as two:
+        pids = worker_pids(two)
+        for async_scheduling in (False, True):
+            two.engine.set_async_scheduling(async_scheduling)
+            before = two.engine.stats.num_preemptions
+            got = [o.token_ids for o in two.generate(ps, GREEDY, use_tqdm=False)]
+            assert got == want, f"async_scheduling={async_scheduling}"
+            assert two.engine.stats.num_preemptions > before
+        assert two.engine.stats.num_cached_tokens > 0
+        logits_two = two.engine.executor.compute_logits(plan)
+    torch.testing.assert_close(logits_two, logits_one, rtol=1e-5, atol=1e-5)
+    assert not any(alive(p) for p in pids)
+
+
+def test_tp2_fixture_model_and_random_sampling(random_model: str) -> None:
+    """The trained fixture, greedy; and seeded random sampling equal across TP sizes."""
+    ps = prompts(100, n=4, seed=1)
+    seeded = SamplingParams(temperature=1.0, top_k=20, max_tokens=12, seed=3, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        with LLM(FIXTURE, **{**ENGINE, "num_blocks": 64, "max_model_len": 64}, tensor_parallel_size=tp) as llm:
+            greedy = [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+            sampled = [o.token_ids for o in llm.generate(ps, seeded, use_tqdm=False)]
+            outs.append((greedy, sampled))
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("stage", ["load", "step3"])
+def test_worker_failure_is_a_clear_error(random_model: str, stage: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINIVLLM_TP_FAULT", f"1:{stage}")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 failed(.|\n)*injected fault") as info:
+        llm = LLM(random_model, **ENGINE, tensor_parallel_size=2)
+        try:
+            llm.generate(prompts(CFG.vocab_size), GREEDY, use_tqdm=False)
+        finally:
+            pids = worker_pids(llm)
+            llm.close()
+            assert not any(alive(p) for p in pids)
+    assert time.monotonic() - t0 < 60, "the failure took too long to surface"
+    assert {"load": "at load", "step3": "at step 3"}[stage] in str(info.value)
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, time
+    from minivllm import LLM, SamplingParams
+
+    def main():
+        llm = LLM(sys.argv[1], device="cpu", attention_backend="torch", skip_tokenizer_init=True,
+                  block_size=4, max_model_len=96, num_blocks=40, tensor_parallel_size=2)
+        print("PIDS", *[p.pid for p in llm.engine.executor.workers], flush=True)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        print("READY", flush=True)
+        if sys.argv[2] == "loop":
+            while True:
+                llm.generate([[1, 2, 3]] * 4, params, use_tqdm=False)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+@pytest.mark.parametrize("ending", ["exit", "ctrl-c"])
+def test_no_worker_outlives_the_driver(random_model: str, tmp_path: Path, ending: str) -> None:
+    """Leaving without ``close`` (interpreter exit) and Ctrl-C in the middle of generating."""
+    script = tmp_path / "driver.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), random_model, "loop" if ending == "ctrl-c" else "exit"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()[1:]]
+        assert pids, proc.stderr.read()
+        assert proc.stdout.readline().strip() == "READY"
+        if ending == "ctrl-c":
+            time.sleep(0.5)  # inside a generate loop
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), f"worker(s) left behind after {ending}"
+
+
+def test_tp_size_the_model_cannot_split_is_refused_before_any_process(random_model: str) -> None:
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(random_model, **ENGINE, tensor_parallel_size=3)
+    assert not multiprocessing.active_children()

@@ -1,0 +1,300 @@
+"""Tensor-parallel layers under a real ``torch.distributed`` group (gloo, CPU).
+
+One spawn of ``world`` processes per world size (2 and 3) runs every check, so the
+collectives in the layers' ``forward`` (all-reduce, all-gather) really run. The
+parent builds the unsharded (tp_size=1) layers, computes their outputs and sends
+weights, inputs and expected outputs to the ranks as numpy arrays; each rank loads
+its shard through the weight loaders and compares. A mismatch is recorded and the
+rank carries on (the ranks stay in step: every rank runs every collective); an
+exception ends the rank and fails every test with its traceback. The parent never
+waits without a deadline and leaves no child behind.
+
+Regressions caught here (each was planted and seen to fail):
+- row-parallel bias added before the all-reduce on every rank (counted ``world`` times);
+- ``reduce_results=False`` adding the bias on every rank (the caller's sum counts it
+  ``world`` times);
+- an id equal to a rank's ``vocab_end`` looked up on two ranks (``<=`` for ``<``);
+- the LM head's gathered logits keeping the padding of the last shard.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+WORLDS = (2, 3)
+HIDDEN, D = 12, 4
+SPAWN_TIMEOUT_S = 120.0
+# Heads per world: divisible query heads; KV heads fewer than ranks (replicated) and not.
+QKV_HEADS = {2: [(4, 1), (4, 2), (8, 4)], 3: [(6, 1), (6, 3)]}
+# Vocab per world: divisible; not (last shard padded: 11 -> 6 + 5, 10 -> 4 + 4 + 2); and
+# smaller than the shards need (4 -> 2 + 2 + 0: the last rank holds only padding).
+VOCABS = {2: [12, 11], 3: [12, 10, 4]}
+Case = dict[str, np.ndarray]
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it; never hard-coded)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a)
+
+
+def n(x: torch.Tensor) -> np.ndarray:
+    return x.detach().numpy().copy()
+
+
+# ---- the unsharded references (parent) -----------------------------------------------------
+
+def row_case(gen: torch.Generator, in_size: int, out_size: int) -> Case:
+    w, b = torch.randn(out_size, in_size, generator=gen), torch.randn(out_size, generator=gen)
+    x = torch.randn(5, in_size, generator=gen)
+    full = RowParallelLinear(in_size, out_size, bias=True)
+    full.weight.weight_loader(full.weight, w)
+    full.bias.weight_loader(full.bias, b)
+    return {"w": n(w), "b": n(b), "x": n(x), "want": n(full(x))}
+
+
+def mlp_case(gen: torch.Generator, inter: int) -> Case:
+    gate, up = torch.randn(inter, HIDDEN, generator=gen), torch.randn(inter, HIDDEN, generator=gen)
+    down, x = torch.randn(HIDDEN, inter, generator=gen), torch.randn(5, HIDDEN, generator=gen)
+    gate_up = MergedColumnParallelLinear(HIDDEN, [inter, inter])
+    gate_up.weight.weight_loader(gate_up.weight, gate, 0)
+    gate_up.weight.weight_loader(gate_up.weight, up, 1)
+    down_proj = RowParallelLinear(inter, HIDDEN)
+    down_proj.weight.weight_loader(down_proj.weight, down)
+    g, u = gate_up(x).chunk(2, dim=-1)
+    return {"gate": n(gate), "up": n(up), "down": n(down), "x": n(x),
+            "want": n(down_proj(torch.nn.functional.silu(g) * u))}
+
+
+def gqa_mix(qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """A stand-in for attention that pairs each query head with its KV head, as GQA does:
+    (T, (H + 2 Hkv) D) -> (T, H D) with ``o_h = q_h * k_g + v_g``, ``g = h // (H / Hkv)``."""
+    q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    group = heads // kv_heads
+    k = k.reshape(-1, kv_heads, D).repeat_interleave(group, dim=1)
+    v = v.reshape(-1, kv_heads, D).repeat_interleave(group, dim=1)
+    return (q.reshape(-1, heads, D) * k + v).reshape(-1, heads * D)
+
+
+def attention_case(gen: torch.Generator, heads: int, kv_heads: int) -> Case:
+    parts = {s: torch.randn(h * D, HIDDEN, generator=gen)
+             for s, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    o, o_b = torch.randn(HIDDEN, heads * D, generator=gen), torch.randn(HIDDEN, generator=gen)
+    x = torch.randn(5, HIDDEN, generator=gen)
+    qkv = QKVParallelLinear(HIDDEN, D, heads, kv_heads)
+    for s, w in parts.items():
+        qkv.weight.weight_loader(qkv.weight, w, s)
+    o_proj = RowParallelLinear(heads * D, HIDDEN, bias=True)
+    o_proj.weight.weight_loader(o_proj.weight, o)
+    o_proj.bias.weight_loader(o_proj.bias, o_b)
+    want = o_proj(gqa_mix(qkv(x), heads, kv_heads))
+    return {**{s: n(w) for s, w in parts.items()}, "o": n(o), "o_b": n(o_b), "x": n(x),
+            "heads": np.array(heads), "kv_heads": np.array(kv_heads), "want": n(want)}
+
+
+def vocab_case(gen: torch.Generator, vocab: int, world: int) -> Case:
+    w, h = torch.randn(vocab, HIDDEN, generator=gen), torch.randn(4, HIDDEN, generator=gen)
+    emb, head = VocabParallelEmbedding(vocab, HIDDEN), ParallelLMHead(vocab, HIDDEN)
+    emb.weight.weight_loader(emb.weight, w)
+    head.weight.weight_loader(head.weight, w)
+    # Every id, then each rank's first and last id and its vocab_end (the next rank's first).
+    shard = -(-vocab // world)
+    edges = [i for r in range(world) for i in (r * shard - 1, r * shard, (r + 1) * shard) if 0 <= i < vocab]
+    ids = torch.tensor(list(range(vocab)) + edges + edges[::-1])
+    return {"w": n(w), "ids": n(ids), "hidden": n(h), "want_emb": n(emb(ids)), "want_logits": n(head(h))}
+
+
+def make_cases(world: int) -> dict[str, list[Case]]:
+    gen = torch.Generator().manual_seed(world)
+    return {
+        "row_bias_reduced": [row_case(gen, 6 * world, 5)],
+        "row_bias_unreduced": [row_case(gen, 6 * world, 5)],
+        "mlp": [mlp_case(gen, 4 * world)],
+        "attention_gqa": [attention_case(gen, h, kv) for h, kv in QKV_HEADS[world]],
+        "vocab": [vocab_case(gen, v, world) for v in VOCABS[world]],
+    }
+
+
+# ---- the checks (each rank) ----------------------------------------------------------------
+
+Fail = Callable[[str], None]
+
+
+def expect_close(fail: Fail, what: str, got: torch.Tensor, want: np.ndarray) -> None:
+    if tuple(got.shape) != want.shape:
+        fail(f"{what}: shape {tuple(got.shape)}, want {want.shape}")
+    elif not torch.allclose(got, t(want), rtol=1e-5, atol=1e-5):
+        fail(f"{what}: max |diff| {(got - t(want)).abs().max().item():.3g}")
+
+
+def check_row_bias_reduced(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """All-reduced output equals the unsharded layer's on every rank (bias counted once)."""
+    out_size, in_size = c["w"].shape
+    layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world)
+    layer.weight.weight_loader(layer.weight, t(c["w"]))
+    layer.bias.weight_loader(layer.bias, t(c["b"]))
+    x = t(c["x"]).chunk(world, dim=-1)[rank]
+    expect_close(fail, "reduced output", layer(x), c["want"])
+
+
+def check_row_bias_unreduced(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """``reduce_results=False``: the caller's sum of the partial outputs counts the bias once."""
+    out_size, in_size = c["w"].shape
+    layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world,
+                              reduce_results=False)
+    layer.weight.weight_loader(layer.weight, t(c["w"]))
+    layer.bias.weight_loader(layer.bias, t(c["b"]))
+    y = layer(t(c["x"]).chunk(world, dim=-1)[rank])
+    dist.all_reduce(y)
+    expect_close(fail, "caller-reduced output", y, c["want"])
+
+
+def check_mlp(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """Merged gate/up (column) -> silu*up -> down (row, all-reduced) equals the unsharded MLP."""
+    inter = c["gate"].shape[0]
+    gate_up = MergedColumnParallelLinear(HIDDEN, [inter, inter], tp_rank=rank, tp_size=world)
+    gate_up.weight.weight_loader(gate_up.weight, t(c["gate"]), 0)
+    gate_up.weight.weight_loader(gate_up.weight, t(c["up"]), 1)
+    down = RowParallelLinear(inter, HIDDEN, tp_rank=rank, tp_size=world)
+    down.weight.weight_loader(down.weight, t(c["down"]))
+    g, u = gate_up(t(c["x"])).chunk(2, dim=-1)
+    expect_close(fail, "mlp", down(torch.nn.functional.silu(g) * u), c["want"])
+
+
+def check_attention_gqa(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """QKV (column, KV heads split or replicated) -> per-head GQA pairing -> o_proj (row):
+    each rank's query heads meet their own KV head."""
+    heads, kv_heads = int(c["heads"]), int(c["kv_heads"])
+    qkv = QKVParallelLinear(HIDDEN, D, heads, kv_heads, tp_rank=rank, tp_size=world)
+    for s in "qkv":
+        qkv.weight.weight_loader(qkv.weight, t(c[s]), s)
+    o_proj = RowParallelLinear(heads * D, HIDDEN, bias=True, tp_rank=rank, tp_size=world)
+    o_proj.weight.weight_loader(o_proj.weight, t(c["o"]))
+    o_proj.bias.weight_loader(o_proj.bias, t(c["o_b"]))
+    o = gqa_mix(qkv(t(c["x"])), qkv.num_heads, qkv.num_kv_heads)
+    expect_close(fail, f"attention heads={heads} kv_heads={kv_heads}", o_proj(o), c["want"])
+
+
+def check_vocab(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """Every id (each rank's ``vocab_end`` included) embedded once; gathered logits unpadded."""
+    vocab = c["w"].shape[0]
+    emb = VocabParallelEmbedding(vocab, HIDDEN, tp_rank=rank, tp_size=world)
+    head = ParallelLMHead(vocab, HIDDEN, tp_rank=rank, tp_size=world)
+    emb.weight.weight_loader(emb.weight, t(c["w"]))
+    head.weight.weight_loader(head.weight, t(c["w"]))
+    expect_close(fail, f"embedding vocab={vocab}", emb(t(c["ids"])), c["want_emb"])
+    expect_close(fail, f"lm head vocab={vocab}", head(t(c["hidden"])), c["want_logits"])
+
+
+CHECKS: dict[str, Callable[[int, int, Case, Fail], None]] = {
+    "row_bias_reduced": check_row_bias_reduced,
+    "row_bias_unreduced": check_row_bias_unreduced,
+    "mlp": check_mlp,
+    "attention_gqa": check_attention_gqa,
+    "vocab": check_vocab,
+}
+
+
+def run_rank(rank: int, world: int, port: int, cases: dict[str, list[Case]], results: Any) -> None:
+    """Child process: join the gloo group, run every check, put ``(rank, failures, error)``."""
+    failures: dict[str, list[str]] = {name: [] for name in CHECKS}
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        for name, check in CHECKS.items():
+            for c in cases[name]:
+                check(rank, world, c, lambda msg, name=name: failures[name].append(f"rank {rank}: {msg}"))
+        dist.destroy_process_group()
+        results.put((rank, failures, None))
+    except BaseException:  # noqa: BLE001 - any error must reach the parent, then the rank ends
+        results.put((rank, failures, f"rank {rank} raised:\n{traceback.format_exc()}"))
+
+
+def spawn_world(world: int) -> dict[str, list[str]]:
+    """Run every check on ``world`` gloo ranks; per check, the failures of all ranks.
+
+    Raises:
+        AssertionError: a rank raised, died or did not finish in time (with its message).
+    """
+    cases = make_cases(world)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, cases, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    reports: dict[int, tuple[dict[str, list[str]], str | None]] = {}
+    error = None
+    try:
+        error = collect(procs, results, reports)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if error is None else 0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert error is None, error
+    return {name: [f for r in range(world) for f in reports[r][0][name]] for name in CHECKS}
+
+
+def collect(procs: list[Any], results: Any, reports: dict) -> str | None:
+    """Wait (with a deadline) for every rank's report; the first error ends the wait."""
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while len(reports) < len(procs):
+        try:
+            rank, failures, error = results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in reports and not p.is_alive()]
+            if dead:
+                return f"rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a report"
+            if time.monotonic() > deadline:
+                return f"ranks {sorted(set(range(len(procs))) - set(reports))} timed out"
+            continue
+        reports[rank] = (failures, error)
+        if error is not None:
+            return error
+    return None
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"tp{w}")
+def world_failures(request) -> tuple[int, dict[str, list[str]]]:
+    return request.param, spawn_world(request.param)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_tp_layer_matches_unsharded(world_failures, check):
+    world, failures = world_failures
+    assert not failures[check], f"tp={world} {check}:\n" + "\n".join(failures[check])
+
+
+def test_no_child_process_left(world_failures):
+    assert not mp.active_children()
