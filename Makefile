@@ -40,6 +40,7 @@ test-gpu:
 	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_kernels_gpu.py
 	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_model_gpu.py
 	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_bf16_accuracy.py
+	PYTHONPATH=. python3 -m pytest -q -rs tests_gpu/test_tp_gpu.py
 
 # Needs a CUDA device; one process per benchmark (each sizes GPU memory for itself),
 # each under a time limit (BENCH_TIMEOUT seconds, default 240). A failing one does
