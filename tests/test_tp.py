@@ -162,3 +162,14 @@ def test_tp_size_the_model_cannot_split_is_refused_before_any_process(random_mod
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(random_model, **ENGINE, tensor_parallel_size=3)
     assert not multiprocessing.active_children()
+
+
+def test_cli_tensor_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:
+    from minivllm.__main__ import main as cli_main
+
+    args = ["generate", "--model", FIXTURE, "--device", "cpu", "--max-tokens", "6", "12+34=", "50+27="]
+    assert cli_main(args) == 0
+    one = capsys.readouterr().out
+    assert cli_main(args + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == one
+    assert not multiprocessing.active_children()
