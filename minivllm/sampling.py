@@ -36,7 +36,8 @@ class SamplingParams:
         min_p: drop tokens whose probability is below min_p * max probability.
         max_tokens: most completion tokens.
         ignore_eos: keep generating past the eos token.
-        stop_token_ids: extra tokens that end the request (included in the output).
+        stop_token_ids: extra tokens that end the request (included in the output); a
+            list or tuple, kept as a tuple.
         seed: per-request generator seed; same seed -> same tokens in any batch.
     """
 
@@ -66,11 +67,14 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop = self.stop_token_ids
-        # A tuple, not a list, so the frozen params stay immutable and hashable.
-        if not isinstance(stop, tuple) or not all(
+        if not isinstance(stop, (tuple, list)) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stop
         ):
-            raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {stop!r}")
+            raise ValueError(f"stop_token_ids must be a list or tuple of ints >= 0, got {stop!r}")
+        if isinstance(stop, list):
+            # vLLM users pass a list; kept as a tuple so the frozen params stay immutable
+            # and hashable. Normalising the input's type here is the only write after init.
+            object.__setattr__(self, "stop_token_ids", tuple(stop))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 
@@ -90,7 +94,4 @@ class SamplingParams:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown SamplingParams key(s): {unknown}")
-        values = dict(values)
-        if isinstance(values.get("stop_token_ids"), list):
-            values["stop_token_ids"] = tuple(values["stop_token_ids"])
         return cls(**values)

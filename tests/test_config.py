@@ -44,6 +44,10 @@ def test_unknown_keys_are_errors() -> None:
         SamplingParams.from_dict({"temp": 0.5})
     assert SchedulerConfig.from_dict({"max_num_seqs": 4}).max_num_seqs == 4
     assert SamplingParams.from_dict({"stop_token_ids": [1, 2]}).stop_token_ids == (1, 2)
+    # A list, as vLLM users write it, is accepted and kept as a tuple (hashable params).
+    listed = SamplingParams(stop_token_ids=[3, 4])
+    assert listed.stop_token_ids == (3, 4) and listed == SamplingParams(stop_token_ids=(3, 4))
+    assert hash(listed) == hash(SamplingParams(stop_token_ids=(3, 4)))
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -57,7 +61,8 @@ def test_unknown_keys_are_errors() -> None:
     (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(ignore_eos=1), "ignore_eos"),
-    (dict(stop_token_ids=[1]), "stop_token_ids"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(stop_token_ids={1}), "stop_token_ids"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     (dict(seed=1.5), "seed"),
 ])
