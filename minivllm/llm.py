@@ -204,7 +204,7 @@ class LLM:
         done: list[RequestOutput] = []
         start, ntok = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
-            finished = self.engine.step()
+            finished = [o for o in self.engine.step() if o.finished]
             done.extend(finished)
             if bar is not None and finished:
                 ntok += sum(len(o.token_ids) for o in finished)

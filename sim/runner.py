@@ -2,7 +2,8 @@
 
 Per step the runner applies that step's input events, calls ``step()``, then
 ``check_invariants()``, and checks the step's decisions (budget, seats, every
-scheduled sequence gets a token, outputs). Per request it checks the output
+scheduled sequence gets a token, outputs) and the streamed deltas (one output
+per request per step, adding up to its tokens, a prefix of the oracle's). Per request it checks the output
 against the unpaged oracle (aborted requests: a prefix of it, reason ``abort``),
 that impossible requests were rejected with ``ValueError`` leaving nothing
 queued, that the engine drains within a bounded number of steps, and that an
@@ -93,6 +94,7 @@ class _Run:
         self.aborted: set[str] = set()       # ids aborted while unfinished
         self.unfinished: set[str] = set()    # accepted ids without an output yet
         self.expected: dict[str, Expected] = {}
+        self.streamed: dict[str, list[int]] = {}   # tokens streamed so far, per request
         self.by_step: dict[int, list[AddEvent | AbortEvent]] = {}
         for e in trace.events:
             self.by_step.setdefault(e.step, []).append(e)
@@ -156,6 +158,25 @@ class _Run:
                                                  t.scheduler.max_model_len, t.vocab_size)
         return self.expected[rid]
 
+    def check_stream(self, step: int, out: RequestOutput, seen: set[str]) -> None:
+        """Streaming: one output per request per step, deltas that add up, tokens that are a
+        prefix of the oracle's, and nothing after the final output."""
+        rid = out.request_id
+        if rid in seen:
+            self.violation(step, f"{rid!r}: two outputs in one step")
+        seen.add(rid)
+        if rid not in self.accepted or rid in self.result.outputs:
+            return  # check_output reports it (unknown, or finished twice)
+        sofar = self.streamed.setdefault(rid, [])
+        sofar.extend(out.new_token_ids)
+        if tuple(sofar) != tuple(out.token_ids):
+            self.violation(step, f"{rid!r}: streamed deltas {sofar} do not add up to token_ids {list(out.token_ids)}")
+        elif not out.finished and not out.new_token_ids:
+            self.violation(step, f"{rid!r}: an unfinished output with no new token")
+        elif tuple(sofar) != self.oracle(rid).token_ids[:len(sofar)]:
+            self.violation(step, f"{rid!r}: streamed {sofar}, not a prefix of the oracle's "
+                                 f"{list(self.oracle(rid).token_ids)}")
+
     def check_output(self, step: int, out: RequestOutput) -> None:
         rid = out.request_id
         if rid not in self.accepted:
@@ -193,8 +214,11 @@ class _Run:
         bad = {r: n for r, n in scheduled.items() if n < 1 or r not in self.unfinished or r in self.aborted}
         if bad:
             self.violation(step, f"scheduled with no tokens or not live: {bad}")
+        seen: set[str] = set()
         for out in outs:
-            self.check_output(step, out)
+            self.check_stream(step, out, seen)
+            if out.finished:
+                self.check_output(step, out)
         late = sorted(self.aborted & self.unfinished)
         if late:
             self.violation(step, f"aborted {late} not returned by the next step()")
@@ -212,7 +236,7 @@ class _Run:
         rec = self.engine.last_step
         if rec is None:
             return ExpectEvent(step, {}, (), {}, self.engine.num_free_blocks)
-        returned = {o.request_id: tuple(o.token_ids) for o in outs}
+        returned = {o.request_id: tuple(o.token_ids) for o in outs if o.finished}
         wrong = {r: t for r, t in rec.finished.items() if returned.get(r) != tuple(t)}
         if wrong:
             self.violation(step, f"last_step.finished {wrong} does not match the outputs returned")

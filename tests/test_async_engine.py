@@ -48,8 +48,9 @@ def drain(engine: LLMEngine, max_steps: int = 1000) -> dict[str, RequestOutput]:
         if not engine.has_unfinished_requests():
             return outs
         for o in engine.step():
-            assert o.request_id not in outs, f"{o.request_id} finished twice"
-            outs[o.request_id] = o
+            if o.finished:
+                assert o.request_id not in outs, f"{o.request_id} finished twice"
+                outs[o.request_id] = o
         engine.check_invariants()
     raise AssertionError("engine did not drain")
 
@@ -197,3 +198,24 @@ def test_async_and_sync_give_the_same_outputs(policy: str) -> None:
             engine.add_request(f"r{i}", p, sp)
         results.append({k: (o.token_ids, o.finish_reason) for k, o in drain(engine).items()})
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_step_streams_each_new_token_once(async_scheduling: bool) -> None:
+    engine = make_engine(async_scheduling)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5], params)
+    streamed: dict[str, list[int]] = {"a": [], "b": []}
+    finals = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        assert len({o.request_id for o in outs}) == len(outs), "two outputs for one request in a step"
+        for o in outs:
+            assert len(o.new_token_ids) == 1  # one token per step per decoding request
+            streamed[o.request_id] += o.new_token_ids
+            assert tuple(streamed[o.request_id]) == o.token_ids
+            if o.finished:
+                finals[o.request_id] = o
+    for rid, prompt in (("a", [1, 2, 3]), ("b", [4, 5])):
+        assert (finals[rid].token_ids, finals[rid].finish_reason) == oracle(prompt, params, None)

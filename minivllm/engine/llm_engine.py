@@ -209,7 +209,11 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and submit one step and apply the previous one; returns requests finished since.
+        """Schedule and submit one step and apply the previous one.
+
+        Returns one ``RequestOutput`` per request that produced tokens in the step
+        applied (its new tokens), and a final one for each request that ended since
+        the last call (finish reason set; aborts included).
 
         Synchronously, the step submitted is also the one applied. With one
         step in flight, the step submitted now is applied by the next call.
@@ -284,10 +288,11 @@ class LLMEngine:
                                f"the plan asked for {sorted(expected)}")
 
     def _apply(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        """Cache the step's full blocks, resolve pending tokens, finish requests."""
+        """Cache the step's full blocks, resolve pending tokens, finish requests; one output
+        per request that got a token."""
         self._check_result(out, result)
         bm = self.scheduler.block_manager
-        finished = []
+        outputs = []
         for c in out.scheduled:
             seq = c.seq
             if seq.status is SequenceStatus.FINISHED:
@@ -303,8 +308,8 @@ class LLMEngine:
                 seq.finish_reason = reason
                 del self.requests[seq.request_id]
                 self._retire(seq)  # a pending token of the step in flight is dropped
-                finished.append(self._output(seq))
-        return finished
+            outputs.append(self._output(seq))
+        return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Judged on the known tokens only (a pending one is not there yet)."""
@@ -318,9 +323,12 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
-        assert seq.finish_reason is not None
-        return RequestOutput(seq.request_id, tuple(seq.token_ids[:seq.num_prompt_tokens]),
-                             seq.output_token_ids, seq.finish_reason)
+        """The request's progress; its new tokens are those not reported before."""
+        tokens = seq.output_token_ids
+        new = tokens[seq.num_reported_tokens:]
+        seq.num_reported_tokens = len(tokens)
+        return RequestOutput(seq.request_id, tuple(seq.token_ids[:seq.num_prompt_tokens]), tokens,
+                             seq.finish_reason, new_token_ids=new)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         decode = sum(c.is_decode for c in out.scheduled)
@@ -335,7 +343,7 @@ class LLMEngine:
         self.last_step = StepRecord(
             scheduled={c.seq.request_id: c.num_tokens for c in out.scheduled},
             preempted=tuple(seq.request_id for seq in out.preempted),
-            finished={o.request_id: o.token_ids for o in outputs},
+            finished={o.request_id: o.token_ids for o in outputs if o.finished},
             num_free_blocks=self.num_free_blocks,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,

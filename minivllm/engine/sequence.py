@@ -61,6 +61,8 @@ class Sequence:
         # Tokens served from the prefix cache at the last admission.
         self.num_cached_tokens = 0
         self.finish_reason: FinishReason | None = None
+        # Completion tokens already handed out in a RequestOutput (streaming).
+        self.num_reported_tokens = 0
 
     @property
     def num_tokens(self) -> int:
