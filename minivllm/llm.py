@@ -111,8 +111,14 @@ class LLM:
         eos = self.model_config.eos_token_id
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
-        self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos)
+        self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
+                                text_streams=self._text_stream if self.tokenizer is not None else None)
         self._next_request = 0
+
+    def _text_stream(self, prompt_token_ids: list[int]) -> Any:
+        """A request's incremental text (the engine watches it for stop strings)."""
+        from minivllm.detokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -176,8 +182,9 @@ class LLM:
         ordered = sorted(results, key=lambda o: ids_of[o.request_id])
         if self.tokenizer is None:
             return ordered
-        return [dataclasses.replace(o, text=self.tokenizer.decode(list(o.token_ids),
-                                                                  skip_special_tokens=True))
+        # Requests with stop strings come back with the engine's text (cut at the stop string).
+        return [o if o.text is not None else
+                dataclasses.replace(o, text=self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True))
                 for o in ordered]
 
     def _require_tokenizer(self) -> Any:

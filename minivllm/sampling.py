@@ -39,6 +39,11 @@ class SamplingParams:
         stop_token_ids: extra tokens that end the request (included in the output); a
             list or tuple, kept as a tuple.
         seed: per-request generator seed; same seed -> same tokens in any batch.
+        stop: strings that end the request when the completion's text contains one
+            (checked after each token, on the text so far); the text is cut before
+            it unless ``include_stop_str_in_output``. The token that completed it
+            stays in ``token_ids``. Needs an engine with a tokenizer.
+        include_stop_str_in_output: keep the stop string at the end of the text.
     """
 
     temperature: float = 1.0
@@ -49,6 +54,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -77,6 +84,17 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(stop))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        stop_str = self.stop
+        if isinstance(stop_str, str):  # vLLM accepts one string
+            stop_str = (stop_str,)
+        if not isinstance(stop_str, (tuple, list)) or not all(isinstance(x, str) and x for x in stop_str):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(stop_str, tuple):
+            object.__setattr__(self, "stop", tuple(stop_str))  # input type only, as for stop_token_ids
+        elif stop_str is not self.stop:
+            object.__setattr__(self, "stop", stop_str)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +104,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["stop"] = list(self.stop)
         return d
 
     @classmethod

@@ -13,6 +13,25 @@ from typing import Sequence
 from minivllm.sampling import SamplingParams
 from sim.fake_executor import fake_next_token
 
+# The fake tokenizer: token t reads as one character, FAKE_ALPHABET[t % 10], so short
+# stop strings over this alphabet end requests often enough to matter.
+FAKE_ALPHABET = "abcdefghij"
+
+
+def fake_text(token_ids: Sequence[int]) -> str:
+    """The fake tokenizer's text of ``token_ids``."""
+    return "".join(FAKE_ALPHABET[t % len(FAKE_ALPHABET)] for t in token_ids)
+
+
+class FakeTextStream:
+    """The engine's text stream over the fake tokenizer (one character per token)."""
+
+    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
+        self.prompt_token_ids = list(prompt_token_ids)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        return fake_text(token_ids)
+
 
 @dataclass(frozen=True)
 class Expected:
@@ -20,6 +39,7 @@ class Expected:
 
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" | "length"
+    text: str | None = None  # for requests with stop strings: the text, cut at the stop string
 
 
 def is_stop_token(token: int, params: SamplingParams, eos_token_id: int | None) -> bool:
@@ -38,10 +58,12 @@ def oracle_generate(
 ) -> Expected:
     """Generate the completion the fake model gives an unpaged, unbatched request.
 
-    Stops at the first of: eos (unless ``ignore_eos``), a stop token,
-    ``max_tokens`` completion tokens, ``max_model_len`` total tokens. The token
-    that stops it is included; if the last allowed token is also eos/stop the
-    reason is ``stop``.
+    Stops at the first of: eos (unless ``ignore_eos``), a stop token, a stop
+    string in the (fake) text, ``max_tokens`` completion tokens,
+    ``max_model_len`` total tokens. The token that stops it is included; if the
+    last allowed token is also eos/stop the reason is ``stop``. A stop string cuts
+    the text before it (after it with ``include_stop_str_in_output``); an eos or
+    stop token adds nothing to the text.
 
     Raises:
         ValueError: empty prompt, or a prompt already at ``max_model_len`` (no
@@ -53,11 +75,19 @@ def oracle_generate(
     if len(context) >= max_model_len:
         raise ValueError(f"prompt of {len(context)} tokens leaves no room under max_model_len {max_model_len}")
     out: list[int] = []
+    text = "" if params.stop else None
     while True:
         token = fake_next_token(context, vocab_size)
         out.append(token)
         context.append(token)
         if is_stop_token(token, params, eos_token_id):
-            return Expected(tuple(out), "stop")
+            return Expected(tuple(out), "stop", text)
+        if text is not None:
+            text += fake_text([token])
+            ends = [(text.index(s), s) for s in params.stop if text.endswith(s)]  # one char per token
+            if ends:
+                i, s = min(ends)
+                return Expected(tuple(out), "stop", text[:i + len(s)] if params.include_stop_str_in_output
+                                else text[:i])
         if len(out) >= params.max_tokens or len(context) >= max_model_len:
-            return Expected(tuple(out), "length")
+            return Expected(tuple(out), "length", text)

@@ -23,7 +23,7 @@ from minivllm.config import cdiv
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from sim.fake_executor import FakeExecutor
-from sim.oracle import Expected, oracle_generate
+from sim.oracle import Expected, FakeTextStream, oracle_generate
 from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
 
 Verdict = Literal["accept", "reject", "either"]
@@ -88,7 +88,8 @@ class _Run:
         self.mode = mode
         self.result = RunResult(seed=trace.seed)
         executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks)
-        self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id)
+        self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
+                                text_streams=FakeTextStream)
         self.accepted: dict[str, AddEvent] = {}
         self.rejected: set[str] = set()      # ids never accepted (so abort must raise)
         self.aborted: set[str] = set()       # ids aborted while unfinished
@@ -197,9 +198,9 @@ class _Run:
             if out.finish_reason != "abort" or got != want.token_ids[: len(got)]:
                 self.violation(step, f"aborted {rid!r}: got {out.finish_reason} {list(got)}, "
                                      f"want abort with a prefix of {list(want.token_ids)}")
-        elif (got, out.finish_reason) != (want.token_ids, want.finish_reason):
-            self.violation(step, f"{rid!r}: got {out.finish_reason} {list(got)}, "
-                                 f"oracle {want.finish_reason} {list(want.token_ids)}")
+        elif (got, out.finish_reason, out.text) != (want.token_ids, want.finish_reason, want.text):
+            self.violation(step, f"{rid!r}: got {out.finish_reason} {list(got)} text {out.text!r}, "
+                                 f"oracle {want.finish_reason} {list(want.token_ids)} text {want.text!r}")
 
     # ---- the step -----------------------------------------------------------
 

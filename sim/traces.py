@@ -427,11 +427,22 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
             stop = tuple(rng.randrange(d.vocab_size) for _ in range(rng.randint(1, 3)))
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.2, stop_token_ids=stop,
+            **_draw_stop_strings(rng),
         )
         step = 0 if rng.random() < 0.4 else rng.randint(0, horizon)
         add = AddEvent(step, f"r{i}", tuple(prompt), params)
         d.events.append(add)
         d.valid.append(add)
+
+
+def _draw_stop_strings(rng: random.Random) -> dict[str, Any]:
+    """Stop strings over the fake tokenizer's alphabet (sim.oracle.FAKE_ALPHABET) for a fifth
+    of the requests: 1-3 characters, so some end a request and some never occur."""
+    if rng.random() >= 0.2:
+        return {}
+    strings = tuple("".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 3)))
+                    for _ in range(rng.randint(1, 2)))
+    return {"stop": strings, "include_stop_str_in_output": rng.random() < 0.3}
 
 
 def _draw_impossible(d: _Draw) -> None:

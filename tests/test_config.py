@@ -48,6 +48,10 @@ def test_unknown_keys_are_errors() -> None:
     listed = SamplingParams(stop_token_ids=[3, 4])
     assert listed.stop_token_ids == (3, 4) and listed == SamplingParams(stop_token_ids=(3, 4))
     assert hash(listed) == hash(SamplingParams(stop_token_ids=(3, 4)))
+    # stop strings: one string, a list or a tuple, kept as a tuple; round-trips through a dict.
+    assert SamplingParams(stop="ab").stop == ("ab",) and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    p = SamplingParams(stop=["ab"], include_stop_str_in_output=True)
+    assert SamplingParams.from_dict(p.to_dict()) == p
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -65,6 +69,10 @@ def test_unknown_keys_are_errors() -> None:
     (dict(stop_token_ids={1}), "stop_token_ids"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     (dict(seed=1.5), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=[1]), "stop"),
+    (dict(stop=3), "stop"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
 ])
 def test_sampling_params_errors(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):

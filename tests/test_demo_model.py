@@ -47,6 +47,24 @@ def test_chat_template_and_stop_tokens() -> None:
     assert out.token_ids == (six,) and out.finish_reason == "stop"
 
 
+def test_stop_strings_cut_the_text() -> None:
+    llm = LLM(FIXTURE, device="cpu", num_blocks=32, max_model_len=64)
+    greedy = dict(temperature=0, max_tokens=6)
+    plain = llm.generate(["12+34="], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert plain.text == "46" and len(plain.token_ids) == 3  # '4', '6', eos
+    cut = llm.generate(["12+34="], SamplingParams(**greedy, stop=["6"]), use_tqdm=False)[0]
+    assert (cut.text, cut.finish_reason, len(cut.token_ids)) == ("4", "stop", 2)  # the '6' token stays
+    kept = llm.generate(["12+34="], SamplingParams(**greedy, stop="6", include_stop_str_in_output=True),
+                        use_tqdm=False)[0]
+    assert (kept.text, kept.finish_reason) == ("46", "stop")
+    never = llm.generate(["12+34="], SamplingParams(**greedy, stop=["zz"]), use_tqdm=False)[0]
+    assert (never.text, never.token_ids) == (plain.text, plain.token_ids)
+    bare = LLM(FIXTURE, device="cpu", num_blocks=32, max_model_len=64, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        bare.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
+    assert not bare.engine.has_unfinished_requests()
+
+
 def test_cli_prints_completions(capsys) -> None:
     rc = cli_main(["generate", "--model", FIXTURE, "--device", "cpu", "--max-tokens", "5",
                    "12+34=", "50+27="])

@@ -6,7 +6,7 @@ import pytest
 
 from minivllm.sampling import SamplingParams
 from sim.fake_executor import fake_next_token
-from sim.oracle import oracle_generate
+from sim.oracle import fake_text, oracle_generate
 
 V = 1000
 PROMPT = (11, 22, 33)
@@ -72,3 +72,19 @@ def test_no_room_is_an_error() -> None:
         oracle_generate((), SamplingParams(), None, 10, V)
     with pytest.raises(ValueError):
         gen(max_model_len=len(PROMPT))
+
+
+def test_stop_strings_in_the_fake_text() -> None:
+    """The fake tokenizer reads token t as 'abcdefghij'[t % 10]; a stop string ends the request
+    at the token that completes it and cuts the text before it (or after, when kept)."""
+    free = oracle_generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), None, 64, V)
+    text = fake_text(free.token_ids)
+    stop = text[3:5]
+    assert stop not in text[:4], "pick a prompt whose first occurrence is at 3"
+    got = oracle_generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]),
+                          None, 64, V)
+    assert (got.token_ids, got.finish_reason, got.text) == (free.token_ids[:5], "stop", text[:3])
+    kept = oracle_generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                  include_stop_str_in_output=True), None, 64, V)
+    assert kept.text == text[:5]
+    assert free.text is None  # no stop strings: the oracle keeps no text

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 from typing import Sequence as Seq
 
 import numpy as np
@@ -38,6 +39,18 @@ __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 # Finished request ids remembered (to tell "already finished" from "unknown"
 # on abort, and to refuse a reused id); older ones are forgotten.
 MAX_FINISHED_IDS = 100_000
+
+
+class TextStream(Protocol):
+    """A request's completion text, grown token by token (``minivllm.detokenizer``)."""
+
+    def add(self, token_ids: Seq[int]) -> str:
+        """Append tokens; return the text they complete (may be empty)."""
+        ...
+
+
+# Makes the text stream of a request from its prompt token ids.
+TextStreamFactory = Callable[[list[int]], TextStream]
 
 
 @dataclass
@@ -85,13 +98,16 @@ class LLMEngine:
         cache_config: block size, pool size (None: ask the executor), prefix caching.
         executor: computes the planned tokens (fake numpy model or real model).
         eos_token_id: ends a request (unless its params say ``ignore_eos``).
+        text_streams: makes a request's text stream from its prompt; requests
+            with ``stop`` strings need it (the engine watches their text).
 
     Raises:
         ValueError: the configured pool is larger than the executor holds.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 executor: Executor, eos_token_id: int | None = None) -> None:
+                 executor: Executor, eos_token_id: int | None = None,
+                 text_streams: TextStreamFactory | None = None) -> None:
         available = executor.num_kv_blocks()
         num_blocks = cache_config.num_blocks if cache_config.num_blocks is not None else available
         if num_blocks > available:
@@ -100,6 +116,7 @@ class LLMEngine:
         self.cache_config = cache_config
         self.executor = executor
         self.eos_token_id = eos_token_id
+        self.text_streams = text_streams
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks)
         self.requests: dict[str, Sequence] = {}   # unfinished requests by id
@@ -128,6 +145,8 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         self.validate_request(request_id, prompt_token_ids, params)
         seq = Sequence(self._next_seq_id, request_id, [int(t) for t in prompt_token_ids], params)
+        if params.stop and self.text_streams is not None:
+            seq.text_stream = self.text_streams(list(seq.token_ids))
         self._next_seq_id += 1
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -144,6 +163,9 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {request_id!r}: sampling_params must be SamplingParams")
+        if params.stop and self.text_streams is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this engine "
+                             "has none (text_streams)")
         if len(prompt) == 0:
             raise ValueError(f"request {request_id!r}: prompt is empty")
         ids = np.asarray(prompt)
@@ -312,9 +334,12 @@ class LLMEngine:
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Judged on the known tokens only (a pending one is not there yet)."""
+        """Judged on the known tokens only (a pending one is not there yet), in vLLM's order:
+        eos / stop token (kept out of the text), stop string, length."""
         p = seq.sampling_params
         if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.text_stream is not None and self._stop_string_found(seq, token):
             return "stop"
         known = len(seq.token_ids)
         if known - seq.num_prompt_tokens >= p.max_tokens or known >= self.scheduler_config.max_model_len:
@@ -322,13 +347,37 @@ class LLMEngine:
         return None
 
     @staticmethod
+    def _stop_string_found(seq: Sequence, token: int) -> bool:
+        """Grow ``seq.text`` by ``token``; True (and the cut set) if it now contains a stop string.
+
+        Only occurrences that end in the new text are new; the earliest one wins.
+        """
+        assert seq.text_stream is not None
+        delta = seq.text_stream.add([token])
+        seq.text += delta
+        if not delta:
+            return False
+        p, n = seq.sampling_params, len(seq.text)
+        found = [(i, s) for s in p.stop
+                 if (i := seq.text.find(s, max(0, n - len(delta) - len(s) + 1))) >= 0]
+        if not found:
+            return False
+        i, s = min(found)
+        seq.text_end = i + len(s) if p.include_stop_str_in_output else i
+        return True
+
+    @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
-        """The request's progress; its new tokens are those not reported before."""
+        """The request's progress; its new tokens are those not reported before. A request the
+        engine watches the text of (stop strings) ends with that text, cut at its stop string."""
         tokens = seq.output_token_ids
         new = tokens[seq.num_reported_tokens:]
         seq.num_reported_tokens = len(tokens)
+        text = None
+        if seq.finish_reason is not None and seq.text_stream is not None:
+            text = seq.text if seq.text_end is None else seq.text[:seq.text_end]
         return RequestOutput(seq.request_id, tuple(seq.token_ids[:seq.num_prompt_tokens]), tokens,
-                             seq.finish_reason, new_token_ids=new)
+                             seq.finish_reason, text=text, new_token_ids=new)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         decode = sum(c.is_decode for c in out.scheduled)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from minivllm.outputs import FinishReason
 from minivllm.sampling import SamplingParams
@@ -63,6 +64,11 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # Completion tokens already handed out in a RequestOutput (streaming).
         self.num_reported_tokens = 0
+        # Requests with stop strings: their text, grown token by token, and where the
+        # final text ends (cut at the stop string found).
+        self.text_stream: Any = None
+        self.text = ""
+        self.text_end: int | None = None
 
     @property
     def num_tokens(self) -> int:
