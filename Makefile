@@ -19,7 +19,7 @@ $(VENV)/.core: pyproject.toml | $(BIN)/python
 
 $(VENV)/.full: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e '.[model,dev]'
+	$(BIN)/pip install -q -e '.[model,dev,serve]'
 	touch $@ $(VENV)/.core
 
 test: $(VENV)/.full

@@ -1,4 +1,5 @@
-"""Command line: ``python -m minivllm generate --model DIR "prompt" ...``."""
+"""Command line: ``python -m minivllm generate --model DIR "prompt" ...`` or
+``python -m minivllm serve DIR [--host 127.0.0.1] [--port 8000]``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("prompts", nargs="+", help="prompt texts")
     g.add_argument("--model", required=True, help="HF-format model directory or hub id")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--temperature", type=float, default=0.0, help="below 1e-5 = greedy")
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -23,22 +21,35 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks (processes; one GPU each on CUDA) the model is split over")
+    _add_engine_args(g)
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    s = sub.add_parser("serve", help="serve the OpenAI API over HTTP (needs the 'serve' extra)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("model", help="HF-format model directory or hub id")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model argument)")
+    s.add_argument("--seed", type=int, default=0, help="sampler seed for unseeded requests")
+    _add_engine_args(s)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from minivllm.llm import LLM
-    from minivllm.sampling import SamplingParams
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options that build the ``LLM`` (shared by generate and serve)."""
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (processes; one GPU each on CUDA) the model is split over")
 
+
+def _engine_options(args: argparse.Namespace) -> dict[str, object]:
     opts = {k: v for k, v in dict(block_size=args.block_size, num_blocks=args.num_blocks,
                                   max_num_seqs=args.max_num_seqs,
                                   max_model_len=args.max_model_len).items() if v is not None}
@@ -46,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         opts["enforce_eager"] = True
     if args.tensor_parallel_size != 1:
         opts["tensor_parallel_size"] = args.tensor_parallel_size
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    from minivllm.llm import LLM
+    from minivllm.sampling import SamplingParams
+
+    opts = _engine_options(args)
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
@@ -62,6 +84,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for prompt, out in zip(args.prompts, outs):
         print(f"{prompt!r} -> {out.text!r}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from minivllm.server.app import build_app
+    except ImportError as e:
+        print(f"error: serving needs the 'serve' extra (pip install -e '.[serve]'): {e}",
+              file=sys.stderr)
+        return 2
+    from minivllm.llm import LLM
+
+    try:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype,
+                  attention_backend=args.attention_backend, seed=args.seed,
+                  **_engine_options(args))
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with llm:
+        app = build_app(llm, args.served_model_name or args.model)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
