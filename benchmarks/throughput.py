@@ -103,22 +103,10 @@ def sync(device: str) -> None:
 
 
 def set_async_scheduling(llm: Any, on: bool) -> None:
-    """Switch an idle engine between one step in flight (on) and synchronous steps (off).
-
-    ``LLMEngine.step`` reads ``scheduler_config.async_scheduling`` on every call and
-    nothing else keeps the flag, so replacing the frozen config between runs is
-    the whole switch; the executor is the same in both modes.
-
-    Raises:
-        RuntimeError: the engine still has work (a step in flight would be lost).
-    """
-    eng = llm.engine
-    if eng.has_unfinished_requests():
-        raise RuntimeError("set_async_scheduling: the engine is not idle")
-    eng.scheduler_config = dataclasses.replace(eng.scheduler_config, async_scheduling=on)
-    llm.scheduler_config = eng.scheduler_config
-    if eng.async_scheduling is not on:
-        raise RuntimeError("set_async_scheduling: the engine did not take the new mode")
+    """Switch an idle engine between one step in flight (on) and synchronous steps (off)
+    (``LLMEngine.set_async_scheduling``; raises ``RuntimeError`` unless idle)."""
+    llm.engine.set_async_scheduling(on)
+    llm.scheduler_config = llm.engine.scheduler_config
 
 
 def modes_of(flag: str) -> list[bool]:

@@ -137,7 +137,14 @@ class LLM:
 
     # ---- generation ---------------------------------------------------------
 
-    def _to_token_ids(self, i: int, prompt: Prompt) -> list[int]:
+    def prompt_token_ids(self, i: int, prompt: Prompt) -> list[int]:
+        """Prompt ``i`` (text or token ids) as checked token ids: the one prompt check of
+        ``generate`` and the server.
+
+        Raises:
+            TypeError: neither text nor a list of ints. ValueError: empty, or ids outside
+                the vocabulary.
+        """
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
@@ -167,7 +174,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params = self._params_list(sampling_params, len(prompts))
-        token_ids = [self._to_token_ids(i, p) for i, p in enumerate(prompts)]
+        token_ids = [self.prompt_token_ids(i, p) for i, p in enumerate(prompts)]
         rids = [f"req-{self._next_request + i}" for i in range(len(prompts))]
         for i, (rid, ids, p) in enumerate(zip(rids, token_ids, params)):
             try:  # the engine's own admission check, for every prompt before any is queued
@@ -225,9 +232,13 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the tokenizer's chat template."""
-        tok = self._require_tokenizer()
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                 for c in convs]  # type: ignore[arg-type]
-        prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+        prompts = [self.chat_prompt_ids(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt_ids(self, conversation: list[dict[str, str]]) -> list[int]:
+        """The token ids of ``conversation`` through the tokenizer's chat template, ready for
+        the assistant's reply (the template's own special tokens, none added)."""
+        tok = self._require_tokenizer()
+        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)

@@ -84,15 +84,11 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(stop))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        stop_str = self.stop
-        if isinstance(stop_str, str):  # vLLM accepts one string
-            stop_str = (stop_str,)
+        stop_str = (self.stop,) if isinstance(self.stop, str) else self.stop  # vLLM accepts one string
         if not isinstance(stop_str, (tuple, list)) or not all(isinstance(x, str) and x for x in stop_str):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        if not isinstance(stop_str, tuple):
+        if not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(stop_str))  # input type only, as for stop_token_ids
-        elif stop_str is not self.stop:
-            object.__setattr__(self, "stop", stop_str)
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -11,6 +12,9 @@ import transformers
 
 from minivllm.engine.plan import StepPlan
 from minivllm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.executor.model_executor import ModelExecutor
 
 
 @dataclass(frozen=True)

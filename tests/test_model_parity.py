@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.config import ModelConfig
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.model_executor import ModelExecutor
 from minivllm.sampling import SamplingParams

@@ -231,7 +231,7 @@ def test_engine_failure_fails_waiting_requests(llm: LLM) -> None:
 
     engine.step = broken_step  # type: ignore[method-assign]
     fake_llm = types.SimpleNamespace(engine=engine, tokenizer=llm.tokenizer,
-                                     _to_token_ids=llm._to_token_ids)
+                                     prompt_token_ids=llm.prompt_token_ids)
     from fastapi.testclient import TestClient
 
     with TestClient(build_app(fake_llm, MODEL)) as client:

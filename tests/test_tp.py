@@ -126,6 +126,7 @@ SCRIPT = textwrap.dedent("""
         print("READY", flush=True)
         if sys.argv[2] == "loop":
             while True:
+                print("LOOP", flush=True)
                 llm.generate([[1, 2, 3]] * 4, params, use_tqdm=False)
 
     if __name__ == "__main__":
@@ -146,15 +147,15 @@ def test_no_worker_outlives_the_driver(random_model: str, tmp_path: Path, ending
         assert pids, proc.stderr.read()
         assert proc.stdout.readline().strip() == "READY"
         if ending == "ctrl-c":
-            time.sleep(0.5)  # inside a generate loop
+            assert proc.stdout.readline().strip() == "LOOP"  # a generate call is under way
             proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 10  # the driver has exited; its workers are being ended
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.1)  # no event to wait on for another process's exit: poll with a deadline
     assert not any(alive(p) for p in pids), f"worker(s) left behind after {ending}"
 
 

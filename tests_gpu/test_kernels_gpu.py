@@ -175,19 +175,26 @@ PREFILL_BATCH = [
 ]
 
 
+def prefill_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+                 seed: int, lead: int = 0, tail: int = 0) -> tuple[torch.Tensor, ...]:
+    """A paged prefill batch of (q_len, kv_len) sequences: (q, k_cache, v_cache, cu_seqlens_q,
+    kv_lens, block_tables, max_q_len); ``lead``/``tail`` q rows before/after the sequences."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    q_lens = [ql for ql, _ in seqs]
+    lens = [kl for _, kl in seqs]
+    k_cache, v_cache, tables = make_paged_kv(lens, 16, num_kv_heads, dtype, gen)
+    cu = torch.tensor([lead] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(cu[-1]) + tail, num_heads, D, generator=gen, device=DEVICE).to(dtype)
+    return q, k_cache, v_cache, cu, kv_lens, tables, max(q_lens)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(16, 8), (40, 8)], ids=["gqa2", "gqa5"])
 def test_prefill_attention(heads: tuple[int, int], dtype: torch.dtype) -> None:
-    num_heads, num_kv_heads = heads
-    gen = torch.Generator(DEVICE).manual_seed(3)
-    q_lens = [ql for ql, _ in PREFILL_BATCH]
-    lens = [kl for _, kl in PREFILL_BATCH]
-    k_cache, v_cache, tables = make_paged_kv(lens, 16, num_kv_heads, dtype, gen)
-    cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
-    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(int(cu[-1]), num_heads, D, generator=gen, device=DEVICE).to(dtype)
+    q, k_cache, v_cache, cu, kv_lens, tables, max_q = prefill_case(PREFILL_BATCH, *heads, dtype, seed=3)
     ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
-    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max(q_lens))
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max_q)
     assert_close(out, ref, dtype)
 
 
@@ -205,16 +212,11 @@ PREFILL_CONFIGS = [
 def test_prefill_attention_configs(config: PrefillConfig) -> None:
     """Every swept config on the mixed batch, with rows before and after the sequences
     (the output is torch.empty: the kernel itself must zero them)."""
-    gen = torch.Generator(DEVICE).manual_seed(4)
-    q_lens = [ql for ql, _ in PREFILL_BATCH]
-    lens = [kl for _, kl in PREFILL_BATCH]
-    k_cache, v_cache, tables = make_paged_kv(lens, 16, HKV, torch.bfloat16, gen)
-    lead, tail = 3, 200
-    cu = (torch.tensor([lead] + q_lens, device=DEVICE).cumsum(0)).to(torch.int32)
-    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(int(cu[-1]) + tail, H, D, generator=gen, device=DEVICE).bfloat16()
+    lead = 3
+    q, k_cache, v_cache, cu, kv_lens, tables, max_q = prefill_case(PREFILL_BATCH, H, HKV, torch.bfloat16,
+                                                                    seed=4, lead=lead, tail=200)
     ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
-    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max(q_lens), config=config)
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max_q, config=config)
     assert_close(out, ref, torch.bfloat16)
     assert (out[:lead] == 0).all() and (out[int(cu[-1]):] == 0).all()
 
@@ -231,15 +233,9 @@ LOOP_SPLIT_SEQS = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seqs", LOOP_SPLIT_SEQS, ids=["long", "short"])
 def test_prefill_attention_loop_split_edges(seqs: list[tuple[int, int]], dtype: torch.dtype) -> None:
-    gen = torch.Generator(DEVICE).manual_seed(5)
-    q_lens = [ql for ql, _ in seqs]
-    lens = [kl for _, kl in seqs]
-    k_cache, v_cache, tables = make_paged_kv(lens, 16, HKV, dtype, gen)
-    cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
-    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(int(cu[-1]), H, D, generator=gen, device=DEVICE).to(dtype)
+    q, k_cache, v_cache, cu, kv_lens, tables, max_q = prefill_case(seqs, H, HKV, dtype, seed=5)
     ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
-    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max(q_lens))
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max_q)
     assert_close(out, ref, dtype)
 
 

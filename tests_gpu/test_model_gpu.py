@@ -20,7 +20,6 @@ import transformers
 
 from benchmarks.qwen3_shapes import QWEN3_0_6B
 from minivllm import LLM, SamplingParams
-from minivllm.config import ModelConfig
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.model_executor import ModelExecutor
 from tests.model_utils import make_model_executor, randomize_weights

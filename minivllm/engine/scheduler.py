@@ -60,6 +60,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledChunk] = field(default_factory=list)
     # Sequences preempted (sent back to waiting) during this call.
     preempted: list[Sequence] = field(default_factory=list)
+    # Whether this call may preempt (not while a submitted step may still write blocks).
+    can_preempt: bool = True
     # A sequence needed blocks that only preemption could free, and preemption
     # was not allowed (a step is in flight).
     blocked: bool = False
@@ -85,7 +87,6 @@ class Scheduler:
                                           cache_config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._can_preempt = True
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -101,8 +102,7 @@ class Scheduler:
         Args:
             can_preempt: False while a submitted step may still write blocks.
         """
-        out = SchedulerOutput(budget=self.config.max_num_batched_tokens)
-        self._can_preempt = can_preempt
+        out = SchedulerOutput(budget=self.config.max_num_batched_tokens, can_preempt=can_preempt)
         if self.config.policy == "prefill_first":
             self._schedule_running(out, prefill_only=True)
             self._schedule_waiting(out)
@@ -151,7 +151,7 @@ class Scheduler:
         """
         bm = self.block_manager
         need = bm.blocks_needed(seq, n)  # fixed while others are preempted: only the pool grows
-        if need > bm.num_free_blocks and not self._can_preempt:
+        if need > bm.num_free_blocks and not out.can_preempt:
             out.blocked = True
             return False
         while need > bm.num_free_blocks:

@@ -43,7 +43,7 @@ import socket
 import traceback
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -102,7 +102,7 @@ def _init_group(spec: RankSpec, rank: int) -> dist.ProcessGroup:
     return dist.new_group(backend="gloo") if cuda else dist.group.WORLD
 
 
-def _min_over_ranks(group: dist.ProcessGroup) -> Any:
+def _min_over_ranks(group: dist.ProcessGroup) -> Callable[[int], int]:
     def agree(n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)

@@ -309,9 +309,7 @@ class ModelExecutor:
             return DoneStep(StepResult(sampled=dict(zip(seq_ids, tokens.tolist()))))
         host = self._outputs.next(len(seq_ids))
         host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _CudaStep(seq_ids, host, done)
+        return _CudaStep(seq_ids, host, self._outputs.record())
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> torch.Tensor:
@@ -426,8 +424,9 @@ class _PinnedRing:
             event.synchronize()
         return buf[:size]
 
-    def record(self) -> None:
-        """Mark the current buffer's copy as enqueued (call right after it)."""
+    def record(self) -> torch.cuda.Event:
+        """Mark the current buffer's copy as enqueued (call right after it); returns its event."""
         event = torch.cuda.Event()
         event.record()
         self.events[self.turn] = event
+        return event

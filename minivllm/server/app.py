@@ -94,15 +94,11 @@ class _Server:
         return [self._token_ids(i, p) for i, p in enumerate(prompts)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        tok = self.llm.tokenizer
-        # As LLM.chat does: the template's text, tokenized without extra special tokens.
-        text = tok.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
-                                       add_generation_prompt=True)
-        return self._token_ids(0, tok.encode(text, add_special_tokens=False))
+        return self._token_ids(0, self.llm.chat_prompt_ids([m.model_dump() for m in req.messages]))
 
     def _token_ids(self, i: int, prompt: Any) -> list[int]:
         try:  # LLM's one prompt check: tokenize, non-empty, ids inside the vocabulary
-            return self.llm._to_token_ids(i, prompt)
+            return self.llm.prompt_token_ids(i, prompt)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"prompt: {e}") from e
 
@@ -113,11 +109,15 @@ class _Server:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}")
 
-    async def submit(self, request_id: str, prompts: list[list[int]], req: _Request) -> RequestGroup:
+    async def submit(self, kind: str, prompts: list[list[int]], req: _Request
+                     ) -> tuple[str, int, RequestGroup]:
+        """Queue one request per prompt; returns the response id (``kind-<hex>``), its
+        creation time and the requests' group."""
+        request_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
         try:
             params = req.to_sampling_params()
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-            return await self.engine.add_requests(ids, prompts, params)
+            return request_id, created, await self.engine.add_requests(ids, prompts, params)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
@@ -267,9 +267,7 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Response:
         server.check_model(req)
-        prompts = server.completion_prompts(req)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        group = await server.submit(rid, prompts, req)
+        rid, created, group = await server.submit("cmpl", server.completion_prompts(req), req)
 
         def chunk(d: Delta) -> list[str]:
             if not d.text and d.finish_reason is None:
@@ -291,9 +289,7 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(req)
-        prompt = server.chat_prompt(req)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        group = await server.submit(rid, [prompt], req)
+        rid, created, group = await server.submit("chatcmpl", [server.chat_prompt(req)], req)
 
         def event(delta: DeltaMessage, finish_reason: FinishReason | None = None) -> str:
             choice = ChatStreamChoice(index=0, delta=delta, finish_reason=finish_reason)

@@ -128,7 +128,7 @@ class _Tracked:
     loop: asyncio.AbstractEventLoop
     detokenizer: IncrementalDetokenizer
     num_prompt_tokens: int
-    num_tokens: int = 0   # completion tokens already delivered
+    num_tokens: int = 0   # completion tokens so far
 
 
 def _notify(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
@@ -294,14 +294,13 @@ class AsyncEngine:
         _notify(command.loop, _settle, command.admitted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Turn outputs into deltas. Works whether ``step()`` reports every request that
-        produced tokens or only finished ones: new tokens are those past the delivered count."""
+        """Turn the engine's streamed outputs (``new_token_ids`` per step) into deltas."""
         new_tokens = 0
         for out in outputs:
             t = self._tracked.get(out.request_id)
             if t is None:
                 continue  # aborted by its client
-            new = out.token_ids[t.num_tokens:]
+            new = out.new_token_ids
             t.num_tokens = len(out.token_ids)
             new_tokens += len(new)
             done = out.finish_reason is not None
