@@ -21,12 +21,19 @@ The plan (plain data) reaches each worker once per step, as one
 outside the model's own collectives.
 
 Failure: a worker that raises puts its traceback on a queue and exits; the
-driver checks the queue and the workers' liveness before every step, and a
-collective that fails because a peer went away is re-raised with the worker's
-own error. Shutdown (``close``, the ``LLM`` context manager, interpreter exit)
-sends ``None`` to a healthy group; after an error or an interrupt the workers
-are terminated. Workers ignore SIGINT: Ctrl-C reaches the driver, which ends
-them.
+driver checks the queue and the workers' liveness before every step and after
+every result, and a collective that fails because a peer went away is re-raised
+with the worker's own error. A gloo collective fails at once when a peer leaves;
+an NCCL one would wait for its timeout, so on GPUs a watchdog thread in the
+driver waits on the workers' process sentinels and aborts the NCCL communicators
+when one dies, which releases a driver blocked in a collective within seconds.
+
+Shutdown (``close``, the ``LLM`` context manager, interpreter exit) sends
+``None`` to a healthy group, and then every rank destroys the process group *at
+the same time* (NCCL's teardown is itself collective: a driver that waited for
+the workers to exit first would wait for ever). After an error or an interrupt
+the group is aborted and the workers are terminated. Workers ignore SIGINT:
+Ctrl-C reaches the driver, which ends them.
 
 Testing hook: ``MINIVLLM_TP_FAULT="RANK:load"`` or ``"RANK:stepK"`` makes worker
 RANK raise at load or at its K-th step (tests/test_tp.py uses it).
@@ -40,6 +47,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import traceback
 import weakref
 from dataclasses import dataclass, replace
@@ -48,6 +56,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait as wait_for_sentinels
 
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from minivllm.engine.plan import StepPlan, StepResult
@@ -192,12 +201,13 @@ class TPExecutor:
             self.local = _build_executor(self.spec, 0, self.group)
         except BaseException as e:
             self._closed = True
+            _leave_group(healthy=False)
             self._terminate()
-            if dist.is_initialized():
-                dist.destroy_process_group()
             self._raise_worker_error(e)
             raise
         self._healthy = True
+        if config.device.startswith("cuda"):
+            threading.Thread(target=self._watch_workers, name="minivllm-tp-watchdog", daemon=True).start()
 
     # ---- the Executor protocol ----------------------------------------------
 
@@ -210,7 +220,7 @@ class TPExecutor:
         self._check_workers()
         try:
             dist.broadcast_object_list([plan], src=0, group=self.group)
-            return self.local.submit(plan)
+            return _CheckedHandle(self.local.submit(plan), self)
         except BaseException as e:
             self._healthy = False
             self._raise_worker_error(e)
@@ -270,11 +280,20 @@ class TPExecutor:
                 dist.broadcast_object_list([None], src=0, group=self.group)
             except Exception:  # a peer already gone: terminate below
                 self._healthy = False
+        _leave_group(self._healthy)  # while the workers leave it too
         for p in self.workers:
             p.join(timeout=JOIN_TIMEOUT_S if self._healthy else 0.5)
         self._terminate()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    def _watch_workers(self) -> None:
+        """(CUDA) Abort the NCCL communicators when a worker dies before ``close``."""
+        wait_for_sentinels([p.sentinel for p in self.workers])
+        if not self._closed:
+            self._healthy = False
+            try:
+                _leave_group(healthy=False)
+            except Exception:  # the main thread reports the worker's error
+                pass
 
     def _terminate(self) -> None:
         for p in self.workers:
@@ -285,6 +304,30 @@ class TPExecutor:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=JOIN_TIMEOUT_S)
+
+
+class _CheckedHandle:
+    """Rank 0's step handle; its result is trusted only while every worker is alive
+    (an aborted collective lets the step finish with garbage)."""
+
+    def __init__(self, handle: StepHandle, executor: TPExecutor) -> None:
+        self.handle, self.executor = handle, executor
+
+    def result(self) -> StepResult:
+        out = self.handle.result()
+        self.executor._check_workers()
+        return out
+
+
+def _leave_group(healthy: bool) -> None:
+    """Destroy the process group (every rank together), or abort it after a failure."""
+    if not dist.is_initialized():
+        return
+    nccl = dist.get_backend() == "nccl"
+    if not healthy and nccl and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        dist.distributed_c10d._abort_process_group()  # no peer needed; releases blocked collectives
+    else:
+        dist.destroy_process_group()
 
 
 def _close_at_exit(ref: "weakref.ReferenceType[TPExecutor]") -> None:
