@@ -25,6 +25,14 @@ class RequestOutput:
         text: the decoded completion (front ends fill it; the engine leaves None).
         new_token_ids: the tokens since this request's previous output (the
             streaming delta); their concatenation over all outputs is ``token_ids``.
+        index: which of the request's ``n`` completions this is (0 .. n-1); each
+            completion is reported on its own, under the same ``request_id``.
+        logprobs: with ``SamplingParams.logprobs``, per completion token so far
+            (aligned with ``token_ids``), {token id: log-probability} of the top N
+            tokens and of the token itself; else None.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, per prompt token,
+            the same dict (None for the first token); else None. Complete in every
+            output once the prompt has been computed.
     """
 
     request_id: str
@@ -33,6 +41,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     text: str | None = None
     new_token_ids: tuple[int, ...] = ()
+    index: int = 0
+    logprobs: tuple[dict[int, float], ...] | None = None
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

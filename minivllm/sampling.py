@@ -19,6 +19,18 @@ import numpy as np
 GREEDY_TEMPERATURE = 1e-5
 
 
+# Most top log-probabilities a request may ask for per position (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def is_greedy_temperature(temperature: float | np.ndarray) -> bool | np.ndarray:
     """The one rule for "greedy" (``SamplingParams.greedy`` and the sampler's batched numpy use it)."""
     return temperature < GREEDY_TEMPERATURE
@@ -44,6 +56,24 @@ class SamplingParams:
             it unless ``include_stop_str_in_output``. The token that completed it
             stays in ``token_ids``. Needs an engine with a tokenizer.
         include_stop_str_in_output: keep the stop string at the end of the text.
+        n: completions of the prompt (parallel samples, each its own sequence; the
+            prompt is computed once and the others read its blocks from the prefix
+            cache). With a ``seed``, sample i uses ``seed + i``.
+        logprobs: with N (0..MAX_LOGPROBS), each completion token reports its own
+            log-probability and the N most likely tokens' (N = 0: its own only),
+            from the raw logits (before penalties, temperature and filters, as vLLM's
+            default ``raw_logprobs``).
+        prompt_logprobs: the same for every prompt token after the first (the first
+            has none). A request asking for them reads nothing from the prefix cache:
+            every prompt position must be computed.
+        presence_penalty: subtracted from the logit of every token that occurs in the
+            completion so far; in [-2, 2].
+        frequency_penalty: subtracted once per occurrence in the completion so far;
+            in [-2, 2].
+        repetition_penalty: tokens of the prompt or the completion so far have a
+            positive logit divided by it and a negative one multiplied by it; > 0,
+            1 disables. Penalties apply before temperature and filters, to greedy
+            rows too.
     """
 
     temperature: float = 1.0
@@ -56,6 +86,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -91,6 +127,24 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(stop_str))  # input type only, as for stop_token_ids
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the sequence's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,16 @@ Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
                            scheduling: the value is not known when this plan is
                            built); token_ids holds -1 there and the executor
                            fills it in from its own record, e.g. a device buffer
+    histories        B entries (or () when no row needs one): for a sampling
+                           sequence whose params have penalties, its known
+                           tokens (``TokenHistory``); None elsewhere. A token
+                           fed by reference is not in it: the executor adds
+                           the resolved value (it is a completion token)
+    prompt_logprob_targets B entries (or ()): for a sequence asking for
+                           prompt_logprobs whose chunk feeds prompt positions,
+                           int64 (P,) with P <= query_len: the prompt token that
+                           fed position i predicts (the next prompt token), for
+                           the chunk's first P positions; None elsewhere
 """
 
 from __future__ import annotations
@@ -37,6 +47,39 @@ from minivllm.sampling import SamplingParams
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """A sequence's known tokens, for penalties: the prompt, then the completion."""
+
+    token_ids: np.ndarray  # int64 (L,), read-only
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at P positions (from the raw logits, float32).
+
+    token_logprobs: float32 (P,), of the token at each position (the sampled one,
+        or the prompt's next token).
+    top_ids / top_logprobs: int64 / float32 (P, K), the K most likely tokens,
+        most likely first (K = the request's ``logprobs`` / ``prompt_logprobs``).
+    """
+
+    token_logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    def as_dicts(self, token_ids: "np.ndarray | list[int]") -> list[dict[int, float]]:
+        """Per position, {token: logprob} of the top K and of the position's token."""
+        out = []
+        for tok, lp, ids, lps in zip(np.asarray(token_ids).tolist(), self.token_logprobs.tolist(),
+                                     self.top_ids.tolist(), self.top_logprobs.tolist()):
+            d = dict(zip(ids, lps))
+            d[tok] = lp
+            out.append(d)
+        return out
 
 
 @dataclass(frozen=True)
@@ -61,6 +104,9 @@ class StepPlan:
     block_size: int
     # bool (B,): the last fed token is this sequence's sample of the previous plan.
     feeds_prev_sample: np.ndarray
+    # Per sequence (or () when none): penalty histories / prompt-logprob targets.
+    histories: tuple[TokenHistory | None, ...] = ()
+    prompt_logprob_targets: tuple[np.ndarray | None, ...] = ()
 
     @staticmethod
     def build(
@@ -72,10 +118,14 @@ class StepPlan:
         sampling_params: list[SamplingParams],
         block_size: int,
         feeds_prev_sample: list[bool] | None = None,
+        histories: list[TokenHistory | None] | None = None,
+        prompt_logprob_targets: list[np.ndarray | None] | None = None,
     ) -> "StepPlan":
         """Assemble a plan from per-sequence lists (one concatenation, no per-token loop).
 
         A chunk whose sequence ``feeds_prev_sample`` ends with the placeholder -1.
+        ``histories`` / ``prompt_logprob_targets``: per sequence, or None when no
+        sequence has one (stored as ()).
         """
         lens = np.fromiter((len(c) for c in token_chunks), dtype=np.int32, count=len(token_chunks))
         flat = np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=int(lens.sum()))
@@ -90,6 +140,9 @@ class StepPlan:
             block_size=block_size,
             feeds_prev_sample=_frozen(np.asarray(
                 feeds_prev_sample if feeds_prev_sample is not None else [False] * len(seq_ids), dtype=bool)),
+            histories=tuple(histories) if histories is not None and any(h is not None for h in histories) else (),
+            prompt_logprob_targets=(tuple(prompt_logprob_targets) if prompt_logprob_targets is not None
+                                    and any(t is not None for t in prompt_logprob_targets) else ()),
         )
 
     @property
@@ -121,8 +174,12 @@ class StepResult:
     Attributes:
         sampled: sequence id -> sampled token id, for exactly the sequences with
             ``plan.sample`` true.
-        logprobs: optional sequence id -> log-probability of the sampled token.
+        logprobs: sequence id -> the sampled token's ``TokenLogprobs`` (P = 1), for
+            exactly the sampling sequences whose params ask for ``logprobs``.
+        prompt_logprobs: sequence id -> ``TokenLogprobs`` of its P targets, for
+            exactly the sequences with ``plan.prompt_logprob_targets`` set.
     """
 
     sampled: dict[int, int]
-    logprobs: dict[int, float] = field(default_factory=dict)
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
