@@ -163,7 +163,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in prompt order with ``text`` decoded.
+        """Complete every prompt; outputs come back in prompt order with ``text`` decoded
+        (a prompt whose params ask for ``n`` completions has n outputs, by ``index``).
 
         Every prompt is checked before any is queued: a bad one raises
         ``ValueError``/``TypeError`` naming its index, nothing of this call is
@@ -185,8 +186,8 @@ class LLM:
         for rid, ids, p in zip(rids, token_ids, params):
             self.engine.add_request(rid, ids, p)
         ids_of = {rid: i for i, rid in enumerate(rids)}
-        results = self._run(len(prompts), use_tqdm)
-        ordered = sorted(results, key=lambda o: ids_of[o.request_id])
+        results = self._run(sum(p.n for p in params), use_tqdm)
+        ordered = sorted(results, key=lambda o: (ids_of[o.request_id], o.index))
         if self.tokenizer is None:
             return ordered
         # Requests with stop strings come back with the engine's text (cut at the stop string).

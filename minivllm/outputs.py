@@ -8,6 +8,12 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort"]
 
 
+def sequence_name(request_id: str, index: int) -> str:
+    """The name of completion ``index`` of a request in the engine's records (``StepRecord``,
+    traces): the request id for the first, ``"<id>#<index>"`` for the others (``n > 1``)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """A request's progress, as reported by one ``LLMEngine.step()``.
@@ -44,6 +50,11 @@ class RequestOutput:
     index: int = 0
     logprobs: tuple[dict[int, float], ...] | None = None
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        """``sequence_name(request_id, index)``."""
+        return sequence_name(self.request_id, self.index)
 
     @property
     def finished(self) -> bool:

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.engine.plan import StepPlan, StepResult, TokenLogprobs
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 
 
@@ -32,6 +32,26 @@ def fake_next_token(context: Sequence[int] | np.ndarray, vocab_size: int) -> int
     """The fake model's next token after ``context`` (positions 0..n-1)."""
     data = np.asarray(context, dtype=np.int64).tobytes()
     return xxhash.xxh64_intdigest(data) % vocab_size
+
+
+def fake_logprob(context: Sequence[int] | np.ndarray, token: int, vocab_size: int) -> float:
+    """The fake model's log-probability of ``token`` after ``context``: 0 for its next
+    token, then -1/8 per step further round the vocabulary."""
+    return -((token - fake_next_token(context, vocab_size)) % vocab_size) / 8
+
+
+def fake_top_logprobs(context: Sequence[int] | np.ndarray, k: int, vocab_size: int) -> list[tuple[int, float]]:
+    """The fake model's ``k`` most likely tokens after ``context``, most likely first."""
+    nxt = fake_next_token(context, vocab_size)
+    return [((nxt + j) % vocab_size, -j / 8) for j in range(min(k, vocab_size))]
+
+
+def _fake_token_logprobs(contexts: list[np.ndarray], tokens: list[int], k: int, vocab_size: int) -> TokenLogprobs:
+    tops = [fake_top_logprobs(c, k, vocab_size) for c in contexts]
+    return TokenLogprobs(
+        token_logprobs=np.array([fake_logprob(c, t, vocab_size) for c, t in zip(contexts, tokens)], dtype=np.float32),
+        top_ids=np.array([[i for i, _ in top] for top in tops], dtype=np.int64).reshape(len(tops), -1),
+        top_logprobs=np.array([[lp for _, lp in top] for top in tops], dtype=np.float32).reshape(len(tops), -1))
 
 
 class PagingError(RuntimeError):
@@ -119,9 +139,29 @@ class FakeExecutor:
             plan.seq_ids[r]: fake_next_token(ctx, self.vocab_size)
             for r, ctx in zip(rows.tolist(), contexts)
         }
+        logprobs = {}
+        for r, ctx in zip(rows.tolist(), contexts):
+            k = plan.sampling_params[r].logprobs
+            if k is not None:
+                sid = plan.seq_ids[r]
+                logprobs[sid] = _fake_token_logprobs([ctx], [sampled[sid]], k, self.vocab_size)
         self._last_sampled = sampled
         self.num_steps += 1
-        return StepResult(sampled=sampled)
+        return StepResult(sampled=sampled, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(plan, inputs))
+
+    def _prompt_logprobs(self, plan: StepPlan, inputs: BatchInputs) -> dict[int, TokenLogprobs]:
+        """Position j of a chunk with targets: the fake logprobs of its target after tokens 0..j,
+        read back through the block table (after this step's writes)."""
+        out = {}
+        for r, targets in enumerate(plan.prompt_logprob_targets):
+            if targets is None:
+                continue
+            start = int(plan.start_positions[r])
+            (full,) = self._read(inputs.block_tables[r:r + 1], inputs.kv_lens[r:r + 1])
+            contexts = [full[:start + i + 1] for i in range(len(targets))]
+            k = plan.sampling_params[r].prompt_logprobs
+            out[plan.seq_ids[r]] = _fake_token_logprobs(contexts, targets.tolist(), k, self.vocab_size)
+        return out
 
     def _write(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Store ``tokens`` (T,) at flat ``slots`` (T,); two different tokens in one slot is an error."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from minivllm.sampling import SamplingParams
-from sim.fake_executor import fake_next_token
+from sim.fake_executor import fake_logprob, fake_next_token, fake_top_logprobs
 
 # The fake tokenizer: token t reads as one character, FAKE_ALPHABET[t % 10], so short
 # stop strings over this alphabet end requests often enough to matter.
@@ -40,6 +40,27 @@ class Expected:
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" | "length"
     text: str | None = None  # for requests with stop strings: the text, cut at the stop string
+    # As RequestOutput's: with params.logprobs / params.prompt_logprobs, else None.
+    logprobs: tuple[dict[int, float], ...] | None = None
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
+
+
+def fake_logprobs_dict(context: Sequence[int], token: int, k: int, vocab_size: int) -> dict[int, float]:
+    """What the engine reports at one position: the fake top ``k`` and ``token``'s own."""
+    d = dict(fake_top_logprobs(context, k, vocab_size))
+    d[token] = fake_logprob(context, token, vocab_size)
+    return d
+
+
+def _with_logprobs(e: Expected, prompt: list[int], params: SamplingParams, vocab_size: int) -> Expected:
+    lp = plp = None
+    if params.logprobs is not None:
+        lp = tuple(fake_logprobs_dict(prompt + list(e.token_ids[:i]), t, params.logprobs, vocab_size)
+                   for i, t in enumerate(e.token_ids))
+    if params.prompt_logprobs is not None:
+        plp = (None,) + tuple(fake_logprobs_dict(prompt[:j], prompt[j], params.prompt_logprobs, vocab_size)
+                              for j in range(1, len(prompt)))
+    return Expected(e.token_ids, e.finish_reason, e.text, lp, plp)
 
 
 def is_stop_token(token: int, params: SamplingParams, eos_token_id: int | None) -> bool:
@@ -69,7 +90,13 @@ def oracle_generate(
         ValueError: empty prompt, or a prompt already at ``max_model_len`` (no
             room for one completion token).
     """
-    context = list(prompt_token_ids)
+    e = _generate(list(prompt_token_ids), params, eos_token_id, max_model_len, vocab_size)
+    return _with_logprobs(e, list(prompt_token_ids), params, vocab_size)
+
+
+def _generate(prompt: list[int], params: SamplingParams, eos_token_id: int | None, max_model_len: int,
+              vocab_size: int) -> Expected:
+    context = list(prompt)
     if not context:
         raise ValueError("empty prompt")
     if len(context) >= max_model_len:

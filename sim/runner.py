@@ -21,7 +21,7 @@ from typing import Literal
 
 from minivllm.config import cdiv
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import RequestOutput, sequence_name
 from sim.fake_executor import FakeExecutor
 from sim.oracle import Expected, FakeTextStream, oracle_generate
 from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
@@ -90,12 +90,14 @@ class _Run:
         executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks)
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
                                 text_streams=FakeTextStream)
+        # Requests by id; their completions (n of them) by sequence name (``sequence_name``).
         self.accepted: dict[str, AddEvent] = {}
+        self.owner: dict[str, str] = {}      # sequence name -> request id
         self.rejected: set[str] = set()      # ids never accepted (so abort must raise)
-        self.aborted: set[str] = set()       # ids aborted while unfinished
-        self.unfinished: set[str] = set()    # accepted ids without an output yet
-        self.expected: dict[str, Expected] = {}
-        self.streamed: dict[str, list[int]] = {}   # tokens streamed so far, per request
+        self.aborted: set[str] = set()       # names aborted while unfinished
+        self.unfinished: set[str] = set()    # names of accepted requests without a final output yet
+        self.expected: dict[str, Expected] = {}    # by request id
+        self.streamed: dict[str, list[int]] = {}   # tokens streamed so far, by name
         self.by_step: dict[int, list[AddEvent | AbortEvent]] = {}
         for e in trace.events:
             self.by_step.setdefault(e.step, []).append(e)
@@ -112,7 +114,8 @@ class _Run:
         rid = ev.request_id
         verdict = classify_add(self.trace, ev)
         if rid in self.accepted:
-            verdict = "reject" if rid not in self.result.outputs else "either"
+            done = all(n in self.result.outputs for n in self.names(rid))
+            verdict = "reject" if not done else "either"
         free, busy = self.engine.num_free_blocks, self.engine.has_unfinished_requests()
         try:
             self.engine.add_request(rid, list(ev.prompt_token_ids), ev.sampling)
@@ -128,7 +131,9 @@ class _Run:
             self.violation(step, f"add {rid!r} accepted but must be rejected "
                                  f"(prompt {len(ev.prompt_token_ids)}, max_tokens {ev.sampling.max_tokens})")
         self.accepted[rid] = ev
-        self.unfinished.add(rid)
+        for name in self.names(rid):
+            self.owner[name] = rid
+            self.unfinished.add(name)
         self.rejected.discard(rid)
         self.result.requests += 1
 
@@ -143,16 +148,21 @@ class _Run:
         if rid not in self.accepted:
             self.violation(step, f"abort of never-added {rid!r} returned {aborted} instead of raising ValueError")
             return
-        done = rid in self.result.outputs or rid in self.aborted
-        if aborted == done:
+        live = [n for n in self.names(rid) if n not in self.result.outputs and n not in self.aborted]
+        if aborted != bool(live):
             self.violation(step, f"abort {rid!r} returned {aborted} but the request is "
-                                 f"{'finished' if done else 'unfinished'}")
-        if aborted and not done:
-            self.aborted.add(rid)
+                                 f"{'unfinished' if live else 'finished'}")
+        if aborted:
+            self.aborted.update(live)
+
+    def names(self, rid: str) -> list[str]:
+        return [sequence_name(rid, i) for i in range(self.accepted[rid].sampling.n)]
 
     # ---- outputs ------------------------------------------------------------
 
-    def oracle(self, rid: str) -> Expected:
+    def oracle(self, name: str) -> Expected:
+        """The oracle's answer for a completion (the fake model ignores seeds: all n are equal)."""
+        rid = self.owner[name]
         if rid not in self.expected:
             ev, t = self.accepted[rid], self.trace
             self.expected[rid] = oracle_generate(ev.prompt_token_ids, ev.sampling, t.eos_token_id,
@@ -162,11 +172,11 @@ class _Run:
     def check_stream(self, step: int, out: RequestOutput, seen: set[str]) -> None:
         """Streaming: one output per request per step, deltas that add up, tokens that are a
         prefix of the oracle's, and nothing after the final output."""
-        rid = out.request_id
+        rid = out.name
         if rid in seen:
             self.violation(step, f"{rid!r}: two outputs in one step")
         seen.add(rid)
-        if rid not in self.accepted or rid in self.result.outputs:
+        if rid not in self.owner or rid in self.result.outputs:
             return  # check_output reports it (unknown, or finished twice)
         sofar = self.streamed.setdefault(rid, [])
         sofar.extend(out.new_token_ids)
@@ -177,10 +187,23 @@ class _Run:
         elif tuple(sofar) != self.oracle(rid).token_ids[:len(sofar)]:
             self.violation(step, f"{rid!r}: streamed {sofar}, not a prefix of the oracle's "
                                  f"{list(self.oracle(rid).token_ids)}")
+        else:
+            self.check_logprobs(step, out)
+
+    def check_logprobs(self, step: int, out: RequestOutput) -> None:
+        """Logprobs of the tokens so far and the prompt's (complete once a token is out) are the oracle's."""
+        want, n = self.oracle(out.name), len(out.token_ids)
+        got_lp = out.logprobs if out.logprobs is None else tuple(out.logprobs)
+        if got_lp != (want.logprobs if want.logprobs is None else want.logprobs[:n]):
+            self.violation(step, f"{out.name!r}: logprobs {got_lp} differ from the oracle's "
+                                 f"{want.logprobs if want.logprobs is None else want.logprobs[:n]}")
+        if n and out.prompt_logprobs != want.prompt_logprobs:
+            self.violation(step, f"{out.name!r}: prompt_logprobs {out.prompt_logprobs} differ from the "
+                                 f"oracle's {want.prompt_logprobs}")
 
     def check_output(self, step: int, out: RequestOutput) -> None:
-        rid = out.request_id
-        if rid not in self.accepted:
+        rid = out.name
+        if rid not in self.owner:
             self.violation(step, f"output for unknown or rejected request {rid!r}")
             return
         if rid in self.result.outputs:
@@ -189,7 +212,7 @@ class _Run:
         self.result.outputs[rid] = out
         self.unfinished.discard(rid)
         self.result.completion_tokens += len(out.token_ids)
-        ev = self.accepted[rid]
+        ev = self.accepted[self.owner[rid]]
         if tuple(out.prompt_token_ids) != ev.prompt_token_ids:
             self.violation(step, f"{rid!r}: output prompt differs from the prompt added")
         want = self.oracle(rid)
@@ -237,7 +260,7 @@ class _Run:
         rec = self.engine.last_step
         if rec is None:
             return ExpectEvent(step, {}, (), {}, self.engine.num_free_blocks)
-        returned = {o.request_id: tuple(o.token_ids) for o in outs if o.finished}
+        returned = {o.name: tuple(o.token_ids) for o in outs if o.finished}
         wrong = {r: t for r, t in rec.finished.items() if returned.get(r) != tuple(t)}
         if wrong:
             self.violation(step, f"last_step.finished {wrong} does not match the outputs returned")
@@ -313,8 +336,9 @@ class _Run:
             except ValueError:
                 pass
         s = engine.stats
-        if s.num_aborts != len(self.aborted):
-            self.violation(step, f"stats.num_aborts {s.num_aborts} != {len(self.aborted)} aborted")
+        aborted = {self.owner[n] for n in self.aborted}
+        if s.num_aborts != len(aborted):
+            self.violation(step, f"stats.num_aborts {s.num_aborts} != {len(aborted)} aborted")
         if s.num_preemptions != r.preemptions:
             self.violation(step, f"stats.num_preemptions {s.num_preemptions} != {r.preemptions} recorded")
         if self.mode == "replay" and r.mismatch is None and self.trace.expects:

@@ -306,6 +306,9 @@ class _Draw:
     # Prompt tokens come from [0, alphabet): a tiny alphabet repeats equal blocks at
     # different positions, which only the *chained* block hash tells apart.
     alphabet: int = 0
+    # Its own stream for the sampling features (n, logprobs), so adding them kept every
+    # seed's requests as they were.
+    features: random.Random = field(default_factory=random.Random)
     events: list[InputEvent] = field(default_factory=list)
     valid: list[AddEvent] = field(default_factory=list)
 
@@ -378,7 +381,8 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
     cache = CacheConfig.from_dict({k: c[k] for k in _CACHE_KEYS})
     sched = SchedulerConfig.from_dict({k: c[k] for k in _SCHED_KEYS})
     num_blocks = cache.num_blocks if cache.num_blocks is not None else c["executor_num_blocks"]
-    d = _Draw(rng, c["vocab_size"], cache.block_size, sched.max_model_len, num_blocks)
+    d = _Draw(rng, c["vocab_size"], cache.block_size, sched.max_model_len, num_blocks,
+              features=random.Random(f"features-{seed}"))
     if rng.random() < 0.15:
         d.alphabet = rng.randint(1, 3)
     if d.cap >= 2:
@@ -427,12 +431,26 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
             stop = tuple(rng.randrange(d.vocab_size) for _ in range(rng.randint(1, 3)))
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.2, stop_token_ids=stop,
-            **_draw_stop_strings(rng),
+            **_draw_stop_strings(rng), **_draw_features(d.features),
         )
         step = 0 if rng.random() < 0.4 else rng.randint(0, horizon)
         add = AddEvent(step, f"r{i}", tuple(prompt), params)
         d.events.append(add)
         d.valid.append(add)
+
+
+def _draw_features(rng: random.Random) -> dict[str, Any]:
+    """Parallel samples for a sixth of the requests (n = 2..4, which schedule more
+    sequences), logprobs and prompt logprobs for a tenth each (the fake model's, checked
+    against the oracle's through preemption, chunking and async steps)."""
+    f: dict[str, Any] = {}
+    if rng.random() < 1 / 6:
+        f["n"] = rng.randint(2, 4)
+    if rng.random() < 0.1:
+        f["logprobs"] = rng.randint(0, 3)
+    if rng.random() < 0.1:
+        f["prompt_logprobs"] = rng.randint(0, 2)
+    return f
 
 
 def _draw_stop_strings(rng: random.Random) -> dict[str, Any]:

@@ -68,9 +68,10 @@ class BlockManager:
 
         At most ``(num_tokens - 1) // block_size`` blocks: the last token is
         always recomputed, so a step always computes at least one token (the
-        one that samples) and never writes into a hit block.
+        one that samples) and never writes into a hit block. None for a sequence
+        that must compute its whole prompt (``reads_prefix_cache`` false).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         hit: list[int] = []
         for h in self._full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size):

@@ -14,6 +14,12 @@ Step N+1 is planned as if every sequence sampling in N already had its token
 tokens; a request that ended in N (eos, stop id, abort) has its step-N+1 token
 dropped and keeps its blocks until N+1 completes (``_InFlight.retired``), so
 no block goes to another sequence while a step that writes it may still run.
+
+A request with ``n > 1`` completions starts as one sequence (index 0). Once a
+completed step has computed its prompt and registered the prompt's blocks in
+the prefix cache, the other n - 1 sequences are created at the front of the
+waiting queue: their prompts hit those blocks, so the prompt is computed once.
+Every sequence has a ``name`` (``sequence_name``) in the engine's records.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import numpy as np
 
 from minivllm.config import CacheConfig, SchedulerConfig, cdiv
 from minivllm.engine.block_manager import InvariantError
-from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.engine.plan import StepPlan, StepResult, TokenHistory
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.executor.base import Executor, StepHandle
@@ -70,7 +76,7 @@ class EngineStats:
 class StepRecord:
     """What the last ``step()`` decided (for traces, replay and invariants)."""
 
-    scheduled: dict[str, int]                 # request id -> tokens computed
+    scheduled: dict[str, int]                 # sequence name -> tokens computed
     preempted: tuple[str, ...]
     finished: dict[str, tuple[int, ...]] = field(default_factory=dict)
     num_free_blocks: int = 0
@@ -119,7 +125,9 @@ class LLMEngine:
         self.text_streams = text_streams
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks)
-        self.requests: dict[str, Sequence] = {}   # unfinished requests by id
+        self.requests: dict[str, Sequence] = {}   # unfinished sequences by name
+        self._members: dict[str, list[str]] = {}  # unfinished request id -> its sequences' names
+        self._unspawned: dict[str, Sequence] = {}  # n > 1, the others not created yet: id -> first
         self._finished_ids: dict[str, None] = {}  # insertion-ordered, at most MAX_FINISHED_IDS
         self._pending_outputs: list[RequestOutput] = []  # aborts, returned by the next step()
         self._next_seq_id = 0
@@ -144,12 +152,33 @@ class LLMEngine:
         """Queue a request; raises ``ValueError``/``TypeError`` (nothing queued) if it can never run."""
         params = SamplingParams() if sampling_params is None else sampling_params
         self.validate_request(request_id, prompt_token_ids, params)
-        seq = Sequence(self._next_seq_id, request_id, [int(t) for t in prompt_token_ids], params)
-        if params.stop and self.text_streams is not None:
-            seq.text_stream = self.text_streams(list(seq.token_ids))
-        self._next_seq_id += 1
-        self.requests[request_id] = seq
+        seq = self._new_sequence(request_id, [int(t) for t in prompt_token_ids], params, 0)
+        self._members[request_id] = [seq.name]
+        if params.n > 1:
+            self._unspawned[request_id] = seq
         self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, index: int) -> Sequence:
+        seq = Sequence(self._next_seq_id, request_id, prompt, params, index)
+        if params.stop and self.text_streams is not None:
+            seq.text_stream = self.text_streams(list(prompt))
+        self._next_seq_id += 1
+        self.requests[seq.name] = seq
+        return seq
+
+    def _spawn(self, first: Sequence) -> None:
+        """Create completions 1 .. n-1 of ``first``'s request (its prompt is computed and
+        cached now), ahead of every waiting sequence; sample i is seeded ``seed + i``."""
+        del self._unspawned[first.request_id]
+        prompt, params = first.token_ids[:first.num_prompt_tokens], first.sampling_params
+        children = []
+        for i in range(1, params.n):
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            child = self._new_sequence(first.request_id, prompt, p, i)
+            child.prompt_logprobs = first.prompt_logprobs
+            self._members[first.request_id].append(child.name)
+            children.append(child)
+        self.scheduler.add_front(children)
 
     def validate_request(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
         """Raise ``ValueError``/``TypeError`` if ``add_request`` would refuse this request.
@@ -159,7 +188,7 @@ class LLMEngine:
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.requests or request_id in self._finished_ids:
+        if request_id in self._members or request_id in self._finished_ids:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {request_id!r}: sampling_params must be SamplingParams")
@@ -189,14 +218,22 @@ class LLMEngine:
         Raises:
             ValueError: no request with this id was ever added.
         """
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        names = self._members.get(request_id)
+        if names is None:
             if request_id in self._finished_ids:
                 return False
             raise ValueError(f"abort_request: unknown request id {request_id!r}")
-        seq.finish_reason = "abort"
-        self._retire(seq)
-        self._pending_outputs.append(self._output(seq))
+        first = self._unspawned.pop(request_id, None)
+        for name in list(names):
+            seq = self.requests.pop(name)
+            seq.finish_reason = "abort"
+            self._retire(seq)
+            self._pending_outputs.append(self._output(seq))
+        if first is not None:  # completions never created end too, empty
+            self._pending_outputs.extend(
+                RequestOutput(request_id, tuple(first.token_ids[:first.num_prompt_tokens]), (), "abort", index=i,
+                              logprobs=() if first.logprobs is not None else None)
+                for i in range(1, first.sampling_params.n))
         self.stats.num_aborts += 1
         return True
 
@@ -224,7 +261,14 @@ class LLMEngine:
             inflight.retired.append(seq)
         else:
             self.scheduler.finish(seq)
-        self._finished_ids[seq.request_id] = None
+        rid = seq.request_id
+        names = self._members.get(rid, [])
+        if seq.name in names:
+            names.remove(seq.name)
+        if names or rid in self._unspawned:
+            return
+        self._members.pop(rid, None)
+        self._finished_ids[rid] = None
         if len(self._finished_ids) > MAX_FINISHED_IDS:
             del self._finished_ids[next(iter(self._finished_ids))]
 
@@ -285,12 +329,22 @@ class LLMEngine:
 
     def _build_plan(self, out: SchedulerOutput) -> StepPlan:
         chunks, refs = [], []
-        for c in out.scheduled:
-            known = c.seq.token_ids
+        histories: list[TokenHistory | None] | None = None
+        targets: list[np.ndarray | None] | None = None
+        for i, c in enumerate(out.scheduled):
+            seq = c.seq
+            known = seq.token_ids
             # A chunk past the known tokens ends with the pending token of the step in flight.
             ref = c.end > len(known)
             chunks.append(known[c.start:c.end] + [-1] if ref else known[c.start:c.end])
             refs.append(ref)
+            if c.samples and seq.has_penalties:
+                histories = histories or [None] * len(out.scheduled)
+                histories[i] = TokenHistory(np.array(known, dtype=np.int64), seq.num_prompt_tokens)
+            if seq.computes_prompt_logprobs and c.start < seq.num_prompt_tokens - 1:
+                # Position j predicts token j + 1: the targets are the prompt tokens after the chunk's positions.
+                targets = targets or [None] * len(out.scheduled)
+                targets[i] = np.array(known[c.start + 1:min(c.end + 1, seq.num_prompt_tokens)], dtype=np.int64)
         return StepPlan.build(
             seq_ids=[c.seq.seq_id for c in out.scheduled],
             token_chunks=chunks,
@@ -300,6 +354,8 @@ class LLMEngine:
             sampling_params=[c.seq.sampling_params for c in out.scheduled],
             block_size=self.cache_config.block_size,
             feeds_prev_sample=refs,
+            histories=histories,
+            prompt_logprob_targets=targets,
         )
 
     @staticmethod
@@ -308,6 +364,9 @@ class LLMEngine:
         if set(result.sampled) != expected:
             raise RuntimeError(f"executor sampled for sequences {sorted(result.sampled)}, "
                                f"the plan asked for {sorted(expected)}")
+        want = {c.seq.seq_id for c in out.scheduled if c.samples and c.seq.logprobs is not None}
+        if not want <= result.logprobs.keys():
+            raise RuntimeError(f"executor returned no logprobs for sequences {sorted(want - result.logprobs.keys())}")
 
     def _apply(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Cache the step's full blocks, resolve pending tokens, finish requests; one output
@@ -320,18 +379,33 @@ class LLMEngine:
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted while the step ran: its sample is dropped
             bm.register_computed_blocks(seq, c.end)
+            if seq.seq_id in result.prompt_logprobs:
+                self._add_prompt_logprobs(seq, c.start, result)
             if not c.samples:
                 continue
+            if self._unspawned and seq.index == 0 and seq.request_id in self._unspawned:
+                self._spawn(seq)  # the prompt is computed and its blocks cached now
             token = result.sampled[seq.seq_id]
             seq.num_pending_tokens -= 1
             seq.token_ids.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.extend(result.logprobs[seq.seq_id].as_dicts([token]))
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
-                del self.requests[seq.request_id]
+                del self.requests[seq.name]
                 self._retire(seq)  # a pending token of the step in flight is dropped
             outputs.append(self._output(seq))
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(seq: Sequence, start: int, result: StepResult) -> None:
+        """Position j's logprobs are those of prompt token j + 1."""
+        lp = result.prompt_logprobs[seq.seq_id]
+        first = start + 1
+        targets = seq.token_ids[first:first + len(lp.token_logprobs)]
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs[first:first + len(targets)] = lp.as_dicts(targets)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Judged on the known tokens only (a pending one is not there yet), in vLLM's order:
@@ -377,7 +451,9 @@ class LLMEngine:
         if seq.finish_reason is not None and seq.text_stream is not None:
             text = seq.text if seq.text_end is None else seq.text[:seq.text_end]
         return RequestOutput(seq.request_id, tuple(seq.token_ids[:seq.num_prompt_tokens]), tokens,
-                             seq.finish_reason, text=text, new_token_ids=new)
+                             seq.finish_reason, text=text, new_token_ids=new, index=seq.index,
+                             logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
+                             prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         decode = sum(c.is_decode for c in out.scheduled)
@@ -390,9 +466,9 @@ class LLMEngine:
         s.num_prefill_tokens += prefill
         s.num_decode_tokens += decode
         self.last_step = StepRecord(
-            scheduled={c.seq.request_id: c.num_tokens for c in out.scheduled},
-            preempted=tuple(seq.request_id for seq in out.preempted),
-            finished={o.request_id: o.token_ids for o in outputs if o.finished},
+            scheduled={c.seq.name: c.num_tokens for c in out.scheduled},
+            preempted=tuple(seq.name for seq in out.preempted),
+            finished={o.name: o.token_ids for o in outputs if o.finished},
             num_free_blocks=self.num_free_blocks,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
@@ -404,7 +480,7 @@ class LLMEngine:
         """Raise ``InvariantError`` if any invariant of DESIGN.md does not hold."""
         sched, cfg = self.scheduler, self.scheduler_config
         waiting, running = sched.waiting, sched.running
-        queued = {s.request_id for s in waiting} | {s.request_id for s in running}
+        queued = {s.name for s in waiting} | {s.name for s in running}
         if len(queued) != len(waiting) + len(running):
             raise InvariantError("a request is queued twice")
         if queued != self.requests.keys():

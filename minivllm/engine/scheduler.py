@@ -91,6 +91,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_front(self, seqs: list[Sequence]) -> None:
+        """Queue ``seqs`` (in order) ahead of every waiting sequence."""
+        self.waiting.extendleft(reversed(seqs))
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

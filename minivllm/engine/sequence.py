@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from minivllm.outputs import FinishReason
+from minivllm.outputs import FinishReason, sequence_name
 from minivllm.sampling import SamplingParams
 
 
@@ -44,9 +44,12 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams) -> None:
+                 sampling_params: SamplingParams, index: int = 0) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
+        # Which of the request's ``n`` completions; ``name`` tells them apart in records.
+        self.index = index
+        self.name = sequence_name(request_id, index)
         self.token_ids: list[int] = list(prompt_token_ids)   # known tokens only
         self.num_pending_tokens = 0
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -69,6 +72,16 @@ class Sequence:
         self.text_stream: Any = None
         self.text = ""
         self.text_end: int | None = None
+        # Requests asking for logprobs: one {token: logprob} per known completion token.
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # The completion that computes the prompt's logprobs fills this (None for the
+        # first token); it must compute every prompt position, so reads no cache.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.computes_prompt_logprobs = sampling_params.prompt_logprobs is not None and index == 0
+        if self.computes_prompt_logprobs:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+        self.reads_prefix_cache = not self.computes_prompt_logprobs
+        self.has_penalties = sampling_params.has_penalties
 
     @property
     def num_tokens(self) -> int:
