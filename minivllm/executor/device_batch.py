@@ -32,3 +32,12 @@ def resolve_input_ids(input_ids: torch.Tensor, prev_rows: torch.Tensor,
                       prev_sampled: torch.Tensor) -> torch.Tensor:
     """``input_ids`` (T,) with each referenced token taken from ``prev_sampled[prev_rows]``."""
     return torch.where(prev_rows >= 0, prev_sampled[prev_rows.clamp(min=0)], input_ids)
+
+
+def referenced_tokens(batch: DeviceBatch, prev_sampled: torch.Tensor) -> torch.Tensor:
+    """int64 (S,): per sampling row, the id its last token was fed by reference, -1 where given.
+
+    Read before ``prev_sampled`` is overwritten by this step's samples (stream order).
+    """
+    rows = batch.prev_rows[batch.sample_indices]  # (S,): the sampling rows' last tokens
+    return torch.where(rows >= 0, prev_sampled[rows.clamp(min=0)], -1)

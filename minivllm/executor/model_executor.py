@@ -4,8 +4,9 @@ One step::
 
     StepPlan --prepare_inputs (numpy)--> BatchInputs --upload--> DeviceBatch
              --model--> hidden (T, hidden) --rows sample_indices--> logits (S, V)
-             --sampler--> token ids (S,) --> prev_sampled (device, next step's references)
-                                         --> pinned host buffer + event --> StepResult
+             --[penalties]--sampler--> token ids (S,) --> prev_sampled (device, next step's references)
+                                      [+ logprobs of the raw logits, prompt logprobs of hidden rows]
+                                      --> pinned host buffer + event --> StepResult
 
 ``submit`` enqueues all of it and returns; ``result()`` waits on the event. So
 the engine can plan and submit step N+1 while the device runs step N, and the
@@ -26,29 +27,37 @@ graphs (``executor/cuda_graph.py``); ``_forward`` is the one place that routes
 a decode-only batch to them.
 
 Host -> device: the step's index arrays are packed into one pinned int64
-buffer and sent with a single non-blocking copy (see ``_upload_all``);
-device -> host: one copy of the sampled ids per step.
+buffer and sent with a single non-blocking copy (see ``_upload_all``), and the
+optional sampler inputs (penalty histories, logprob rows, prompt-logprob
+targets) with one more when a step has any (``_extras``); device -> host: one
+copy per step of the sampled ids, with any logprobs packed behind them
+(``_StepOutputs``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig, cdiv
-from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.engine.plan import StepPlan, StepResult, TokenHistory, TokenLogprobs
 from minivllm.executor.base import DoneStep, StepHandle
 from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
-from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
+from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.layers.attention import AttentionMetadata, make_attention_backend
+from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
+from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.model.loader import load_weights
 from minivllm.model.qwen3 import Qwen3ForCausalLM
+from minivllm.sampling import MAX_LOGPROBS, SamplingParams
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -57,6 +66,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 # Largest default KV pool off CUDA (pass num_blocks for another size).
 CPU_KV_CACHE_BYTES = 4 << 30
+_LOGPROBS = attrgetter("logprobs")
 
 
 @contextlib.contextmanager
@@ -80,17 +90,68 @@ def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtyp
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
-class _CudaStep:
-    """A submitted CUDA step: its sampled ids land in a pinned host buffer behind an event."""
+@dataclass(frozen=True)
+class _Extras:
+    """A step's optional sampler inputs on the device (one upload), with their host layouts.
 
-    def __init__(self, seq_ids: list[int], host: torch.Tensor, done: torch.cuda.Event) -> None:
-        self.seq_ids = seq_ids
+    All None when no row asks for penalties, logprobs or prompt logprobs.
+    """
+
+    penalties: PenaltyTensors | None
+    logprobs: LogprobLayout | None          # sampling sequences reporting logprobs, one row each
+    logprob_rows: torch.Tensor | None       # int64 (L,): their sampling rows; None: all S rows
+    prompt: LogprobLayout | None            # sequences with prompt-logprob targets, P rows each
+    prompt_rows: torch.Tensor | None        # int64 (N,): token row (of the hidden states) of each target
+    prompt_targets: torch.Tensor | None     # int64 (N,): the prompt token that row predicts
+
+
+def _gather_logprob_rows(seq_ids: list[int], params: list[SamplingParams]
+                         ) -> tuple[LogprobLayout | None, np.ndarray | None]:
+    """Layout of the sampling rows that report logprobs, and their rows (None: all of them or none)."""
+    ks = list(map(_LOGPROBS, params))
+    if ks.count(None) == len(ks):  # the common case, in C
+        return None, None
+    asking = [i for i, k in enumerate(ks) if k is not None]
+    layout = LogprobLayout(seq_ids=tuple(seq_ids[i] for i in asking), num_rows=(1,) * len(asking),
+                           ks=tuple(ks[i] for i in asking))
+    return layout, (np.asarray(asking, dtype=np.int64) if len(asking) < len(ks) else None)
+
+
+@dataclass(frozen=True)
+class _StepOutputs:
+    """What a step brings to the host, as ONE int64 vector, and how to read it::
+
+        sampled ids (S) | sampled tokens' logprobs (packed) | prompt logprobs (packed)
+
+    (``LogprobTensors.packed``; a block is absent when its layout is None).
+    """
+
+    seq_ids: list[int]                      # the sampling sequences, in row order
+    logprobs: LogprobLayout | None
+    prompt_logprobs: LogprobLayout | None
+
+    def unpack(self, flat: np.ndarray) -> StepResult:
+        s = len(self.seq_ids)
+        blocks: dict[str, dict[int, TokenLogprobs]] = {}
+        offset = s
+        for name, layout in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if layout is not None:
+                blocks[name] = layout.unpack(flat[offset:offset + layout.size])
+                offset += layout.size
+        return StepResult(sampled=dict(zip(self.seq_ids, flat[:s].tolist())), **blocks)
+
+
+class _CudaStep:
+    """A submitted CUDA step: its results land in a pinned host buffer behind an event."""
+
+    def __init__(self, outputs: _StepOutputs, host: torch.Tensor, done: torch.cuda.Event) -> None:
+        self.outputs = outputs
         self.host = host
         self.done = done
 
     def result(self) -> StepResult:
         self.done.synchronize()  # the one wait per step: by now usually already past
-        return StepResult(sampled=dict(zip(self.seq_ids, self.host.tolist())))
+        return self.outputs.unpack(self.host.numpy())
 
 
 class ModelExecutor:
@@ -167,6 +228,7 @@ class ModelExecutor:
         self.keep_logits = False
         self.last_logits: torch.Tensor | None = None
         self._staging = _PinnedRing(self.device)
+        self._extras_staging = _PinnedRing(self.device)  # its own ring: one upload a step each
         self._outputs = _PinnedRing(self.device)
         self.graph_runner: CudaGraphRunner | None = None
         if use_graphs:
@@ -238,8 +300,6 @@ class ModelExecutor:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """The largest step this executor accepts, over a one-block dummy cache (writes nothing)."""
-        from minivllm.sampling import SamplingParams
-
         t = self.max_num_batched_tokens
         seq_len = min(t, self.max_model_len)
         num_seqs = cdiv(t, seq_len)
@@ -266,7 +326,23 @@ class ModelExecutor:
             tensors = SamplingTensors.build(params, np.full(rows, seq_len), self.model_config.vocab_size,
                                             self.device)
             self.sampler(logits, tensors)
+        self._warm_up_extras(hidden, logits)
         del hidden, logits, dummy
+
+    def _warm_up_extras(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Penalties on every row under a full sort (a float32 copy of the logits beside the
+        sort: the sampler's largest peak), logprobs at the largest K, one slice of prompt logprobs."""
+        rows, vocab = logits.shape
+        params = [SamplingParams(top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+                                 repetition_penalty=1.2, logprobs=MAX_LOGPROBS)] * rows
+        history = TokenHistory(np.arange(32, dtype=np.int64) % vocab, num_prompt_tokens=16)
+        host = PenaltyInputs.gather(np.arange(rows), [history] * rows, params, vocab)
+        penalties = host.on_device([torch.from_numpy(a).to(self.device) for a in host.arrays()])
+        tensors = SamplingTensors.build(params, np.zeros(rows, dtype=np.int64), vocab, self.device)
+        tokens = self.sampler(logits, tensors, penalties=penalties)
+        sliced_logprobs(lambda s: logits[s], tokens, MAX_LOGPROBS)
+        n = min(hidden.shape[0], SLICE_ROWS)
+        sliced_logprobs(lambda s: self.model.compute_logits(hidden[s]), tokens.new_zeros(n), MAX_LOGPROBS)
 
     def num_kv_blocks(self) -> int:
         """The size of the block pool."""
@@ -278,38 +354,151 @@ class ModelExecutor:
 
     @torch.inference_mode()
     def submit(self, plan: StepPlan) -> StepHandle:
-        """Enqueue the step (inputs up, model, sampler, ids down) and return without waiting.
+        """Enqueue the step (inputs up, model, sampler, results down) and return without waiting.
 
         On CUDA nothing here waits for the device: the inputs go up from pinned
         memory, referenced tokens are gathered from ``prev_sampled`` on the
-        device, and the sampled ids come down into a pinned buffer behind an
-        event that ``result()`` waits on. Elsewhere the step runs to completion.
+        device, and the results (sampled ids, and log-probabilities where asked)
+        come down in one int64 copy into a pinned buffer behind an event that
+        ``result()`` waits on. Elsewhere the step runs to completion.
 
         Raises:
-            ValueError: the plan does not fit this executor (see ``prepare``).
+            ValueError: the plan does not fit this executor (see ``prepare``), or
+                its penalty histories or prompt-logprob targets do not match its
+                sequences (see ``_extras``).
         """
         if plan.num_seqs == 0:
             return DoneStep(StepResult(sampled={}))
         batch, inputs = self.prepare(plan)
-        logits = self._logits(batch, inputs)  # (S, V)
         seq_ids = [i for i, s in zip(plan.seq_ids, plan.sample) if s]
-        if not seq_ids:
-            self.prev_sample_row = {}  # the next plan can refer to nothing of this one
-            return DoneStep(StepResult(sampled={}))
         params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
+        extras = self._extras(plan, inputs, batch, seq_ids, params)
+        hidden = self._forward(batch)                                     # (T, hidden)
+        if seq_ids:
+            tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras)
+            self.prev_sampled[:len(seq_ids)].copy_(tokens)
+            self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}
+        else:
+            self.prev_sample_row = {}  # the next plan can refer to nothing of this one
+            if extras.prompt is None:
+                return DoneStep(StepResult(sampled={}))
+            tokens, logprobs = torch.empty(0, dtype=torch.int64, device=self.device), None
+        prompt = None
+        if extras.prompt is not None:
+            rows = extras.prompt_rows
+            prompt = sliced_logprobs(lambda s: self.model.compute_logits(hidden[rows[s]]),
+                                     extras.prompt_targets, extras.prompt.max_k)
+        return self._results(_StepOutputs(seq_ids, extras.logprobs, extras.prompt),
+                             [tokens] + [t.packed() for t in (logprobs, prompt) if t is not None])
+
+    def _sample(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
+                params: list[SamplingParams], extras: _Extras) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """Sample the plan's sampling rows: token ids (S,) on the device, and their logprobs where asked."""
+        logits = self.model.compute_logits(hidden[batch.sample_indices])  # (S, V), raw
         # A sampled token's position is its sequence's length so far: the seeded-row counter.
         tensors = SamplingTensors.build(params, inputs.kv_lens[plan.sample], self.model_config.vocab_size,
                                         self.device)
         if self.keep_logits:  # tests: TP logits against TP=1 (distributed.TPExecutor.compute_logits)
             self.last_logits = logits
-        tokens = self.sampler(logits, tensors)        # (S,) int64 on the device
-        self.prev_sampled[:len(seq_ids)].copy_(tokens)
-        self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}
+        tokens = self.sampler(logits, tensors, penalties=extras.penalties)  # (S,) int64 on the device
+        if extras.logprobs is None:
+            return tokens, None
+        rows = extras.logprob_rows  # None: every row asks
+        if rows is None:
+            return tokens, sliced_logprobs(lambda s: logits[s], tokens, extras.logprobs.max_k)
+        return tokens, sliced_logprobs(lambda s: logits[rows[s]], tokens[rows], extras.logprobs.max_k)
+
+    def _results(self, outputs: _StepOutputs, blocks: list[torch.Tensor]) -> StepHandle:
+        """Bring the int64 ``blocks`` (sampled ids, packed logprobs) down in one copy."""
+        packed = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         if self.device.type != "cuda":
-            return DoneStep(StepResult(sampled=dict(zip(seq_ids, tokens.tolist()))))
-        host = self._outputs.next(len(seq_ids))
-        host.copy_(tokens, non_blocking=True)
-        return _CudaStep(seq_ids, host, self._outputs.record())
+            return DoneStep(outputs.unpack(packed.numpy()))
+        host = self._outputs.next(packed.shape[0])
+        host.copy_(packed, non_blocking=True)
+        return _CudaStep(outputs, host, self._outputs.record())
+
+    def _extras(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, seq_ids: list[int],
+                params: list[SamplingParams]) -> _Extras:
+        """The step's penalties, logprob rows and prompt-logprob targets, sent up in one copy.
+
+        When no row asks for any of them this costs one pass over ``params``.
+
+        Raises:
+            ValueError: see ``_gather_penalties`` and ``_gather_prompt_targets``.
+        """
+        penalties = self._gather_penalties(plan, params)
+        logprobs, lp_rows = _gather_logprob_rows(seq_ids, params)
+        prompt = self._gather_prompt_targets(plan, inputs)
+        arrays: list[np.ndarray] = []
+        if penalties is not None:
+            arrays += penalties.arrays()
+        if lp_rows is not None:
+            arrays.append(lp_rows)
+        if prompt is not None:
+            arrays += prompt[1:]
+        up = iter(self._upload_all(*arrays, ring=self._extras_staging) if arrays else ())
+        pen = None
+        if penalties is not None:
+            referenced = referenced_tokens(batch, self.prev_sampled)  # before this step overwrites it
+            pen = penalties.on_device([next(up), next(up), next(up)], referenced)
+        lp_dev = next(up) if lp_rows is not None else None
+        prompt_rows, prompt_targets = (next(up), next(up)) if prompt is not None else (None, None)
+        return _Extras(penalties=pen, logprobs=logprobs, logprob_rows=lp_dev,
+                       prompt=prompt[0] if prompt is not None else None,
+                       prompt_rows=prompt_rows, prompt_targets=prompt_targets)
+
+    def _gather_penalties(self, plan: StepPlan, params: list[SamplingParams]) -> PenaltyInputs | None:
+        """The histories of the sampling rows with penalties (None without; free when the plan has none).
+
+        Raises:
+            ValueError: the plan's histories are not exactly those of its sampling
+                sequences whose params have penalties.
+        """
+        if not plan.histories:
+            return None
+        if len(plan.histories) != plan.num_seqs:
+            raise ValueError(f"plan has {len(plan.histories)} histories for {plan.num_seqs} sequences")
+        sample_rows = np.flatnonzero(plan.sample)
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]  # sampling rows
+        wanted = sample_rows[penalised].tolist()                           # plan rows
+        given = [r for r, h in enumerate(plan.histories) if h is not None]
+        if given != wanted:
+            ids = np.asarray(plan.seq_ids)
+            raise ValueError(f"plan carries histories for sequences {ids[given].tolist()}, but its "
+                             f"sampling sequences with penalties are {ids[wanted].tolist()}")
+        return PenaltyInputs.gather(penalised, [plan.histories[r] for r in wanted],
+                                    [params[i] for i in penalised], self.model_config.vocab_size)
+
+    def _gather_prompt_targets(self, plan: StepPlan, inputs: BatchInputs
+                               ) -> tuple[LogprobLayout, np.ndarray, np.ndarray] | None:
+        """Layout, token rows (N,) and target ids (N,) of the plan's prompt-logprob targets (None: none).
+
+        Raises:
+            ValueError: targets for a sequence whose params ask for no prompt
+                logprobs, not 1-D, more than its chunk feeds, none, or out of the vocab.
+        """
+        targets = plan.prompt_logprob_targets
+        if not targets:
+            return None
+        if len(targets) != plan.num_seqs:
+            raise ValueError(f"plan has {len(targets)} prompt-logprob targets for {plan.num_seqs} sequences")
+        seqs = [r for r, t in enumerate(targets) if t is not None]
+        ks = [plan.sampling_params[r].prompt_logprobs for r in seqs]
+        lens = np.array([targets[r].size for r in seqs], dtype=np.int64)
+        bad = [plan.seq_ids[r] for r, k, n in zip(seqs, ks, lens)
+               if k is None or targets[r].ndim != 1 or not 1 <= n <= plan.query_lens[r]]
+        if bad:
+            raise ValueError(f"prompt-logprob targets of sequence(s) {bad} are not 1 to query_len ids "
+                             "of a sequence whose params ask for prompt_logprobs")
+        flat = np.concatenate([targets[r] for r in seqs]).astype(np.int64)
+        vocab = self.model_config.vocab_size
+        if flat.min() < 0 or flat.max() >= vocab:
+            raise ValueError(f"a prompt-logprob target is outside [0, {vocab})")
+        # Sequence r's i-th target is at token row cu_seqlens_q[r] + i.
+        starts = np.cumsum(lens) - lens
+        rows = np.arange(flat.size, dtype=np.int64) + np.repeat(inputs.cu_seqlens_q[seqs] - starts, lens)
+        layout = LogprobLayout(tuple(plan.seq_ids[r] for r in seqs), tuple(lens.tolist()), tuple(ks))
+        return layout, rows, flat
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> torch.Tensor:
@@ -371,22 +560,24 @@ class ModelExecutor:
             rows[plan.prev_sample_slots] = [self.prev_sample_row[sid] for sid in refs]
         return rows
 
-    def _upload_all(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+    def _upload_all(self, *arrays: np.ndarray, ring: _PinnedRing | None = None) -> list[torch.Tensor]:
         """Host arrays -> int64 device tensors of the same shapes, in ONE copy.
 
-        On CUDA the arrays are packed into a pinned buffer (a ring of two, so the
-        host never rewrites one the previous step's copy may still read) and
-        sent with a single non-blocking copy.
+        On CUDA the arrays are packed into a pinned buffer of ``ring`` (default: the
+        step inputs' ring of two, so the host never rewrites one the previous step's
+        copy may still read; one upload a step per ring) and sent with a single
+        non-blocking copy.
         """
         sizes = [a.size for a in arrays]
         total = sum(sizes)
         if self.device.type == "cpu":
             flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64))
         else:
-            staging = self._staging.next(total)
+            ring = ring or self._staging
+            staging = ring.next(total)
             np.concatenate([a.reshape(-1) for a in arrays], out=staging.numpy(), casting="unsafe")
             flat = staging.to(self.device, non_blocking=True)
-            self._staging.record()
+            ring.record()
         parts = torch.split(flat, sizes)
         return [p.view(a.shape) for p, a in zip(parts, arrays)]
 

@@ -1,9 +1,13 @@
-"""The sampler: greedy, temperature, top-k, top-p and min-p, per row, in one batch, no host sync.
+"""The sampler: penalties, greedy, temperature, top-k, top-p and min-p, per row, in one batch, no host sync.
 
 Per-row settings travel as tensors (``SamplingTensors``, one host->device copy
 per step), so one batch mixes greedy and random rows with different filters.
 Nothing here reads a device value on the host (no ``.item()``, no ``nonzero()``,
 no branch on a device value): the executor keeps the sampled ids on the device.
+
+Penalties (``minivllm/layers/penalties.py``) come first, when a row has any: they
+turn the raw logits into a float32 copy that every path below then samples from
+(greedy rows included); the caller keeps the raw logits for log-probabilities.
 
 Paths, from cheapest:
 
@@ -47,6 +51,7 @@ import torch
 from torch import nn
 
 from minivllm.kernels.gumbel_sample import gumbel_sample, gumbel_sample_reference, hashed_uniform
+from minivllm.layers.penalties import PenaltyTensors, apply_penalties
 from minivllm.sampling import SamplingParams, is_greedy_temperature
 
 __all__ = ["MAX_CANDIDATES", "Sampler", "SamplingTensors", "apply_filters", "filter_floor",
@@ -362,14 +367,18 @@ class Sampler(nn.Module):
         base = self.generator.initial_seed() if self.generator is not None else 0
         return _splitmix64(_splitmix64(base & _MASK64) ^ self.num_steps)
 
-    def forward(self, logits: torch.Tensor, t: SamplingTensors, step_seed: int | None = None) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, t: SamplingTensors, step_seed: int | None = None,
+                penalties: PenaltyTensors | None = None) -> torch.Tensor:
         """Sample from ``logits`` (S, V) -> token ids (S,) int64 on the logits' device.
 
-        Greedy rows get exactly ``argmax``. ``step_seed`` keys the unseeded rows
-        (None: ``next_step_seed()``); seeded rows ignore it.
+        Greedy rows get exactly ``argmax`` (of the penalised logits where ``penalties``
+        covers them). ``step_seed`` keys the unseeded rows (None: ``next_step_seed()``);
+        seeded rows ignore it. ``logits`` is not modified.
         """
         if step_seed is None:
             step_seed = self.next_step_seed()
+        if penalties is not None:
+            logits = apply_penalties(logits, penalties)
         if t.all_greedy:
             return logits.argmax(dim=-1)
         floor = filter_floor(logits, t)
