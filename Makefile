@@ -51,6 +51,7 @@ bench:
 	run() { echo "=== $$*"; PYTHONPATH=. timeout $(or $(BENCH_TIMEOUT),240) python3 -m "$$@" \
 	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }; \
 	run benchmarks.throughput $(if $(BENCH_QUICK),--num-requests 128 --hf-requests 16 --async on); \
+	run benchmarks.serving $(if $(BENCH_QUICK),--num-requests 128 --max-duration 8); \
 	run benchmarks.host_overlap $(if $(BENCH_QUICK),--async on); \
 	run benchmarks.kernel_count $(if $(BENCH_QUICK),--async on); \
 	run benchmarks.long_context $(if $(BENCH_QUICK),--repeats 2); \

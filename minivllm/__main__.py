@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -31,6 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model argument)")
     s.add_argument("--seed", type=int, default=0, help="sampler seed for unseeded requests")
+    # The env var is read in _serve, not here: a default would be printed by --help.
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(else $MINIVLLM_API_KEY if set; neither: no key)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; a larger one is answered 413")
     _add_engine_args(s)
     return p
 
@@ -92,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from minivllm.server.app import build_app
+        from minivllm.server.protocol import ServerConfig
     except ImportError as e:
         print(f"error: serving needs the 'serve' extra (pip install -e '.[serve]'): {e}",
               file=sys.stderr)
@@ -99,6 +107,9 @@ def _serve(args: argparse.Namespace) -> int:
     from minivllm.llm import LLM
 
     try:
+        config = ServerConfig(model_name=args.served_model_name or args.model,
+                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None,
+                              max_body_bytes=args.max_body_bytes)
         llm = LLM(args.model, device=args.device, dtype=args.dtype,
                   attention_backend=args.attention_backend, seed=args.seed,
                   **_engine_options(args))
@@ -106,7 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with llm:
-        app = build_app(llm, args.served_model_name or args.model)
+        app = build_app(llm, config)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

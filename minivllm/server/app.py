@@ -1,15 +1,17 @@
 """The FastAPI app: the OpenAI completions and chat API over an ``AsyncEngine``.
 
-Every error leaves as the OpenAI body ``{"error": {"message", "type", "code"}}``:
-400 for a request the protocol models or the engine refuse (nothing of it is
-queued), 404 for an unknown model or route, 500 when the engine has failed.
-A client that disconnects, streaming or not, aborts its requests.
+Every error leaves as the OpenAI body ``{"error": {"message", "type", "param",
+"code"}}``: 400 for a request the protocol models or the engine refuse (nothing
+of it is queued), 401 without the API key, 404 for an unknown model or route,
+413 for a body over the limit, 500 when the engine has failed. A client that
+disconnects, streaming or not, aborts its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,41 +20,53 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.outputs import FinishReason
-from minivllm.server.engine_loop import AsyncEngine, Delta, EngineDeadError, RequestGroup
+from minivllm.server.engine_loop import (AsyncEngine, Delta, EngineDeadError, RequestGroup,
+                                         RequestLostError)
+from minivllm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse,
-                                      ChatStreamChoice, CompletionChoice, CompletionRequest,
-                                      CompletionResponse, CompletionStreamResponse, DeltaMessage,
-                                      ErrorInfo, ErrorResponse, ModelCard, ModelList, Usage,
-                                      _Request)
+                                      ChatStreamChoice, ChoiceLogprobs, CompletionChoice,
+                                      CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                      CompletionStreamResponse, DeltaMessage, ModelCard, ModelList,
+                                      ServerConfig, TokenLogprob, TopLogprob, Usage, _Request,
+                                      error_body)
 
 T = TypeVar("T")
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                500: "internal_server_error"}
+# Request fields an error message may name (its ``param``).
+_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+
+# JSON has no -inf: a logprob below this is reported as this (vLLM does the same).
+_MIN_LOGPROB = -9999.0
 
 
 class APIError(Exception):
     """An error answered with the OpenAI error body."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, code=status,
-                                         type=_ERROR_TYPES.get(status, "api_error")))
-    return JSONResponse(body.model_dump(), status_code=status)
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    """``field: problem; ...``, one problem per top-level field."""
+def _param_named(message: str) -> str | None:
+    """The first request field ``message`` names (after a ``request '<id>':`` prefix), if any."""
+    message = re.sub(r"^request '[^']*': ", "", message)
+    return next((w for w in re.findall(r"[a-z_]+", message) if w in _FIELDS), None)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """``field: problem; ...``, one problem per top-level field; ``param`` the first field."""
     problems: dict[str, list[str]] = {}
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -63,7 +77,9 @@ def _validation_message(exc: RequestValidationError) -> str:
     # A union (``prompt``) reports one error per member it tried: say so instead.
     parts = [msgs[0] if len(msgs) == 1 else f"{field}: matches none of its accepted types ({msgs[0]}, ...)"
              for field, msgs in problems.items()]
-    return "; ".join(parts) or "invalid request"
+    message = "; ".join(parts) or "invalid request"
+    first = next(iter(problems), "")
+    return APIError(400, message, first or _param_named(message))
 
 
 def _sse(payload: Any) -> str:
@@ -71,14 +87,25 @@ def _sse(payload: Any) -> str:
     return f"data: {data}\n\n"
 
 
-class _Server:
-    """The handlers' shared state: the engine, the model's name and its tokenizer."""
+def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]
 
-    def __init__(self, llm: Any, model_name: str) -> None:
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+class _Server:
+    """The handlers' shared state: the engine, the config and the tokenizer."""
+
+    def __init__(self, llm: Any, config: ServerConfig) -> None:
         self.llm = llm
-        self.model_name = model_name
+        self.config = config
+        self.model_name = config.model_name
         self.engine = AsyncEngine.from_llm(llm)
+        self.metrics = self.engine.metrics
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     # ---- prompts -------------------------------------------------------------
 
@@ -90,7 +117,7 @@ class _Server:
         else:
             prompts = list(prompt)
         if not prompts:
-            raise APIError(400, "prompt: is empty")
+            raise APIError(400, "prompt: is empty", "prompt")
         return [self._token_ids(i, p) for i, p in enumerate(prompts)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -100,14 +127,58 @@ class _Server:
         try:  # LLM's one prompt check: tokenize, non-empty, ids inside the vocabulary
             return self.llm.prompt_token_ids(i, prompt)
         except (ValueError, TypeError) as e:
-            raise APIError(400, f"prompt: {e}") from e
+            raise APIError(400, f"prompt: {e}", "prompt") from e
+
+    # ---- logprobs ------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (special tokens as written); cached, the vocabulary is fixed."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def completion_logprobs(self, d: Delta, offset: int) -> CompletionLogprobs:
+        """The legacy ``logprobs`` object of ``d``'s tokens, whose text starts at ``offset``.
+
+        ``top_logprobs`` holds the N most likely tokens and the sampled one (N + 1
+        entries when it is not among them), as the OpenAI and vLLM completions APIs do.
+        """
+        assert d.logprobs is not None
+        tokens = [self.token_text(t) for t in d.token_ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[_finite(lp[t]) for t, lp in zip(d.token_ids, d.logprobs)],
+            top_logprobs=[{self.token_text(i): _finite(v) for i, v in _top(lp, len(lp))}
+                          for lp in d.logprobs],
+            text_offset=offsets)
+
+    def chat_logprobs(self, d: Delta, k: int) -> ChoiceLogprobs:
+        """``choices[i].logprobs`` of ``d``'s tokens, with the ``k`` most likely alternatives."""
+        assert d.logprobs is not None
+
+        def entry(token_id: int, logprob: float) -> TopLogprob:
+            text = self.token_text(token_id)
+            return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode()))
+
+        content = []
+        for t, lp in zip(d.token_ids, d.logprobs):
+            own = entry(t, lp[t])
+            content.append(TokenLogprob(token=own.token, logprob=own.logprob, bytes=own.bytes,
+                                        top_logprobs=[entry(i, v) for i, v in _top(lp, k)]))
+        return ChoiceLogprobs(content=content)
 
     # ---- running requests ----------------------------------------------------
 
     def check_model(self, req: _Request) -> None:
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}")
+                                f"{self.model_name!r}", "model")
 
     async def submit(self, kind: str, prompts: list[list[int]], req: _Request
                      ) -> tuple[str, int, RequestGroup]:
@@ -119,13 +190,13 @@ class _Server:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
             return request_id, created, await self.engine.add_requests(ids, prompts, params)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), _param_named(str(e))) from e
         except EngineDeadError as e:
             raise APIError(500, str(e)) from e
 
     async def collect(self, request: Request, group: RequestGroup) -> list[list[Delta]]:
         """Every delta of ``group``, by choice index; a client gone meanwhile aborts it."""
-        deltas: list[list[Delta]] = [[] for _ in group.request_ids]
+        deltas: list[list[Delta]] = [[] for _ in range(group.num_choices)]
 
         async def gather() -> None:
             async for d in group:
@@ -148,25 +219,30 @@ class _Server:
             watch.cancel()
         try:
             return work_task.result()
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestLostError) as e:
             raise APIError(500, str(e)) from e
 
-    async def stream(self, group: RequestGroup,
-                     chunks: Callable[[Delta], list[str]], first: list[str]) -> AsyncIterator[str]:
-        """Server-sent events: ``first``, then ``chunks(delta)`` per delta, then ``[DONE]``.
+    async def stream(self, group: RequestGroup, chunks: Callable[[Delta], list[str]],
+                     first: list[str], usage_chunk: Callable[[Usage], str] | None
+                     ) -> AsyncIterator[str]:
+        """Server-sent events: ``first``, then ``chunks(delta)`` per delta, then (with
+        ``usage_chunk``) the usage, then ``[DONE]``.
 
         Leaving early (the client disconnected, so the server cancelled this generator)
         aborts the group's unfinished requests.
         """
+        last: dict[int, Delta] = {}
         try:
             for event in first:
                 yield event
             async for delta in group:
+                last[delta.index] = delta
                 for event in chunks(delta):
                     yield event
-        except EngineDeadError as e:
-            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="internal_server_error",
-                                                     code=500)).model_dump())
+            if usage_chunk is not None:
+                yield usage_chunk(_usage(last, group.n))
+        except (EngineDeadError, RequestLostError) as e:
+            yield _sse(error_body(500, str(e)))
         finally:
             if not group.finished:
                 self.engine.abort(group.request_ids)
@@ -179,13 +255,26 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _usage(per_choice: list[list[Delta]]) -> Usage:
-    prompt = sum(d[-1].num_prompt_tokens for d in per_choice)
-    completion = sum(d[-1].num_completion_tokens for d in per_choice)
+def _usage(last: dict[int, Delta], n: int) -> Usage:
+    """From each choice's last delta; choice i * n + j is completion j of prompt i, and each
+    prompt counts once."""
+    prompt = sum(d.num_prompt_tokens for i, d in last.items() if i % n == 0)
+    completion = sum(d.num_completion_tokens for d in last.values())
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def build_app(llm: Any, model_name: str) -> FastAPI:
+def _final(deltas: list[list[Delta]]) -> dict[int, Delta]:
+    return {i: ds[-1] for i, ds in enumerate(deltas)}
+
+
+def _merge(ds: list[Delta]) -> Delta:
+    """A choice's deltas as one (for a non-streamed response)."""
+    logprobs = None if ds[-1].logprobs is None else tuple(x for d in ds for x in d.logprobs or ())
+    return Delta(ds[-1].index, "".join(d.text for d in ds), tuple(t for d in ds for t in d.token_ids),
+                 logprobs, ds[-1].num_prompt_tokens, ds[-1].num_completion_tokens, ds[-1].finish_reason)
+
+
+def build_app(llm: Any, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over ``llm`` (an ``LLM``: its engine, tokenizer and chat template).
 
     The engine thread starts with the app (lifespan) and stops with it.
@@ -193,7 +282,7 @@ def build_app(llm: Any, model_name: str) -> FastAPI:
     Raises:
         ValueError: ``llm`` has no tokenizer.
     """
-    server = _Server(llm, model_name)
+    server = _Server(llm, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -203,6 +292,10 @@ def build_app(llm: Any, model_name: str) -> FastAPI:
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.state.server = server
+    # The last added runs first: the key is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     _add_error_handlers(app)
     _add_info_routes(app, server)
     _add_completion_route(app, server)
@@ -213,15 +306,21 @@ def build_app(llm: Any, model_name: str) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc))
+        error = _validation_error(exc)
+        return error_response(error.status, error.message, error.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        # A bug in a handler: the OpenAI body still (Starlette logs the traceback after).
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def _add_info_routes(app: FastAPI, server: _Server) -> None:
@@ -238,29 +337,13 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
         return ModelList(data=[card]).model_dump()
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(server.engine),
-                                 media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
-def prometheus_text(engine: AsyncEngine) -> str:
-    """The engine's counters in the Prometheus text exposition format."""
-    m = engine.metrics
-    rows = [
-        ("requests_total", "counter", "Requests admitted to the engine.", m.requests_total),
-        ("requests_running", "gauge", "Requests in the running queue.", m.requests_running),
-        ("requests_waiting", "gauge", "Requests waiting to be scheduled.", m.requests_waiting),
-        ("requests_aborted_total", "counter", "Requests aborted by their client.",
-         m.requests_aborted_total),
-        ("generation_tokens_total", "counter", "Completion tokens generated.",
-         m.generation_tokens_total),
-        ("engine_steps_total", "counter", "Engine steps run.", m.engine_steps_total),
-    ]
-    lines = []
-    for name, kind, help_text, value in rows:
-        lines += [f"# HELP minivllm_{name} {help_text}", f"# TYPE minivllm_{name} {kind}",
-                  f"minivllm_{name} {value}"]
-    return "\n".join(lines) + "\n"
+def _chunk_json(chunk: CompletionStreamResponse | ChatCompletionChunk, include_usage: bool) -> dict:
+    # With include_usage every chunk carries "usage" (null but in the last), as OpenAI sends it.
+    return chunk.model_dump(exclude=None if include_usage else {"usage"})
 
 
 def _add_completion_route(app: FastAPI, server: _Server) -> None:
@@ -268,21 +351,42 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
     async def completions(req: CompletionRequest, request: Request) -> Response:
         server.check_model(req)
         rid, created, group = await server.submit("cmpl", server.completion_prompts(req), req)
+        want_logprobs = req.logprobs is not None
+
+        def body(choices: list[CompletionChoice], usage: Usage | None = None) -> dict:
+            return _chunk_json(CompletionStreamResponse(id=rid, created=created, model=server.model_name,
+                                                        choices=choices, usage=usage), req.include_usage)
+
+        offsets: dict[int, int] = {}  # choice -> text offset of its next token
 
         def chunk(d: Delta) -> list[str]:
-            if not d.text and d.finish_reason is None:
+            if not d.text and d.finish_reason is None and not (want_logprobs and d.token_ids):
                 return []
-            choice = CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason)
-            return [_sse(CompletionStreamResponse(id=rid, created=created, model=server.model_name,
-                                                  choices=[choice]).model_dump())]
+            logprobs = None
+            if want_logprobs:
+                offset = offsets.get(d.index, 0)
+                logprobs = server.completion_logprobs(d, offset)
+                offsets[d.index] = offset + sum(len(t) for t in logprobs.tokens)
+            choice = CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                                      logprobs=logprobs)
+            return [_sse(body([choice]))]
+
+        def usage_chunk(usage: Usage) -> str:
+            return _sse(body([], usage))
 
         if req.stream:
-            return StreamingResponse(server.stream(group, chunk, []), media_type="text/event-stream")
+            return StreamingResponse(server.stream(group, chunk, [], usage_chunk if req.include_usage else None),
+                                     media_type="text/event-stream")
         deltas = await server.collect(request, group)
-        choices = [CompletionChoice(index=i, text="".join(d.text for d in ds),
-                                    finish_reason=ds[-1].finish_reason) for i, ds in enumerate(deltas)]
+        choices = []
+        for ds in deltas:
+            d = _merge(ds)
+            choices.append(CompletionChoice(
+                index=d.index, text=d.text, finish_reason=d.finish_reason,
+                logprobs=server.completion_logprobs(d, 0) if want_logprobs else None))
         return JSONResponse(CompletionResponse(id=rid, created=created, model=server.model_name,
-                                               choices=choices, usage=_usage(deltas)).model_dump())
+                                               choices=choices, usage=_usage(_final(deltas), group.n)
+                                               ).model_dump())
 
 
 def _add_chat_route(app: FastAPI, server: _Server) -> None:
@@ -290,26 +394,41 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(req)
         rid, created, group = await server.submit("chatcmpl", [server.chat_prompt(req)], req)
+        top_k = req.num_logprobs()
 
-        def event(delta: DeltaMessage, finish_reason: FinishReason | None = None) -> str:
-            choice = ChatStreamChoice(index=0, delta=delta, finish_reason=finish_reason)
-            body = ChatCompletionChunk(id=rid, created=created, model=server.model_name,
-                                       choices=[choice]).model_dump()
+        def event(index: int, delta: DeltaMessage, finish_reason: FinishReason | None = None,
+                  logprobs: ChoiceLogprobs | None = None) -> str:
+            choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                      logprobs=logprobs)
+            body = _chunk_json(ChatCompletionChunk(id=rid, created=created, model=server.model_name,
+                                                   choices=[choice]), req.include_usage)
             # A delta names only what it adds; finish_reason stays, as null, as OpenAI sends it.
             body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
             return _sse(body)
 
         def chunk(d: Delta) -> list[str]:
-            if not d.text and d.finish_reason is None:
+            if not d.text and d.finish_reason is None and not (top_k is not None and d.token_ids):
                 return []
-            return [event(DeltaMessage(content=d.text) if d.text else DeltaMessage(), d.finish_reason)]
+            logprobs = server.chat_logprobs(d, top_k) if top_k is not None else None
+            return [event(d.index, DeltaMessage(content=d.text) if d.text else DeltaMessage(),
+                          d.finish_reason, logprobs)]
+
+        def usage_chunk(usage: Usage) -> str:
+            return _sse(ChatCompletionChunk(id=rid, created=created, model=server.model_name, choices=[],
+                                            usage=usage).model_dump())
 
         if req.stream:
-            first = [event(DeltaMessage(role="assistant", content=""))]
-            return StreamingResponse(server.stream(group, chunk, first), media_type="text/event-stream")
+            first = [event(i, DeltaMessage(role="assistant", content="")) for i in range(group.num_choices)]
+            return StreamingResponse(server.stream(group, chunk, first,
+                                                   usage_chunk if req.include_usage else None),
+                                     media_type="text/event-stream")
         deltas = await server.collect(request, group)
-        text = "".join(d.text for d in deltas[0])
-        choice = ChatChoice(index=0, message=AssistantMessage(content=text),
-                            finish_reason=deltas[0][-1].finish_reason)
+        choices = []
+        for ds in deltas:
+            d = _merge(ds)
+            choices.append(ChatChoice(
+                index=d.index, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason,
+                logprobs=server.chat_logprobs(d, top_k) if top_k is not None else None))
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=server.model_name,
-                                                   choices=[choice], usage=_usage(deltas)).model_dump())
+                                                   choices=choices, usage=_usage(_final(deltas), group.n)
+                                                   ).model_dump())

@@ -17,14 +17,25 @@ engine's own ``validate_request``), so it never reads engine state that a step
 is changing; the handler awaits the verdict. An exception out of the engine
 ends the thread and is handed to every waiting request (``EngineDeadError``):
 they fail rather than hang, and later requests are refused.
+
+A request with ``n`` completions is one engine request whose outputs carry their
+``index``; each completion is a *choice* here (OpenAI's ``choices[i]``: prompt i's
+completion j is choice ``i * n + j``), with its own detokenizer and text. A choice
+whose request has stop strings holds back its last ``longest stop - 1`` characters
+until more text shows they do not start a stop string, so no streamed delta is
+ever taken back; the engine's final text (cut before the stop string) ends it.
+If the engine goes idle while a choice is unfinished (it lost an output: a bug),
+the choice fails with ``RequestLostError`` instead of waiting forever.
+
+After every loop the thread records the step in ``ServerMetrics`` (``/metrics``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Union
@@ -33,6 +44,7 @@ from minivllm.detokenizer import IncrementalDetokenizer, Tokenizer
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import FinishReason, RequestOutput
 from minivllm.sampling import SamplingParams
+from minivllm.server.metrics import ServerMetrics, StepCounts
 
 logger = logging.getLogger(__name__)
 
@@ -43,51 +55,50 @@ class EngineDeadError(RuntimeError):
 
 @dataclass(frozen=True)
 class Delta:
-    """What one engine step added to one request of a group.
+    """What one engine step added to one choice (one completion of one prompt) of a group.
 
     Attributes:
-        index: the request's position in its group (the OpenAI choice index).
-        text: newly final text (may be "" while a character is incomplete).
+        index: the OpenAI choice index: prompt i's completion j is ``i * n + j``.
+        text: newly final text (may be "" while a character is incomplete, or while
+            the text could still turn into a stop string).
         token_ids: completion tokens new since the previous delta.
-        num_prompt_tokens: the request's prompt length.
+        logprobs: with ``SamplingParams.logprobs``, per token of ``token_ids``,
+            {token id: log-probability} of the top N and of the token itself; else None.
+        num_prompt_tokens: the prompt's length.
         num_completion_tokens: completion tokens so far (the stop token included).
-        finish_reason: None while the request runs.
+        finish_reason: None while the choice runs.
     """
 
     index: int
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[dict[int, float], ...] | None
     num_prompt_tokens: int
     num_completion_tokens: int
     finish_reason: FinishReason | None
 
 
-@dataclass(frozen=True)
-class EngineMetrics:
-    """Counters published by the engine thread after each step (read by /metrics)."""
-
-    requests_total: int = 0        # requests admitted
-    requests_running: int = 0
-    requests_waiting: int = 0      # queued in the scheduler or the inbox
-    requests_aborted_total: int = 0
-    generation_tokens_total: int = 0
-    engine_steps_total: int = 0
+class RequestLostError(RuntimeError):
+    """The engine went idle without finishing a choice (an engine bug; answered with 500)."""
 
 
-QueueItem = Union[Delta, EngineDeadError]
+QueueItem = Union[Delta, EngineDeadError, RequestLostError]
 
 
 class RequestGroup:
-    """The requests of one HTTP call (one per prompt), whose deltas share one queue.
+    """The requests of one HTTP call (one per prompt, each with ``n`` choices), whose deltas
+    share one queue.
 
     Iterate it (``async for delta in group``) to receive every delta until each
-    request has finished; an engine failure raises ``EngineDeadError`` there.
+    choice has finished; an engine failure raises ``EngineDeadError`` there.
     """
 
-    def __init__(self, request_ids: Sequence[str]) -> None:
+    def __init__(self, request_ids: Sequence[str], n: int = 1) -> None:
         self.request_ids = tuple(request_ids)
+        self.n = n
+        self.num_choices = len(self.request_ids) * n
         self.queue: asyncio.Queue[QueueItem] = asyncio.Queue()
-        self._unfinished = len(self.request_ids)
+        self._unfinished = self.num_choices
 
     @property
     def finished(self) -> bool:
@@ -96,7 +107,7 @@ class RequestGroup:
     async def __aiter__(self) -> AsyncIterator[Delta]:
         while self._unfinished:
             item = await self.queue.get()
-            if isinstance(item, EngineDeadError):
+            if isinstance(item, (EngineDeadError, RequestLostError)):
                 raise item
             if item.finish_reason is not None:
                 self._unfinished -= 1
@@ -112,6 +123,7 @@ class _Admit:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     admitted: asyncio.Future[None]
+    arrival: float   # time.monotonic() when the handler posted it
 
 
 @dataclass(frozen=True)
@@ -120,15 +132,40 @@ class _Abort:
 
 
 @dataclass
-class _Tracked:
-    """Engine-thread state of one admitted request."""
+class _Choice:
+    """Engine-thread state of one admitted choice.
+
+    Its text goes out in three parts: ``num_sent_chars`` already sent, ``held`` final
+    text held back because a stop string may still begin there (the last
+    ``holdback`` = longest stop string - 1 characters), and the detokenizer's tokens
+    still mid-character. When a stop string ends the choice, the engine's text (cut
+    before it) replaces what was held.
+    """
 
     group: RequestGroup
     index: int
     loop: asyncio.AbstractEventLoop
     detokenizer: IncrementalDetokenizer
     num_prompt_tokens: int
-    num_tokens: int = 0   # completion tokens so far
+    holdback: int
+    arrival: float
+    held: str = ""
+    num_sent_chars: int = 0
+    num_tokens: int = 0              # completion tokens so far
+    first_token_time: float | None = None
+
+    def next_text(self, released: str, out: RequestOutput) -> str:
+        """The text to send now, given the detokenizer's newly ``released`` text."""
+        if out.finish_reason is None:
+            avail = self.held + released
+            cut = max(0, len(avail) - self.holdback)
+            text, self.held = avail[:cut], avail[cut:]
+        elif out.text is not None:   # the engine watched the text (stop strings): its cut wins
+            text, self.held = out.text[self.num_sent_chars:], ""
+        else:
+            text, self.held = self.held + released + self.detokenizer.flush(), ""
+        self.num_sent_chars += len(text)
+        return text
 
 
 def _notify(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
@@ -154,23 +191,26 @@ class AsyncEngine:
     Args:
         engine: the engine; from now on only this object's thread may use it.
         tokenizer: decodes completion tokens into text deltas.
+        metrics: where the engine thread records steps and requests (default: new ones).
     """
 
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer) -> None:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer,
+                 metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.metrics = EngineMetrics()
+        self.metrics = metrics if metrics is not None else ServerMetrics()
         self._lock = threading.Lock()      # guards _inbox, _error, _closed
         self._inbox: list[_Admit | _Abort] = []
         self._error: EngineDeadError | None = None
         self._closed = False
         self._wakeup = threading.Event()   # set: the inbox has commands
         self._idle = threading.Event()     # set: inbox empty and nothing unfinished
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        # Engine thread only: per unfinished request id, its choices (None once finished).
+        self._tracked: dict[str, list[_Choice | None]] = {}
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
 
     @classmethod
-    def from_llm(cls, llm: Any) -> "AsyncEngine":
+    def from_llm(cls, llm: Any, metrics: ServerMetrics | None = None) -> "AsyncEngine":
         """An ``AsyncEngine`` over an ``LLM``'s engine and tokenizer.
 
         Raises:
@@ -178,7 +218,7 @@ class AsyncEngine:
         """
         if llm.tokenizer is None:
             raise ValueError("serving needs a tokenizer; this LLM was built with skip_tokenizer_init")
-        return cls(llm.engine, llm.tokenizer)
+        return cls(llm.engine, llm.tokenizer, metrics)
 
     # ---- lifecycle (event-loop side) -----------------------------------------
 
@@ -208,16 +248,17 @@ class AsyncEngine:
 
     async def add_requests(self, request_ids: Sequence[str], prompts: Sequence[Sequence[int]],
                            params: SamplingParams) -> RequestGroup:
-        """Queue one request per prompt, all or none; returns the group to iterate.
+        """Queue one request per prompt (each with ``params.n`` choices), all or none; returns
+        the group to iterate.
 
         Raises:
             ValueError, TypeError: the engine refuses one of them (nothing queued).
             EngineDeadError: the engine thread has stopped.
         """
         loop = asyncio.get_running_loop()
-        group = RequestGroup(request_ids)
+        group = RequestGroup(request_ids, params.n)
         admitted: asyncio.Future[None] = loop.create_future()
-        self._post(_Admit(group, [list(p) for p in prompts], params, loop, admitted))
+        self._post(_Admit(group, [list(p) for p in prompts], params, loop, admitted, time.monotonic()))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -264,9 +305,12 @@ class AsyncEngine:
                     continue
                 for command in commands:
                     self._apply(command)
-                if self.engine.has_unfinished_requests():
+                stepped = self.engine.has_unfinished_requests()
+                if stepped:
                     self._deliver(self.engine.step())
-                self._publish_metrics()
+                if self._tracked and not self.engine.has_unfinished_requests():
+                    self._fail_lost()
+                self._record_step(stepped)
         except Exception as e:  # surfaced to every waiting request, never swallowed
             logger.exception("engine thread failed")
             self._fail(EngineDeadError(f"engine failed: {type(e).__name__}: {e}"))
@@ -278,59 +322,83 @@ class AsyncEngine:
             for rid in command.request_ids:
                 if self._tracked.pop(rid, None) is not None:
                     self.engine.abort_request(rid)
-                    self._count(requests_aborted_total=1)
+                    self.metrics.aborted.inc()
             return
+        group, params = command.group, command.params
         try:
-            for rid, prompt in zip(command.group.request_ids, command.prompts):
-                self.engine.validate_request(rid, prompt, command.params)
+            for rid, prompt in zip(group.request_ids, command.prompts):
+                self.engine.validate_request(rid, prompt, params)
         except (ValueError, TypeError) as e:
             _notify(command.loop, _settle, command.admitted, e)
             return
-        for i, (rid, prompt) in enumerate(zip(command.group.request_ids, command.prompts)):
-            self.engine.add_request(rid, prompt, command.params)
-            self._tracked[rid] = _Tracked(command.group, i, command.loop,
-                                          IncrementalDetokenizer(self.tokenizer, prompt), len(prompt))
-        self._count(requests_total=len(command.prompts))
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        for i, (rid, prompt) in enumerate(zip(group.request_ids, command.prompts)):
+            self.engine.add_request(rid, prompt, params)
+            self._tracked[rid] = [
+                _Choice(group, i * group.n + j, command.loop, IncrementalDetokenizer(self.tokenizer, prompt),
+                        len(prompt), holdback, command.arrival)
+                for j in range(group.n)]
+            self.metrics.prompt_tokens.inc(len(prompt))
+        self.metrics.requests.inc(len(command.prompts))
         _notify(command.loop, _settle, command.admitted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Turn the engine's streamed outputs (``new_token_ids`` per step) into deltas."""
-        new_tokens = 0
+        now = time.monotonic()
         for out in outputs:
-            t = self._tracked.get(out.request_id)
-            if t is None:
+            choices = self._tracked.get(out.request_id)
+            c = choices[out.index] if choices is not None and out.index < len(choices) else None
+            if c is None:
                 continue  # aborted by its client
             new = out.new_token_ids
-            t.num_tokens = len(out.token_ids)
-            new_tokens += len(new)
+            c.num_tokens = len(out.token_ids)
+            self.metrics.generation_tokens.inc(len(new))
             done = out.finish_reason is not None
             if not new and not done:
                 continue
+            if new and c.first_token_time is None:
+                c.first_token_time = now
+                self.metrics.ttft.observe(now - c.arrival)
             # The eos/stop token that ends a request is not part of its text.
             shown = new[:-1] if out.finish_reason == "stop" and new else new
-            text = t.detokenizer.add(shown)
+            text = c.next_text(c.detokenizer.add(shown), out)
+            logprobs = out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None
             if done:
-                text += t.detokenizer.flush()
-                del self._tracked[out.request_id]
-            delta = Delta(t.index, text, tuple(new), t.num_prompt_tokens, t.num_tokens,
+                self._finished(out, c, now)
+            delta = Delta(c.index, text, tuple(new), logprobs, c.num_prompt_tokens, c.num_tokens,
                           out.finish_reason)
-            _notify(t.loop, t.group.queue.put_nowait, delta)
-        self._count(generation_tokens_total=new_tokens)
+            _notify(c.loop, c.group.queue.put_nowait, delta)
 
-    def _count(self, **increments: int) -> None:
-        m = self.metrics
-        self.metrics = dataclasses.replace(
-            m, **{k: getattr(m, k) + v for k, v in increments.items()})
+    def _finished(self, out: RequestOutput, c: _Choice, now: float) -> None:
+        choices = self._tracked[out.request_id]
+        choices[out.index] = None
+        if not any(choices):
+            del self._tracked[out.request_id]
+        self.metrics.finished.labels(finish_reason=str(out.finish_reason)).inc()
+        if c.first_token_time is not None and c.num_tokens > 1:
+            self.metrics.tpot.observe((now - c.first_token_time) / (c.num_tokens - 1))
 
-    def _publish_metrics(self) -> None:
-        sched = self.engine.scheduler
+    def _fail_lost(self) -> None:
+        """The engine is idle, so choices still tracked will never finish: fail them."""
+        for rid, choices in self._tracked.items():
+            for c in choices:
+                if c is not None:
+                    error = RequestLostError(f"request {rid!r}: the engine went idle without finishing "
+                                             f"choice {c.index}")
+                    _notify(c.loop, c.group.queue.put_nowait, error)
+        self._tracked.clear()
+
+    def _record_step(self, stepped: bool) -> None:
+        engine, sched = self.engine, self.engine.scheduler
         with self._lock:
             inbox = sum(len(c.prompts) for c in self._inbox if isinstance(c, _Admit))
-        # One reference assignment: readers on other threads see a whole snapshot.
-        self.metrics = dataclasses.replace(
-            self.metrics, requests_running=len(sched.running),
-            requests_waiting=len(sched.waiting) + inbox,
-            engine_steps_total=self.engine.stats.num_steps)
+        last, stats = engine.last_step, engine.stats
+        self.metrics.step(StepCounts(
+            running=len(sched.running), waiting=len(sched.waiting) + inbox,
+            blocks_used=engine.num_blocks - engine.num_free_blocks, blocks_total=engine.num_blocks,
+            batch_size=len(last.scheduled) if stepped and last is not None else 0,
+            steps=stats.num_steps, cached_tokens=stats.num_cached_tokens,
+            computed_prefill_tokens=stats.num_prefill_tokens, preemptions=stats.num_preemptions))
 
     def _fail(self, error: EngineDeadError) -> None:
         with self._lock:
@@ -340,6 +408,8 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Admit):
                 _notify(command.loop, _settle, command.admitted, error)
-        for t in self._tracked.values():
-            _notify(t.loop, t.group.queue.put_nowait, error)
+        for choices in self._tracked.values():
+            for c in choices:
+                if c is not None:
+                    _notify(c.loop, c.group.queue.put_nowait, error)
         self._tracked.clear()
