@@ -21,6 +21,9 @@ GREEDY_TEMPERATURE = 1e-5
 
 # Most top log-probabilities a request may ask for per position (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# Most completions per request (OpenAI's limit for ``n``).
+MAX_N = 128
+MAX_INT32 = 2**31 - 1
 
 
 def _is_int(v: Any) -> bool:
@@ -56,7 +59,7 @@ class SamplingParams:
             it unless ``include_stop_str_in_output``. The token that completed it
             stays in ``token_ids``. Needs an engine with a tokenizer.
         include_stop_str_in_output: keep the stop string at the end of the text.
-        n: completions of the prompt (parallel samples, each its own sequence; the
+        n: completions of the prompt, 1..MAX_N (parallel samples, each its own sequence; the
             prompt is computed once and the others read its blocks from the prefix
             cache). With a ``seed``, sample i uses ``seed + i``.
         logprobs: with N (0..MAX_LOGPROBS), each completion token reports its own
@@ -97,8 +100,8 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or in [1, 2**31 - 1], got {self.top_k!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
@@ -127,8 +130,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(stop_str))  # input type only, as for stop_token_ids
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):

@@ -428,3 +428,21 @@ def test_engine_async_equals_sync_with_every_feature(model):
         assert prompts[0][i] in got[i] and len(got[i]) <= 3
         for tok, lp in got[i].items():
             assert abs(lp - want[i - 1, tok].item()) < 1e-4
+
+
+def test_a_top_p_below_float32_keeps_the_most_likely_token() -> None:
+    # 1e-300 rounds to 0 in float32; it once kept no token and crashed the sampler.
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    for top_p in (1e-300, 1e-40):
+        params = [SamplingParams(top_p=top_p), SamplingParams(top_p=top_p, top_k=5), SamplingParams(top_p=top_p, seed=3)]
+        tensors = SamplingTensors.build(params, np.array([3, 3, 3]), 50, torch.device("cpu"))
+        assert sampler(logits, tensors).tolist() == logits.argmax(-1).tolist()
+
+
+def test_n_and_top_k_are_bounded() -> None:
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=129)
+    with pytest.raises(ValueError, match="top_k must be"):
+        SamplingParams(top_k=2**31)
+    assert SamplingParams(n=128, top_k=2**31 - 1).n == 128

@@ -137,7 +137,9 @@ class _HostRows:
             rows.ints[s:3 * s].reshape(s, 2)[seeded_rows] = row_keys(seed_vals, positions[seeded_rows])
             rows.ints[3 * s:] = seeded_rows
         rows.floats[0] = np.where(greedy, 1.0, temperature)
-        p = np.array(top_p, dtype=np.float64)
+        # A top_p below float32's smallest normal would round to 0 and keep nothing: it keeps
+        # the most likely token, as any top_p that small does.
+        p = np.maximum(np.array(top_p, dtype=np.float64), np.finfo(np.float32).tiny)
         rows.floats[1] = np.where(rand & (p < 1), p, np.inf)
         m = np.array(min_p, dtype=np.float64)
         log_min_p = np.full(s, -np.inf)

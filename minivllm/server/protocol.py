@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from minivllm.outputs import FinishReason
-from minivllm.sampling import MAX_LOGPROBS, SamplingParams
+from minivllm.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 
 # A completion prompt: text, several texts, token ids, or several token-id lists.
 PromptInput = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
@@ -25,8 +25,7 @@ PromptInput = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 # JSON integers are unbounded; the sampler packs these into int64 arrays.
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 
-# OpenAI's own limit on n; each choice is a sequence, so it also bounds one request's memory.
-MAX_N = 128
+# OpenAI's own limit on n (the engine's, SamplingParams): each choice is a sequence.
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_MAX_BODY_BYTES = 1 << 20
