@@ -317,7 +317,7 @@ LONG_PROMPT = "1+" * 40 + "1="   # 82 tokens > max_model_len 64
     ("/v1/completions", {"prompt": "1+1=", "temperature": "hot"}, 400, "temperature:", "temperature"),
     ("/v1/completions", {"prompt": "1+1=", "best_of": 2}, 400, "best_of: unknown field", "best_of"),
     ("/v1/completions", {"prompt": "1+1=", "echo": True}, 400, "echo", "echo"),
-    ("/v1/completions", {"prompt": "1+1=", "n": 0}, 400, "n must be an int >= 1", "n"),
+    ("/v1/completions", {"prompt": "1+1=", "n": 0}, 400, "n must be an int in [1, 128]", "n"),
     ("/v1/completions", {"prompt": "1+1=", "n": "3"}, 400, "n: Input should be", "n"),
     ("/v1/completions", {"prompt": "1+1=", "n": 1.5}, 400, "n: Input should be", "n"),
     ("/v1/completions", {"prompt": "1+1=", "n": 129}, 400, "n: Input should be less than or equal to 128",

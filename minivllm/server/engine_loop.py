@@ -176,6 +176,11 @@ def _notify(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any)
         pass
 
 
+def _put_all(items: list[tuple[asyncio.Queue[QueueItem], QueueItem]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
     if future.done():  # the handler was cancelled meanwhile
         return
@@ -343,8 +348,11 @@ class AsyncEngine:
         _notify(command.loop, _settle, command.admitted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Turn the engine's streamed outputs (``new_token_ids`` per step) into deltas."""
+        """Turn the engine's streamed outputs (``new_token_ids`` per step) into deltas, handed to
+        each event loop in ONE call per step (a thread-safe call writes to the loop's wake-up
+        socket: once per output it cost more than the detokenizing)."""
         now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[QueueItem], Delta]]] = {}
         for out in outputs:
             choices = self._tracked.get(out.request_id)
             c = choices[out.index] if choices is not None and out.index < len(choices) else None
@@ -367,7 +375,9 @@ class AsyncEngine:
                 self._finished(out, c, now)
             delta = Delta(c.index, text, tuple(new), logprobs, c.num_prompt_tokens, c.num_tokens,
                           out.finish_reason)
-            _notify(c.loop, c.group.queue.put_nowait, delta)
+            batches.setdefault(c.loop, []).append((c.group.queue, delta))
+        for loop, items in batches.items():
+            _notify(loop, _put_all, items)
 
     def _finished(self, out: RequestOutput, c: _Choice, now: float) -> None:
         choices = self._tracked[out.request_id]
