@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: test sim demo test-gpu bench clean
+.PHONY: test sim demo test-gpu bench serve-deps-offline clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,7 +46,7 @@ test-gpu:
 # each under a time limit (BENCH_TIMEOUT seconds, default 240). A failing one does
 # not stop the rest; the target fails at the end if any did. With OUT set, each
 # writes $(OUT)/<name>.json. BENCH_QUICK=1: fewer requests, async on only.
-bench:
+bench: serve-deps-offline
 	@rc=0; \
 	run() { echo "=== $$*"; PYTHONPATH=. timeout $(or $(BENCH_TIMEOUT),240) python3 -m "$$@" \
 	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }; \
@@ -59,6 +59,13 @@ bench:
 	if [ -f benchmarks/decode_attention.py ]; then run benchmarks.decode_attention; fi; \
 	if [ -f benchmarks/sampler.py ]; then run benchmarks.sampler; fi; \
 	exit $$rc
+
+# The GPU machine has no network: install the server's packages from wheels carried in
+# .wheels/ (downloaded where there is network; README "Serving"). A no-op when present.
+SERVE_PKGS := fastapi uvicorn pydantic httpx prometheus_client
+serve-deps-offline:
+	@python3 -c "import fastapi, uvicorn, pydantic, httpx, prometheus_client" 2>/dev/null \
+	  || python3 -m pip install -q --no-index --find-links .wheels $(SERVE_PKGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .coverage
