@@ -193,9 +193,9 @@ def _first(x: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def record_ours(model: torch.nn.Module, rec: Recorder) -> Iterator[None]:
     """Record our Qwen3's sub-steps (eager forwards only: a graph replay runs no hooks)."""
-    import minivllm.model.qwen3 as qwen3
+    import minivllm.model.decoder as decoder
 
-    fused_qk = qwen3.qk_norm_rope
+    fused_qk = decoder.qk_norm_rope
 
     def qk_norm_rope(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         q, k, v = fused_qk(*args, **kwargs)
@@ -218,11 +218,11 @@ def record_ours(model: torch.nn.Module, rec: Recorder) -> Iterator[None]:
             (layer, rec.hook(("layer_out", lambda i, o: o[0] + o[1]))),
         ]
     handles = [m.register_forward_hook(h) for m, h in hooks]
-    qwen3.qk_norm_rope = qk_norm_rope
+    decoder.qk_norm_rope = qk_norm_rope
     try:
         yield
     finally:
-        qwen3.qk_norm_rope = fused_qk
+        decoder.qk_norm_rope = fused_qk
         for h in handles:
             h.remove()
 

@@ -55,7 +55,7 @@ def make_inputs(t: int, device: str, dtype: torch.dtype, gen: torch.Generator,
 def old_path(x: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
     """What ``Qwen3Attention.forward`` ran before the fused kernel: returns q (T, H, D)."""
     from minivllm.kernels.store_kv import store_kv
-    from minivllm.model.qwen3 import qk_norm_rope
+    from minivllm.model.decoder import qk_norm_rope
 
     qkv, d, hkv = x["qkv"], x["q_weight"].shape[0], x["kv_cache"].shape[4]
     t, h = qkv.shape[0], qkv.shape[1] // d - 2 * hkv

@@ -1,13 +1,17 @@
-"""Random-weight checkpoints at real Qwen3 shapes, written with transformers.
+"""Random-weight checkpoints at real model shapes, written with transformers.
 
 No machine here can download weights, so benchmarks and the GPU suite build
-the model they need: ``QWEN3_0_6B`` is Qwen3-0.6B's config.json in numbers.
+the model they need. Each entry of ``SHAPES`` is a published config.json in
+numbers (transformers config keyword arguments): Qwen3-0.6B, Qwen2.5-0.5B
+(q/k/v bias, no ``head_dim`` key: 896 / 14 = 64) and Llama-3.2-1B (``llama3``
+RoPE scaling, factor 32).
 """
 
 from __future__ import annotations
 
+import copy
 import os
-from typing import Any
+from typing import Any, Mapping
 
 QWEN3_0_6B: dict[str, Any] = dict(
     vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -16,18 +20,57 @@ QWEN3_0_6B: dict[str, Any] = dict(
     attention_bias=False, bos_token_id=151643, eos_token_id=151645,
 )
 
+QWEN2_5_0_5B: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True,
+    use_sliding_window=False, max_window_layers=21, bos_token_id=151643, eos_token_id=151645,
+)
+
+LLAMA_3_2_1B: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+    max_position_embeddings=131072, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    bos_token_id=128000, eos_token_id=128001,
+)
+
+# --shapes name -> (architecture, i.e. the transformers model class, its config numbers)
+SHAPES: Mapping[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-0.6b": ("Qwen3ForCausalLM", QWEN3_0_6B),
+    "qwen2.5-0.5b": ("Qwen2ForCausalLM", QWEN2_5_0_5B),
+    "llama-3.2-1b": ("LlamaForCausalLM", LLAMA_3_2_1B),
+}
+
+
+def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = "bfloat16",
+                            std: float = 0.02, seed: int = 0, **overrides: Any) -> str:
+    """Save a random model of ``SHAPES[shapes]`` (with ``overrides``) to ``path``, unless
+    ``path`` already holds a checkpoint.
+
+    Raises:
+        ValueError: an unknown ``shapes`` name.
+    """
+    import torch
+    import transformers
+
+    if shapes not in SHAPES:
+        raise ValueError(f"unknown shapes {shapes!r}; known: {sorted(SHAPES)}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    architecture, numbers = SHAPES[shapes]
+    model_class = getattr(transformers, architecture)
+    # A copy: transformers fills in nested dicts (rope_parameters) in place.
+    cfg = model_class.config_class(**copy.deepcopy({**numbers, **overrides}), initializer_range=std)
+    cfg.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = model_class(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    return path
+
 
 def write_random_qwen3(path: str, dtype: str = "bfloat16", std: float = 0.02, seed: int = 0,
                        **overrides: Any) -> str:
     """Save a random ``Qwen3ForCausalLM`` (Qwen3-0.6B shapes unless overridden) to ``path``."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    cfg = Qwen3Config(**{**QWEN3_0_6B, **overrides}, initializer_range=std)
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
-    model.save_pretrained(path)
-    return path
+    return write_random_checkpoint(path, "qwen3-0.6b", dtype, std, seed, **overrides)

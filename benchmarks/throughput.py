@@ -3,11 +3,14 @@ minivllm (one step in flight and synchronous) against Hugging Face transformers.
 
     PYTHONPATH=. python3 -m benchmarks.throughput [--engines minivllm,hf] [--async both]
         [--num-requests 256] [--hf-requests 32] [--seed 0] [--smoke]
+        [--shapes qwen3-0.6b|qwen2.5-0.5b|llama-3.2-1b]
 
 Workload "offline-256": 256 requests, prompt lengths uniform in [100, 1024] of
 random token ids < 10000, max_tokens uniform in [100, 1024], eos ignored,
 temperature 1 (unseeded), Qwen3-0.6B shapes with random weights, bf16.
-Throughput = completion tokens / wall time of the whole batch.
+Throughput = completion tokens / wall time of the whole batch. ``--shapes``
+picks another model's shapes (``benchmarks/qwen3_shapes.py``: Qwen2.5-0.5B,
+Llama-3.2-1B; issue 10's targets) for the same workload.
 
 minivllm: one engine (KV pool sized from free memory) runs the workload once per
 scheduling mode. Both runs have the same prompt lengths and max_tokens but fresh
@@ -32,7 +35,8 @@ then all batches are timed. The HF run may use fewer requests than minivllm
 figure is a rate (completion tokens / wall time), compared as such.
 
 HF runs first (then is freed), so minivllm sizes its KV pool from the memory HF
-left. With ``$OUT`` set, a JSON summary goes to ``$OUT/throughput.json``.
+left. With ``$OUT`` set, a JSON summary goes to ``$OUT/throughput.json``
+(``throughput_<shapes>.json`` for shapes other than qwen3-0.6b).
 
 ``--smoke`` runs every code path on the CPU with a tiny random model and a few
 short requests (the numbers mean nothing).
@@ -57,13 +61,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.qwen3_shapes import write_random_qwen3
+from benchmarks.qwen3_shapes import SHAPES, write_random_checkpoint
 
 GOAL_TOK_S, STRETCH_TOK_S = 25_000, 30_000
+# offline-256 goals (tok/s on one H200) of the other shapes (issue 10).
+SHAPES_GOAL_TOK_S: dict[str, int] = {"qwen3-0.6b": GOAL_TOK_S, "qwen2.5-0.5b": 45_000, "llama-3.2-1b": 30_000}
+DEFAULT_SHAPES = "qwen3-0.6b"
 GOAL_MS_TOKEN, STRETCH_MS_TOKEN = 1.5, 1.0
 GOAL_RATIO = 25.0
 
-# A tiny Qwen3 for --smoke on the CPU: every code path, none of the cost.
+# A tiny model (of the --shapes family) for --smoke on the CPU: every code path, none of the cost.
 SMOKE_SHAPES: dict[str, Any] = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
@@ -74,18 +81,26 @@ SMOKE_SHAPES: dict[str, Any] = dict(
 # ---- helpers shared by the end-to-end benchmarks ------------------------------
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
-    """--model-dir, --seed, --smoke."""
-    ap.add_argument("--model-dir", default="/tmp/qwen3-0.6b-random")
+    """--shapes, --model-dir, --seed, --smoke."""
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default=DEFAULT_SHAPES,
+                    help="the random checkpoint's model and shapes (benchmarks/qwen3_shapes.py)")
+    ap.add_argument("--model-dir", default=None,
+                    help="where the random checkpoint is written once (default /tmp/<shapes>-random)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random model on the CPU, small workload: checks the code paths only")
 
 
 def model_path(args: argparse.Namespace) -> str:
-    """Qwen3-0.6B shapes in bf16, or (--smoke) a tiny float32 model; written once."""
+    """``--shapes`` (default Qwen3-0.6B) in bf16, or (--smoke) a tiny float32 model of the
+    same family; written once."""
+    shapes = args.shapes
     if args.smoke:
-        return write_random_qwen3("/tmp/minivllm-smoke-qwen3", dtype="float32", **SMOKE_SHAPES)
-    return write_random_qwen3(args.model_dir)
+        tiny = dict(SMOKE_SHAPES)
+        if shapes == "qwen2.5-0.5b":  # Qwen2 derives head_dim (64 / 4 heads = 16)
+            del tiny["head_dim"]
+        return write_random_checkpoint(f"/tmp/minivllm-smoke-{shapes}", shapes, dtype="float32", **tiny)
+    return write_random_checkpoint(args.model_dir or f"/tmp/{shapes}-random", shapes)
 
 
 def bench_device(args: argparse.Namespace) -> str:
@@ -333,14 +348,16 @@ def free_hf(device: str) -> None:
 
 # ---- main ----------------------------------------------------------------------
 
-def print_targets(n: int, results: dict[str, Any]) -> None:
+def print_targets(n: int, results: dict[str, Any], shapes: str = DEFAULT_SHAPES) -> None:
     mv, hf = results.get("minivllm"), results.get("hf")
+    goal = SHAPES_GOAL_TOK_S[shapes]
+    stretch = f"; stretch {STRETCH_TOK_S:,}" if shapes == DEFAULT_SHAPES else ""
     if mv is not None:
         for name in ("async on", "async off"):
             if name in mv:
                 tps, ms = mv[name]["offline"]["tok_s"], mv[name]["batch1"]["ms_per_token"]
-                print(f"offline-{n}: {tps:,.0f} tok/s (goal >= {GOAL_TOK_S:,}; stretch {STRETCH_TOK_S:,}) "
-                      f"[{name}] {met(tps, GOAL_TOK_S)}")
+                print(f"offline-{n} [{shapes}]: {tps:,.0f} tok/s (goal >= {goal:,}{stretch}) "
+                      f"[{name}] {met(tps, goal)}")
                 print(f"batch-1: {ms:.2f} ms/token (goal <= {GOAL_MS_TOKEN}; stretch {STRETCH_MS_TOKEN}) "
                       f"[{name}] {met(ms, GOAL_MS_TOKEN, lower_is_better=True)}")
     if mv is not None and hf is not None and "tok_s" in hf:
@@ -391,9 +408,9 @@ def main() -> None:
         free_hf(device)
     if "minivllm" in args.engines:
         results["minivllm"] = run_minivllm(args, path, device, wl)
-    print_targets(args.num_requests, results)
-    write_summary("throughput" if args.tensor_parallel_size == 1 else f"throughput_tp{args.tensor_parallel_size}",
-                  results)
+    print_targets(args.num_requests, results, args.shapes)
+    name = "throughput" + ("" if args.shapes == DEFAULT_SHAPES else f"_{args.shapes}")
+    write_summary(name if args.tensor_parallel_size == 1 else f"{name}_tp{args.tensor_parallel_size}", results)
     if "error" in results.get("hf", {}):
         raise SystemExit(1)
 

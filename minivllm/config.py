@@ -169,7 +169,51 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM",)
+# The model classes there are (``minivllm/model/registry.py`` maps each name to its class).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+# RoPE types we implement (``rope_type`` in config.json; "default" is plain RoPE).
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+# Hugging Face's theta when config.json names none.
+HF_DEFAULT_ROPE_THETA = 10_000.0
+# Keys a RoPE dict may hold (both spellings); the scaling ones only with a scaled type.
+_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+_LLAMA3_KEYS = frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+
+
+def _check_real(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (``rope_type: "llama3"``), applied by
+    ``minivllm.layers.rotary``.
+
+    With ``L = original_max_position_embeddings`` and each frequency's wavelength
+    ``w = 2 pi / f``: ``w < L / high_freq_factor`` keeps ``f``; ``w > L / low_freq_factor``
+    becomes ``f / factor``; in between, ``f`` is interpolated between the two by
+    ``s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+
+    Raises:
+        ValueError: a non-finite or non-positive number, ``factor < 1``, or
+            ``high_freq_factor <= low_freq_factor`` (the interpolation divides by their difference).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _check_real(f"rope llama3 {name}", getattr(self, name))
+        if self.factor < 1:
+            raise ValueError(f"rope llama3 factor must be >= 1, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError("rope llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor}, {self.high_freq_factor}")
+        _check_int("rope llama3 original_max_position_embeddings", self.original_max_position_embeddings, 1)
 
 
 @dataclass(frozen=True)
@@ -177,6 +221,16 @@ class ModelConfig:
     """The model's shapes, converted once from a Hugging Face ``config.json``.
 
     ``from_hf_json`` is the only place in the code base that reads that file.
+    What a family hard-codes rather than configures (Qwen2's q/k/v bias, Qwen3's
+    q/k norm) is stated by its model class (``minivllm/model/``), not here.
+
+    Attributes (beyond the shapes):
+        rope_theta: RoPE base, finite and positive.
+        rope_scaling: Llama 3.1 frequency scaling, or None for plain RoPE.
+        tie_word_embeddings: the LM head is the embedding matrix.
+        attention_bias: config.json's ``attention_bias`` (Llama, Qwen3: bias on
+            q/k/v/o; Qwen2 has no such switch, its q/k/v always carry a bias).
+        architecture: ``architectures[0]``, one of ``SUPPORTED_ARCHITECTURES``.
     """
 
     vocab_size: int
@@ -195,6 +249,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     architecture: str = "Qwen3ForCausalLM"
     torch_dtype: str | None = None
+    rope_scaling: Llama3RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -208,10 +263,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+        _check_real("rope_theta", self.rope_theta)
+        if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be positive and finite, got {self.rope_theta}")
+        _check_real("rms_norm_eps", self.rms_norm_eps)
         if not (self.rms_norm_eps > 0):
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        _check_bool("tie_word_embeddings", self.tie_word_embeddings)
+        _check_bool("attention_bias", self.attention_bias)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ValueError(f"rope_scaling must be None or Llama3RopeScaling, got {self.rope_scaling!r}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
@@ -221,8 +282,13 @@ class ModelConfig:
     def from_hf_json(cls, path: str | os.PathLike[str]) -> "ModelConfig":
         """Read a Hugging Face ``config.json`` (or the directory holding it).
 
+        RoPE settings are read in both spellings (see ``_read_rope``). What we cannot
+        honour is refused rather than run wrong: a RoPE type other than
+        ``SUPPORTED_ROPE_TYPES``, sliding-window layers, an activation other than
+        SiLU, an MLP bias.
+
         Raises:
-            ValueError: unsupported architecture or a missing/invalid field.
+            ValueError: unsupported architecture or feature, or a missing/invalid field.
         """
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
@@ -238,28 +304,97 @@ class ModelConfig:
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
+        _refuse_unsupported(hf, path)
         heads = hf["num_attention_heads"]
+        max_positions = hf.get("max_position_embeddings", 40960)
+        rope_theta, rope_scaling = _read_rope(hf, max_positions, path)
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 may nest it under rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads", heads),
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             eos_token_id=eos,
             bos_token_id=hf.get("bos_token_id"),
             architecture=archs[0],
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            rope_scaling=rope_scaling,
         )
+
+
+def _refuse_unsupported(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Raise ``ValueError`` for a config.json feature our layers do not implement."""
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{path}: use_sliding_window is true; sliding-window attention is not supported")
+    sliding = [i for i, kind in enumerate(hf.get("layer_types") or []) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"{path}: layer_types has non-full-attention layers {sliding}; "
+                         "only full attention is supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{path}: mlp_bias is true; MLP biases are not supported")
+
+
+def _read_rope(hf: Mapping[str, Any], max_positions: int,
+               path: str | os.PathLike[str]) -> tuple[float, Llama3RopeScaling | None]:
+    """``(rope_theta, scaling)`` from config.json, written either way::
+
+        published (transformers < 5):  "rope_theta": 500000.0,
+                                       "rope_scaling": {"rope_type": "llama3", "factor": 32.0, ...} | null
+        transformers 5:                "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+                                                           "factor": 32.0, ...}
+
+    Both may appear in one file; a key given twice must agree. ``"type"`` is the
+    older name of ``"rope_type"``. Without a theta, Hugging Face's default (10000).
+
+    Raises:
+        ValueError: conflicting or unknown keys, per-layer RoPE dicts, a RoPE type
+            we do not implement, partial rotary, or an invalid number.
+    """
+    rope: dict[str, Any] = {}
+    sources = (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", hf.get("rope_parameters")),
+               ("rope_theta", {"rope_theta": hf["rope_theta"]} if hf.get("rope_theta") is not None else None))
+    for where, source in sources:
+        if source is None:
+            continue
+        if not isinstance(source, dict) or any(isinstance(v, dict) for v in source.values()):
+            raise ValueError(f"{path}: {where} must be a flat dict of RoPE settings "
+                             f"(per-layer RoPE is not supported), got {source!r}")
+        for key, value in source.items():
+            if key in rope and rope[key] != value:
+                raise ValueError(f"{path}: RoPE {key} given twice and differently: {rope[key]!r} and {value!r}")
+            rope[key] = value
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if "type" in rope and rope["type"] != kind:
+        raise ValueError(f"{path}: rope type given twice and differently: {rope['type']!r} and {kind!r}")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{path}: rope type {kind!r} is not implemented; supported: {SUPPORTED_ROPE_TYPES}")
+    allowed = _ROPE_KEYS | (_LLAMA3_KEYS if kind == "llama3" else frozenset())
+    unknown = sorted(set(rope) - allowed)
+    if unknown:
+        raise ValueError(f"{path}: unsupported RoPE setting(s) {unknown} for rope type {kind!r}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{path}: partial_rotary_factor {rope['partial_rotary_factor']!r} is not supported")
+    theta = rope.get("rope_theta", HF_DEFAULT_ROPE_THETA)
+    _check_real("rope_theta", theta)
+    if kind == "default":
+        return float(theta), None
+    try:
+        scaling = Llama3RopeScaling(
+            factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position_embeddings=rope.get("original_max_position_embeddings", max_positions))
+    except KeyError as e:
+        raise ValueError(f"{path}: rope type 'llama3' lacks {e.args[0]!r}") from None
+    return float(theta), scaling

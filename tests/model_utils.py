@@ -1,10 +1,10 @@
-"""Helpers for model tests: tiny random Hugging Face Qwen3 checkpoints and plans."""
+"""Helpers for model tests: tiny random Hugging Face checkpoints (Qwen3, Qwen2, Llama) and plans."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import numpy as np
 import torch
@@ -17,9 +17,24 @@ if TYPE_CHECKING:
     from minivllm.executor.model_executor import ModelExecutor
 
 
+Family = Literal["qwen3", "qwen2", "llama"]
+# family -> its architecture name, which is also the transformers model class's name
+ARCHITECTURES: Mapping[str, str] = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                    "llama": "LlamaForCausalLM"}
+
+# Llama 3.1's factors with a pre-training context (32) that test prompts run well past.
+LLAMA3_SCALING: Mapping[str, Any] = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 32}
+
+
 @dataclass(frozen=True)
 class TinyConfig:
-    """Shapes of a tiny Qwen3 for tests."""
+    """Shapes of a tiny model for tests (Qwen3 unless ``family`` says otherwise).
+
+    ``rope_scaling``: llama3 scaling settings (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings), or None for plain RoPE. Qwen2 has no head_dim
+    setting of its own: it needs ``hidden_size == num_attention_heads * head_dim``.
+    """
 
     vocab_size: int = 97
     hidden_size: int = 32
@@ -31,28 +46,42 @@ class TinyConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 64
     rope_theta: float = 10_000.0
+    family: Family = "qwen3"
+    rope_scaling: Mapping[str, Any] | None = None
 
-    def hf_config(self) -> transformers.Qwen3Config:
-        return transformers.Qwen3Config(
+    def hf_config(self) -> transformers.PreTrainedConfig:
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {**rope, "rope_type": "llama3", **self.rope_scaling}
+        shapes: dict[str, Any] = dict(head_dim=self.head_dim)
+        if self.family == "qwen2":
+            if self.hidden_size != self.num_attention_heads * self.head_dim:
+                raise ValueError("a Qwen2 TinyConfig needs hidden_size == num_attention_heads * head_dim")
+            shapes = {}
+        cfg = getattr(transformers, ARCHITECTURES[self.family]).config_class(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
             tie_word_embeddings=self.tie_word_embeddings,
             max_position_embeddings=self.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rope_parameters=rope,
             rms_norm_eps=1e-6,
+            bos_token_id=None,
+            eos_token_id=None,  # no early stop in HF generate (Llama's default is 2)
+            **shapes,
         )
+        cfg.architectures = [ARCHITECTURES[self.family]]
+        return cfg
 
 
-def make_hf_model(cfg: TinyConfig, seed: int = 0, std: float = 0.5) -> transformers.Qwen3ForCausalLM:
-    """A float32 HF Qwen3 with large random weights (so argmax is not tie-prone) and
-    norm weights around 1 (so the norms' scales are exercised)."""
+def make_hf_model(cfg: TinyConfig, seed: int = 0, std: float = 0.5) -> transformers.PreTrainedModel:
+    """A float32 HF model of ``cfg.family`` with large random weights (so argmax is not
+    tie-prone), biases included, and norm weights around 1 (so the norms' scales are exercised)."""
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(cfg.hf_config()).float().eval()
+    model = getattr(transformers, ARCHITECTURES[cfg.family])(cfg.hf_config()).float().eval()
     randomize_weights(model, std)
     return model
 
@@ -67,7 +96,7 @@ def randomize_weights(model: torch.nn.Module, std: float) -> None:
                 p.normal_(0.0, std)
 
 
-def save_hf_model(model: transformers.Qwen3ForCausalLM, path: str | os.PathLike[str],
+def save_hf_model(model: transformers.PreTrainedModel, path: str | os.PathLike[str],
                   max_shard_size: str | None = None) -> str:
     """``save_pretrained`` into ``path`` (sharded when ``max_shard_size`` is given)."""
     path = os.fspath(path)
@@ -76,10 +105,16 @@ def save_hf_model(model: transformers.Qwen3ForCausalLM, path: str | os.PathLike[
     return path
 
 
-def hf_logits(model: transformers.Qwen3ForCausalLM, token_ids: list[int]) -> torch.Tensor:
+def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
     """HF logits (L, V) for every position of one sequence, float32."""
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def all_row_logits(ex: "ModelExecutor", plan: StepPlan) -> torch.Tensor:
+    """Logits of every fed token (T, V), not only the sampling rows."""
+    batch, inputs = ex.prepare(plan)
+    return ex.model.compute_logits(ex.run_model(batch, inputs)).float().cpu()
 
 
 def make_plan(seqs: list[tuple[list[int], int, tuple[int, ...], bool]], block_size: int,

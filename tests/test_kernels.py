@@ -121,6 +121,10 @@ DECODE_CASES = [
     (torch.float32, 32, 6, 2, 16, [33, 0, 5]),       # GQA group of 3 (padded to 16 rows)
     (torch.float16, 16, 4, 1, 64, [1, 90, 17]),
     (torch.bfloat16, 8, 4, 2, 32, [0, 9, 64, 2]),
+    # head_dim 64 at the GQA groups of issue 10's models: Qwen2.5-0.5B (14/2, a group of 7)
+    # and Llama-3.2-1B (32/8, a group of 4; here 8/2)
+    (torch.bfloat16, 16, 14, 2, 64, [1, 33, 70]),
+    (torch.float32, 16, 8, 2, 64, [5, 40]),
 ]
 
 
@@ -215,6 +219,9 @@ PREFILL_CASES = [
     (torch.float32, 16, 6, 2, 16, [(40, 40), (22, 50)]),   # group of 3: 21 tokens per 64-row tile
     (torch.float16, 8, 4, 1, 64, [(20, 20), (9, 30)]),
     (torch.bfloat16, 4, 4, 2, 32, [(11, 11), (6, 19), (1, 1)]),
+    # head_dim 64 at the Qwen2.5-0.5B (group of 7) and Llama-3.2-1B (group of 4) groupings
+    (torch.bfloat16, 16, 14, 2, 64, [(30, 30), (9, 41)]),
+    (torch.float32, 16, 8, 2, 64, [(17, 17), (5, 30)]),
 ]
 
 
@@ -511,3 +518,32 @@ def test_model_with_fused_qk_norm_rope_matches_torch_backend(tmp_path) -> None:
         torch.testing.assert_close(logits["fused"], logits["unfused"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits["fused"], logits["torch"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(executors["fused"].kv_cache, executors["torch"].kv_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_families_without_qk_norm_never_take_the_fused_kernel(tmp_path) -> None:
+    """Qwen2 and Llama have no q/k norm, so the fused q/k-norm kernel must not run even
+    where the backend would fuse (as on CUDA). Qwen2 (q/k/v bias; Llama takes the same
+    branch) with fusion forced on: the Triton kernels give the torch backend's logits and
+    K/V, and the fused entry point is never called."""
+    from model_utils import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
+
+    path = save_hf_model(make_hf_model(TinyConfig(family="qwen2", hidden_size=64, head_dim=16)), tmp_path)
+    bs = 4
+    executors = {name: make_model_executor(path, device="cpu", dtype="float32", attention_backend=name,
+                                           block_size=bs, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64)
+                 for name in ("torch", "triton")}
+    backend = executors["triton"].model.model.layers[0].self_attn.attn.backend
+    backend.fuse_qk_norm_rope = True
+    assert backend.fuses_qk_norm_rope(torch.device("cpu"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused q/k-norm kernel ran for a model without q/k norm")
+
+    backend._qk_norm_rope_store = refuse
+    a, b = [3, 14, 15, 92, 65, 35, 8, 40, 41], [9, 79, 32, 38, 46]
+    plans = [make_plan([(a, 0, (9, 2, 14), True), (b, 0, (5, 11, 0), True)], bs),      # prefill
+             make_plan([([1], 9, (9, 2, 14), True), ([2], 5, (5, 11, 0), True)], bs)]  # decode
+    for plan in plans:
+        logits = {name: ex.compute_logits(plan).float() for name, ex in executors.items()}
+        torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(executors["triton"].kv_cache, executors["torch"].kv_cache, atol=1e-5, rtol=1e-5)

@@ -14,8 +14,9 @@ from safetensors import safe_open
 
 from minivllm.config import ModelConfig
 from minivllm.layers.linear import get_weight_loader
+from minivllm.model.decoder import PACKED_MODULES
 from minivllm.model.loader import LazyTensor, checkpoint_files, load_weights, map_name
-from minivllm.model.qwen3 import QWEN3_PACKED_MODULES, Qwen3ForCausalLM
+from minivllm.model.qwen3 import Qwen3ForCausalLM
 from model_utils import TinyConfig, make_hf_model, save_hf_model
 
 SMALL = TinyConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
@@ -136,11 +137,11 @@ def test_no_checkpoint_raises(tmp_path):
 
 
 def test_map_name_matches_whole_components():
-    assert map_name("model.layers.2.self_attn.v_proj.weight", QWEN3_PACKED_MODULES) == (
+    assert map_name("model.layers.2.self_attn.v_proj.weight", PACKED_MODULES) == (
         "model.layers.2.self_attn.qkv_proj.weight", "v")
-    assert map_name("model.layers.2.mlp.up_proj.weight", QWEN3_PACKED_MODULES) == (
+    assert map_name("model.layers.2.mlp.up_proj.weight", PACKED_MODULES) == (
         "model.layers.2.mlp.gate_up_proj.weight", 1)
-    assert map_name("model.layers.2.self_attn.o_proj.weight", QWEN3_PACKED_MODULES) == (
+    assert map_name("model.layers.2.self_attn.o_proj.weight", PACKED_MODULES) == (
         "model.layers.2.self_attn.o_proj.weight", None)
 
 
@@ -197,12 +198,18 @@ def test_tensor_stored_in_two_checkpoint_shards_is_duplicated(tmp_path):
     names = sorted(tensors)
     halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
               "model-00002-of-00002.safetensors": names[len(names) // 2:]}
-    victim = halves["model-00001-of-00002.safetensors"][0]
-    halves["model-00002-of-00002.safetensors"].append(victim)
+    # A plain tensor, and a packed one (k_proj: a shard of qkv_proj), each in both files.
+    victims = [halves["model-00001-of-00002.safetensors"][0], "model.layers.0.self_attn.k_proj.weight"]
+    for victim in victims:
+        for part in halves.values():
+            if victim not in part:
+                part.append(victim)
     for file, part in halves.items():
         save_file({n: tensors[n] for n in part}, os.path.join(dup, file))
     weight_map = {n: file for file, part in halves.items() for n in part}
     with open(os.path.join(dup, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    with pytest.raises(ValueError, match=rf"{victim}: appears more than once"):
+    with pytest.raises(ValueError) as e:
         load_weights(fresh_model(dup), dup)
+    for victim in victims:
+        assert f"{victim}: appears more than once" in str(e.value)

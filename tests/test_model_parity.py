@@ -1,4 +1,4 @@
-"""Our Qwen3 over the paged cache vs transformers' Qwen3ForCausalLM, float32.
+"""Our models over the paged cache vs transformers' (Qwen3, Qwen2, Llama), float32.
 
 Each config: a ragged two-sequence prefill (every position's logits), several
 batched decode steps crossing block boundaries, and a prefill over a cached
@@ -16,8 +16,8 @@ import torch
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.model_executor import ModelExecutor
 from minivllm.sampling import SamplingParams
-from model_utils import (TinyConfig, hf_logits, make_hf_model, make_model_executor, make_plan, random_tokens,
-                         save_hf_model)
+from model_utils import (LLAMA3_SCALING, TinyConfig, all_row_logits, hf_logits, make_hf_model, make_model_executor,
+                         make_plan, random_tokens, save_hf_model)
 
 TOL = 1e-4
 BS = 4
@@ -31,6 +31,15 @@ CONFIGS = {
     "gqa6:3-d4-tied-theta1e6": TinyConfig(vocab_size=50, hidden_size=24, num_attention_heads=6,
                                           num_key_value_heads=3, head_dim=4, tie_word_embeddings=True,
                                           rope_theta=1e6),
+    # Qwen2: random (non-zero) q/k/v biases, no q/k norm.
+    "qwen2-bias-gqa2-d8": TinyConfig(family="qwen2", vocab_size=89, hidden_size=32, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8),
+    # Llama 3.1 scaling: with L = 32 every frequency but the fastest is changed
+    # (tests/test_model_families.py runs it past L and checks the table itself).
+    "llama3-scaled-gqa2-d16-tied": TinyConfig(family="llama", tie_word_embeddings=True, max_position_embeddings=128,
+                                              rope_theta=500_000.0, rope_scaling=LLAMA3_SCALING),
+    "llama-mqa4-d8-untied": TinyConfig(family="llama", vocab_size=70, hidden_size=24, num_attention_heads=4,
+                                       num_key_value_heads=1, head_dim=8),
 }
 
 
@@ -45,12 +54,6 @@ def setup(request, tmp_path_factory):
 def make_executor(path: str, backend: str = "torch") -> ModelExecutor:
     return make_model_executor(path, device="cpu", dtype="float32", attention_backend=backend,
                                block_size=BS, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64)
-
-
-def all_row_logits(ex: ModelExecutor, plan) -> torch.Tensor:
-    """Logits of every fed token (T, V), not only the sampling rows."""
-    batch, inputs = ex.prepare(plan)
-    return ex.model.compute_logits(ex.run_model(batch, inputs)).float().cpu()
 
 
 def check_prefill_then_decode(name: str, hf, ex: ModelExecutor, steps: int = 4) -> float:

@@ -37,6 +37,12 @@ ENGINE = dict(device="cpu", attention_backend="torch", skip_tokenizer_init=True,
               enable_prefix_caching=True)
 
 
+# Another family: Qwen2's q/k/v biases, sharded by heads; its one KV head (and that head's
+# bias) replicated on both ranks.
+QWEN2_CFG = TinyConfig(family="qwen2", vocab_size=113, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=8, max_position_embeddings=128)
+
+
 @pytest.fixture(scope="module")
 def random_model(tmp_path_factory) -> str:
     return save_hf_model(make_hf_model(CFG, seed=5), tmp_path_factory.mktemp("tp"))
@@ -81,6 +87,19 @@ def test_tp2_greedy_and_logits_equal_tp1(random_model: str) -> None:
         logits_two = two.engine.executor.compute_logits(plan)
     torch.testing.assert_close(logits_two, logits_one, rtol=1e-5, atol=1e-5)
     assert not any(alive(p) for p in pids)
+
+
+def test_tp2_qwen2_with_qkv_bias_equals_tp1(tmp_path: Path) -> None:
+    path = save_hf_model(make_hf_model(QWEN2_CFG, seed=6), tmp_path)
+    ps = prompts(QWEN2_CFG.vocab_size, n=4, seed=2)
+    plan = StepPlan.build([0], [ps[0]], [0], [tuple(range(6))], [True], [GREEDY], 4)
+    outs, logits = [], []
+    for tp in (1, 2):
+        with LLM(path, **ENGINE, tensor_parallel_size=tp) as llm:
+            outs.append([o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)])
+            logits.append(llm.engine.executor.compute_logits(plan))
+    assert outs[0] == outs[1]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_tp2_fixture_model_and_random_sampling(random_model: str) -> None:

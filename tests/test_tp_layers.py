@@ -101,18 +101,22 @@ def gqa_mix(qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
 
 
 def attention_case(gen: torch.Generator, heads: int, kv_heads: int) -> Case:
+    """With a q/k/v bias (Qwen2's), sharded by heads like the weights."""
     parts = {s: torch.randn(h * D, HIDDEN, generator=gen)
              for s, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    biases = {s: torch.randn(w.shape[0], generator=gen) for s, w in parts.items()}
     o, o_b = torch.randn(HIDDEN, heads * D, generator=gen), torch.randn(HIDDEN, generator=gen)
     x = torch.randn(5, HIDDEN, generator=gen)
-    qkv = QKVParallelLinear(HIDDEN, D, heads, kv_heads)
+    qkv = QKVParallelLinear(HIDDEN, D, heads, kv_heads, bias=True)
     for s, w in parts.items():
         qkv.weight.weight_loader(qkv.weight, w, s)
+        qkv.bias.weight_loader(qkv.bias, biases[s], s)
     o_proj = RowParallelLinear(heads * D, HIDDEN, bias=True)
     o_proj.weight.weight_loader(o_proj.weight, o)
     o_proj.bias.weight_loader(o_proj.bias, o_b)
     want = o_proj(gqa_mix(qkv(x), heads, kv_heads))
-    return {**{s: n(w) for s, w in parts.items()}, "o": n(o), "o_b": n(o_b), "x": n(x),
+    return {**{s: n(w) for s, w in parts.items()}, **{f"{s}_b": n(b) for s, b in biases.items()},
+            "o": n(o), "o_b": n(o_b), "x": n(x),
             "heads": np.array(heads), "kv_heads": np.array(kv_heads), "want": n(want)}
 
 
@@ -186,12 +190,13 @@ def check_mlp(rank: int, world: int, c: Case, fail: Fail) -> None:
 
 
 def check_attention_gqa(rank: int, world: int, c: Case, fail: Fail) -> None:
-    """QKV (column, KV heads split or replicated) -> per-head GQA pairing -> o_proj (row):
-    each rank's query heads meet their own KV head."""
+    """QKV with bias (column, KV heads split or replicated) -> per-head GQA pairing -> o_proj
+    (row): each rank's query heads meet their own KV head and its bias."""
     heads, kv_heads = int(c["heads"]), int(c["kv_heads"])
-    qkv = QKVParallelLinear(HIDDEN, D, heads, kv_heads, tp_rank=rank, tp_size=world)
+    qkv = QKVParallelLinear(HIDDEN, D, heads, kv_heads, bias=True, tp_rank=rank, tp_size=world)
     for s in "qkv":
         qkv.weight.weight_loader(qkv.weight, t(c[s]), s)
+        qkv.bias.weight_loader(qkv.bias, t(c[f"{s}_b"]), s)
     o_proj = RowParallelLinear(heads * D, HIDDEN, bias=True, tp_rank=rank, tp_size=world)
     o_proj.weight.weight_loader(o_proj.weight, t(c["o"]))
     o_proj.bias.weight_loader(o_proj.bias, t(c["o_b"]))

@@ -55,8 +55,9 @@ from minivllm.layers.attention import AttentionMetadata, make_attention_backend
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.loader import load_weights
-from minivllm.model.qwen3 import Qwen3ForCausalLM
+from minivllm.model.registry import build_model
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
 
 DTYPES: dict[str, torch.dtype] = {
@@ -249,11 +250,11 @@ class ModelExecutor:
         return (c.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim
                 * torch.finfo(self.dtype).bits // 8)
 
-    def _load_model(self, model_path: str | os.PathLike[str], attention_backend: str) -> Qwen3ForCausalLM:
+    def _load_model(self, model_path: str | os.PathLike[str], attention_backend: str) -> DecoderForCausalLM:
         backend = make_attention_backend(attention_backend)
         with _default_dtype(self.dtype), self.device:
-            model = Qwen3ForCausalLM(self.model_config, attention_backend=backend,
-                                     tp_rank=self.tp_rank, tp_size=self.tp_size)
+            model = build_model(self.model_config, attention_backend=backend,
+                                tp_rank=self.tp_rank, tp_size=self.tp_size)
         load_weights(model, model_path)
         return model.eval()
 

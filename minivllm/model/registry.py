@@ -1,0 +1,43 @@
+"""Which model class loads a checkpoint: ``architectures[0]`` of its config.json.
+
+``minivllm.config.SUPPORTED_ARCHITECTURES`` lists the same names (the config
+refuses others before any torch code runs); this module maps them to classes.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+from minivllm.config import ModelConfig
+from minivllm.layers.attention import AttentionBackend
+from minivllm.model.decoder import DecoderForCausalLM
+from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.qwen2 import Qwen2ForCausalLM
+from minivllm.model.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: Mapping[str, type[DecoderForCausalLM]] = MappingProxyType({
+    cls.architecture: cls for cls in (Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)
+})
+
+
+def model_class(architecture: str) -> type[DecoderForCausalLM]:
+    """The class that loads ``architecture`` checkpoints.
+
+    Raises:
+        ValueError: an architecture we have no class for (the message lists those we have).
+    """
+    if architecture not in MODEL_CLASSES:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {tuple(MODEL_CLASSES)}")
+    return MODEL_CLASSES[architecture]
+
+
+def build_model(config: ModelConfig, *, attention_backend: AttentionBackend | None = None,
+                tp_rank: int = 0, tp_size: int = 1) -> DecoderForCausalLM:
+    """An unloaded model of ``config.architecture``'s class (weights come from ``load_weights``).
+
+    Raises:
+        ValueError: an unsupported architecture, or shapes that do not split over ``tp_size``.
+    """
+    return model_class(config.architecture)(config, attention_backend=attention_backend,
+                                            tp_rank=tp_rank, tp_size=tp_size)
