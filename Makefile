@@ -19,7 +19,7 @@ $(VENV)/.core: pyproject.toml | $(BIN)/python
 
 $(VENV)/.full: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e '.[model,dev,serve]'
+	$(BIN)/pip install -q -e '.[model,dev,serve,plot]'
 	touch $@ $(VENV)/.core
 
 test: $(VENV)/.full
@@ -39,6 +39,8 @@ demo: $(VENV)/.full
 test-gpu:
 	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_kernels_gpu.py
 	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_model_gpu.py
+	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_families_gpu.py
+	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_sampling_features_gpu.py
 	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_bf16_accuracy.py
 	PYTHONPATH=. python3 -m pytest -q -rs tests_gpu/test_tp_gpu.py
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from benchmarks.throughput import write_summary
 from minivllm.kernels.decode_attention import DecodeConfig, choose_num_splits, decode_attention, default_config
 from minivllm.kernels.reference import paged_attention_reference
 
@@ -303,6 +304,9 @@ def main() -> None:
         print(f"{batch:>5} {context:>5} {splits:>6} {nbytes / 1e6:>7.1f} {eager:>9.1f} {e_gbs:>6.0f} "
               f"{100 * e_gbs / copy_gbs:>5.1f}% {graph:>9.1f} {g_gbs:>6.0f} {100 * g_gbs / copy_gbs:>5.1f}% "
               f"{err:>8.1e}")
+    write_summary("decode_attention", {"copy_gbs": copy_gbs, "rows": [
+        dict(batch=b, context=c, splits=s, bytes=n, eager_us=e, graph_us=g, max_err=x)
+        for b, c, s, n, e, g, x in rows]})
     if not args.no_engine:
         del problems
         torch.cuda.empty_cache()

@@ -65,6 +65,9 @@ class LLM:
         seed: seed of the sampler's generator for unseeded requests.
         skip_tokenizer_init: run without a tokenizer (token-id prompts only,
             ``text`` stays None), for checkpoints that ship none.
+        record_trace: write the engine's traffic to this JSONL file as it runs, a
+            trace in the simulator's format that ``python -m sim replay`` (``--plot``)
+            replays without the model, on any machine (``sim.recorder``).
         **options: engine options by config field name: ``CacheConfig``
             (block_size, num_blocks, enable_prefix_caching), ``SchedulerConfig``
             (max_num_seqs, max_num_batched_tokens, max_model_len, policy,
@@ -78,7 +81,7 @@ class LLM:
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
                  attention_backend: str = "auto", seed: int = 0, skip_tokenizer_init: bool = False,
-                 **options: Any) -> None:
+                 record_trace: str | os.PathLike[str] | None = None, **options: Any) -> None:
         import torch
         from transformers import AutoTokenizer
 
@@ -111,8 +114,15 @@ class LLM:
         eos = self.model_config.eos_token_id
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
-        self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
-                                text_streams=self._text_stream if self.tokenizer is not None else None)
+        streams = self._text_stream if self.tokenizer is not None else None
+        if record_trace is None:
+            self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
+                                    text_streams=streams)
+        else:
+            from sim.recorder import RecordingEngine
+            self.engine = RecordingEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
+                                          text_streams=streams, trace_path=record_trace,
+                                          vocab_size=self.model_config.vocab_size, seed=seed)
         self._next_request = 0
 
     def _text_stream(self, prompt_token_ids: list[int]) -> Any:
@@ -125,9 +135,10 @@ class LLM:
     def close(self) -> None:
         """Release the executor's processes (tensor parallelism); idempotent. Also runs at
         interpreter exit, and on leaving a ``with LLM(...) as llm:`` block."""
-        close = getattr(self.engine.executor, "close", None)
-        if close is not None:
-            close()
+        for owner in (self.engine.executor, self.engine):  # the engine: a trace being recorded
+            close = getattr(owner, "close", None)
+            if close is not None:
+                close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -4,5 +4,7 @@
 - ``oracle``: what each request must produce, computed without paging or batching.
 - ``traces``: the JSONL trace format and the random trace generator.
 - ``runner``: runs a trace through ``LLMEngine`` and checks every step; record / replay.
+- ``recorder``: ``RecordingEngine``, traces of live traffic, replayed on the recorded tokens.
+- ``plot``: pictures of a run (matplotlib, imported only when drawing).
 - ``__main__``: ``python -m sim run | record | replay``.
 """

@@ -1,9 +1,16 @@
 """``python -m sim``: fuzz the engine, record a trace, replay a trace.
 
-    python -m sim run --traces 10000 --seed 0 [--config policy=mixed block_size=4]
+    python -m sim run --traces 10000 --seed 0 [--config policy=mixed block_size=4] [--plot DIR]
     python -m sim record --seed 7 --out trace.jsonl
     python -m sim record --trace inputs.jsonl --out golden.jsonl
     python -m sim replay fixtures/traces/*.jsonl
+    python -m sim replay trace.jsonl --plot trace.png
+
+``--plot`` (needs matplotlib, the ``plot`` extra) draws what the scheduler did
+(``sim.plot``): ``run`` writes DIR/summary.png (steps, preemptions and prefix
+hits across the traces), DIR/trace-<seed>.png for the first few traces, and
+each failing trace's figure next to its saved JSONL; ``replay`` draws its one
+trace, marking the first step that differs from the recording.
 
 Exit codes: 0 all good, 1 a violation or a replay mismatch, 2 bad usage.
 """
@@ -17,12 +24,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from sim.runner import record_trace, run_trace
-from sim.traces import OVERRIDE_KEYS, flatten_overrides, generate_trace, load
+from sim.runner import RunResult, record_trace, run_trace
+from sim.traces import OVERRIDE_KEYS, Trace, flatten_overrides, generate_trace, load
 
 # Trace i of ``run --seed S`` is generated from seed S * SEED_STRIDE + i.
 SEED_STRIDE = 1_000_000
 MAX_PRINTED_VIOLATIONS = 5
+# ``run --plot DIR``: the first this many traces get a figure of their own.
+PLOTTED_TRACES = 5
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -102,10 +111,44 @@ def _summary(totals: dict[str, int], traces: int, seconds: float, failures: int)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+class _Plots:
+    """``run --plot DIR``: per-trace figures and the numbers behind the summary figure."""
+
+    def __init__(self, out: Path) -> None:
+        from sim import plot
+        plot.check_matplotlib()
+        self.plot, self.out = plot, out
+        self.steps: list[int] = []
+        self.preemptions: list[int] = []
+        self.hit_share: list[float] = []
+
+    def add(self, i: int, trace: Trace, result: RunResult) -> None:
+        """Count trace ``i``'s run; draw it if it is one of the first ``PLOTTED_TRACES``."""
+        if i < PLOTTED_TRACES:
+            self.trace(trace, result, self.out / f"trace-{trace.seed}.png")
+        self.steps.append(result.steps)
+        self.preemptions.append(result.preemptions)
+        prompt_work = result.prefill_tokens + result.cached_tokens
+        self.hit_share.append(result.cached_tokens / prompt_work if prompt_work else float("nan"))
+
+    def trace(self, trace: Trace, result: RunResult, path: Path) -> Path:
+        """Draw one trace's run at ``path``."""
+        if result.timeline is None:  # the run is deterministic: run it again, recording its steps
+            result = run_trace(trace, timeline=True)
+        return self.plot.save(self.plot.plot_run(trace, result), path)
+
+    def summary(self, title: str) -> None:
+        """Draw the distributions over every trace counted, at DIR/summary.png."""
+        fig = self.plot.plot_summary(self.steps, self.preemptions, self.hit_share, title)
+        path = self.plot.save(fig, self.out / "summary.png")
+        print(f"figures written to {self.out}/ (summary: {path})")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.config)
     generate_trace(args.seed * SEED_STRIDE, overrides)  # bad overrides fail before the progress bar
     out_dir = Path(args.out_dir)
+    plots = _Plots(Path(args.plot)) if args.plot is not None else None
     progress = Progress(args.traces, sys.stderr) if not args.quiet else None
     # Only totals are kept: holding every result would grow the heap the GC walks.
     totals = dict.fromkeys(COUNTERS + ("violations", "async_traces"), 0)
@@ -114,17 +157,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     for i in range(args.traces):
         seed = args.seed * SEED_STRIDE + i
         trace = generate_trace(seed, overrides)
-        result = run_trace(trace)
+        result = run_trace(trace, timeline=plots is not None and i < PLOTTED_TRACES)
         done += 1
         for k in COUNTERS:
             totals[k] += getattr(result, k)
         totals["violations"] += len(result.violations)
         totals["async_traces"] += trace.scheduler.async_scheduling
+        if plots is not None:
+            plots.add(i, trace, result)
         if not result.ok:
             failures += 1
             path = trace.save(out_dir / f"trace-{seed}.jsonl")
             print(f"\nVIOLATION in trace seed {seed} (run --seed {args.seed}, trace {i}); saved {path}",
                   file=sys.stderr)
+            if plots is not None:
+                print(f"  its picture: {plots.trace(trace, result, path.with_suffix('.png'))}", file=sys.stderr)
             for v in result.violations[:MAX_PRINTED_VIOLATIONS]:
                 print(f"  {v}", file=sys.stderr)
             if failures >= args.max_failures:
@@ -136,6 +183,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if progress:
         progress.update(done, totals["steps"], failures, force=True)
     print(_summary(totals, done, seconds, failures))
+    if plots is not None:
+        plots.summary(f"python -m sim run --traces {done} --seed {args.seed}: {failures} failing")
     if failures:
         print(f"FAILED: seed {args.seed}; failing traces saved under {out_dir}/ "
               f"(replay one with: python -m sim replay {out_dir}/trace-<seed>.jsonl)")
@@ -157,10 +206,18 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        if len(args.files) != 1:
+            raise ValueError("replay --plot draws one trace: give one file")
+        from sim import plot
+        plot.check_matplotlib()
     status = 0
     for name in args.files:
         trace = load(name)
-        result = run_trace(trace, "replay" if trace.expects else "check")
+        result = run_trace(trace, "replay" if trace.expects else "check", timeline=args.plot is not None)
+        if args.plot is not None:
+            fig = plot.plot_run(trace, result, source=Path(name).name)
+            print(f"{name}: picture written to {plot.save(fig, args.plot)}")
         if result.mismatch is not None:
             print(f"{name}: MISMATCH at step {result.mismatch_step}: {result.mismatch}")
             status = 1
@@ -188,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out-dir", default="sim_failures", help="where failing traces are saved")
     r.add_argument("--max-failures", type=int, default=10, help="stop after this many failing traces")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--plot", metavar="DIR", default=None,
+                   help=f"write figures (needs matplotlib): DIR/summary.png, the first {PLOTTED_TRACES} "
+                        "traces' DIR/trace-<seed>.png, a failing trace's next to its JSONL")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("record", help="run one trace and save it with the engine's decisions per step")
@@ -200,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_replay = sub.add_parser("replay", help="re-run recorded traces; report the first step that differs")
     p_replay.add_argument("files", nargs="+", help="JSONL trace files")
+    p_replay.add_argument("--plot", metavar="OUT.png", default=None,
+                          help="draw the (one) trace's run, marking the first step that differs")
     p_replay.set_defaults(func=cmd_replay)
     return p
 
@@ -209,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

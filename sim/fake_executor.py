@@ -15,11 +15,21 @@ executor's own record. Two asynchronous-scheduling bugs are caught here rather
 than left to the outputs: a reference to a token the previous plan did not
 sample, and a plan that hands a block to one sequence while a submitted,
 unfinished step still writes that block for another.
+
+Recorded mode (traces of live traffic, ``fake_model: recorded``): the next token
+is the one the live model sampled (``recorded_next_token``). The engine's
+decisions depend on the model only through the tokens it samples: they decide
+when a request stops (eos, stop ids, stop strings, length) and which blocks hash
+alike (prefix hits, also of recomputed sequences after preemption). Given the
+live tokens, the simulator's engine therefore makes the live engine's decisions
+step for step, whatever model, dtype or GPU produced them, without the model.
+The context is still read back through the block table and must be the recorded
+one, so paging bugs are caught as in the hash model.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -58,6 +68,33 @@ class PagingError(RuntimeError):
     """A plan addressed KV slots the fake executor's pool does not have."""
 
 
+def recorded_next_token(context: Sequence[int] | np.ndarray, recorded: Sequence[int] | None,
+                        vocab_size: int) -> int:
+    """The recorded fake model's next token after ``context``.
+
+    Args:
+        context: the tokens read back (positions 0..n-1).
+        recorded: the sequence's prompt + completion in the live run; None when the
+            trace has none (a recording that ended before the sequence did).
+
+    Returns ``recorded[n]``; past the recorded tokens (a token the live run sampled
+    for a request that had just ended, and dropped) or without a record, the hash
+    model's token.
+
+    Raises:
+        PagingError: ``context`` is not the first n recorded tokens.
+    """
+    n = len(context)
+    if recorded is None or n >= len(recorded):
+        return fake_next_token(context, vocab_size)
+    got, want = np.asarray(context, dtype=np.int64), np.asarray(recorded[:n], dtype=np.int64)
+    if not np.array_equal(got, want):
+        at = int(np.flatnonzero(got != want)[0])
+        raise PagingError(f"context read back differs from the recorded one at position {at}: "
+                          f"{got[at]} != {want[at]}")
+    return int(recorded[n])
+
+
 class FakeExecutor:
     """Numpy executor implementing the fake model over a paged KV pool.
 
@@ -65,14 +102,25 @@ class FakeExecutor:
         vocab_size: tokens are drawn from ``[0, vocab_size)``.
         block_size: tokens per KV block; every plan must use the same.
         num_blocks: size of the pool (what ``num_kv_blocks`` reports).
+        recorded: recorded mode (module docstring): each sequence's prompt + completion
+            in the live run, by sequence name (``sequence_name``).
+        name_of: recorded mode: the name of a scheduled sequence id (asked once per
+            sequence, when a plan first schedules it).
     """
 
-    def __init__(self, vocab_size: int, block_size: int, num_blocks: int) -> None:
+    def __init__(self, vocab_size: int, block_size: int, num_blocks: int,
+                 recorded: Mapping[str, Sequence[int]] | None = None,
+                 name_of: Callable[[int], str] | None = None) -> None:
         if vocab_size < 1 or block_size < 1 or num_blocks < 1:
             raise ValueError(
                 f"vocab_size, block_size and num_blocks must be >= 1, "
                 f"got {vocab_size}, {block_size}, {num_blocks}"
             )
+        if (recorded is None) != (name_of is None):
+            raise ValueError("recorded and name_of come together")
+        self.recorded = recorded
+        self.name_of = name_of
+        self._names: dict[int, str] = {}   # recorded mode: sequence id -> name
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -100,6 +148,10 @@ class FakeExecutor:
         self._check_references(plan)
         for earlier in self._queue:
             _check_no_handover(earlier, plan, inputs)
+        if self.name_of is not None:  # while the engine still holds every scheduled sequence
+            for sid in plan.seq_ids:
+                if sid not in self._names:
+                    self._names[sid] = self.name_of(sid)
         step = _FakeStep(self, plan, inputs)
         self._queue.append(step)
         self._last_submitted = plan
@@ -135,10 +187,7 @@ class FakeExecutor:
         self._write(inputs.slot_mapping, ids)
         rows = np.flatnonzero(plan.sample)
         contexts = self._read(inputs.block_tables[rows], inputs.kv_lens[rows])
-        sampled = {
-            plan.seq_ids[r]: fake_next_token(ctx, self.vocab_size)
-            for r, ctx in zip(rows.tolist(), contexts)
-        }
+        sampled = {plan.seq_ids[r]: self._next_token(plan.seq_ids[r], ctx) for r, ctx in zip(rows.tolist(), contexts)}
         logprobs = {}
         for r, ctx in zip(rows.tolist(), contexts):
             k = plan.sampling_params[r].logprobs
@@ -148,6 +197,11 @@ class FakeExecutor:
         self._last_sampled = sampled
         self.num_steps += 1
         return StepResult(sampled=sampled, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(plan, inputs))
+
+    def _next_token(self, seq_id: int, context: np.ndarray) -> int:
+        if self.recorded is None:
+            return fake_next_token(context, self.vocab_size)
+        return recorded_next_token(context, self.recorded.get(self._names[seq_id]), self.vocab_size)
 
     def _prompt_logprobs(self, plan: StepPlan, inputs: BatchInputs) -> dict[int, TokenLogprobs]:
         """Position j of a chunk with targets: the fake logprobs of its target after tokens 0..j,

@@ -8,7 +8,7 @@ a difference between the engine's output and the oracle's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from minivllm.sampling import SamplingParams
 from sim.fake_executor import fake_logprob, fake_next_token, fake_top_logprobs
@@ -76,8 +76,12 @@ def oracle_generate(
     eos_token_id: int | None,
     max_model_len: int,
     vocab_size: int,
+    next_token: Callable[[list[int]], int] | None = None,
 ) -> Expected:
     """Generate the completion the fake model gives an unpaged, unbatched request.
+
+    ``next_token`` replaces the hash model (``fake_next_token``), e.g. by the
+    recorded model of a live trace (``sim.fake_executor.recorded_next_token``).
 
     Stops at the first of: eos (unless ``ignore_eos``), a stop token, a stop
     string in the (fake) text, ``max_tokens`` completion tokens,
@@ -90,12 +94,14 @@ def oracle_generate(
         ValueError: empty prompt, or a prompt already at ``max_model_len`` (no
             room for one completion token).
     """
-    e = _generate(list(prompt_token_ids), params, eos_token_id, max_model_len, vocab_size)
+    if next_token is None:
+        next_token = lambda context: fake_next_token(context, vocab_size)  # noqa: E731
+    e = _generate(list(prompt_token_ids), params, eos_token_id, max_model_len, next_token)
     return _with_logprobs(e, list(prompt_token_ids), params, vocab_size)
 
 
 def _generate(prompt: list[int], params: SamplingParams, eos_token_id: int | None, max_model_len: int,
-              vocab_size: int) -> Expected:
+              next_token: Callable[[list[int]], int]) -> Expected:
     context = list(prompt)
     if not context:
         raise ValueError("empty prompt")
@@ -104,7 +110,7 @@ def _generate(prompt: list[int], params: SamplingParams, eos_token_id: int | Non
     out: list[int] = []
     text = "" if params.stop else None
     while True:
-        token = fake_next_token(context, vocab_size)
+        token = next_token(context)
         out.append(token)
         context.append(token)
         if is_stop_token(token, params, eos_token_id):

@@ -11,6 +11,9 @@ idle engine holds no block. Every failed check becomes a violation message.
 
 Record mode captures ``engine.last_step`` of every step as expect events;
 replay mode compares them with the trace's and stops at the first difference.
+With ``timeline=True`` each step also leaves a ``TimelineStep`` (what the plots
+of ``sim.plot`` show). A trace of live traffic (``fake_model: recorded``) runs on
+the recorded tokens (``sim.recorder``), judged by an oracle on the same tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from typing import Literal
 from minivllm.config import cdiv
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput, sequence_name
-from sim.fake_executor import FakeExecutor
+from sim.fake_executor import FakeExecutor, recorded_next_token
 from sim.oracle import Expected, FakeTextStream, oracle_generate
+from sim.recorder import recorded_contexts, replay_inputs
 from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
 
 Verdict = Literal["accept", "reject", "either"]
@@ -34,6 +38,25 @@ MAX_IDLE_STEPS = 3
 # After the last output, steps an engine may still need (the step in flight
 # finishing, its blocks freed) before it reports itself idle.
 MAX_DRAIN_STEPS = 2
+
+
+@dataclass(frozen=True)
+class TimelineStep:
+    """One step of a run as the plots show it: ``engine.last_step`` and the pool after the step."""
+
+    step: int
+    prefill_tokens: int        # prefill chunks that reach their sequence's end (and sample)
+    chunked_tokens: int        # prefill chunks that stop short of it (chunked prefill)
+    decode_tokens: int
+    cached_tokens: int         # prefix-cache hits of the sequences admitted in this step
+    running: int               # sequences in the queues after the step
+    waiting: int
+    used_blocks: int           # blocks with ref count > 0
+    cached_free_blocks: int    # free blocks that keep a hash: hittable until handed out again
+    uncached_free_blocks: int  # free blocks without one
+    preempted: int             # sequences preempted in this step
+    aborted: int               # aborted sequences whose final output this step returned
+    finished: int              # sequences that ended otherwise (stop, length)
 
 
 @dataclass
@@ -57,6 +80,8 @@ class RunResult:
     mismatch_step: int | None = None
     mismatch: str | None = None
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    violation_step: int | None = None  # the step of the first violation
+    timeline: list[TimelineStep] | None = None  # one per step, when asked for
 
     @property
     def ok(self) -> bool:
@@ -83,11 +108,16 @@ def classify_add(trace: Trace, ev: AddEvent) -> Verdict:
 class _Run:
     """One trace run: engine, bookkeeping of every request, and the checks."""
 
-    def __init__(self, trace: Trace, mode: Literal["check", "record", "replay"], max_steps: int | None) -> None:
+    def __init__(self, trace: Trace, mode: Literal["check", "record", "replay"], max_steps: int | None,
+                 timeline: bool = False) -> None:
+        trace = replay_inputs(trace)
         self.trace = trace
         self.mode = mode
-        self.result = RunResult(seed=trace.seed)
-        executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks)
+        self.result = RunResult(seed=trace.seed, timeline=[] if timeline else None)
+        # A live trace's tokens by sequence name (None: the hash model).
+        self.live_tokens = recorded_contexts(trace) if trace.fake_model == "recorded" else None
+        executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks,
+                                self.live_tokens, self.sequence_name if self.live_tokens is not None else None)
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
                                 text_streams=FakeTextStream)
         # Requests by id; their completions (n of them) by sequence name (``sequence_name``).
@@ -96,7 +126,7 @@ class _Run:
         self.rejected: set[str] = set()      # ids never accepted (so abort must raise)
         self.aborted: set[str] = set()       # names aborted while unfinished
         self.unfinished: set[str] = set()    # names of accepted requests without a final output yet
-        self.expected: dict[str, Expected] = {}    # by request id
+        self.expected: dict[str, Expected] = {}    # by request id (recorded model: by name)
         self.streamed: dict[str, list[int]] = {}   # tokens streamed so far, by name
         self.by_step: dict[int, list[AddEvent | AbortEvent]] = {}
         for e in trace.events:
@@ -107,6 +137,12 @@ class _Run:
 
     def violation(self, step: int, msg: str) -> None:
         self.result.violations.append(f"step {step}: {msg}")
+        if self.result.violation_step is None:
+            self.result.violation_step = step
+
+    def sequence_name(self, seq_id: int) -> str:
+        """The name of a live sequence (recorded mode: the fake executor's key)."""
+        return next(s.name for s in self.engine.requests.values() if s.seq_id == seq_id)
 
     # ---- inputs -------------------------------------------------------------
 
@@ -161,13 +197,19 @@ class _Run:
     # ---- outputs ------------------------------------------------------------
 
     def oracle(self, name: str) -> Expected:
-        """The oracle's answer for a completion (the fake model ignores seeds: all n are equal)."""
+        """The oracle's answer for a completion (the hash model ignores seeds: all n are equal;
+        the recorded model has each completion's own tokens)."""
         rid = self.owner[name]
-        if rid not in self.expected:
+        key = rid if self.live_tokens is None else name
+        if key not in self.expected:
             ev, t = self.accepted[rid], self.trace
-            self.expected[rid] = oracle_generate(ev.prompt_token_ids, ev.sampling, t.eos_token_id,
-                                                 t.scheduler.max_model_len, t.vocab_size)
-        return self.expected[rid]
+            next_token = None
+            if self.live_tokens is not None:
+                live = self.live_tokens.get(name)
+                next_token = lambda context: recorded_next_token(context, live, t.vocab_size)  # noqa: E731
+            self.expected[key] = oracle_generate(ev.prompt_token_ids, ev.sampling, t.eos_token_id,
+                                                 t.scheduler.max_model_len, t.vocab_size, next_token)
+        return self.expected[key]
 
     def check_stream(self, step: int, out: RequestOutput, seen: set[str]) -> None:
         """Streaming: one output per request per step, deltas that add up, tokens that are a
@@ -267,9 +309,7 @@ class _Run:
         if rec.num_free_blocks != self.engine.num_free_blocks:
             self.violation(step, f"last_step.num_free_blocks {rec.num_free_blocks} != {self.engine.num_free_blocks}")
         self.result.preemptions += len(rec.preempted)
-        return ExpectEvent(step, dict(rec.scheduled), tuple(rec.preempted),
-                           {k: tuple(v) for k, v in rec.finished.items()}, rec.num_free_blocks,
-                           rec.num_prefill_tokens, rec.num_decode_tokens)
+        return ExpectEvent.from_record(step, rec)
 
     def compare(self, step: int, got: ExpectEvent) -> None:
         if self.result.mismatch is not None:
@@ -281,6 +321,8 @@ class _Run:
         names = ["scheduled", "preempted", "finished", "free_blocks"]
         if want.prefill_tokens is not None:  # older traces carry no counters
             names += ["prefill_tokens", "decode_tokens"]
+        if want.finish_reasons is not None:  # nor finish reasons
+            names.append("finish_reasons")
         for name in names:
             if getattr(want, name) != getattr(got, name):
                 self.result.mismatch_step = step
@@ -312,6 +354,8 @@ class _Run:
                 self.violation(step, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}")
                 break
             idle = 0 if self.check_step(step, outs, busy) else idle + 1
+            if self.result.timeline is not None:
+                self.result.timeline.append(self.timeline_step(step))
             step += 1
             if self.result.violations:
                 break  # later steps would only repeat the first finding
@@ -322,6 +366,20 @@ class _Run:
         if not self.result.violations:
             self.finish_checks(step)
         return self.result
+
+    def timeline_step(self, step: int) -> TimelineStep:
+        """This step's ``TimelineStep``, from ``engine.last_step`` and the block manager."""
+        rec, bm = self.engine.last_step, self.engine.scheduler.block_manager
+        assert rec is not None, "step() always records its decisions"
+        cached_free = sum(bm.block_hash[b] is not None for b in bm.free_blocks)
+        aborted = sum(r == "abort" for r in rec.finish_reasons.values())
+        return TimelineStep(
+            step=step, prefill_tokens=rec.num_prefill_tokens - rec.num_chunked_tokens,
+            chunked_tokens=rec.num_chunked_tokens, decode_tokens=rec.num_decode_tokens,
+            cached_tokens=rec.num_cached_tokens, running=rec.num_running, waiting=rec.num_waiting,
+            used_blocks=bm.num_blocks - rec.num_free_blocks, cached_free_blocks=cached_free,
+            uncached_free_blocks=rec.num_free_blocks - cached_free, preempted=len(rec.preempted),
+            aborted=aborted, finished=len(rec.finished) - aborted)
 
     def finish_checks(self, step: int) -> None:
         engine, r = self.engine, self.result
@@ -351,7 +409,7 @@ class _Run:
 
 
 def run_trace(trace: Trace, mode: Literal["check", "record", "replay"] = "check",
-              max_steps: int | None = None) -> RunResult:
+              max_steps: int | None = None, timeline: bool = False) -> RunResult:
     """Run ``trace`` through a fresh engine and return what was found.
 
     Args:
@@ -360,9 +418,10 @@ def run_trace(trace: Trace, mode: Literal["check", "record", "replay"] = "check"
             ``replay`` compares each step with the trace's expect events.
         max_steps: give up (a liveness violation) after this many steps; the
             default is generous: the last input step + 200 + 10 x all tokens.
+        timeline: also fill ``result.timeline`` (one ``TimelineStep`` per step).
     """
     try:
-        run = _Run(trace, mode, max_steps)
+        run = _Run(trace, mode, max_steps, timeline)
     except Exception as exc:  # a valid trace must build an engine; the failure is the finding
         return RunResult(seed=trace.seed, violations=[f"engine construction: {type(exc).__name__}: {exc}"])
     return run.run()

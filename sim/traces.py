@@ -12,6 +12,11 @@ Input events of step k are applied, in file order, just before the k-th call of
 decisions. ``config`` may also hold ``"executor": {"num_blocks": N}``, the fake
 executor's pool, which the engine adopts when ``cache.num_blocks`` is null.
 
+A trace recorded from live traffic (``LLM(record_trace=PATH)``, ``sim.recorder``)
+has ``"fake_model": "recorded"`` in its header: replaying it, the fake model
+returns the tokens the live model sampled (the expect lines' ``finished``)
+instead of its hash, so the replay does not depend on the model (``FakeExecutor``).
+
 ``generate_trace(seed)`` draws a random trace designed to reach the hard corners:
 arrivals over time, shared prefixes (among live requests and across finished
 ones), prompts that need chunking, pools small enough to preempt and evict,
@@ -27,12 +32,17 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Literal, Mapping, Union, get_args
 
 from minivllm.config import POLICIES, CacheConfig, SchedulerConfig, cdiv
+from minivllm.engine.llm_engine import StepRecord
 from minivllm.sampling import SamplingParams
 
 TRACE_VERSION = 1
+
+# What the fake executor returns when a sequence samples: ``hash``, the fake model of
+# DESIGN.md; ``recorded``, the tokens a live run sampled (traces of real traffic).
+FakeModel = Literal["hash", "recorded"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,11 @@ class AddEvent:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
 
+    def to_json(self) -> dict[str, Any]:
+        """The JSONL line of this event."""
+        return {"step": self.step, "op": "add", "request_id": self.request_id,
+                "prompt_token_ids": list(self.prompt_token_ids), "sampling": _sampling_to_json(self.sampling)}
+
 
 @dataclass(frozen=True)
 class AbortEvent:
@@ -51,6 +66,10 @@ class AbortEvent:
 
     step: int
     request_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSONL line of this event."""
+        return {"step": self.step, "op": "abort", "request_id": self.request_id}
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,15 @@ class ExpectEvent:
     # The step's token counters (``StepRecord``); None in traces recorded before they existed.
     prefill_tokens: int | None = None
     decode_tokens: int | None = None
+    # The finish reason of each name in ``finished``; None in traces recorded before it existed.
+    finish_reasons: dict[str, str] | None = None
+
+    @classmethod
+    def from_record(cls, step: int, rec: StepRecord) -> "ExpectEvent":
+        """Step ``step``'s decisions as ``engine.last_step`` recorded them."""
+        return cls(step, dict(rec.scheduled), tuple(rec.preempted),
+                   {k: tuple(v) for k, v in rec.finished.items()}, rec.num_free_blocks,
+                   rec.num_prefill_tokens, rec.num_decode_tokens, dict(rec.finish_reasons))
 
     def to_json(self) -> dict[str, Any]:
         """The JSONL line of this event."""
@@ -76,6 +104,8 @@ class ExpectEvent:
         }
         if self.prefill_tokens is not None:
             d["prefill_tokens"], d["decode_tokens"] = self.prefill_tokens, self.decode_tokens
+        if self.finish_reasons is not None:
+            d["finish_reasons"] = dict(self.finish_reasons)
         return d
 
 
@@ -95,6 +125,7 @@ class Trace:
         events: input events in the order they are applied (steps non-decreasing).
         expects: recorded decisions, one per step (empty for an unrecorded trace).
         description: free text saying what the trace is about (golden traces).
+        fake_model: ``recorded`` for a trace of live traffic (see the module docstring).
     """
 
     seed: int
@@ -106,8 +137,11 @@ class Trace:
     events: tuple[InputEvent, ...]
     expects: tuple[ExpectEvent, ...] = ()
     description: str | None = None
+    fake_model: FakeModel = "hash"
 
     def __post_init__(self) -> None:
+        if self.fake_model not in get_args(FakeModel):
+            raise ValueError(f"fake_model must be one of {get_args(FakeModel)}, got {self.fake_model!r}")
         steps = [e.step for e in self.events]
         if any(s < 0 for s in steps) or steps != sorted(steps):
             raise ValueError("trace input events must have non-negative, non-decreasing steps")
@@ -141,6 +175,8 @@ class Trace:
         }
         if self.description is not None:
             head["description"] = self.description
+        if self.fake_model != "hash":
+            head["fake_model"] = self.fake_model
         return head
 
     def lines(self) -> list[dict[str, Any]]:
@@ -148,7 +184,7 @@ class Trace:
         out = [self.header()]
         items: list[tuple[int, int, dict[str, Any]]] = []
         for e in self.events:
-            items.append((e.step, 0, _event_to_json(e)))
+            items.append((e.step, 0, e.to_json()))
         for e in self.expects:
             items.append((e.step, 1, e.to_json()))
         items.sort(key=lambda t: (t[0], t[1]))  # stable: keeps input order within a step
@@ -169,13 +205,6 @@ class Trace:
     def with_expects(self, expects: Iterable[ExpectEvent]) -> "Trace":
         """The same inputs with these expected decisions."""
         return dataclasses.replace(self, expects=tuple(expects))
-
-
-def _event_to_json(e: InputEvent) -> dict[str, Any]:
-    if isinstance(e, AddEvent):
-        return {"step": e.step, "op": "add", "request_id": e.request_id,
-                "prompt_token_ids": list(e.prompt_token_ids), "sampling": _sampling_to_json(e.sampling)}
-    return {"step": e.step, "op": "abort", "request_id": e.request_id}
 
 
 _DEFAULT_SAMPLING = SamplingParams().to_dict()
@@ -205,15 +234,19 @@ def _parse_event(d: Mapping[str, Any], where: str) -> InputEvent | ExpectEvent:
         return AbortEvent(int(d["step"]), str(d["request_id"]))
     if op == "expect":
         _check_keys(d, {"step", "op", "scheduled", "preempted", "finished", "free_blocks"},
-                    {"prefill_tokens", "decode_tokens"}, where)
+                    {"prefill_tokens", "decode_tokens", "finish_reasons"}, where)
         counters = [d.get(k) for k in ("prefill_tokens", "decode_tokens")]
         if (counters[0] is None) != (counters[1] is None):
             raise ValueError(f"{where}: prefill_tokens and decode_tokens come together")
+        reasons = d.get("finish_reasons")
+        if reasons is not None and set(reasons) != set(d["finished"]):
+            raise ValueError(f"{where}: finish_reasons must name exactly the finished sequences")
         return ExpectEvent(
             int(d["step"]), {str(k): int(v) for k, v in d["scheduled"].items()},
             tuple(str(r) for r in d["preempted"]),
             {str(k): tuple(int(t) for t in v) for k, v in d["finished"].items()},
             int(d["free_blocks"]), *(None if c is None else int(c) for c in counters),
+            None if reasons is None else {str(k): str(v) for k, v in reasons.items()},
         )
     raise ValueError(f"{where}: unknown op {op!r}")
 
@@ -227,7 +260,8 @@ def trace_from_lines(lines: list[dict[str, Any]], source: str = "<trace>") -> Tr
     if not lines:
         raise ValueError(f"{source}: empty trace")
     head = lines[0]
-    _check_keys(head, {"version", "seed", "config", "vocab_size", "eos_token_id"}, {"description"}, f"{source}:1")
+    _check_keys(head, {"version", "seed", "config", "vocab_size", "eos_token_id"}, {"description", "fake_model"},
+                f"{source}:1")
     if head["version"] != TRACE_VERSION:
         raise ValueError(f"{source}: trace version {head['version']!r}, this reader knows {TRACE_VERSION}")
     config = head["config"]
@@ -247,7 +281,7 @@ def trace_from_lines(lines: list[dict[str, Any]], source: str = "<trace>") -> Tr
         seed=int(head["seed"]), cache=cache, scheduler=SchedulerConfig.from_dict(config["scheduler"]),
         executor_num_blocks=int(exec_blocks), vocab_size=int(head["vocab_size"]),
         eos_token_id=head["eos_token_id"], events=tuple(events), expects=tuple(expects),
-        description=head.get("description"),
+        description=head.get("description"), fake_model=head.get("fake_model", "hash"),
     )
 
 

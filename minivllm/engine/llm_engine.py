@@ -74,7 +74,7 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What the last ``step()`` decided (for traces, replay and invariants)."""
+    """What the last ``step()`` decided (for traces, replay, invariants and plots)."""
 
     scheduled: dict[str, int]                 # sequence name -> tokens computed
     preempted: tuple[str, ...]
@@ -82,6 +82,13 @@ class StepRecord:
     num_free_blocks: int = 0
     num_prefill_tokens: int = 0               # this step's share of EngineStats
     num_decode_tokens: int = 0
+    # The part of num_prefill_tokens in chunks that stop short of their sequence's end
+    # (chunked prefill: the step samples nothing for them).
+    num_chunked_tokens: int = 0
+    num_cached_tokens: int = 0                # prefix-cache hits of the sequences this step admitted
+    num_running: int = 0                      # the queues after the step
+    num_waiting: int = 0
+    finish_reasons: dict[str, FinishReason] = field(default_factory=dict)  # of the names in ``finished``
 
 
 @dataclass
@@ -456,7 +463,10 @@ class LLMEngine:
                              prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
-        decode = sum(c.is_decode for c in out.scheduled)
+        decode = chunked = 0
+        for c in out.scheduled:
+            decode += c.is_decode
+            chunked += 0 if c.samples else c.num_tokens
         prefill = out.num_tokens - decode
         s = self.stats
         s.num_steps += 1
@@ -465,13 +475,19 @@ class LLMEngine:
         s.num_cached_tokens += out.num_cached_tokens
         s.num_prefill_tokens += prefill
         s.num_decode_tokens += decode
+        ended = [o for o in outputs if o.finished]
         self.last_step = StepRecord(
             scheduled={c.seq.name: c.num_tokens for c in out.scheduled},
             preempted=tuple(seq.name for seq in out.preempted),
-            finished={o.name: o.token_ids for o in outputs if o.finished},
+            finished={o.name: o.token_ids for o in ended},
             num_free_blocks=self.num_free_blocks,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
+            num_chunked_tokens=chunked,
+            num_cached_tokens=out.num_cached_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            finish_reasons={o.name: o.finish_reason for o in ended if o.finish_reason is not None},
         )
 
     # ---- invariants ---------------------------------------------------------

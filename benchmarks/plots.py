@@ -1,0 +1,190 @@
+"""Figures of the benchmarks' JSON summaries, written as PNGs next to them.
+
+    python -m benchmarks.plots DIR     # DIR: the $OUT of ``make bench OUT=DIR``
+
+For each summary it knows in DIR it writes ``<name>.png`` beside ``<name>.json``:
+
+- ``decode_attention``: paged decode-attention bandwidth per (batch, context),
+  eager and CUDA graph, against the copy bandwidth (the ceiling). Layout:
+  ``{"copy_gbs": float, "rows": [{"batch", "context", "splits", "bytes",
+  "eager_us", "graph_us"}]}``, the rows of ``benchmarks/decode_attention.py``'s
+  table;
+- ``throughput`` (and ``throughput_tpN``): offline tok/s of HF ``generate`` and
+  of minivllm per scheduling mode, and batch-1 ms/token (``benchmarks/throughput.py``);
+- ``host_overlap``: wall time per batch-256 decode step split into GPU busy time
+  and host time exposed between GPU steps, per mode (``benchmarks/host_overlap.py``);
+- ``serving``: TTFT and TPOT p50 / p99 and output tok/s against the request rate,
+  with the offline ``generate()`` rate (``benchmarks/serving.py``).
+
+Needs matplotlib (the ``plot`` extra), imported only when a figure is drawn; no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+MODES = ("async off", "async on")
+
+
+def _bar_labels(ax: Any, bars: Any, fmt: str) -> None:
+    ax.bar_label(bars, labels=[fmt.format(b.get_height()) for b in bars], fontsize="small", padding=2)
+
+
+def plot_decode_attention(data: dict[str, Any]) -> "Figure":
+    """Bandwidth (GB/s) of each (batch, context), eager and CUDA graph, with the copy ceiling."""
+    from sim.plot import new_figure
+
+    rows, copy = data["rows"], float(data["copy_gbs"])
+    fig = new_figure(figsize=(9, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.set_label("bandwidth")
+    x = list(range(len(rows)))
+    width = 0.38
+    for k, (key, label) in enumerate((("eager_us", "eager"), ("graph_us", "CUDA graph"))):
+        gbs = [r["bytes"] / (r[key] * 1e-6) / 1e9 for r in rows]
+        bars = ax.bar([i + (k - 0.5) * width for i in x], gbs, width, label=label)
+        ax.bar_label(bars, labels=[f"{100 * g / copy:.0f}%" for g in gbs], fontsize="small", padding=2)
+    ax.axhline(copy, color="black", linestyle="--", linewidth=1, label=f"copy {copy:,.0f} GB/s")
+    ax.set_xticks(x, [f"batch {r['batch']}\nctx {r['context']}" for r in rows])
+    ax.set(ylabel="GB/s (K/V, q, out, tables read or written)",
+           title="paged decode attention vs copy bandwidth (labels: % of copy)")
+    ax.legend(loc="lower right", fontsize="small")
+    return fig
+
+
+def plot_throughput(data: dict[str, Any]) -> "Figure":
+    """Offline tok/s of HF and minivllm (each mode), and minivllm's batch-1 ms/token."""
+    from sim.plot import new_figure
+
+    fig = new_figure(figsize=(10, 4.2), layout="constrained")
+    tput, batch1 = fig.subplots(1, 2, width_ratios=(3, 2))
+    tput.set_label("throughput")
+    batch1.set_label("batch1")
+    mv, hf = data.get("minivllm", {}), data.get("hf", {})
+    names, values = [], []
+    if "tok_s" in hf:
+        names.append(f"HF generate\n({hf.get('requests', '?')} requests)")
+        values.append(hf["tok_s"])
+    modes = [m for m in MODES if m in mv]
+    for m in modes:
+        names.append(f"minivllm\n{m}")
+        values.append(mv[m]["offline"]["tok_s"])
+    bars = tput.bar(names, values, color=["#999999"] * ("tok_s" in hf) + ["#4c72b0"] * len(modes))
+    _bar_labels(tput, bars, "{:,.0f}")
+    ratio = data.get("ratio_minivllm_hf")
+    tput.set(ylabel="completion tokens / s",
+             title=f"{data.get('workload', 'offline')}" + (f": {ratio:.1f}x HF" if ratio else ""))
+    ms = [mv[m]["batch1"]["ms_per_token"] for m in modes]
+    bars = batch1.bar([f"minivllm\n{m}" for m in modes], ms, color="#55a868")
+    _bar_labels(batch1, bars, "{:.2f}")
+    batch1.set(ylabel="ms / token", title="batch-1 decode")
+    return fig
+
+
+def plot_host_overlap(data: dict[str, Any]) -> "Figure":
+    """Per mode, wall ms per decode step = GPU busy + host time exposed between GPU steps."""
+    from sim.plot import new_figure
+
+    results = data["results"]
+    modes = [m for m in MODES if m in results]
+    busy = [results[m]["gpu_busy_ms_per_step"] for m in modes]
+    exposed = [results[m]["exposed_host_ms_per_step"] for m in modes]
+    fig = new_figure(figsize=(7, 4.2), layout="constrained")
+    ax = fig.subplots()
+    ax.set_label("step_time")
+    ax.bar(modes, busy, label="GPU busy", color="#4c72b0")
+    top = ax.bar(modes, exposed, bottom=busy, label="host exposed (GPU idle)", color="#dd8452")
+    ax.bar_label(top, labels=[f"{b + e:.2f} ms" for b, e in zip(busy, exposed)], fontsize="small", padding=2)
+    batch = data.get("args", {}).get("batch", "?")
+    ax.set(ylabel="ms per step", title=f"batch-{batch} decode: time per step")
+    ax.legend(loc="upper right", fontsize="small")
+    return fig
+
+
+def plot_serving(data: dict[str, Any]) -> "Figure":
+    """TTFT and TPOT percentiles and output tok/s against the request rate (``inf``: all at once)."""
+    from sim.plot import new_figure
+
+    rows = data["rates"]
+    labels = [str(r["rate"]) for r in rows]
+    x = list(range(len(rows)))
+    fig = new_figure(figsize=(13, 4.2), layout="constrained")
+    axes = fig.subplots(1, 3)
+    for ax, key, title in ((axes[0], "ttft_ms", "time to first token"),
+                           (axes[1], "tpot_ms", "time per output token")):
+        ax.set_label(key.removesuffix("_ms"))
+        for pct, style in (("p50", "o-"), ("p99", "s--")):
+            ys = [math.nan if r[key][pct] is None else r[key][pct] for r in rows]
+            ax.plot(x, ys, style, label=pct)
+        ax.set(ylabel="ms", title=title, xlabel="request rate (req/s)")
+        ax.set_xticks(x, labels)
+        ax.legend(fontsize="small")
+    tok = axes[2]
+    tok.set_label("output_tok_s")
+    tok.plot(x, [r["output_tok_s"] for r in rows], "o-", label="server")
+    offline = data.get("offline", {}).get("tok_s")
+    if offline is not None:
+        tok.axhline(offline, color="black", linestyle="--", linewidth=1, label="offline generate()")
+    tok.set(ylabel="output tokens / s", title="throughput", xlabel="request rate (req/s)", ylim=(0, None))
+    tok.set_xticks(x, labels)
+    tok.legend(fontsize="small")
+    return fig
+
+
+PLOTTERS: dict[str, Callable[[dict[str, Any]], "Figure"]] = {
+    "decode_attention": plot_decode_attention,
+    "throughput": plot_throughput,
+    "host_overlap": plot_host_overlap,
+    "serving": plot_serving,
+}
+
+
+def plotter_for(path: Path) -> Callable[[dict[str, Any]], "Figure"] | None:
+    """The plotter of a summary file (``throughput_tp2.json`` is a throughput summary), or None."""
+    stem = path.stem
+    if stem.startswith("throughput_tp"):
+        stem = "throughput"
+    return PLOTTERS.get(stem)
+
+
+def plot_dir(directory: str | Path) -> list[Path]:
+    """Write ``<name>.png`` beside each known ``<name>.json`` in ``directory``; the PNGs written."""
+    from sim.plot import save
+
+    written = []
+    for path in sorted(Path(directory).glob("*.json")):
+        plotter = plotter_for(path)
+        if plotter is None:
+            continue
+        with open(path) as f:
+            fig = plotter(json.load(f))
+        written.append(save(fig, path.with_suffix(".png")))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("directory", help="the benchmarks' $OUT folder (holds <name>.json)")
+    args = ap.parse_args(argv)
+    try:
+        written = plot_dir(args.directory)
+    except (ImportError, OSError, KeyError, ValueError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    if not written:
+        print(f"no benchmark summary in {args.directory} ({', '.join(PLOTTERS)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
