@@ -143,14 +143,14 @@ def test_real_llm_trace_replays_on_the_cpu(async_scheduling: bool, tmp_path: Pat
     with LLM(str(FIXTURE), device="cpu", block_size=4, num_blocks=12, max_num_seqs=6,
              max_num_batched_tokens=12, async_scheduling=async_scheduling, record_trace=path) as llm:
         prompts = [f"{a}+{b}=" for a, b in [(12, 34), (5, 5), (99, 1), (23, 45), (60, 7), (8, 81), (12, 34)]]
-        params = [SamplingParams(temperature=1.0, max_tokens=18, ignore_eos=True, n=1 + (i % 3 == 0), seed=i)
+        params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, n=1 + (i % 3 == 0), seed=i)
                   for i in range(len(prompts))]
         params[2] = SamplingParams(temperature=0, max_tokens=10, stop=["0"])  # "99+1=" -> "1", stop at "0"
         outs = llm.generate(prompts, params, use_tqdm=False)
         engine = llm.engine  # the server's way: requests and aborts between steps
         for i, p in enumerate(prompts[:3]):
             engine.add_request(f"live-{i}", llm.prompt_token_ids(i, p),
-                               SamplingParams(temperature=0.5, max_tokens=15, ignore_eos=True, seed=3))
+                               SamplingParams(temperature=0.5, max_tokens=10, ignore_eos=True, seed=3))
         for _ in range(3):
             engine.step()
         assert engine.abort_request("live-1")
