@@ -23,7 +23,8 @@ from sim.__main__ import main as sim_main  # noqa: E402
 from sim.fake_executor import FakeExecutor  # noqa: E402
 from sim.oracle import FakeTextStream  # noqa: E402
 from sim.runner import RunResult, run_trace  # noqa: E402
-from sim.traces import AddEvent, Trace, generate_trace  # noqa: E402
+from sim.traces import Trace, generate_trace  # noqa: E402
+from tests.test_record_trace import feed_inputs  # noqa: E402
 
 # A trace with preemptions, chunked prefills, aborts and prefix hits (asserted below).
 SEED = 50
@@ -62,14 +63,7 @@ def test_timeline_equals_the_engines_records_step_by_step(recorded) -> None:
     bm = engine.scheduler.block_manager
     assert r.timeline is not None and len(r.timeline) == r.steps == len(trace.expects)
     for t, expect in zip(r.timeline, trace.expects):
-        for ev in (e for e in trace.events if e.step == t.step):
-            try:
-                if isinstance(ev, AddEvent):
-                    engine.add_request(ev.request_id, list(ev.prompt_token_ids), ev.sampling)
-                else:
-                    engine.abort_request(ev.request_id)
-            except ValueError:
-                pass  # rejected by design (the runner checks that)
+        feed_inputs(engine, trace, t.step)
         engine.step()
         rec = engine.last_step
         assert rec is not None and t.step == expect.step

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pytest
@@ -44,6 +44,19 @@ def decisions(expects: Sequence[ExpectEvent]) -> list[ExpectEvent]:
     return [dataclasses.replace(e, step=0) for e in busy]
 
 
+def feed_inputs(engine: Any, trace: Trace, step: int) -> None:
+    """Add and abort what ``trace`` does at ``step``; refused inputs are skipped (the runner
+    checks refusals; a recording leaves them out)."""
+    for ev in (e for e in trace.events if e.step == step):
+        try:
+            if isinstance(ev, AddEvent):
+                engine.add_request(ev.request_id, list(ev.prompt_token_ids), ev.sampling)
+            else:
+                engine.abort_request(ev.request_id)
+        except ValueError:
+            pass
+
+
 def drive(trace: Trace, path: Path) -> RecordingEngine:
     """Feed ``trace``'s inputs to a RecordingEngine on the hash model, as the runner does."""
     executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks)
@@ -51,14 +64,7 @@ def drive(trace: Trace, path: Path) -> RecordingEngine:
                              text_streams=FakeTextStream, trace_path=path, vocab_size=trace.vocab_size)
     step = 0
     while step <= trace.last_input_step or engine.has_unfinished_requests():
-        for ev in (e for e in trace.events if e.step == step):
-            try:
-                if isinstance(ev, AddEvent):
-                    engine.add_request(ev.request_id, list(ev.prompt_token_ids), ev.sampling)
-                else:
-                    engine.abort_request(ev.request_id)
-            except ValueError:
-                pass  # rejected: not recorded
+        feed_inputs(engine, trace, step)
         engine.step()
         step += 1
     engine.close()

@@ -25,7 +25,7 @@ import transformers
 from benchmarks.qwen3_shapes import SHAPES
 from minivllm import LLM, SamplingParams
 from tests.model_utils import make_model_executor, randomize_weights
-from tests_gpu.test_model_gpu import NEW, hf_greedy, last_logits, shared_prefix_prompts
+from tests_gpu.test_model_gpu import NEW, assert_top5_at_first_difference, hf_greedy, last_logits, shared_prefix_prompts
 
 FAMILIES = ("qwen2.5-0.5b", "llama-3.2-1b")
 # Greedy engines: the CUDA default (graphs, prefix cache, one step in flight) and a
@@ -113,15 +113,5 @@ def test_bf16_top5_at_first_difference(checkpoint) -> None:
                              block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024,
                              max_model_len=1024, enforce_eager=True)
     prompt = np.random.default_rng(1).integers(0, hf.config.vocab_size, 40).tolist()
-    theirs = hf_greedy(hf16, prompt, 32)
-    ctx = list(prompt)
-    for t in theirs:
-        mine = last_logits(ex, ctx)
-        ours_tok = int(mine.argmax())
-        if ours_tok != t:
-            with torch.no_grad():
-                ref = hf16(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
-            assert ours_tok in ref.topk(5).indices.tolist() and t in mine.topk(5).indices.tolist()
-            break
-        ctx.append(t)
-    print(f"{name}: bf16 greedy agreed for {len(ctx) - len(prompt)} of {len(theirs)} tokens")
+    agreed = assert_top5_at_first_difference(ex, hf16, prompt, 32)
+    print(f"{name}: bf16 greedy agreed for {agreed} of 32 tokens")

@@ -12,6 +12,7 @@ side's token is in the other's top-5).
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import numpy as np
 import pytest
@@ -94,23 +95,27 @@ def test_bf16_top5_at_first_difference(checkpoint) -> None:
         ex = make_model_executor(path, device="cuda", dtype="bfloat16", attention_backend="triton",
                                  block_size=16, num_blocks=64, max_num_seqs=4,
                                  max_num_batched_tokens=1024, enforce_eager=True)
-        rng = np.random.default_rng(1)
-        prompt = rng.integers(0, CONFIGS[name]["vocab_size"], 40).tolist()
-        theirs = hf_greedy(hf16, prompt, 32)
-        ctx, checked = list(prompt), 0
-        for t in theirs:
-            mine = last_logits(ex, ctx)
-            ours_tok = int(mine.argmax())
-            if ours_tok != t:
-                with torch.no_grad():
-                    ref = hf16(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
-                assert ours_tok in ref.topk(5).indices.tolist() and t in mine.topk(5).indices.tolist()
-                checked += 1
-                break
-            ctx.append(t)
-        print(f"{name}: bf16 greedy agreed for {len(ctx) - len(prompt)} tokens; top-5 checks {checked}")
+        prompt = np.random.default_rng(1).integers(0, CONFIGS[name]["vocab_size"], 40).tolist()
+        agreed = assert_top5_at_first_difference(ex, hf16, prompt, 32)
+        print(f"{name}: bf16 greedy agreed for {agreed} of 32 tokens")
     finally:
         hf.float()
+
+
+def assert_top5_at_first_difference(ex: ModelExecutor, hf16: Any, prompt: list[int], n: int) -> int:
+    """Walk HF's bf16 greedy tokens; at the first one we would not pick, each side's token must be
+    in the other's top 5. Returns how many tokens agreed."""
+    ctx = list(prompt)
+    for t in hf_greedy(hf16, prompt, n):
+        mine = last_logits(ex, ctx)
+        ours_tok = int(mine.argmax())
+        if ours_tok != t:
+            with torch.no_grad():
+                ref = hf16(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
+            assert ours_tok in ref.topk(5).indices.tolist() and t in mine.topk(5).indices.tolist()
+            break
+        ctx.append(t)
+    return len(ctx) - len(prompt)
 
 
 def shared_prefix_prompts(vocab: int, n: int = 16, seed: int = 0) -> list[list[int]]:
