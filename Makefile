@@ -23,7 +23,7 @@ $(VENV)/.full: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.core
 
 # Coverage is measured where it is enforced (the engine and the simulator): tracing every
-# module of the model, server and kernels too cost about a fifth of the suite's time.
+# module of the model, server and kernels as well only slows the suite down.
 test: $(VENV)/.full
 	$(BIN)/python -m pytest -n 2 -q --cov=minivllm/engine --cov=sim --cov-report=term-missing:skip-covered tests
 	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --skip-covered --fail-under=90
