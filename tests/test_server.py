@@ -487,7 +487,7 @@ def slow_steps(server) -> Iterator[None]:
 
 
 KILLED_CLIENT = textwrap.dedent("""
-    import json, socket, sys, time
+    import json, socket, sys, threading
     port, key = int(sys.argv[1]), sys.argv[2]
     body = json.dumps({"prompt": "1+1=", "max_tokens": 58, "ignore_eos": True, "stream": True}).encode()
     s = socket.create_connection(("127.0.0.1", port))
@@ -498,7 +498,7 @@ KILLED_CLIENT = textwrap.dedent("""
     while b"data: " not in got:
         got += s.recv(4096)
     print("streaming", flush=True)
-    time.sleep(60)
+    threading.Event().wait()  # until the test kills this process
 """)
 
 

@@ -80,8 +80,12 @@ class Sequence:
         self.computes_prompt_logprobs = sampling_params.prompt_logprobs is not None and index == 0
         if self.computes_prompt_logprobs:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
-        self.reads_prefix_cache = not self.computes_prompt_logprobs
         self.has_penalties = sampling_params.has_penalties
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False for the completion that must compute every prompt position (prompt logprobs)."""
+        return not self.computes_prompt_logprobs
 
     @property
     def num_tokens(self) -> int:

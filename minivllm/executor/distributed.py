@@ -315,7 +315,9 @@ class _CheckedHandle:
 
     def result(self) -> StepResult:
         out = self.handle.result()
-        self.executor._check_workers()
+        if not self.executor._healthy:  # the watchdog aborted the collectives: say why
+            self.executor._check_workers()
+            raise RuntimeError("tensor-parallel group failed during this step")
         return out
 
 
