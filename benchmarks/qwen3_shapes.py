@@ -2,9 +2,10 @@
 
 No machine here can download weights, so benchmarks and the GPU suite build
 the model they need. Each entry of ``SHAPES`` is a published config.json in
-numbers (transformers config keyword arguments): Qwen3-0.6B, Qwen2.5-0.5B
-(q/k/v bias, no ``head_dim`` key: 896 / 14 = 64) and Llama-3.2-1B (``llama3``
-RoPE scaling, factor 32).
+numbers (transformers config keyword arguments): Qwen3-0.6B, Qwen3-8B (untied
+head, about 16 GB in bf16: the tensor-parallel benchmark), Qwen2.5-0.5B (q/k/v
+bias, no ``head_dim`` key: 896 / 14 = 64) and Llama-3.2-1B (``llama3`` RoPE
+scaling, factor 32).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ QWEN3_0_6B: dict[str, Any] = dict(
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
     rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True,
     attention_bias=False, bos_token_id=151643, eos_token_id=151645,
+)
+
+QWEN3_8B: dict[str, Any] = dict(
+    QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
 )
 
 QWEN2_5_0_5B: dict[str, Any] = dict(
@@ -39,6 +45,7 @@ LLAMA_3_2_1B: dict[str, Any] = dict(
 # --shapes name -> (architecture, i.e. the transformers model class, its config numbers)
 SHAPES: Mapping[str, tuple[str, dict[str, Any]]] = {
     "qwen3-0.6b": ("Qwen3ForCausalLM", QWEN3_0_6B),
+    "qwen3-8b": ("Qwen3ForCausalLM", QWEN3_8B),
     "qwen2.5-0.5b": ("Qwen2ForCausalLM", QWEN2_5_0_5B),
     "llama-3.2-1b": ("LlamaForCausalLM", LLAMA_3_2_1B),
 }
@@ -65,7 +72,13 @@ def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = 
     cfg = model_class.config_class(**copy.deepcopy({**numbers, **overrides}), initializer_range=std)
     cfg.architectures = [architecture]
     torch.manual_seed(seed)
-    model = model_class(cfg).to(getattr(torch, dtype))
+    # Built directly in the target dtype: an 8B model in float32 would need 32 GB of host memory.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        model = model_class(cfg)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(path)
     return path
 
