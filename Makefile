@@ -38,13 +38,13 @@ demo: $(VENV)/.full
 # Needs a CUDA device; runs from the tree (the GPU machine has its packages preinstalled).
 # One process per file: each engine sizes its KV pool from the memory free in its
 # process, which the kernel tests' allocations would otherwise distort.
+# TESTS_GPU="model tp" runs a subset (the part after tests_gpu/test_).
+TESTS_GPU ?= kernels model families sampling_features bf16_accuracy tp
 test-gpu:
-	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_kernels_gpu.py
-	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_model_gpu.py
-	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_families_gpu.py
-	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_sampling_features_gpu.py
-	PYTHONPATH=. python3 -m pytest -q tests_gpu/test_bf16_accuracy.py
-	PYTHONPATH=. python3 -m pytest -q -rs tests_gpu/test_tp_gpu.py
+	@rc=0; for f in $(TESTS_GPU); do \
+	  echo "=== tests_gpu/test_$$f*.py"; \
+	  PYTHONPATH=. python3 -m pytest -q -rs tests_gpu/test_$${f}*.py || rc=1; \
+	done; exit $$rc
 
 # Needs a CUDA device; one process per benchmark (each sizes GPU memory for itself),
 # each under a time limit (BENCH_TIMEOUT seconds, default 240). A failing one does
