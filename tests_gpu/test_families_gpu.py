@@ -8,7 +8,12 @@ helpers: float32 logits relative <= 1e-4 over a 300-token context; float32 greed
 through ``LLM`` (CUDA graphs, prefix cache, async scheduling; and a tiny pool that
 forces preemption) token-identical to HF ``generate``; bf16 by the top-5 rule at the
 first differing token. Weights std 0.5 with norm weights near 1 (DESIGN.md: well
-separated logits make float32 greedy equality meaningful).
+separated logits make float32 greedy equality meaningful), except q_proj / k_proj
+(weights and biases) scaled by ``QK_SCALE``: these families have no q/k norm, so
+std 0.5 gives pre-softmax scores of std ~200 (Qwen3, normed: ~1), a hard argmax over
+keys whose winner flips on the last bit. On two H200s that made Qwen2.5's float32
+logits differ from HF's SDPA by 1.3e-4 and its bf16 walk fail the top-5 rule while the
+CPU agreed to 5e-6: the comparison measured luck, not our code.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from tests.model_utils import make_model_executor, randomize_weights
 from tests_gpu.test_model_gpu import NEW, assert_top5_at_first_difference, hf_greedy, last_logits, shared_prefix_prompts
 
 FAMILIES = ("qwen2.5-0.5b", "llama-3.2-1b")
+QK_SCALE = 0.1  # attention scores of std ~2 (module docstring)
 # Greedy engines: the CUDA default (graphs, prefix cache, one step in flight) and a
 # tiny pool (preemption, recompute over cached prefixes).
 ENGINES: dict[str, dict[str, Any]] = {
@@ -59,6 +65,10 @@ def checkpoint(request, tmp_path_factory):
     with torch.device("cuda"):
         hf = model_class(cfg).float().eval()
     randomize_weights(hf, 0.5)
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if ".q_proj." in pname or ".k_proj." in pname:
+                p.mul_(QK_SCALE)
     path = str(tmp_path_factory.mktemp(name))
     hf.save_pretrained(path)
     prompts = shared_prefix_prompts(cfg.vocab_size)

@@ -153,12 +153,13 @@ def _worker_main(rank: int, spec: RankSpec, errors: Any) -> None:
             if fault == f"step{step}":
                 raise RuntimeError(f"injected fault at step {step} ({FAULT_ENV})")
             executor.submit(box[0])  # its samples stay on its device: its next inputs
+        _release_graphs(executor)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         errors.close()
         errors.join_thread()  # the message is in the pipe before this process ends
         os._exit(1)  # no teardown collective: the driver sees this rank leave
-    dist.destroy_process_group()
+    _leave_group()
 
 
 class TPExecutor:
@@ -201,7 +202,7 @@ class TPExecutor:
             self.local = _build_executor(self.spec, 0, self.group)
         except BaseException as e:
             self._closed = True
-            _leave_group(healthy=False)
+            _leave_group()
             self._terminate()
             self._raise_worker_error(e)
             raise
@@ -280,7 +281,9 @@ class TPExecutor:
                 dist.broadcast_object_list([None], src=0, group=self.group)
             except Exception:  # a peer already gone: terminate below
                 self._healthy = False
-        _leave_group(self._healthy)  # while the workers leave it too
+        if self._healthy:
+            _release_graphs(self.local)
+        _leave_group()  # while the workers leave it too
         for p in self.workers:
             p.join(timeout=JOIN_TIMEOUT_S if self._healthy else 0.5)
         self._terminate()
@@ -291,7 +294,7 @@ class TPExecutor:
         if not self._closed:
             self._healthy = False
             try:
-                _leave_group(healthy=False)
+                _leave_group()
             except Exception:  # the main thread reports the worker's error
                 pass
 
@@ -321,13 +324,23 @@ class _CheckedHandle:
         return out
 
 
-def _leave_group(healthy: bool) -> None:
-    """Destroy the process group (every rank together), or abort it after a failure."""
+def _release_graphs(executor: ModelExecutor) -> None:
+    """Drop this rank's CUDA graphs (they hold captured NCCL work) once its last step is done."""
+    executor.graph_runner = None
+    if torch.cuda.is_available() and executor.device.type == "cuda":
+        torch.cuda.synchronize(executor.device)
+
+
+def _leave_group() -> None:
+    """Leave the process group: gloo destroys it (every rank together); NCCL aborts its
+    communicators, a local call. ``destroy_process_group`` can hang for good once NCCL
+    collectives were captured in CUDA graphs (pytorch/pytorch#115388, seen here on two
+    H200s); abort is also what releases collectives blocked by a dead peer."""
     if not dist.is_initialized():
         return
     nccl = dist.get_backend() == "nccl"
-    if not healthy and nccl and hasattr(dist.distributed_c10d, "_abort_process_group"):
-        dist.distributed_c10d._abort_process_group()  # no peer needed; releases blocked collectives
+    if nccl and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
 
