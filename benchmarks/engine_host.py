@@ -17,6 +17,7 @@ import numpy as np
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.executor.base import DoneStep
 from minivllm.executor.inputs import prepare_inputs
 from minivllm.sampling import SamplingParams
 
@@ -30,6 +31,9 @@ class InputsOnlyExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         prepare_inputs(plan)
         return StepResult({s: 7 for s, smp in zip(plan.seq_ids, plan.sample) if smp})
+
+    def submit(self, plan: StepPlan) -> DoneStep:
+        return DoneStep(self.execute(plan))
 
 
 def main() -> None:
