@@ -51,6 +51,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the GPU's memory the model and KV pool may use (CUDA)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="no prefix cache (every prompt computed in full)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (processes; one GPU each on CUDA) the model is split over")
@@ -60,8 +65,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, object]:
     opts = {k: v for k, v in dict(block_size=args.block_size, num_blocks=args.num_blocks,
-                                  max_num_seqs=args.max_num_seqs,
-                                  max_model_len=args.max_model_len).items() if v is not None}
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  gpu_memory_utilization=args.gpu_memory_utilization).items()
+            if v is not None}
+    if not args.enable_prefix_caching:
+        opts["enable_prefix_caching"] = False
     if args.enforce_eager:
         opts["enforce_eager"] = True
     if args.tensor_parallel_size != 1:

@@ -72,6 +72,19 @@ def test_cli_prints_completions(capsys) -> None:
     assert rc == 0 and "'12+34=' -> '46'" in out and "'50+27=' -> '77'" in out
 
 
+def test_cli_engine_options_reach_the_engine() -> None:
+    from minivllm.__main__ import _engine_options, _parser
+
+    args = _parser().parse_args(["generate", "--model", FIXTURE, "--max-num-batched-tokens", "96",
+                                 "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "x"])
+    opts = _engine_options(args)
+    assert opts == dict(max_num_batched_tokens=96, gpu_memory_utilization=0.5, enable_prefix_caching=False)
+    llm = LLM(FIXTURE, device="cpu", num_blocks=32, max_model_len=64, **opts)
+    assert llm.engine.scheduler_config.max_num_batched_tokens == 96
+    assert not llm.engine.cache_config.enable_prefix_caching
+    assert _engine_options(_parser().parse_args(["generate", "--model", FIXTURE, "x"])) == {}
+
+
 def test_cli_reports_bad_input(capsys) -> None:
     assert cli_main(["generate", "--model", FIXTURE, "--device", "cpu", "--top-p", "0", "1+1="]) == 2
     assert "top_p" in capsys.readouterr().err
