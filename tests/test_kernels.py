@@ -372,11 +372,13 @@ QK_NORM_CASES = [(t, h, hkv, d) for t in (1, 5, 37) for h, hkv in ((4, 2), (2, 1
 
 def make_qk_norm_problem(
     t: int, h: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator, exact_sums: bool = False,
+    norm: bool = True,
 ) -> tuple[list, list]:
     """Arguments of ``qk_norm_rope_store`` and a deep copy for the reference.
 
     ``exact_sums``: QKV entries are multiples of 1/4 in [-1, 1], so every head's sum of
-    squares is exact in any order (the one place the kernel may round differently)."""
+    squares is exact in any order (the one place the kernel may round differently).
+    ``norm=False``: no q/k norm weights (Qwen2, Llama): RoPE and the store only."""
     width = (h + 2 * hkv) * d
     if exact_sums:
         qkv = torch.randint(-4, 5, (t, width), generator=gen) * 0.25
@@ -392,7 +394,8 @@ def make_qk_norm_problem(
     slots[1::3] = -1
     k_cache = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
     v_cache = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
-    args = [qkv.to(dtype), positions, q_weight.to(dtype), k_weight.to(dtype), 1e-6, cos_sin, k_cache, v_cache, slots]
+    weights = [q_weight.to(dtype), k_weight.to(dtype)] if norm else [None, None]
+    args = [qkv.to(dtype), positions, *weights, 1e-6, cos_sin, k_cache, v_cache, slots]
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     return args, ref_args
 
@@ -400,9 +403,20 @@ def make_qk_norm_problem(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", QK_NORM_CASES, ids=lambda c: f"t{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
 def test_qk_norm_rope_store_matches_reference(case: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    check_qk_norm_rope_store(case, dtype, norm=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(5, 4, 2, 16), (37, 6, 3, 64)], ids=lambda c: f"t{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
+def test_rope_store_without_norm_matches_reference(case: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    """No norm weights (Qwen2, Llama): RoPE and the store only."""
+    check_qk_norm_rope_store(case, dtype, norm=False)
+
+
+def check_qk_norm_rope_store(case: tuple[int, int, int, int], dtype: torch.dtype, norm: bool) -> None:
     t, h, hkv, d = case
     gen = torch.Generator().manual_seed(t * 1000 + h * 10 + d)
-    args, ref_args = make_qk_norm_problem(t, h, hkv, d, dtype, gen)
+    args, ref_args = make_qk_norm_problem(t, h, hkv, d, dtype, gen, norm=norm)
     q = qk_norm_rope_store(*args)
     q_ref = qk_norm_rope_store_reference(*ref_args)
     assert q.shape == (t, h, d) and q.dtype == dtype and q.is_contiguous()
@@ -418,13 +432,15 @@ def test_qk_norm_rope_store_matches_reference(case: tuple[int, int, int, int], d
     assert torch.equal(k_cache[untouched], k_ref[untouched])
 
 
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope-only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", [(5, 4, 2, 16), (37, 6, 3, 64)], ids=lambda c: f"t{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
 def test_qk_norm_rope_store_is_bit_identical_on_exact_sums(case: tuple[int, int, int, int],
-                                                           dtype: torch.dtype) -> None:
-    """With sums of squares exact in any order, every rounding is the reference's: equal bits."""
+                                                           dtype: torch.dtype, norm: bool) -> None:
+    """With sums of squares exact in any order, every rounding is the reference's: equal bits
+    (without the norm, always: RoPE has no sum)."""
     gen = torch.Generator().manual_seed(11)
-    args, ref_args = make_qk_norm_problem(*case, dtype, gen, exact_sums=True)
+    args, ref_args = make_qk_norm_problem(*case, dtype, gen, exact_sums=norm, norm=norm)
     assert torch.equal(qk_norm_rope_store(*args), qk_norm_rope_store_reference(*ref_args))
     assert torch.equal(args[6], ref_args[6]) and torch.equal(args[7], ref_args[7])
 
@@ -468,6 +484,8 @@ def test_qk_norm_rope_store_rejects_bad_arguments() -> None:
         call(slot_mapping=args[8].float())
     with pytest.raises(TypeError, match="eps"):
         call(eps="1e-6")
+    with pytest.raises(ValueError, match="both None"):
+        call(k_weight=None)
     with pytest.raises(ValueError, match="qkv"):
         call(qkv=qkv[:, :-8])                       # not a multiple of D wide
     with pytest.raises(ValueError, match="qkv"):
@@ -520,11 +538,12 @@ def test_model_with_fused_qk_norm_rope_matches_torch_backend(tmp_path) -> None:
     torch.testing.assert_close(executors["fused"].kv_cache, executors["torch"].kv_cache, atol=1e-5, rtol=1e-5)
 
 
-def test_families_without_qk_norm_never_take_the_fused_kernel(tmp_path) -> None:
-    """Qwen2 and Llama have no q/k norm, so the fused q/k-norm kernel must not run even
-    where the backend would fuse (as on CUDA). Qwen2 (q/k/v bias; Llama takes the same
-    branch) with fusion forced on: the Triton kernels give the torch backend's logits and
-    K/V, and the fused entry point is never called."""
+def test_families_without_qk_norm_take_the_fused_kernel_without_norm(tmp_path) -> None:
+    """Qwen2 and Llama have no q/k norm: where the backend fuses (as on CUDA) they take the
+    fused kernel with no norm weights (RoPE + K/V store in one launch). Qwen2 (q/k/v bias;
+    Llama takes the same branch) with fusion forced on the CPU interpreter: the Triton
+    kernels give the torch backend's logits and K/V, and every layer's call passed no
+    weights (a planted bug that normalised anyway, or skipped the kernel, fails here)."""
     from model_utils import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
 
     path = save_hf_model(make_hf_model(TinyConfig(family="qwen2", hidden_size=64, head_dim=16)), tmp_path)
@@ -535,11 +554,13 @@ def test_families_without_qk_norm_never_take_the_fused_kernel(tmp_path) -> None:
     backend = executors["triton"].model.model.layers[0].self_attn.attn.backend
     backend.fuse_qk_norm_rope = True
     assert backend.fuses_qk_norm_rope(torch.device("cpu"))
+    kernel, weights_seen = backend._qk_norm_rope_store, []
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the fused q/k-norm kernel ran for a model without q/k norm")
+    def spy(qkv, positions, q_weight, k_weight, *rest):
+        weights_seen.append((q_weight, k_weight))
+        return kernel(qkv, positions, q_weight, k_weight, *rest)
 
-    backend._qk_norm_rope_store = refuse
+    backend._qk_norm_rope_store = spy
     a, b = [3, 14, 15, 92, 65, 35, 8, 40, 41], [9, 79, 32, 38, 46]
     plans = [make_plan([(a, 0, (9, 2, 14), True), (b, 0, (5, 11, 0), True)], bs),      # prefill
              make_plan([([1], 9, (9, 2, 14), True), ([2], 5, (5, 11, 0), True)], bs)]  # decode
@@ -547,3 +568,5 @@ def test_families_without_qk_norm_never_take_the_fused_kernel(tmp_path) -> None:
         logits = {name: ex.compute_logits(plan).float() for name, ex in executors.items()}
         torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(executors["triton"].kv_cache, executors["torch"].kv_cache, atol=1e-5, rtol=1e-5)
+    layers = len(executors["triton"].model.model.layers)
+    assert weights_seen == [(None, None)] * (layers * len(plans))

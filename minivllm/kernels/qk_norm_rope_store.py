@@ -6,6 +6,9 @@ After the packed QKV projection, a Qwen3 layer needs, per token::
     k = rope(rms_norm(k, k_weight))        -> k_cache[slot]
     v                                      -> v_cache[slot]
 
+Families without q/k norm (Qwen2, Llama) pass no weights and get the same kernel
+without the norm (``HAS_NORM`` false): RoPE and the cache write in one launch.
+
 Unfused (``qk_norm_rope`` compiled by torch.compile, then ``store_kv``) that is 7
 launches per layer; at batch 1 the launches, not the bytes, set the step time.
 Here one program per token reads its whole QKV row once and writes q and the
@@ -60,10 +63,22 @@ def _rms_norm_rope(
 
 
 @triton.jit
+def _maybe_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """``_rms_norm_rope``, or (no norm) RoPE alone of the model-dtype values, in fp32."""
+    if HAS_NORM:
+        o1, o2 = _rms_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM)
+    else:
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        o1, o2 = x1f * cos - x2f * sin, x2f * cos + x1f * sin
+    return o1, o2
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr,                              # (T, (H + 2 Hkv) * D): [q heads | k heads | v heads]
     pos_ptr,                              # (T,) int
-    q_weight_ptr, k_weight_ptr,           # (D,)
+    q_weight_ptr, k_weight_ptr,           # (D,); read only when HAS_NORM
     cos_sin_ptr,                          # (P, D) fp32: [cos | sin]
     q_out_ptr,                            # (T, H, D) contiguous
     k_cache_ptr, v_cache_ptr,             # (N, bs, Hkv, D), same strides
@@ -74,6 +89,7 @@ def _qk_norm_rope_store_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,             # tokens per KV block
     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,  # heads per chunk (powers of two)
+    HAS_NORM: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -93,7 +109,7 @@ def _qk_norm_rope_store_kernel(
         off = offs_h * HEAD_DIM + offs_d
         x1 = tl.load(row + off, mask=mask, other=0.0)
         x2 = tl.load(row + off + HALF, mask=mask, other=0.0)
-        o1, o2 = _rms_norm_rope(x1, x2, qw1, qw2, cos, sin, eps, HEAD_DIM)
+        o1, o2 = _maybe_norm_rope(x1, x2, qw1, qw2, cos, sin, eps, HEAD_DIM, HAS_NORM)
         tl.store(q_out + off, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
         tl.store(q_out + off + HALF, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
 
@@ -115,7 +131,7 @@ def _qk_norm_rope_store_kernel(
         cache_off = cache_row + offs_h * stride_ch + offs_d
         x1 = tl.load(k_row + off, mask=mask, other=0.0)
         x2 = tl.load(k_row + off + HALF, mask=mask, other=0.0)
-        o1, o2 = _rms_norm_rope(x1, x2, kw1, kw2, cos, sin, eps, HEAD_DIM)
+        o1, o2 = _maybe_norm_rope(x1, x2, kw1, kw2, cos, sin, eps, HEAD_DIM, HAS_NORM)
         # Rounded to the model dtype first (the unfused path stores model-dtype k).
         o1 = o1.to(x1.dtype).to(k_cache_ptr.dtype.element_ty)
         o2 = o2.to(x1.dtype).to(k_cache_ptr.dtype.element_ty)
@@ -130,15 +146,16 @@ def _qk_norm_rope_store_kernel(
 def qk_norm_rope_store(
     qkv: torch.Tensor,            # (T, (H + 2 Hkv) * D) the QKV projection's output
     positions: torch.Tensor,      # (T,) int64 (int32 accepted)
-    q_weight: torch.Tensor,       # (D,) model dtype
-    k_weight: torch.Tensor,       # (D,) model dtype
+    q_weight: torch.Tensor | None,  # (D,) model dtype; None (with k_weight None): no norm
+    k_weight: torch.Tensor | None,  # (D,) model dtype
     eps: float,
     cos_sin_cache: torch.Tensor,  # (P, D) float32: [cos | sin]
     k_cache: torch.Tensor,        # (N, bs, Hkv, D)
     v_cache: torch.Tensor,        # (N, bs, Hkv, D)
     slot_mapping: torch.Tensor,   # (T,) int64 (int32 accepted), -1 = do not store
 ) -> torch.Tensor:
-    """Normalise and rotate q and k per head, store k and v in the paged cache; return q.
+    """Normalise (unless the weights are None) and rotate q and k per head, store k
+    and v in the paged cache; return q.
 
     H is read from qkv's width: ``qkv.shape[1] // D - 2 * Hkv`` with Hkv from the
     cache. Returns q as a new dense (T, H, D) tensor in qkv's dtype; k and v are
@@ -149,8 +166,14 @@ def qk_norm_rope_store(
         TypeError: a tensor has an unsupported dtype (weights must match qkv's,
             the table must be float32, positions/slots integer) or eps is not a number.
         ValueError: shapes disagree, D is not a power of two >= 2, a last dimension
-            is strided, caches differ in shape or strides, or devices differ.
+            is strided, caches differ in shape or strides, devices differ, or only
+            one of the weights is None.
     """
+    has_norm = q_weight is not None or k_weight is not None
+    if has_norm and (q_weight is None or k_weight is None):
+        raise ValueError("q_weight and k_weight must both be tensors (q/k norm) or both None (RoPE only)")
+    if not has_norm:  # never read by the kernel; stand-ins that pass the checks
+        q_weight = k_weight = torch.ones(k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)
     _check_args(qkv, positions, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping)
     num_tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -166,7 +189,7 @@ def qk_norm_rope_store(
         float(eps), qkv.stride(0), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=block_h, BLOCK_HKV=block_hkv,
+        BLOCK_H=block_h, BLOCK_HKV=block_hkv, HAS_NORM=has_norm,
         num_warps=4 if block_h * half >= 1024 else 1,
         # a*b - c*d as two rounded products, as eager torch computes RoPE.
         enable_fp_fusion=False,

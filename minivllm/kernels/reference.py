@@ -30,19 +30,22 @@ def store_kv_reference(
 def qk_norm_rope_store_reference(
     qkv: torch.Tensor,            # (T, (H + 2 Hkv) * D)
     positions: torch.Tensor,      # (T,) int
-    q_weight: torch.Tensor,       # (D,)
-    k_weight: torch.Tensor,       # (D,)
+    q_weight: torch.Tensor | None,  # (D,); None (both): no norm
+    k_weight: torch.Tensor | None,  # (D,)
     eps: float,
     cos_sin_cache: torch.Tensor,  # (P, D) float32 [cos | sin]
     k_cache: torch.Tensor,        # (N, bs, Hkv, D)
     v_cache: torch.Tensor,        # (N, bs, Hkv, D)
     slot_mapping: torch.Tensor,   # (T,) int, -1 = write nothing
 ) -> torch.Tensor:
-    """The unfused path: per-head RMSNorm of q and k, RoPE, K/V stored; returns q (T, H, D)."""
+    """The unfused path: per-head RMSNorm of q and k (unless the weights are None), RoPE,
+    K/V stored; returns q (T, H, D)."""
     hkv, d = k_cache.shape[2:]
     t = qkv.shape[0]
     q, k, v = qkv.view(t, -1, d).split([qkv.shape[1] // d - 2 * hkv, hkv, hkv], dim=1)
-    q, k = rope_ref(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), cos_sin_cache)
+    if q_weight is not None and k_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    q, k = rope_ref(positions, q, k, cos_sin_cache)
     store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
     return q
 

@@ -72,12 +72,13 @@ class AttentionBackend(ABC):
         """Whether :meth:`qk_norm_rope_store` runs for tensors on ``device`` (default: never)."""
         return False
 
-    def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
-                           k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+    def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
+                           k_weight: torch.Tensor | None, eps: float, cos_sin_cache: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Per-head q/k RMSNorm + RoPE of the packed ``qkv`` (T, (H + 2 Hkv) D), K/V stored
-        at ``slot_mapping``; returns q (T, H, D). Only where :meth:`fuses_qk_norm_rope`."""
+        """Per-head q/k RMSNorm (none when the weights are None) + RoPE of the packed ``qkv``
+        (T, (H + 2 Hkv) D), K/V stored at ``slot_mapping``; returns q (T, H, D). Only where
+        :meth:`fuses_qk_norm_rope`."""
         raise NotImplementedError(f"{type(self).__name__} has no fused qk_norm_rope_store")
 
 
@@ -131,8 +132,8 @@ class TritonAttentionBackend(AttentionBackend):
             return device.type == "cuda"
         return self.fuse_qk_norm_rope
 
-    def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
-                           k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+    def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
+                           k_weight: torch.Tensor | None, eps: float, cos_sin_cache: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> torch.Tensor:
         return self._qk_norm_rope_store(qkv, positions, q_weight, k_weight, eps, cos_sin_cache,

@@ -26,10 +26,10 @@ CUDA branch, three times for three flags; here it exists once, and each family
 module states its differences in one ``attention_spec`` next to its name, the
 way Hugging Face's modeling files hard-code them.
 
-The one branch the flags create: the fused q/k-norm + RoPE + K/V-store kernel
-(``minivllm/kernels/qk_norm_rope_store.py``) normalises q and k by
-construction, so only a block with q/k norm may take it; without q/k norm the
-block always runs RoPE (compiled on CUDA) and the backend's K/V store.
+Where the backend fuses (CUDA), every family takes the one q/k-norm + RoPE +
+K/V-store kernel (``minivllm/kernels/qk_norm_rope_store.py``); a block without
+q/k norm passes no norm weights and the kernel skips the norm. Elsewhere the
+block runs the norm (if any) and RoPE as torch code, then the backend's K/V store.
 """
 
 from __future__ import annotations
@@ -130,12 +130,13 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden)                            # (T, (H + 2 Hkv) D)
         self.rotary_emb.check_positions(positions)
         backend = self.attn.backend
-        if self.q_norm is not None and backend.fuses_qk_norm_rope(qkv.device):
-            # One kernel: q/k norm + RoPE, k and v written to the cache; only q comes back.
+        if backend.fuses_qk_norm_rope(qkv.device):
+            # One kernel: [q/k norm +] RoPE, k and v written to the cache; only q comes back.
             # (q_norm and k_norm share config.rms_norm_eps.)
-            q = backend.qk_norm_rope_store(
-                qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                self.rotary_emb.cos_sin_cache, *self.attn.kv_caches(meta), meta.slot_mapping)
+            q_w, k_w, eps = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                             if self.q_norm is not None and self.k_norm is not None else (None, None, 0.0))
+            q = backend.qk_norm_rope_store(qkv, positions, q_w, k_w, eps, self.rotary_emb.cos_sin_cache,
+                                           *self.attn.kv_caches(meta), meta.slot_mapping)
             o = self.attn.attend(q, meta)                      # (T, H, D)
             return self.o_proj(o.reshape(t, q_size))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
