@@ -16,6 +16,10 @@ For each summary it knows in DIR it writes ``<name>.png`` beside ``<name>.json``
 - ``serving``: TTFT and TPOT p50 / p99 and output tok/s against the request rate,
   with the offline ``generate()`` rate (``benchmarks/serving.py``).
 
+and, across files, ``tp_scaling.png`` when DIR holds throughput summaries of one
+shapes at several ``--tensor-parallel-size``: offline tok/s and batch-1 ms/token
+per TP size, grouped by shapes, with the all-reduce share of a decode step.
+
 Needs matplotlib (the ``plot`` extra), imported only when a figure is drawn; no torch.
 """
 
@@ -147,6 +151,50 @@ PLOTTERS: dict[str, Callable[[dict[str, Any]], "Figure"]] = {
 }
 
 
+def plot_tp_scaling(summaries: list[dict[str, Any]]) -> "Figure":
+    """Offline tok/s and batch-1 ms/token per (shapes, TP size), from throughput summaries
+    (async on where present); each TP > 1 bar is labelled with its ratio to TP=1 and the
+    all-reduce share of a batch-1 decode step."""
+    from sim.plot import new_figure
+
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for d in summaries:
+        args, mv = d.get("args", {}), d.get("minivllm", {})
+        mode = next((m for m in ("async on", "async off") if m in mv), None)
+        if mode is not None:
+            runs.setdefault(args.get("shapes", "?"), {})[int(args.get("tensor_parallel_size", 1))] = dict(
+                mv[mode], allreduce=mv.get("decode_kernels", {}).get("allreduce_share"))
+    fig = new_figure(figsize=(10, 4.2), layout="constrained")
+    tput, batch1 = fig.subplots(1, 2)
+    tput.set_label("throughput")
+    batch1.set_label("batch1")
+    sizes = sorted({tp for by_tp in runs.values() for tp in by_tp})
+    width = 0.8 / max(1, len(sizes))
+    for i, tp in enumerate(sizes):
+        shapes = [s for s in runs if tp in runs[s]]
+        xs = [list(runs).index(s) + i * width for s in shapes]
+        for ax, key, fmt in ((tput, ("offline", "tok_s"), "{:,.0f}"), (batch1, ("batch1", "ms_per_token"), "{:.2f}")):
+            values = [runs[s][tp][key[0]][key[1]] for s in shapes]
+            bars = ax.bar(xs, values, width, label=f"TP={tp}")
+            labels = []
+            for s, v in zip(shapes, values):
+                base = runs[s].get(1)
+                text = fmt.format(v)
+                if tp != 1 and base is not None:
+                    text += f"\n{v / base[key[0]][key[1]]:.2f}x"
+                    if ax is batch1 and runs[s][tp]["allreduce"] is not None:
+                        text += f"\nAR {100 * runs[s][tp]['allreduce']:.0f}%"
+                labels.append(text)
+            ax.bar_label(bars, labels=labels, fontsize="small", padding=2)
+    for ax, ylabel, title in ((tput, "completion tokens / s", "offline-256"),
+                              (batch1, "ms / token", "batch-1 decode (AR: all-reduce share)")):
+        ax.set_xticks([j + width * (len(sizes) - 1) / 2 for j in range(len(runs))], list(runs))
+        ax.set(ylabel=ylabel, title=title)
+        ax.margins(y=0.25)
+        ax.legend()
+    return fig
+
+
 def plotter_for(path: Path) -> Callable[[dict[str, Any]], "Figure"] | None:
     """The plotter of a summary file (``throughput_tp2.json`` is a throughput summary), or None."""
     stem = path.stem
@@ -167,6 +215,13 @@ def plot_dir(directory: str | Path) -> list[Path]:
         with open(path) as f:
             fig = plotter(json.load(f))
         written.append(save(fig, path.with_suffix(".png")))
+    summaries = []
+    for path in sorted(Path(directory).glob("throughput*.json")):
+        with open(path) as f:
+            summaries.append(json.load(f))
+    tp_sizes = {int(d.get("args", {}).get("tensor_parallel_size", 1)) for d in summaries}
+    if len(tp_sizes) > 1:
+        written.append(save(plot_tp_scaling(summaries), Path(directory) / "tp_scaling.png"))
     return written
 
 

@@ -282,3 +282,26 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     tpot = {line.get_label(): line.get_ydata() for line in ax["tpot"].lines}
     assert tpot["p50"][0] == 8 and np.isnan(tpot["p50"][1])  # no percentile: no point
     assert [list(line.get_ydata()) for line in ax["output_tok_s"].lines] == [[4000.0, 7500.0], [15500.0, 15500.0]]
+
+
+def test_tp_scaling_figure_groups_tp_sizes_by_shapes(tmp_path: Path) -> None:
+    def summary(shapes: str, tp: int, tok_s: float, ms: float, share: float | None) -> dict[str, Any]:
+        mv: dict[str, Any] = {"async on": {"offline": {"tok_s": tok_s}, "batch1": {"ms_per_token": ms}}}
+        if share is not None:
+            mv["decode_kernels"] = {"allreduce_share": share}
+        return {"args": {"shapes": shapes, "tensor_parallel_size": tp}, "minivllm": mv}
+
+    runs = {"throughput.json": summary("small", 1, 100.0, 2.0, 0.0),
+            "throughput_tp2.json": summary("small", 2, 80.0, 3.0, 0.25),
+            "throughput_big.json": summary("big", 1, 50.0, 5.0, None),
+            "throughput_big_tp2.json": summary("big", 2, 70.0, 4.0, 0.15)}
+    for name, data in runs.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    assert bench_plots.main([str(tmp_path)]) == 0
+    assert (tmp_path / "tp_scaling.png").read_bytes()[:8] == PNG_MAGIC
+    ax = panels(bench_plots.plot_tp_scaling([runs[n] for n in sorted(runs)]))
+    # containers: TP=1 bars (shapes in file-name order: small, big), then TP=2 bars
+    assert bar_heights(ax["throughput"]) == [100.0, 50.0, 80.0, 70.0]
+    assert bar_heights(ax["batch1"]) == [2.0, 5.0, 3.0, 4.0]
+    labels = [t.get_text() for t in ax["batch1"].texts]
+    assert "4.00\n0.80x\nAR 15%" in labels and "3.00\n1.50x\nAR 25%" in labels
