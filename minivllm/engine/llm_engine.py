@@ -165,7 +165,7 @@ class LLMEngine:
             self._unspawned[request_id] = seq
         self.scheduler.add(seq)
 
-    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, index: int) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt: Seq[int], params: SamplingParams, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, request_id, prompt, params, index)
         if params.stop and self.text_streams is not None:
             seq.text_stream = self.text_streams(list(prompt))
@@ -177,7 +177,7 @@ class LLMEngine:
         """Create completions 1 .. n-1 of ``first``'s request (its prompt is computed and
         cached now), ahead of every waiting sequence; sample i is seeded ``seed + i``."""
         del self._unspawned[first.request_id]
-        prompt, params = first.token_ids[:first.num_prompt_tokens], first.sampling_params
+        prompt, params = first.prompt_token_ids, first.sampling_params
         children = []
         for i in range(1, params.n):
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
@@ -238,7 +238,7 @@ class LLMEngine:
             self._pending_outputs.append(self._output(seq))
         if first is not None:  # completions never created end too, empty
             self._pending_outputs.extend(
-                RequestOutput(request_id, tuple(first.token_ids[:first.num_prompt_tokens]), (), "abort", index=i,
+                RequestOutput(request_id, first.prompt_token_ids, (), "abort", index=i,
                               logprobs=() if first.logprobs is not None else None)
                 for i in range(1, first.sampling_params.n))
         self.stats.num_aborts += 1
@@ -335,30 +335,36 @@ class LLMEngine:
         return self._apply(step.out, result)
 
     def _build_plan(self, out: SchedulerOutput) -> StepPlan:
-        chunks, refs = [], []
+        # One pass over the batch (it runs every step for every sequence).
+        seq_ids, chunks, starts, tables, sample, params, refs = [], [], [], [], [], [], []
         histories: list[TokenHistory | None] | None = None
         targets: list[np.ndarray | None] | None = None
         for i, c in enumerate(out.scheduled):
-            seq = c.seq
+            seq, start, end = c.seq, c.start, c.end
             known = seq.token_ids
             # A chunk past the known tokens ends with the pending token of the step in flight.
-            ref = c.end > len(known)
-            chunks.append(known[c.start:c.end] + [-1] if ref else known[c.start:c.end])
+            ref = end > len(known)
+            chunks.append(known[start:end] + [-1] if ref else known[start:end])
             refs.append(ref)
+            seq_ids.append(seq.seq_id)
+            starts.append(start)
+            tables.append(tuple(seq.block_table))
+            sample.append(c.samples)
+            params.append(seq.sampling_params)
             if c.samples and seq.has_penalties:
                 histories = histories or [None] * len(out.scheduled)
                 histories[i] = TokenHistory(np.array(known, dtype=np.int64), seq.num_prompt_tokens)
-            if seq.computes_prompt_logprobs and c.start < seq.num_prompt_tokens - 1:
+            if seq.computes_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # Position j predicts token j + 1: the targets are the prompt tokens after the chunk's positions.
                 targets = targets or [None] * len(out.scheduled)
-                targets[i] = np.array(known[c.start + 1:min(c.end + 1, seq.num_prompt_tokens)], dtype=np.int64)
+                targets[i] = np.array(known[start + 1:min(end + 1, seq.num_prompt_tokens)], dtype=np.int64)
         return StepPlan.build(
-            seq_ids=[c.seq.seq_id for c in out.scheduled],
+            seq_ids=seq_ids,
             token_chunks=chunks,
-            start_positions=[c.start for c in out.scheduled],
-            block_tables=[tuple(c.seq.block_table) for c in out.scheduled],
-            sample=[c.samples for c in out.scheduled],
-            sampling_params=[c.seq.sampling_params for c in out.scheduled],
+            start_positions=starts,
+            block_tables=tables,
+            sample=sample,
+            sampling_params=params,
             block_size=self.cache_config.block_size,
             feeds_prev_sample=refs,
             histories=histories,
@@ -457,9 +463,9 @@ class LLMEngine:
         text = None
         if seq.finish_reason is not None and seq.text_stream is not None:
             text = seq.text if seq.text_end is None else seq.text[:seq.text_end]
-        return RequestOutput(seq.request_id, tuple(seq.token_ids[:seq.num_prompt_tokens]), tokens,
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, tokens,
                              seq.finish_reason, text=text, new_token_ids=new, index=seq.index,
-                             logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
+                             logprobs=seq.output_logprobs,
                              prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:

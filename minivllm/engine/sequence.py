@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Sequence as Seq, TypeVar
 
 from minivllm.outputs import FinishReason, sequence_name
 from minivllm.sampling import SamplingParams
@@ -19,6 +19,21 @@ def is_decode_chunk(start: int, num_tokens: int, num_prompt_tokens: int) -> bool
     trace records all use this function.
     """
     return num_tokens == 1 and start >= num_prompt_tokens
+
+
+T = TypeVar("T")
+
+
+def extend_snapshot(snapshot: tuple[T, ...], items: list[T], start: int) -> tuple[T, ...]:
+    """``tuple(items[start:])``, given ``snapshot``, an earlier result for the same list.
+
+    ``items`` only ever grows at its end, so the earlier result is a prefix of
+    the new one: only the items added since are read from the list (no slice of
+    the whole list each step), and an unchanged list returns the very same tuple.
+    """
+    missing = len(items) - start - len(snapshot)
+    assert missing >= 0, "items are append-only"
+    return snapshot + tuple(items[-missing:]) if missing else snapshot
 
 
 class SequenceStatus(enum.Enum):
@@ -43,14 +58,16 @@ class Sequence:
     not in ``token_ids``. Synchronous engines never have pending tokens.
     """
 
-    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: Seq[int],
                  sampling_params: SamplingParams, index: int = 0) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         # Which of the request's ``n`` completions; ``name`` tells them apart in records.
         self.index = index
         self.name = sequence_name(request_id, index)
-        self.token_ids: list[int] = list(prompt_token_ids)   # known tokens only
+        # Built once and shared by every output (and by the other n - 1 completions).
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)   # known tokens only, append-only
         self.num_pending_tokens = 0
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -67,6 +84,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # Completion tokens already handed out in a RequestOutput (streaming).
         self.num_reported_tokens = 0
+        # The last results of ``output_token_ids`` / ``output_logprobs``, extended as tokens come.
+        self._output_token_ids: tuple[int, ...] = ()
+        self._output_logprobs: tuple[dict[int, float], ...] = ()
         # Requests with stop strings: their text, grown token by token, and where the
         # final text ends (cut at the stop string found).
         self.text_stream: Any = None
@@ -99,7 +119,18 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.token_ids[self.num_prompt_tokens:])
+        """The known completion tokens. Every output carries this tuple, so it is
+        extended by the new tokens rather than sliced afresh from ``token_ids``."""
+        self._output_token_ids = extend_snapshot(self._output_token_ids, self.token_ids, self.num_prompt_tokens)
+        return self._output_token_ids
+
+    @property
+    def output_logprobs(self) -> tuple[dict[int, float], ...] | None:
+        """``logprobs`` as a tuple (None unless asked for), extended like ``output_token_ids``."""
+        if self.logprobs is None:
+            return None
+        self._output_logprobs = extend_snapshot(self._output_logprobs, self.logprobs, 0)
+        return self._output_logprobs
 
     @property
     def num_uncomputed_tokens(self) -> int:
