@@ -245,7 +245,9 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    eos_token_id: int | None = None
+    # One id, or every id that ends a sequence (Llama-3.x instruct: <|end_of_text|>,
+    # <|eom_id|>, <|eot_id|>), from config.json and generation_config.json.
+    eos_token_id: int | tuple[int, ...] | None = None
     bos_token_id: int | None = None
     architecture: str = "Qwen3ForCausalLM"
     torch_dtype: str | None = None
@@ -308,9 +310,7 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         max_positions = hf.get("max_position_embeddings", 40960)
         rope_theta, rope_scaling = _read_rope(hf, max_positions, path)
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos = _read_eos(hf, os.path.dirname(path), path)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -330,6 +330,30 @@ class ModelConfig:
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             rope_scaling=rope_scaling,
         )
+
+
+def _read_eos(hf: dict[str, Any], directory: str, path: str) -> int | tuple[int, ...] | None:
+    """The end-of-sequence id(s): ``eos_token_id`` of config.json and of generation_config.json
+    beside it (either may be one id or a list; vLLM also stops at the generation config's),
+    in order, without repeats: an int when there is one, a tuple when several, None when none.
+
+    Raises:
+        ValueError: an id that is not a non-negative int.
+    """
+    found: list[int] = []
+    sources = [(path, hf.get("eos_token_id"))]
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path, encoding="utf-8") as f:
+            sources.append((gen_path, json.load(f).get("eos_token_id")))
+    for source, value in sources:
+        for i in ([] if value is None else value if isinstance(value, list) else [value]):
+            if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                raise ValueError(f"{source}: eos_token_id must be a non-negative int or a list of them, "
+                                 f"got {value!r}")
+            if i not in found:
+                found.append(i)
+    return None if not found else found[0] if len(found) == 1 else tuple(found)
 
 
 def _refuse_unsupported(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> None:

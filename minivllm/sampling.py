@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -32,6 +32,22 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def eos_token_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    """The model's end-of-sequence ids as a set: one id, several (Llama-3.x checkpoints list
+    ``[128001, 128008, 128009]``: a request stops at any of them), or none.
+
+    Raises:
+        TypeError: an id that is not an int.
+    """
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if _is_int(eos_token_id) else list(eos_token_id)  # type: ignore[arg-type]
+    bad = [i for i in ids if not _is_int(i)]
+    if bad:
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    return frozenset(int(i) for i in ids)
 
 
 def is_greedy_temperature(temperature: float | np.ndarray) -> bool | np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from minivllm.sampling import SamplingParams
+from minivllm.sampling import SamplingParams, eos_token_set
 from sim.fake_executor import fake_logprob, fake_next_token, fake_top_logprobs
 
 # The fake tokenizer: token t reads as one character, FAKE_ALPHABET[t % 10], so short
@@ -63,17 +63,17 @@ def _with_logprobs(e: Expected, prompt: list[int], params: SamplingParams, vocab
     return Expected(e.token_ids, e.finish_reason, e.text, lp, plp)
 
 
-def is_stop_token(token: int, params: SamplingParams, eos_token_id: int | None) -> bool:
-    """Whether ``token`` ends a request: eos (unless ignored) or one of its stop tokens."""
+def is_stop_token(token: int, params: SamplingParams, eos_token_id: int | Sequence[int] | None) -> bool:
+    """Whether ``token`` ends a request: an eos id (unless ignored) or one of its stop tokens."""
     if token in params.stop_token_ids:
         return True
-    return eos_token_id is not None and not params.ignore_eos and token == eos_token_id
+    return not params.ignore_eos and token in eos_token_set(eos_token_id)
 
 
 def oracle_generate(
     prompt_token_ids: Sequence[int],
     params: SamplingParams,
-    eos_token_id: int | None,
+    eos_token_id: int | Sequence[int] | None,
     max_model_len: int,
     vocab_size: int,
     next_token: Callable[[list[int]], int] | None = None,
@@ -100,7 +100,7 @@ def oracle_generate(
     return _with_logprobs(e, list(prompt_token_ids), params, vocab_size)
 
 
-def _generate(prompt: list[int], params: SamplingParams, eos_token_id: int | None, max_model_len: int,
+def _generate(prompt: list[int], params: SamplingParams, eos_token_id: int | Sequence[int] | None, max_model_len: int,
               next_token: Callable[[list[int]], int]) -> Expected:
     context = list(prompt)
     if not context:

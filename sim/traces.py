@@ -121,7 +121,7 @@ class Trace:
         cache, scheduler: the engine's configs.
         executor_num_blocks: the fake executor's pool size (the engine's pool when
             ``cache.num_blocks`` is None).
-        vocab_size, eos_token_id: the fake model's vocabulary and eos token.
+        vocab_size, eos_token_id: the fake model's vocabulary and eos token(s: a list when the model has several).
         events: input events in the order they are applied (steps non-decreasing).
         expects: recorded decisions, one per step (empty for an unrecorded trace).
         description: free text saying what the trace is about (golden traces).
@@ -133,7 +133,7 @@ class Trace:
     scheduler: SchedulerConfig
     executor_num_blocks: int
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_id: int | list[int] | None
     events: tuple[InputEvent, ...]
     expects: tuple[ExpectEvent, ...] = ()
     description: str | None = None

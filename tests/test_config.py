@@ -97,7 +97,19 @@ def _hf(tmp_path, **over) -> str:
 
 def test_model_config_from_hf_json(tmp_path) -> None:
     cfg = ModelConfig.from_hf_json(_hf(tmp_path))
-    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.eos_token_id, cfg.rope_theta) == (8, 2, 5, 10000.0)
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.eos_token_id, cfg.rope_theta) == (8, 2, (5, 6), 10000.0)
+
+
+def test_eos_ids_from_config_and_generation_config(tmp_path) -> None:
+    """Every eos id counts (Llama-3.x instruct lists three; vLLM stops at each), merged from
+    config.json and generation_config.json in order without repeats; one id stays an int."""
+    assert ModelConfig.from_hf_json(_hf(tmp_path, eos_token_id=7)).eos_token_id == 7
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7, 8]}))
+    assert ModelConfig.from_hf_json(_hf(tmp_path, eos_token_id=7)).eos_token_id == (7, 9, 8)
+    assert ModelConfig.from_hf_json(_hf(tmp_path, eos_token_id=None)).eos_token_id == (9, 7, 8)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, "x"]}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
+        ModelConfig.from_hf_json(_hf(tmp_path))
 
 
 @pytest.mark.parametrize("over, match", [

@@ -232,3 +232,23 @@ def test_mixed_puts_decodes_and_prefill_in_one_step() -> None:
     engine.add_request("b", [4, 5, 6, 7], SamplingParams(max_tokens=4))
     engine.step()
     assert engine.last_step.scheduled == {"a": 1, "b": 4}
+
+
+def test_every_eos_id_of_a_list_ends_a_request() -> None:
+    """Llama-3.x lists several eos ids: each one ends a request (finish reason ``stop``,
+    the token kept), unless ``ignore_eos``; a single id behaves as before."""
+    prompt = [5, 6, 7]
+    seq = greedy_tokens(prompt, 8)
+    later = next(i for i in range(2, 8) if seq[i] not in seq[:i])  # first new token at index >= 2
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for eos in ([VOCAB - 1, seq[later]], (seq[later],), seq[later]):
+        engine = make_engine(eos=eos)  # type: ignore[arg-type]
+        engine.add_request("r", prompt, params)
+        out = drain(engine)["r"]
+        assert (list(out.token_ids), out.finish_reason) == (seq[:later + 1], "stop"), eos
+    engine = make_engine(eos=[VOCAB - 1, seq[later]])  # type: ignore[arg-type]
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    out = drain(engine)["r"]
+    assert (list(out.token_ids), out.finish_reason) == (seq, "length")
+    with pytest.raises(TypeError, match="eos_token_id"):
+        make_engine(eos=[1, "2"])  # type: ignore[list-item]

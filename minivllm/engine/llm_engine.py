@@ -38,7 +38,7 @@ from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.executor.base import Executor, StepHandle
 from minivllm.outputs import FinishReason, RequestOutput
-from minivllm.sampling import SamplingParams
+from minivllm.sampling import SamplingParams, eos_token_set
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 
@@ -110,7 +110,8 @@ class LLMEngine:
         scheduler_config: batching limits, policy and synchronous/asynchronous steps.
         cache_config: block size, pool size (None: ask the executor), prefix caching.
         executor: computes the planned tokens (fake numpy model or real model).
-        eos_token_id: ends a request (unless its params say ``ignore_eos``).
+        eos_token_id: ends a request (unless its params say ``ignore_eos``); a list of
+            ids (Llama-3.x lists several) ends it at any of them.
         text_streams: makes a request's text stream from its prompt; requests
             with ``stop`` strings need it (the engine watches their text).
 
@@ -119,7 +120,7 @@ class LLMEngine:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 executor: Executor, eos_token_id: int | None = None,
+                 executor: Executor, eos_token_id: int | Seq[int] | None = None,
                  text_streams: TextStreamFactory | None = None) -> None:
         available = executor.num_kv_blocks()
         num_blocks = cache_config.num_blocks if cache_config.num_blocks is not None else available
@@ -128,7 +129,8 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.executor = executor
-        self.eos_token_id = eos_token_id
+        self.eos_token_id = eos_token_id  # as given (traces record it)
+        self._eos = eos_token_set(eos_token_id)
         self.text_streams = text_streams
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks)
@@ -424,7 +426,7 @@ class LLMEngine:
         """Judged on the known tokens only (a pending one is not there yet), in vLLM's order:
         eos / stop token (kept out of the text), stop string, length."""
         p = seq.sampling_params
-        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+        if (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
         if seq.text_stream is not None and self._stop_string_found(seq, token):
             return "stop"
