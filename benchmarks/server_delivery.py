@@ -20,8 +20,7 @@ import time
 import numpy as np
 
 from minivllm.detokenizer import IncrementalDetokenizer
-from minivllm.outputs import RequestOutput
-from minivllm.server.engine_loop import AsyncEngine, RequestGroup, _Choice
+from minivllm.server.engine_loop import AsyncEngine, RequestGroup, StepOutput, _Choice
 from minivllm.server.metrics import ServerMetrics
 
 
@@ -56,7 +55,7 @@ def main() -> None:
         for rid, prompt in prompts.items():
             t = int(rng.integers(0, vocab))
             tokens[rid].append(t)
-            outputs.append(RequestOutput(rid, tuple(prompt), tuple(tokens[rid]), None, new_token_ids=(t,)))
+            outputs.append(StepOutput(rid, 0, (t,), len(tokens[rid]), None, None, None))
         t0 = time.perf_counter()
         engine._deliver(outputs)
         times.append(time.perf_counter() - t0)

@@ -176,11 +176,12 @@ class ServerProcess:
     """
 
     def __init__(self, model: str, port: int, device: str, seed: int, options: dict[str, Any],
-                 log_path: str) -> None:
+                 log_path: str, engine_process: bool = False) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "minivllm", "serve", model, "--host", "127.0.0.1",
-               "--port", str(port), "--device", device, "--seed", str(seed), *cli_flags(options)]
+               "--port", str(port), "--device", device, "--seed", str(seed), *cli_flags(options),
+               *(["--engine-process"] if engine_process else [])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
         print("server:", " ".join(cmd), flush=True)
@@ -534,7 +535,7 @@ def run_server(args: argparse.Namespace, served: str, su: Setup, scratch: str
     """Start the server on checkpoint ``served``, run every rate, stop it (on any error too)."""
     wl = su.workload
     server = ServerProcess(served, args.port or free_port(), su.device, args.seed, su.options,
-                           os.path.join(scratch, "server.log"))
+                           os.path.join(scratch, "server.log"), engine_process=args.engine_process)
     client: Client | None = None
     try:
         client = Client(server.url, args.client_procs, args.request_timeout)
@@ -614,6 +615,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a finite rate sends the requests of about this many seconds")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="serve with the engine in its own process (serve --engine-process)")
     ap.add_argument("--client-procs", type=int, default=None,
                     help="client processes (default: 4 on cuda, 1 on cpu)")
     ap.add_argument("--tokenizer", choices=("auto", "synthetic"), default="auto",

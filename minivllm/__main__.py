@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(else $MINIVLLM_API_KEY if set; neither: no key)")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the engine in its own process (the HTTP loop and the engine stop "
+                        "sharing one GIL)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; a larger one is answered 413")
     _add_engine_args(s)
@@ -123,12 +126,21 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(model_name=args.served_model_name or args.model,
                               api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None,
                               max_body_bytes=args.max_body_bytes)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype,
-                  attention_backend=args.attention_backend, seed=args.seed,
-                  **_engine_options(args))
-    except (ValueError, TypeError) as e:
+        llm_options = dict(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                           seed=args.seed, **_engine_options(args))
+        if args.engine_process:
+            from minivllm.server.engine_process import LLMFront, ProcessAsyncEngine
+
+            front = LLMFront(args.model)
+            engine = ProcessAsyncEngine(args.model, llm_options, front.tokenizer)
+        else:
+            llm = LLM(args.model, **llm_options)  # type: ignore[arg-type]
+    except (ValueError, TypeError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.engine_process:  # the app's lifespan stops the engine process
+        uvicorn.run(build_app(front, config, engine), host=args.host, port=args.port, log_level="info")
+        return 0
     with llm:
         app = build_app(llm, config)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")

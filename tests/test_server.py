@@ -632,6 +632,21 @@ def test_handler_bug_is_a_500_with_the_openai_body(llm: LLM) -> None:
         assert_error(client.post("/v1/completions", json={"prompt": "1"}), 500, "KeyError: 'oops'")
 
 
+def test_engine_failure_while_admitting_fails_that_request(llm: LLM) -> None:
+    """An exception out of the engine while a request is being admitted (not a refusal)
+    stops the engine, and that request fails with EngineDeadError rather than waiting forever."""
+    engine = AsyncEngine(_fake_engine(), llm.tokenizer)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("engine bug")
+
+    engine.engine.validate_request = broken  # type: ignore[method-assign]
+    engine.start()
+    with pytest.raises(EngineDeadError, match="engine bug"):
+        asyncio.run(asyncio.wait_for(engine.add_request("r0", [1, 2], SamplingParams(max_tokens=2)), TIMEOUT))
+    engine.close()
+
+
 def test_async_engine_refuses_after_close(llm: LLM) -> None:
     engine = AsyncEngine(_fake_engine(), llm.tokenizer)
     engine.start()

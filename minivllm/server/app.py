@@ -98,11 +98,11 @@ def _finite(logprob: float) -> float:
 class _Server:
     """The handlers' shared state: the engine, the config and the tokenizer."""
 
-    def __init__(self, llm: Any, config: ServerConfig) -> None:
+    def __init__(self, llm: Any, config: ServerConfig, engine: AsyncEngine | None = None) -> None:
         self.llm = llm
         self.config = config
         self.model_name = config.model_name
-        self.engine = AsyncEngine.from_llm(llm)
+        self.engine = engine if engine is not None else AsyncEngine.from_llm(llm)
         self.metrics = self.engine.metrics
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
@@ -274,15 +274,18 @@ def _merge(ds: list[Delta]) -> Delta:
                  logprobs, ds[-1].num_prompt_tokens, ds[-1].num_completion_tokens, ds[-1].finish_reason)
 
 
-def build_app(llm: Any, config: ServerConfig) -> FastAPI:
+def build_app(llm: Any, config: ServerConfig, engine: AsyncEngine | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``llm`` (an ``LLM``: its engine, tokenizer and chat template).
 
-    The engine thread starts with the app (lifespan) and stops with it.
+    ``engine``: the ``AsyncEngine`` to serve with instead of one over ``llm``'s engine
+    (``ProcessAsyncEngine``: the engine in its own process; ``llm`` is then an
+    ``LLMFront``, which has the tokenizer and prompt checks but no model). The engine
+    thread starts with the app (lifespan) and stops with it.
 
     Raises:
         ValueError: ``llm`` has no tokenizer.
     """
-    server = _Server(llm, config)
+    server = _Server(llm, config, engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -333,7 +336,7 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = ModelCard(id=server.model_name, created=server.created,
-                         max_model_len=server.engine.engine.scheduler_config.max_model_len)
+                         max_model_len=server.engine.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/metrics")

@@ -28,17 +28,22 @@ If the engine goes idle while a choice is unfinished (it lost an output: a bug),
 the choice fails with ``RequestLostError`` instead of waiting forever.
 
 After every loop the thread records the step in ``ServerMetrics`` (``/metrics``).
+
+Everything that touches the engine goes through five hooks (``_admit``, ``_abort``,
+``_has_work``, ``_step``, ``_counts``); ``engine_process.ProcessAsyncEngine``
+replaces them to run the engine in another process, keeping the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, NamedTuple, Union
 
 from minivllm.detokenizer import IncrementalDetokenizer, Tokenizer
 from minivllm.engine.llm_engine import LLMEngine
@@ -76,6 +81,59 @@ class Delta:
     num_prompt_tokens: int
     num_completion_tokens: int
     finish_reason: FinishReason | None
+
+
+class StepOutput(NamedTuple):
+    """One request's part of an engine step, as the engine thread needs it: the new tokens,
+    not the whole completion (what crosses the pipe from an engine process, see
+    ``minivllm.server.engine_process``).
+
+    Attributes:
+        request_id, index, finish_reason: as in ``RequestOutput``.
+        new_token_ids: completion tokens new in this step.
+        num_tokens: completion tokens so far.
+        text: the engine's final text (requests with stop strings, once finished), else None.
+        new_logprobs: logprobs of ``new_token_ids`` (``SamplingParams.logprobs``), else None.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: tuple[int, ...]
+    num_tokens: int
+    finish_reason: FinishReason | None
+    text: str | None
+    new_logprobs: tuple[dict[int, float], ...] | None
+
+
+def step_output(out: RequestOutput) -> StepOutput:
+    new = out.new_token_ids
+    logprobs = out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None
+    return StepOutput(out.request_id, out.index, tuple(new), len(out.token_ids), out.finish_reason,
+                      out.text, logprobs)
+
+
+def admit_into(engine: LLMEngine, request_ids: Sequence[str], prompts: Sequence[Sequence[int]],
+               params: SamplingParams) -> BaseException | None:
+    """Validate every request, then add them all; the validation error, or None when added."""
+    try:
+        for rid, prompt in zip(request_ids, prompts):
+            engine.validate_request(rid, prompt, params)
+    except (ValueError, TypeError) as e:
+        return e
+    for rid, prompt in zip(request_ids, prompts):
+        engine.add_request(rid, prompt, params)
+    return None
+
+
+def engine_counts(engine: LLMEngine, stepped: bool) -> StepCounts:
+    """The engine's queues, pool and running totals after a step (``ServerMetrics.step``)."""
+    sched, last, stats = engine.scheduler, engine.last_step, engine.stats
+    return StepCounts(
+        running=len(sched.running), waiting=len(sched.waiting),
+        blocks_used=engine.num_blocks - engine.num_free_blocks, blocks_total=engine.num_blocks,
+        batch_size=len(last.scheduled) if stepped and last is not None else 0,
+        steps=stats.num_steps, cached_tokens=stats.num_cached_tokens,
+        computed_prefill_tokens=stats.num_prefill_tokens, preemptions=stats.num_preemptions)
 
 
 class RequestLostError(RuntimeError):
@@ -154,7 +212,7 @@ class _Choice:
     num_tokens: int = 0              # completion tokens so far
     first_token_time: float | None = None
 
-    def next_text(self, released: str, out: RequestOutput) -> str:
+    def next_text(self, released: str, out: StepOutput) -> str:
         """The text to send now, given the detokenizer's newly ``released`` text."""
         if out.finish_reason is None:
             avail = self.held + released
@@ -206,6 +264,7 @@ class AsyncEngine:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._lock = threading.Lock()      # guards _inbox, _error, _closed
         self._inbox: list[_Admit | _Abort] = []
+        self._applying: list[_Admit | _Abort] = []  # taken from the inbox, being applied
         self._error: EngineDeadError | None = None
         self._closed = False
         self._wakeup = threading.Event()   # set: the inbox has commands
@@ -239,6 +298,11 @@ class AsyncEngine:
             self._wakeup.set()
         if self._thread.ident is not None:
             self._thread.join(timeout)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) the engine accepts."""
+        return self.engine.scheduler_config.max_model_len
 
     @property
     def error(self) -> EngineDeadError | None:
@@ -301,19 +365,19 @@ class AsyncEngine:
                     if self._closed:
                         break
                     commands, self._inbox = self._inbox, []
-                    idle = not commands and not self.engine.has_unfinished_requests()
+                    self._applying = commands  # settled by _fail if applying them raises
+                    idle = not commands and not self._has_work()
                     if idle:
                         self._wakeup.clear()
                         self._idle.set()
                 if idle:
                     self._wakeup.wait()
                     continue
-                for command in commands:
-                    self._apply(command)
-                stepped = self.engine.has_unfinished_requests()
+                self._apply_all(commands)
+                stepped = self._has_work()
                 if stepped:
-                    self._deliver(self.engine.step())
-                if self._tracked and not self.engine.has_unfinished_requests():
+                    self._deliver(self._step())
+                if self._tracked and not self._has_work():
                     self._fail_lost()
                 self._record_step(stepped)
         except Exception as e:  # surfaced to every waiting request, never swallowed
@@ -322,23 +386,53 @@ class AsyncEngine:
         else:
             self._fail(EngineDeadError("engine shut down"))
 
-    def _apply(self, command: _Admit | _Abort) -> None:
-        if isinstance(command, _Abort):
-            for rid in command.request_ids:
-                if self._tracked.pop(rid, None) is not None:
-                    self.engine.abort_request(rid)
-                    self.metrics.aborted.inc()
+    def _apply_all(self, commands: list[_Admit | _Abort]) -> None:
+        """Apply the commands in order: aborts at once, admissions in runs (one verdict
+        each, all the run's requests or none of one command's)."""
+        run: list[_Admit] = []
+        for command in commands + [None]:  # type: ignore[list-item]
+            if isinstance(command, _Admit):
+                run.append(command)
+                continue
+            if run:
+                for admit, error in zip(run, self._admit([(a.group.request_ids, a.prompts, a.params) for a in run])):
+                    self._admitted(admit, error)
+                run = []
+            if isinstance(command, _Abort):
+                dropped = [rid for rid in command.request_ids if self._tracked.pop(rid, None) is not None]
+                if dropped:
+                    self._abort(dropped)
+                    self.metrics.aborted.inc(len(dropped))
+
+    # ---- what touches the engine (``ProcessAsyncEngine`` replaces these) -------
+
+    def _admit(self, batch: list[tuple[tuple[str, ...], list[list[int]], SamplingParams]]
+               ) -> list[BaseException | None]:
+        """Validate and add each (request ids, prompts, params): all of one or none of it."""
+        return [admit_into(self.engine, rids, prompts, params) for rids, prompts, params in batch]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort_request(rid)
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _step(self) -> list[StepOutput]:
+        return [step_output(o) for o in self.engine.step()]
+
+    def _counts(self, stepped: bool) -> StepCounts:
+        return engine_counts(self.engine, stepped)
+
+    # ---- the engine thread's bookkeeping --------------------------------------
+
+    def _admitted(self, command: _Admit, error: BaseException | None) -> None:
+        if error is not None:
+            _notify(command.loop, _settle, command.admitted, error)
             return
         group, params = command.group, command.params
-        try:
-            for rid, prompt in zip(group.request_ids, command.prompts):
-                self.engine.validate_request(rid, prompt, params)
-        except (ValueError, TypeError) as e:
-            _notify(command.loop, _settle, command.admitted, e)
-            return
         holdback = max((len(s) for s in params.stop), default=1) - 1
         for i, (rid, prompt) in enumerate(zip(group.request_ids, command.prompts)):
-            self.engine.add_request(rid, prompt, params)
             self._tracked[rid] = [
                 _Choice(group, i * group.n + j, command.loop, IncrementalDetokenizer(self.tokenizer, prompt),
                         len(prompt), holdback, command.arrival)
@@ -347,7 +441,7 @@ class AsyncEngine:
         self.metrics.requests.inc(len(command.prompts))
         _notify(command.loop, _settle, command.admitted, None)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[StepOutput]) -> None:
         """Turn the engine's streamed outputs (``new_token_ids`` per step) into deltas, handed to
         each event loop in ONE call per step (a thread-safe call writes to the loop's wake-up
         socket: once per output it cost more than the detokenizing)."""
@@ -359,7 +453,7 @@ class AsyncEngine:
             if c is None:
                 continue  # aborted by its client
             new = out.new_token_ids
-            c.num_tokens = len(out.token_ids)
+            c.num_tokens = out.num_tokens
             self.metrics.generation_tokens.inc(len(new))
             done = out.finish_reason is not None
             if not new and not done:
@@ -370,7 +464,7 @@ class AsyncEngine:
             # The eos/stop token that ends a request is not part of its text.
             shown = new[:-1] if out.finish_reason == "stop" and new else new
             text = c.next_text(c.detokenizer.add(shown), out)
-            logprobs = out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None
+            logprobs = out.new_logprobs
             if done:
                 self._finished(out, c, now)
             delta = Delta(c.index, text, tuple(new), logprobs, c.num_prompt_tokens, c.num_tokens,
@@ -379,7 +473,7 @@ class AsyncEngine:
         for loop, items in batches.items():
             _notify(loop, _put_all, items)
 
-    def _finished(self, out: RequestOutput, c: _Choice, now: float) -> None:
+    def _finished(self, out: StepOutput, c: _Choice, now: float) -> None:
         choices = self._tracked[out.request_id]
         choices[out.index] = None
         if not any(choices):
@@ -399,23 +493,17 @@ class AsyncEngine:
         self._tracked.clear()
 
     def _record_step(self, stepped: bool) -> None:
-        engine, sched = self.engine, self.engine.scheduler
         with self._lock:
             inbox = sum(len(c.prompts) for c in self._inbox if isinstance(c, _Admit))
-        last, stats = engine.last_step, engine.stats
-        self.metrics.step(StepCounts(
-            running=len(sched.running), waiting=len(sched.waiting) + inbox,
-            blocks_used=engine.num_blocks - engine.num_free_blocks, blocks_total=engine.num_blocks,
-            batch_size=len(last.scheduled) if stepped and last is not None else 0,
-            steps=stats.num_steps, cached_tokens=stats.num_cached_tokens,
-            computed_prefill_tokens=stats.num_prefill_tokens, preemptions=stats.num_preemptions))
+        counts = self._counts(stepped)
+        self.metrics.step(dataclasses.replace(counts, waiting=counts.waiting + inbox))
 
     def _fail(self, error: EngineDeadError) -> None:
         with self._lock:
             self._error = error
-            commands, self._inbox = self._inbox, []
+            commands, self._inbox = self._applying + self._inbox, []
             self._idle.set()
-        for command in commands:
+        for command in commands:  # a settled one (admitted before the failure) is left alone
             if isinstance(command, _Admit):
                 _notify(command.loop, _settle, command.admitted, error)
         for choices in self._tracked.values():
