@@ -457,6 +457,7 @@ def test_64_concurrent_streaming_clients_are_batched(server) -> None:
     results = asyncio.run(run_all())
     assert [text for text, _ in results] == [str(a + b) for a, b in pairs]
     assert all(reasons == ["stop"] for _, reasons in results)
+    assert server.engine.wait_idle(TIMEOUT)  # its last step recorded
     after = metrics(server)
 
     def steps_above(m: dict[str, float], size: float) -> float:  # steps that ran > size sequences
@@ -545,6 +546,9 @@ def test_health_models_and_metrics(server) -> None:
     before = metrics(server)
     for _ in range(2):
         completion(server, prompt=prompt, max_tokens=3, temperature=0)
+    # The response can reach us before the engine thread records its last step (/metrics):
+    # idle is set only after that.
+    assert server.engine.wait_idle(TIMEOUT)
     m = metrics(server)
     assert m["minivllm_prefix_cache_hit_tokens_total"] - before["minivllm_prefix_cache_hit_tokens_total"] >= 16
     assert 0 < m["minivllm_prefix_cache_hit_rate"] < 1
