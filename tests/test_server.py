@@ -544,8 +544,8 @@ def test_health_models_and_metrics(server) -> None:
     assert models["data"][0]["max_model_len"] == 64
     prompt = "1+2+3+4+5+6+7+8+9+10="   # 21 tokens: one full block of 16 to share
     before = metrics(server)
-    for _ in range(2):
-        completion(server, prompt=prompt, max_tokens=3, temperature=0)
+    for _ in range(2):  # 3 tokens each whatever the model says (TPOT needs 2 or more)
+        completion(server, prompt=prompt, max_tokens=3, temperature=0, ignore_eos=True)
     # The response can reach us before the engine thread records its last step (/metrics):
     # idle is set only after that.
     assert server.engine.wait_idle(TIMEOUT)
