@@ -249,23 +249,45 @@ def run_minivllm(args: argparse.Namespace, path: str, device: str, wl: Workload)
         results[mode_name(on)]["batch1"] = run_batch1(llm, 100 + i, mode_name(on), args.smoke, wl.id_limit)
     if device == "cuda":
         results["decode_kernels"] = profile_decode(llm, wl.id_limit)
+        results["decode_kernels_batch256"] = profile_decode(llm, wl.id_limit, batch=min(256, args.max_num_seqs),
+                                                            steps=16)
     return results
 
 
 def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32) -> dict[str, Any]:
     """GPU kernel time per decode step at ``batch`` (rank 0's GPU, under the torch profiler)
-    and the all-reduce share of it (NCCL kernels; 0 at TP=1)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    and the all-reduce share of it (NCCL kernels; 0 at TP=1). Decode only: the kernels of
+    a prefill-only run (max_tokens 1) are subtracted from those of a ``steps + 1``-token run
+    on other prompts of the same lengths."""
     from minivllm import SamplingParams
 
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, id_limit, 128).tolist() for _ in range(batch)]
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)                  # warm-up, same shapes
-    prompts = [rng.integers(0, id_limit, 128).tolist() for _ in range(batch)]
+
+    def kernel_us(max_tokens: int, profiled: bool = True) -> tuple[float, float]:
+        prompts = [rng.integers(0, id_limit, 128).tolist() for _ in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        if not profiled:
+            llm.generate(prompts, params, use_tqdm=False)
+            return 0.0, 0.0
+        return _profiled_kernel_us(lambda: llm.generate(prompts, params, use_tqdm=False))
+
+    kernel_us(steps + 1, profiled=False)                                # warm-up, same shapes
+    total_prefill, nccl_prefill = kernel_us(1)
+    total_all, nccl_all = kernel_us(steps + 1)
+    total, nccl = total_all - total_prefill, nccl_all - nccl_prefill
+    r = dict(batch=batch, decode_steps=steps, kernel_us_per_step=total / steps,
+             allreduce_us_per_step=nccl / steps, allreduce_share=nccl / total if total > 0 else 0.0)
+    print(f"decode at batch {batch}: GPU kernels {r['kernel_us_per_step']:.0f} us/step, all-reduce "
+          f"{r['allreduce_us_per_step']:.0f} us/step = {100 * r['allreduce_share']:.1f}% (rank 0)", flush=True)
+    return r
+
+
+def _profiled_kernel_us(fn: Any) -> tuple[float, float]:
+    """(all CUDA kernel time, NCCL kernel time) in us while ``fn()`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        fn()
     total = nccl = 0.0
     for ev in prof.events():
         if str(getattr(ev, "device_type", "")).endswith("CUDA"):
@@ -273,12 +295,7 @@ def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32) -> 
             total += t
             if "nccl" in ev.name.lower() or "allreduce" in ev.name.lower():
                 nccl += t
-    r = dict(batch=batch, steps=steps + 1, kernel_us_per_step=total / (steps + 1),
-             allreduce_us_per_step=nccl / (steps + 1), allreduce_share=nccl / total if total else 0.0)
-    print(f"decode at batch {batch} (prefill step included): GPU kernels {r['kernel_us_per_step']:.0f} us/step, "
-          f"all-reduce {r['allreduce_us_per_step']:.0f} us/step = {100 * r['allreduce_share']:.1f}% (rank 0)",
-          flush=True)
-    return r
+    return total, nccl
 
 
 # ---- Hugging Face --------------------------------------------------------------
