@@ -127,6 +127,8 @@ def test_dead_engine_process_fails_requests_instead_of_hanging(front: LLMFront) 
     with TestClient(build_app(front, ServerConfig("tiny"), engine), raise_server_exceptions=False) as c:
         assert completion(c, prompt="12+34=", max_tokens=6, temperature=0)["choices"][0]["text"] == "46"
         os.kill(engine.pid, signal.SIGKILL)
+        engine._proc.join(TIMEOUT)
+        assert c.get("/health").status_code == 500  # before any request finds out
         r = c.post("/v1/completions", json={"prompt": "12+34=", "max_tokens": 40, "ignore_eos": True})
         assert r.status_code == 500 and "engine" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 500

@@ -39,7 +39,8 @@ from typing import Any
 from minivllm.config import ModelConfig
 from minivllm.llm import LLM, resolve_model_path
 from minivllm.sampling import SamplingParams
-from minivllm.server.engine_loop import AsyncEngine, StepOutput, admit_into, engine_counts, step_output
+from minivllm.server.engine_loop import (AsyncEngine, EngineDeadError, StepOutput, admit_into, engine_counts,
+                                         step_output)
 from minivllm.server.metrics import ServerMetrics, StepCounts
 
 STARTUP_TIMEOUT_S = 600.0
@@ -111,6 +112,14 @@ class ProcessAsyncEngine(AsyncEngine):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def error(self) -> EngineDeadError | None:
+        """Also set as soon as the engine process is gone, before any request notices
+        (``/health`` reads it)."""
+        if self._error is None and not self._proc.is_alive():
+            return EngineDeadError(f"the engine process exited (code {self._proc.exitcode})")
+        return self._error
 
     def close(self, timeout: float = 30.0) -> None:
         super().close(timeout)
