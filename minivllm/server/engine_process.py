@@ -99,13 +99,13 @@ class ProcessAsyncEngine(AsyncEngine):
         self._pending: collections.deque[tuple[list[StepOutput], StepCounts]] = collections.deque()
         self._work = False
         self._counts_of_step = StepCounts(0, 0, 0, 0, 0, 0, 0, 0, 0)
-        if not self._outs.poll(STARTUP_TIMEOUT_S):
+        try:
+            if not self._outs.poll(STARTUP_TIMEOUT_S):
+                raise RuntimeError(f"the engine process did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            message = self._recv()  # raises with the process's traceback if it failed
+        except BaseException:
             self._stop_process()
-            raise RuntimeError(f"the engine process did not start within {STARTUP_TIMEOUT_S:.0f} s")
-        message = self._recv()
-        if message[0] != "ready":
-            self._stop_process()
-            raise RuntimeError(f"the engine process failed to start:\n{message[1]}")
+            raise
         self._max_model_len = int(message[1])
         self.pid = self._proc.pid
 
@@ -189,12 +189,12 @@ class ProcessAsyncEngine(AsyncEngine):
         self._outbox.put(("stop",))
         self._outbox.put(None)
         self._sender.join(JOIN_TIMEOUT_S)
+        self._outs.close()  # a core blocked sending a step (nobody reads any more) fails and exits
         self._proc.join(JOIN_TIMEOUT_S)
         if self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(JOIN_TIMEOUT_S)
-        for conn in (self._cmds, self._outs):
-            conn.close()
+        self._cmds.close()
 
 
 def _core_main(cmds: Connection, outs: Connection, model: str, llm_options: dict[str, Any]) -> None:
