@@ -132,6 +132,23 @@ def test_worker_failure_is_a_clear_error(random_model: str, stage: str,
     assert {"load": "at load", "step3": "at step 3"}[stage] in str(info.value)
 
 
+def test_killed_worker_is_named_in_the_error(random_model: str) -> None:
+    """A worker killed mid-run (SIGKILL: no traceback of its own) is a RuntimeError naming
+    it and its exit code, within seconds, and nothing is left running."""
+    llm = LLM(random_model, **ENGINE, tensor_parallel_size=2)
+    try:
+        pids = worker_pids(llm)
+        llm.generate(prompts(CFG.vocab_size, n=2), GREEDY, use_tqdm=False)
+        os.kill(pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker minivllm-tp-rank1 exited \(code -9\)"):
+            llm.generate(prompts(CFG.vocab_size, n=2), GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.close()
+    assert not any(alive(p) for p in pids)
+
+
 SCRIPT = textwrap.dedent("""
     import sys, time
     from minivllm import LLM, SamplingParams

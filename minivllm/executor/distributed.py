@@ -266,7 +266,11 @@ class TPExecutor:
             return _CheckedHandle(self.local.submit(plan), self)
         except BaseException as e:
             self._healthy = False
-            self._raise_worker_error(e)
+            self._raise_worker_error(e)  # a worker that raised said why
+            dead = [p for p in self.workers if not p.is_alive()]
+            if dead:  # one that was killed did not: name it (not "Broken pipe")
+                raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited "
+                                   f"(code {dead[0].exitcode})") from e
             raise
 
     def execute(self, plan: StepPlan) -> StepResult:
