@@ -309,9 +309,12 @@ class TPExecutor:
             raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})")
 
     def _raise_worker_error(self, cause: BaseException | None) -> None:
-        """Raise a worker's reported error, if any (waiting briefly when ``cause`` says a peer left)."""
+        """Raise a worker's reported error, if any (waiting briefly when ``cause`` says a peer
+        left, unless a signal killed it: then it reported nothing)."""
+        killed = any(p.exitcode is not None and p.exitcode < 0 for p in self.workers)
         try:
-            rank, tb = (self._errors.get(timeout=5.0) if cause is not None else self._errors.get_nowait())
+            rank, tb = (self._errors.get(timeout=5.0) if cause is not None and not killed
+                        else self._errors.get_nowait())
         except (queue.Empty, OSError, ValueError):
             return
         self._healthy = False
