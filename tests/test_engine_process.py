@@ -139,3 +139,47 @@ def test_dead_engine_process_fails_requests_instead_of_hanging(front: LLMFront) 
 def test_engine_process_start_failure_is_an_error_with_its_cause(front: LLMFront) -> None:
     with pytest.raises(RuntimeError, match="num_blocks"):
         ProcessAsyncEngine(FIXTURE, dict(OPTIONS, num_blocks=-1), front.tokenizer)
+
+
+EXIT_WITHOUT_CLOSE = """
+import asyncio, sys
+from minivllm import SamplingParams
+from minivllm.server.engine_process import LLMFront, ProcessAsyncEngine
+
+def main():
+    front = LLMFront(sys.argv[1])
+    engine = ProcessAsyncEngine(sys.argv[1], dict(device="cpu", num_blocks=64, max_model_len=64,
+                                                  tensor_parallel_size=2), front.tokenizer)
+    engine.start()
+
+    async def one():
+        group = await engine.add_request("r", front.prompt_token_ids(0, "12+34="), SamplingParams(max_tokens=4))
+        return "".join([d.text async for d in group])
+
+    print("ANSWER", asyncio.run(one()), flush=True)
+    with open(f"/proc/{engine.pid}/task/{engine.pid}/children") as f:  # its TP worker(s)
+        workers = f.read().split()
+    print("PIDS", engine.pid, *workers, flush=True)
+
+if __name__ == "__main__":
+    main()  # and exit without close(): the engine process (and its TP worker) must still end
+"""
+
+
+def test_tensor_parallel_engine_process_and_exit_without_close(tmp_path) -> None:
+    """The engine process may start TP workers of its own (so it is no daemon), and an
+    interpreter that exits without ``close`` still ends it: nothing is left running."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve_tp.py"
+    script.write_text(EXIT_WITHOUT_CLOSE)
+    proc = subprocess.run([sys.executable, str(script), FIXTURE], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    assert lines["ANSWER"] == "46"
+    pids = [int(p) for p in lines["PIDS"].split()]
+    assert len(pids) >= 2, "no tensor-parallel worker under the engine process"
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "State:\tZ" in open(f"/proc/{pid}/status").read()

@@ -25,6 +25,7 @@ every waiting request fails with ``EngineDeadError`` (``/health`` answers 500).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import multiprocessing as mp
@@ -33,6 +34,7 @@ import queue
 import signal
 import threading
 import traceback
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -87,9 +89,12 @@ class ProcessAsyncEngine(AsyncEngine):
         ctx = mp.get_context("spawn")
         cmd_in, self._cmds = ctx.Pipe(duplex=False)
         self._outs, out_w = ctx.Pipe(duplex=False)
+        # Not a daemon: it starts tensor-parallel workers of its own. It leaves when told
+        # to, when its command pipe closes (this process gone), or at our exit (below).
         self._proc = ctx.Process(target=_core_main, args=(cmd_in, out_w, model, llm_options),
-                                 name="minivllm-engine-core", daemon=True)
+                                 name="minivllm-engine-core")
         self._proc.start()
+        atexit.register(_stop_at_exit, weakref.ref(self))
         cmd_in.close()
         out_w.close()
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # sent by its own thread:
@@ -195,6 +200,13 @@ class ProcessAsyncEngine(AsyncEngine):
             self._proc.terminate()
             self._proc.join(JOIN_TIMEOUT_S)
         self._cmds.close()
+
+
+def _stop_at_exit(ref: "weakref.ReferenceType[ProcessAsyncEngine]") -> None:
+    """Before multiprocessing joins its children at exit (it would wait for ever)."""
+    engine = ref()
+    if engine is not None:
+        engine.close()
 
 
 def _core_main(cmds: Connection, outs: Connection, model: str, llm_options: dict[str, Any]) -> None:
