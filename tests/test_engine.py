@@ -252,3 +252,19 @@ def test_every_eos_id_of_a_list_ends_a_request() -> None:
     assert (list(out.token_ids), out.finish_reason) == (seq, "length")
     with pytest.raises(TypeError, match="eos_token_id"):
         make_engine(eos=[1, "2"])  # type: ignore[list-item]
+
+
+def test_equal_sampling_params_share_one_object_in_plans() -> None:
+    """Plans are pickled once per step for tensor-parallel workers: equal params (frozen)
+    are interned at admission so a plan carries each distinct one once."""
+    engine = make_engine()
+    plans = []
+    submit = engine.executor.submit
+    engine.executor.submit = lambda plan: (plans.append(plan), submit(plan))[1]  # type: ignore[method-assign]
+    for i in range(3):
+        engine.add_request(f"r{i}", [5, 6, i], SamplingParams(temperature=0, max_tokens=3))
+    engine.add_request("other", [7, 8], SamplingParams(temperature=0, max_tokens=2))
+    drain(engine)
+    first = plans[0]
+    assert len({id(p) for p in first.sampling_params}) == 2
+    assert len(first.sampling_params) == 4
