@@ -36,21 +36,27 @@ class InputsOnlyExecutor:
         return DoneStep(self.execute(plan))
 
 
+def decoding_engine(batch: int, max_tokens: int, executor: InputsOnlyExecutor | None = None) -> LLMEngine:
+    """An engine whose ``batch`` requests (512-token prompts, ``max_tokens`` each) are all
+    admitted and prefilled: its next steps are decode steps."""
+    engine = LLMEngine(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=2048),
+                       CacheConfig(block_size=16, num_blocks=100_000), executor or InputsOnlyExecutor())
+    rng = np.random.default_rng(0)
+    for i in range(batch):
+        engine.add_request(f"r{i}", rng.integers(0, 10000, 512).tolist(),
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    for _ in range(40):  # admit and prefill everyone
+        engine.step()
+    return engine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    engine = LLMEngine(SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=8192,
-                                       max_model_len=2048),
-                       CacheConfig(block_size=16, num_blocks=100_000), InputsOnlyExecutor())
-    rng = np.random.default_rng(0)
-    for i in range(args.batch):
-        engine.add_request(f"r{i}", rng.integers(0, 10000, 512).tolist(),
-                           SamplingParams(max_tokens=args.steps + 100, ignore_eos=True))
-    for _ in range(40):  # admit and prefill everyone: what follows is decode only
-        engine.step()
+    engine = decoding_engine(args.batch, args.steps + 100)
     prof = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
     if prof:

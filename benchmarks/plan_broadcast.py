@@ -16,17 +16,13 @@ import pickle
 import time
 from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.engine_host import InputsOnlyExecutor
-from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.engine.llm_engine import LLMEngine
+from benchmarks.engine_host import InputsOnlyExecutor, decoding_engine
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.base import DoneStep
 from minivllm.executor.distributed import PlanPipes, free_port
-from minivllm.sampling import SamplingParams
 
 
 def decode_plan(batch: int) -> StepPlan:
@@ -38,14 +34,7 @@ def decode_plan(batch: int) -> StepPlan:
             plans.append(plan)
             return super().submit(plan)
 
-    engine = LLMEngine(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=2048),
-                       CacheConfig(block_size=16, num_blocks=100_000), Capture())
-    rng = np.random.default_rng(0)
-    for i in range(batch):
-        engine.add_request(f"r{i}", rng.integers(0, 10000, 512).tolist(),
-                           SamplingParams(max_tokens=100, ignore_eos=True))
-    for _ in range(40):
-        engine.step()
+    decoding_engine(batch, 100, Capture())
     return plans[-1]
 
 

@@ -263,17 +263,14 @@ def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32) -> 
 
     rng = np.random.default_rng(11)
 
-    def kernel_us(max_tokens: int, profiled: bool = True) -> tuple[float, float]:
+    def run(max_tokens: int) -> None:  # fresh prompts each time: no prefix-cache hits
         prompts = [rng.integers(0, id_limit, 128).tolist() for _ in range(batch)]
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        if not profiled:
-            llm.generate(prompts, params, use_tqdm=False)
-            return 0.0, 0.0
-        return _profiled_kernel_us(lambda: llm.generate(prompts, params, use_tqdm=False))
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                     use_tqdm=False)
 
-    kernel_us(steps + 1, profiled=False)                                # warm-up, same shapes
-    total_prefill, nccl_prefill = kernel_us(1)
-    total_all, nccl_all = kernel_us(steps + 1)
+    run(steps + 1)                                                       # warm-up, same shapes
+    total_prefill, nccl_prefill = _profiled_kernel_us(lambda: run(1))
+    total_all, nccl_all = _profiled_kernel_us(lambda: run(steps + 1))
     total, nccl = total_all - total_prefill, nccl_all - nccl_prefill
     r = dict(batch=batch, decode_steps=steps, kernel_us_per_step=total / steps,
              allreduce_us_per_step=nccl / steps, allreduce_share=nccl / total if total > 0 else 0.0)

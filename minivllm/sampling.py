@@ -43,6 +43,8 @@ def eos_token_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
     """
     if eos_token_id is None:
         return frozenset()
+    if isinstance(eos_token_id, frozenset):
+        return eos_token_id  # already a set of ids
     ids = [eos_token_id] if _is_int(eos_token_id) else list(eos_token_id)  # type: ignore[arg-type]
     bad = [i for i in ids if not _is_int(i)]
     if bad:

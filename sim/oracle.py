@@ -109,11 +109,12 @@ def _generate(prompt: list[int], params: SamplingParams, eos_token_id: int | Seq
         raise ValueError(f"prompt of {len(context)} tokens leaves no room under max_model_len {max_model_len}")
     out: list[int] = []
     text = "" if params.stop else None
+    eos = eos_token_set(eos_token_id)  # once, not per token
     while True:
         token = next_token(context)
         out.append(token)
         context.append(token)
-        if is_stop_token(token, params, eos_token_id):
+        if is_stop_token(token, params, eos):
             return Expected(tuple(out), "stop", text)
         if text is not None:
             text += fake_text([token])

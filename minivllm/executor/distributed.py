@@ -266,11 +266,8 @@ class TPExecutor:
             return _CheckedHandle(self.local.submit(plan), self)
         except BaseException as e:
             self._healthy = False
-            self._raise_worker_error(e)  # a worker that raised said why
-            dead = [p for p in self.workers if not p.is_alive()]
-            if dead:  # one that was killed did not: name it (not "Broken pipe")
-                raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited "
-                                   f"(code {dead[0].exitcode})") from e
+            self._raise_worker_error(e)      # a worker that raised said why
+            self._raise_if_worker_exited(e)  # one that was killed did not (not "Broken pipe")
             raise
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -303,10 +300,14 @@ class TPExecutor:
         if self._closed:
             raise RuntimeError("this tensor-parallel executor is closed")
         self._raise_worker_error(None)
+        self._raise_if_worker_exited(None)
+
+    def _raise_if_worker_exited(self, cause: BaseException | None) -> None:
+        """Name a worker that has exited (a killed one reports nothing of its own)."""
         dead = [p for p in self.workers if not p.is_alive()]
         if dead:
             self._healthy = False
-            raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})")
+            raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})") from cause
 
     def _raise_worker_error(self, cause: BaseException | None) -> None:
         """Raise a worker's reported error, if any (waiting briefly when ``cause`` says a peer

@@ -172,8 +172,6 @@ def qk_norm_rope_store(
     has_norm = q_weight is not None or k_weight is not None
     if has_norm and (q_weight is None or k_weight is None):
         raise ValueError("q_weight and k_weight must both be tensors (q/k norm) or both None (RoPE only)")
-    if not has_norm:  # never read by the kernel; stand-ins that pass the checks
-        q_weight = k_weight = torch.ones(k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)
     _check_args(qkv, positions, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping)
     num_tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -185,7 +183,9 @@ def qk_norm_rope_store(
     block_h = min(triton.next_power_of_2(num_heads), max(1, _MAX_TILE // half))
     block_hkv = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE // half))
     _qk_norm_rope_store_kernel[(num_tokens,)](
-        qkv, positions, q_weight, k_weight, cos_sin_cache, q, k_cache, v_cache, slot_mapping,
+        # Without norm the weight pointers are qkv's (loaded, in bounds, never used).
+        qkv, positions, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache,
+        q, k_cache, v_cache, slot_mapping,
         float(eps), qkv.stride(0), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -198,13 +198,15 @@ def qk_norm_rope_store(
 
 
 def _check_args(
-    qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+    qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
     eps: float, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Validate the arguments of :func:`qk_norm_rope_store` (raises TypeError / ValueError)."""
+    """Validate the arguments of :func:`qk_norm_rope_store` (raises TypeError / ValueError);
+    weights that are None (no norm) are not checked."""
+    weights = {name: t for name, t in (("q_weight", q_weight), ("k_weight", k_weight)) if t is not None}
     check_dtype("qkv", qkv, _FLOAT_DTYPES)
-    for name, t in (("q_weight", q_weight), ("k_weight", k_weight)):
+    for name, t in weights.items():
         check_dtype(name, t, (qkv.dtype,))
     check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -213,8 +215,7 @@ def _check_args(
         check_dtype(name, t, (torch.int64, torch.int32))
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a number, got {type(eps).__name__}")
-    tensors = {"qkv": qkv, "positions": positions, "q_weight": q_weight, "k_weight": k_weight,
-               "cos_sin_cache": cos_sin_cache, "k_cache": k_cache, "v_cache": v_cache,
+    tensors = {"qkv": qkv, "positions": positions, **weights, "cos_sin_cache": cos_sin_cache, "k_cache": k_cache, "v_cache": v_cache,
                "slot_mapping": slot_mapping}
     for name, t in tensors.items():
         check_last_dim_contiguous(name, t)
@@ -226,7 +227,7 @@ def _check_args(
     check_power_of_two("head_dim", head_dim, minimum=2)
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"cos_sin_cache must be (P, {head_dim}), got {tuple(cos_sin_cache.shape)}")
-    for name, t in (("q_weight", q_weight), ("k_weight", k_weight)):
+    for name, t in weights.items():
         if t.shape != (head_dim,):
             raise ValueError(f"{name} must be ({head_dim},), got {tuple(t.shape)}")
     width = qkv.shape[1] if qkv.dim() == 2 else -1

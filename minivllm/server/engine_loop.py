@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -389,16 +390,14 @@ class AsyncEngine:
     def _apply_all(self, commands: list[_Admit | _Abort]) -> None:
         """Apply the commands in order: aborts at once, admissions in runs (one verdict
         each, all the run's requests or none of one command's)."""
-        run: list[_Admit] = []
-        for command in commands + [None]:  # type: ignore[list-item]
-            if isinstance(command, _Admit):
-                run.append(command)
+        for is_admit, run in itertools.groupby(commands, key=lambda c: isinstance(c, _Admit)):
+            if is_admit:
+                admits = list(run)
+                batch = [(a.group.request_ids, a.prompts, a.params) for a in admits]  # type: ignore[union-attr]
+                for admit, error in zip(admits, self._admit(batch)):
+                    self._admitted(admit, error)  # type: ignore[arg-type]
                 continue
-            if run:
-                for admit, error in zip(run, self._admit([(a.group.request_ids, a.prompts, a.params) for a in run])):
-                    self._admitted(admit, error)
-                run = []
-            if isinstance(command, _Abort):
+            for command in run:
                 dropped = [rid for rid in command.request_ids if self._tracked.pop(rid, None) is not None]
                 if dropped:
                     self._abort(dropped)
