@@ -36,15 +36,17 @@ class InputsOnlyExecutor:
         return DoneStep(self.execute(plan))
 
 
-def decoding_engine(batch: int, max_tokens: int, executor: InputsOnlyExecutor | None = None) -> LLMEngine:
+def decoding_engine(batch: int, max_tokens: int, executor: InputsOnlyExecutor | None = None,
+                    output_kind: str = "delta") -> LLMEngine:
     """An engine whose ``batch`` requests (512-token prompts, ``max_tokens`` each) are all
-    admitted and prefilled: its next steps are decode steps."""
+    admitted and prefilled: its next steps are decode steps. ``output_kind`` "delta" is a
+    server's streaming, "final_only" offline ``generate()``."""
     engine = LLMEngine(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=2048),
                        CacheConfig(block_size=16, num_blocks=100_000), executor or InputsOnlyExecutor())
     rng = np.random.default_rng(0)
     for i in range(batch):
         engine.add_request(f"r{i}", rng.integers(0, 10000, 512).tolist(),
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind))
     for _ in range(40):  # admit and prefill everyone
         engine.step()
     return engine
@@ -55,8 +57,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--output-kind", choices=("delta", "final_only"), default="delta",
+                    help="delta: an output per request per step (serving); final_only: offline generate()")
     args = ap.parse_args()
-    engine = decoding_engine(args.batch, args.steps + 100)
+    engine = decoding_engine(args.batch, args.steps + 100, output_kind=args.output_kind)
     prof = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
     if prof:
@@ -66,7 +70,7 @@ def main() -> None:
     if prof:
         prof.disable()
     dt = (time.perf_counter() - t0) / args.steps
-    print(f"batch {args.batch} decode: {dt * 1e3:.2f} ms/step of engine host work"
+    print(f"batch {args.batch} decode, output_kind {args.output_kind}: {dt * 1e3:.2f} ms/step of engine host work"
           + (" (profiled)" if prof else ""))
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(15)

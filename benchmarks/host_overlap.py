@@ -135,7 +135,8 @@ def measure_mode(llm: Any, args: argparse.Namespace, device: str, on: bool, stre
     eng = llm.engine
     set_async_scheduling(llm, on)
     rng = np.random.default_rng([args.seed, stream])
-    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            output_kind=args.output_kind)
     for i in range(args.batch):
         eng.add_request(f"overlap-{stream}-{i}", rng.integers(0, args.id_limit, args.prompt_len).tolist(), params)
     filled = step_until_full_decode(eng, args.batch)
@@ -165,8 +166,8 @@ def measure_mode(llm: Any, args: argparse.Namespace, device: str, on: bool, stre
     return r
 
 
-def print_table(results: dict[str, dict[str, Any]], batch: int) -> None:
-    print(f"\nbatch-{batch} decode, per step   wall ms   GPU busy ms   idle (profiled) ms   exposed host ms")
+def print_table(results: dict[str, dict[str, Any]], batch: int, output_kind: str) -> None:
+    print(f"\nbatch-{batch} decode ({output_kind}), per step   wall ms   GPU busy ms   idle (profiled) ms   exposed host ms")
     for name, r in results.items():
         print(f"  {name:27s} {r['wall_ms_per_step']:8.2f} {r['gpu_busy_ms_per_step']:13.2f} "
               f"{r['gpu_idle_ms_per_step']:20.2f} {r['exposed_host_ms_per_step']:17.2f}")
@@ -185,6 +186,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--window", type=int, default=50)
     ap.add_argument("--async", dest="async_mode", choices=("on", "off", "both"), default="both")
+    ap.add_argument("--output-kind", choices=("final_only", "delta"), default="final_only",
+                    help="final_only: as offline generate(); delta: an output per request per step, "
+                         "as the server streams")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.prompt_len, args.max_tokens, args.warmup, args.window = 4, 16, 24, 2, 5
@@ -206,7 +210,7 @@ def main() -> None:
     llm.generate(warm, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     results = {mode_name(on): measure_mode(llm, args, device, on, stream=1 + i)
                for i, on in enumerate(modes_of(args.async_mode))}
-    print_table(results, args.batch)
+    print_table(results, args.batch, args.output_kind)
     write_summary("host_overlap", {"args": vars(args), "results": results})
 
 

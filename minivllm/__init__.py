@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from minivllm.outputs import RequestOutput
-from minivllm.sampling import SamplingParams
+from minivllm.sampling import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind"]
 
 
 def __getattr__(name: str) -> Any:

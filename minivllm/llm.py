@@ -14,7 +14,7 @@ from typing import Any, Sequence, Union
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
-from minivllm.sampling import SamplingParams
+from minivllm.sampling import RequestOutputKind, SamplingParams
 
 Prompt = Union[str, Sequence[int]]
 
@@ -176,6 +176,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order with ``text`` decoded
         (a prompt whose params ask for ``n`` completions has n outputs, by ``index``).
+        The requests run with ``output_kind`` FINAL_ONLY (only finished ones come back).
 
         Every prompt is checked before any is queued: a bad one raises
         ``ValueError``/``TypeError`` naming its index, nothing of this call is
@@ -185,7 +186,7 @@ class LLM:
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        params = self._params_list(sampling_params, len(prompts))
+        params = _final_only(self._params_list(sampling_params, len(prompts)))
         token_ids = [self.prompt_token_ids(i, p) for i, p in enumerate(prompts)]
         rids = [f"req-{self._next_request + i}" for i in range(len(prompts))]
         for i, (rid, ids, p) in enumerate(zip(rids, token_ids, params)):
@@ -254,3 +255,18 @@ class LLM:
         tok = self._require_tokenizer()
         text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return tok.encode(text, add_special_tokens=False)
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """``params`` with ``output_kind`` FINAL_ONLY: ``generate()`` returns finished requests
+    only, so the engine need not build an output per request per step. Equal params map
+    to one object (the engine interns them anyway)."""
+    done: dict[int, SamplingParams] = {}
+    out = []
+    for p in params:
+        q = done.get(id(p))
+        if q is None:
+            q = done[id(p)] = (p if p.output_kind is RequestOutputKind.FINAL_ONLY
+                               else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+        out.append(q)
+    return out

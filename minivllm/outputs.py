@@ -19,7 +19,8 @@ class RequestOutput:
     """A request's progress, as reported by one ``LLMEngine.step()``.
 
     ``step()`` returns one for every request that produced tokens in that step
-    (streaming), and a last one when the request ends (``finish_reason`` set).
+    (streaming), and a last one when the request ends (``finish_reason`` set);
+    a request whose ``output_kind`` is FINAL_ONLY gets the last one only.
 
     Attributes:
         request_id: the caller's id.

@@ -8,6 +8,7 @@ engine can carry it. The torch implementation lives in
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -57,6 +58,18 @@ def is_greedy_temperature(temperature: float | np.ndarray) -> bool | np.ndarray:
     return temperature < GREEDY_TEMPERATURE
 
 
+class RequestOutputKind(enum.Enum):
+    """When ``LLMEngine.step()`` reports a request (vLLM's ``RequestOutputKind``).
+
+    Every output carries both the tokens so far (``token_ids``) and those new
+    since the last one (``new_token_ids``), so vLLM's CUMULATIVE and DELTA are
+    one kind here.
+    """
+
+    DELTA = "delta"            # every step that gives it a token, and when it ends
+    FINAL_ONLY = "final_only"  # once, when it ends: what offline ``generate()`` asks for
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (validated; bad values raise ``ValueError``).
@@ -95,6 +108,9 @@ class SamplingParams:
             positive logit divided by it and a negative one multiplied by it; > 0,
             1 disables. Penalties apply before temperature and filters, to greedy
             rows too.
+        output_kind: a ``RequestOutputKind`` or its value: ``"delta"`` (streamed every
+            step, the default) or ``"final_only"`` (one output at the end; the engine
+            skips building the others, which matters at a few hundred requests a step).
     """
 
     temperature: float = 1.0
@@ -113,6 +129,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -161,6 +178,12 @@ class SamplingParams:
         r = self.repetition_penalty
         if not _is_number(r) or not math.isfinite(r) or r <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = [k.value for k in RequestOutputKind]
+            if self.output_kind not in kinds:
+                raise ValueError(f"output_kind must be a RequestOutputKind or one of {kinds}, "
+                                 f"got {self.output_kind!r}")
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))  # input type only
 
     @property
     def has_penalties(self) -> bool:
@@ -176,6 +199,7 @@ class SamplingParams:
         d = dataclasses.asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
+        d["output_kind"] = self.output_kind.value
         return d
 
     @classmethod

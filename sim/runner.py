@@ -25,6 +25,7 @@ from typing import Literal
 from minivllm.config import cdiv
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput, sequence_name
+from minivllm.sampling import RequestOutputKind
 from sim.fake_executor import FakeExecutor, recorded_next_token
 from sim.oracle import Expected, FakeTextStream, oracle_generate
 from sim.recorder import recorded_contexts, replay_inputs
@@ -212,8 +213,9 @@ class _Run:
         return self.expected[key]
 
     def check_stream(self, step: int, out: RequestOutput, seen: set[str]) -> None:
-        """Streaming: one output per request per step, deltas that add up, tokens that are a
-        prefix of the oracle's, and nothing after the final output."""
+        """Streaming: one output per request per step (only the final one for output_kind
+        FINAL_ONLY), deltas that add up, tokens that are a prefix of the oracle's, and nothing
+        after the final output."""
         rid = out.name
         if rid in seen:
             self.violation(step, f"{rid!r}: two outputs in one step")
@@ -222,7 +224,10 @@ class _Run:
             return  # check_output reports it (unknown, or finished twice)
         sofar = self.streamed.setdefault(rid, [])
         sofar.extend(out.new_token_ids)
-        if tuple(sofar) != tuple(out.token_ids):
+        final_only = self.accepted[self.owner[rid]].sampling.output_kind is RequestOutputKind.FINAL_ONLY
+        if final_only and not out.finished:
+            self.violation(step, f"{rid!r}: an unfinished output for an output_kind=final_only request")
+        elif tuple(sofar) != tuple(out.token_ids):
             self.violation(step, f"{rid!r}: streamed deltas {sofar} do not add up to token_ids {list(out.token_ids)}")
         elif not out.finished and not out.new_token_ids:
             self.violation(step, f"{rid!r}: an unfinished output with no new token")

@@ -343,6 +343,8 @@ class _Draw:
     # Its own stream for the sampling features (n, logprobs), so adding them kept every
     # seed's requests as they were.
     features: random.Random = field(default_factory=random.Random)
+    # And one for the output kind (drawn later still).
+    output_kinds: random.Random = field(default_factory=random.Random)
     events: list[InputEvent] = field(default_factory=list)
     valid: list[AddEvent] = field(default_factory=list)
 
@@ -416,7 +418,7 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
     sched = SchedulerConfig.from_dict({k: c[k] for k in _SCHED_KEYS})
     num_blocks = cache.num_blocks if cache.num_blocks is not None else c["executor_num_blocks"]
     d = _Draw(rng, c["vocab_size"], cache.block_size, sched.max_model_len, num_blocks,
-              features=random.Random(f"features-{seed}"))
+              features=random.Random(f"features-{seed}"), output_kinds=random.Random(f"output-kinds-{seed}"))
     if rng.random() < 0.15:
         d.alphabet = rng.randint(1, 3)
     if d.cap >= 2:
@@ -466,6 +468,8 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.2, stop_token_ids=stop,
             **_draw_stop_strings(rng), **_draw_features(d.features),
+            # A quarter report only when they end, as offline generate() asks.
+            output_kind="final_only" if d.output_kinds.random() < 0.25 else "delta",
         )
         step = 0 if rng.random() < 0.4 else rng.randint(0, horizon)
         add = AddEvent(step, f"r{i}", tuple(prompt), params)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from minivllm.config import CacheConfig, Llama3RopeScaling, ModelConfig, SchedulerConfig
-from minivllm.sampling import SamplingParams
+from minivllm.sampling import RequestOutputKind, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -73,6 +73,8 @@ def test_unknown_keys_are_errors() -> None:
     (dict(stop=[1]), "stop"),
     (dict(stop=3), "stop"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(output_kind="cumulative"), "output_kind"),
+    (dict(output_kind=2), "output_kind"),
 ])
 def test_sampling_params_errors(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
@@ -84,6 +86,11 @@ def test_sampling_params_valid_edges() -> None:
     SamplingParams(top_k=0), SamplingParams(top_k=-1), SamplingParams(top_p=1.0, min_p=1.0)
     p = SamplingParams(stop_token_ids=(3,), seed=7)
     assert SamplingParams.from_dict(p.to_dict()) == p
+    # output_kind: the enum or its value, kept as the enum; round-trips through a dict (JSON traces).
+    final = SamplingParams(output_kind="final_only")
+    assert final.output_kind is RequestOutputKind.FINAL_ONLY
+    assert final == SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY) != SamplingParams()
+    assert SamplingParams.from_dict(final.to_dict()) == final and final.to_dict()["output_kind"] == "final_only"
 
 
 def _hf(tmp_path, **over) -> str:

@@ -268,3 +268,26 @@ def test_equal_sampling_params_share_one_object_in_plans() -> None:
     first = plans[0]
     assert len({id(p) for p in first.sampling_params}) == 2
     assert len(first.sampling_params) == 4
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_final_only_requests_are_reported_once_with_every_token(async_scheduling: bool) -> None:
+    engine = make_engine()
+    engine.set_async_scheduling(async_scheduling)
+    engine.add_request("stream", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.add_request("final", [1, 2, 3], SamplingParams(max_tokens=4, output_kind="final_only"))
+    engine.add_request("aborted", [7, 8], SamplingParams(max_tokens=50, output_kind="final_only"))
+    seen: dict[str, list] = {"stream": [], "final": [], "aborted": []}
+    for i in range(100):
+        if i == 3:
+            engine.abort_request("aborted")
+        for o in engine.step():
+            seen[o.request_id].append(o)
+        if not engine.has_unfinished_requests():
+            break
+    assert len(seen["stream"]) == 4  # one per token
+    for rid, reason in (("final", "length"), ("aborted", "abort")):
+        (out,) = seen[rid]
+        assert out.finish_reason == reason and out.new_token_ids == out.token_ids
+    assert seen["final"][0].token_ids == seen["stream"][-1].token_ids == tuple(greedy_tokens([1, 2, 3], 4))
+    assert len(seen["aborted"][0].token_ids) >= 1

@@ -38,7 +38,7 @@ from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.executor.base import Executor, StepHandle
 from minivllm.outputs import FinishReason, RequestOutput
-from minivllm.sampling import SamplingParams, eos_token_set
+from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 
@@ -46,6 +46,7 @@ __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 # on abort, and to refuse a reused id); older ones are forgotten.
 MAX_FINISHED_IDS = 100_000
 MAX_INTERNED_PARAMS = 4096  # distinct SamplingParams kept for sharing; then the table restarts
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 class TextStream(Protocol):
@@ -294,8 +295,9 @@ class LLMEngine:
         """Schedule and submit one step and apply the previous one.
 
         Returns one ``RequestOutput`` per request that produced tokens in the step
-        applied (its new tokens), and a final one for each request that ended since
-        the last call (finish reason set; aborts included).
+        applied (its new tokens; not for ``output_kind`` FINAL_ONLY), and a final one
+        for each request that ended since the last call (finish reason set; aborts
+        included).
 
         Synchronously, the step submitted is also the one applied. With one
         step in flight, the step submitted now is applied by the next call.
@@ -417,6 +419,8 @@ class LLMEngine:
                 seq.finish_reason = reason
                 del self.requests[seq.name]
                 self._retire(seq)  # a pending token of the step in flight is dropped
+            elif seq.sampling_params.output_kind is FINAL_ONLY:
+                continue
             outputs.append(self._output(seq))
         return outputs
 
