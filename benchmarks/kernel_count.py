@@ -35,6 +35,7 @@ from benchmarks.host_overlap import (device_categories, drain, profiler_activiti
                                      step_until_full_decode, trace_events)
 from benchmarks.throughput import (GOAL_MS_TOKEN, STRETCH_MS_TOKEN, add_common_args, bench_device, mode_name,
                                    model_path, modes_of, set_async_scheduling, sync, write_summary)
+from minivllm.config import cdiv
 
 
 def build(args: argparse.Namespace, device: str, eager: bool) -> Any:
@@ -96,6 +97,33 @@ def kernel_counts(args: argparse.Namespace, device: str) -> dict[str, Any]:
     return dict(first=counts[0], second={k: v for k, v in counts[1].items() if k != "top"})
 
 
+def prefill_profile(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """Profile one prefill step of ``--prefill-tokens`` (8192) tokens: prompts of ``--prompt-len``
+    filling the step's budget; kernels by total time."""
+    from minivllm import LLM, SamplingParams
+
+    n = cdiv(args.prefill_tokens, args.prompt_len)
+    llm = LLM(model_path(args), device=device, seed=args.seed, skip_tokenizer_init=True, max_num_seqs=max(n, 2),
+              max_model_len=args.prompt_len + 64, max_num_batched_tokens=args.prefill_tokens,
+              num_blocks=64 + (n + 1) * (args.prompt_len + 64) // 16, enforce_eager=True)
+    set_async_scheduling(llm, False)
+    eng = llm.engine
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for stream in (1, 2):  # the first run warms up (and compiles) at this shape
+        for i in range(n):
+            eng.add_request(f"prefill-{stream}-{i}", prompt(args, stream * 10_000 + i), one)
+        if stream == 2:
+            counts = count_step(eng, device)
+        drain(eng)
+    by_time = sorted(counts["top"], key=lambda t: -t[2])
+    print(f"prefill step of {args.prefill_tokens} tokens ({n} prompts of {args.prompt_len}), eager: "
+          f"{counts['kernels']} kernels, kernel time {counts['kernel_time_us']:.0f} µs")
+    print(f"top {args.top} by time:      count   total µs")
+    for name, k, us in by_time[:args.top]:
+        print(f"  {k:5d} {us:9.1f}  {name}")
+    return {k: v for k, v in counts.items() if k != "top"} | {"top": by_time[:args.top]}
+
+
 def graph_step_time(args: argparse.Namespace, device: str) -> dict[str, Any]:
     from minivllm import SamplingParams
 
@@ -106,7 +134,8 @@ def graph_step_time(args: argparse.Namespace, device: str) -> dict[str, Any]:
         set_async_scheduling(llm, on)
         for j in range(args.batch):
             eng.add_request(f"graph-{i}-{j}", prompt(args, 10 + i + 1000 * j),
-                            SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True))
+                            SamplingParams(temperature=0, ignore_eos=True,
+                                           max_tokens=args.steps + 16 + 2 * args.batch * args.prompt_len // 8192))
         step_until_full_decode(eng, args.batch)
         run_steps(eng, 5, args.batch)
         stamps = [time.perf_counter()]
@@ -133,6 +162,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--async", dest="async_mode", choices=("on", "off", "both"), default="both")
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="also profile one eager prefill step of this many tokens (e.g. 8192)")
     args = ap.parse_args()
     if args.smoke:
         args.prompt_len, args.steps = 8, 5
@@ -141,6 +172,8 @@ def main() -> None:
     summary: dict[str, Any] = {"args": vars(args)}
     summary["eager_counts"] = kernel_counts(args, device)
     summary["graph_step"] = graph_step_time(args, device)
+    if args.prefill_tokens:
+        summary["prefill"] = prefill_profile(args, device)
     write_summary("kernel_count", summary)
 
 

@@ -570,3 +570,115 @@ def test_families_without_qk_norm_take_the_fused_kernel_without_norm(tmp_path) -
     torch.testing.assert_close(executors["triton"].kv_cache, executors["torch"].kv_cache, atol=1e-5, rtol=1e-5)
     layers = len(executors["triton"].model.model.layers)
     assert weights_seen == [(None, None)] * (layers * len(plans))
+
+
+# ----------------------------------------------------------------------------- rms_norm, silu_and_mul
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 100])  # a power of two, and a masked tail
+def test_rms_norm_matches_reference(dtype: torch.dtype, hidden: int) -> None:
+    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.layers.norm import add_rms_norm_ref, rms_norm_ref
+
+    gen = torch.Generator().manual_seed(hidden)
+    x = (30 * torch.randn(2, 5, hidden, generator=gen)).to(dtype)
+    r = (300 * torch.randn(2, 5, hidden, generator=gen)).to(dtype)
+    w = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
+    got = rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    want = rms_norm_ref(x, w, 1e-6)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    got, res = rms_norm(x, w, 1e-6, residual=r)
+    want, want_res = add_rms_norm_ref(x, r, w, 1e-6)
+    if dtype != torch.bfloat16:  # the interpreter truncates fp32 -> bf16 casts (CUDA rounds to nearest)
+        assert torch.equal(res, want_res)  # the new residual stream: one rounding of the sum, as torch
+    torch.testing.assert_close(res.float(), want_res.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # Rows that are a strided view (heads of a packed projection), and an fp32 weight on bf16 rows.
+    packed = torch.randn(4, 3 * hidden, generator=gen).to(dtype)
+    heads = packed[:, hidden:].view(4, 2, hidden)
+    torch.testing.assert_close(rms_norm(heads, w, 1e-6).float(), rms_norm_ref(heads, w, 1e-6).float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    w32 = w.float()
+    assert rms_norm(x, w32, 1e-6).dtype == rms_norm_ref(x, w32, 1e-6).dtype
+    assert rms_norm(x[:0], w, 1e-6).shape == (0, 5, hidden)
+
+
+def test_rms_norm_rounds_the_normalised_value_before_the_weight() -> None:
+    """fp16 (the interpreter rounds fp16 as CUDA does; its bf16 casts truncate): a planted
+    kernel that multiplies the fp32 normalised value by the weight (one rounding fewer)
+    differs from the reference on these values; ours is bit-identical."""
+    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.layers.norm import rms_norm_ref
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 64, generator=gen).half()
+    w = (1 + 0.3 * torch.randn(64, generator=gen)).half()
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    x32 = x.float()
+    one_rounding = (w.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).half()
+    assert not torch.equal(one_rounding, rms_norm_ref(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner", [48, 1500])  # one tile with a tail; two tiles of 1024
+def test_silu_and_mul_matches_reference(dtype: torch.dtype, inner: int) -> None:
+    from minivllm.kernels.silu_and_mul import silu_and_mul
+    from minivllm.layers.activation import silu_and_mul_ref
+
+    gen = torch.Generator().manual_seed(inner)
+    x = (4 * torch.randn(3, 2, 2 * inner, generator=gen)).to(dtype)
+    got = silu_and_mul(x)
+    assert got.shape == (3, 2, inner) and got.dtype == dtype
+    want = silu_and_mul_ref(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if dtype == torch.float16:  # each op rounds as torch's (bf16: the interpreter truncates)
+        assert (got != want).float().mean() < 0.01
+    wide = torch.randn(4, 4 * inner, generator=gen).to(dtype)[:, :2 * inner]  # strided rows
+    torch.testing.assert_close(silu_and_mul(wide).float(), silu_and_mul_ref(wide).float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_norm_and_activation_kernels_reject_bad_arguments() -> None:
+    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.kernels.silu_and_mul import silu_and_mul
+
+    x, w = torch.randn(4, 8), torch.ones(8)
+    with pytest.raises(TypeError, match="x"):
+        rms_norm(x.long(), w, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(torch.randn(8, 4).t(), w, 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, w, 1e-6, residual=torch.randn(4, 9))
+    with pytest.raises(TypeError, match="residual"):
+        rms_norm(x, w, 1e-6, residual=x.half())
+    with pytest.raises(ValueError, match="2I"):
+        silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(TypeError, match="x"):
+        silu_and_mul(torch.ones(4, 8, dtype=torch.int32))
+
+
+def test_model_with_norm_and_activation_kernels_matches_references(tmp_path, monkeypatch) -> None:
+    """Tiny Qwen3, float32, torch attention: the layers calling the Triton RMSNorm and
+    SiLU-and-mul kernels (forced on the CPU interpreter, as on CUDA) give the logits of
+    the references, on a ragged prefill and a decode step."""
+    from minivllm.layers import fuse
+    from model_utils import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
+
+    path = save_hf_model(make_hf_model(TinyConfig()), tmp_path)
+    bs = 4
+    ex = make_model_executor(path, device="cpu", dtype="float32", attention_backend="torch", block_size=bs,
+                             num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64)
+    plans = [make_plan([([3, 14, 15, 92, 65, 35, 8], 0, (9, 2, 14), True), ([9, 79, 32], 0, (5,), True)], bs),
+             make_plan([([1], 7, (9, 2, 14), True), ([2], 3, (5,), True)], bs)]
+    calls = []
+    for plan in plans:
+        want = ex.compute_logits(plan).float()
+        with monkeypatch.context() as m:
+            m.setattr(fuse, "use_kernels", lambda x: calls.append(x.shape) or True)
+            got = ex.compute_logits(plan).float()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    layers = len(ex.model.model.layers)
+    assert len(calls) == len(plans) * (3 * layers + 1)  # two norms and the MLP per layer, the final norm

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.fuse import fused
+from minivllm.layers import fuse
 
 
 class SiluAndMul(nn.Module):
@@ -16,8 +16,15 @@ class SiluAndMul(nn.Module):
         return silu_and_mul(x)
 
 
-@fused
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` (one fused kernel on CUDA)."""
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]``, in x's dtype (each op rounds, as HF's)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul_ref``; one Triton kernel on CUDA (``minivllm/kernels/silu_and_mul.py``)."""
+    if fuse.use_kernels(x):
+        from minivllm.kernels.silu_and_mul import silu_and_mul as kernel
+        return kernel(x)
+    return silu_and_mul_ref(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.layers.fuse import fused
+from minivllm.layers import fuse
 from minivllm.layers.linear import default_weight_loader, set_weight_loader
 
 
@@ -16,18 +16,29 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * x32.to(x.dtype)
 
 
-rms_norm = fused(rms_norm_ref)
-
-
-@fused
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)`` in one fused pass on CUDA."""
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``."""
     # Added in the model dtype, matching HF's ``residual + hidden_states``.
     residual = x + residual
-    x32 = residual.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(residual.dtype), residual
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm_ref``; one Triton kernel on CUDA (``minivllm/kernels/rms_norm.py``)."""
+    if fuse.use_kernels(x):
+        from minivllm.kernels.rms_norm import rms_norm as kernel
+        return kernel(x, weight, eps)  # type: ignore[return-value]
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_ref``; one Triton kernel on CUDA."""
+    if fuse.use_kernels(x):
+        from minivllm.kernels.rms_norm import rms_norm as kernel
+        return kernel(x, weight, eps, residual=residual)  # type: ignore[return-value]
+    return add_rms_norm_ref(x, residual, weight, eps)
 
 
 class RMSNorm(nn.Module):
