@@ -14,7 +14,9 @@ For each summary it knows in DIR it writes ``<name>.png`` beside ``<name>.json``
 - ``host_overlap``: wall time per batch-256 decode step split into GPU busy time
   and host time exposed between GPU steps, per mode (``benchmarks/host_overlap.py``);
 - ``serving``: TTFT and TPOT p50 / p99 and output tok/s against the request rate,
-  with the offline ``generate()`` rate (``benchmarks/serving.py``).
+  with the offline ``generate()`` rate (``benchmarks/serving.py``);
+- ``step_timeline``: every step of one offline run (ms, prefill marked, decode
+  batch) and the seconds per step group (``benchmarks/step_timeline.py``).
 
 and, across files, ``tp_scaling.png`` when DIR holds throughput summaries of one
 shapes at several ``--tensor-parallel-size``: offline tok/s and batch-1 ms/token
@@ -143,11 +145,41 @@ def plot_serving(data: dict[str, Any]) -> "Figure":
     return fig
 
 
+def plot_step_timeline(data: dict[str, Any]) -> "Figure":
+    """Every ``step()`` of one offline run: its time (prefill steps marked) with the decode
+    batch beside it; and the run's seconds per group (prefill, decode by batch size)."""
+    from sim.plot import new_figure
+
+    steps, groups = data["steps"], data["groups"]
+    fig = new_figure(figsize=(11, 4.2), layout="constrained")
+    timeline, totals = fig.subplots(1, 2, width_ratios=[2, 1])
+    timeline.set_label("timeline")
+    totals.set_label("groups")
+    x = list(range(len(steps)))
+    timeline.plot(x, [r["ms"] for r in steps], linewidth=0.8, label="ms per step()")
+    pre = [i for i, r in enumerate(steps) if r["prefill"] > 0]
+    timeline.scatter(pre, [steps[i]["ms"] for i in pre], s=10, color="#c44e52", zorder=3, label="with prefill")
+    timeline.set(xlabel="step", ylabel="ms", title="offline run, step by step")
+    batch = timeline.twinx()
+    batch.set_label("batch")
+    batch.plot(x, [r["decode"] for r in steps], color="#55a868", linewidth=0.8, label="decode batch")
+    batch.set_ylabel("sequences decoding")
+    timeline.legend(loc="upper right", fontsize="small")
+    bars = totals.barh([g["group"] for g in groups], [g["seconds"] for g in groups])
+    totals.bar_label(bars, labels=[f"{g['seconds']:.2f} s ({g['steps']})" for g in groups],
+                     fontsize="small", padding=2)
+    totals.invert_yaxis()
+    totals.margins(x=0.35)
+    totals.set(xlabel="seconds (steps)", title=f"where the {data.get('wall_s', 0):.2f} s went")
+    return fig
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any]], "Figure"]] = {
     "decode_attention": plot_decode_attention,
     "throughput": plot_throughput,
     "host_overlap": plot_host_overlap,
     "serving": plot_serving,
+    "step_timeline": plot_step_timeline,
 }
 
 
@@ -196,9 +228,10 @@ def plot_tp_scaling(summaries: list[dict[str, Any]]) -> "Figure":
 
 
 def plotter_for(path: Path) -> Callable[[dict[str, Any]], "Figure"] | None:
-    """The plotter of a summary file (``throughput_tp2.json`` is a throughput summary), or None."""
+    """The plotter of a summary file (``throughput_tp2.json``, ``throughput_llama-3.2-1b.json``
+    are throughput summaries), or None."""
     stem = path.stem
-    if stem.startswith("throughput_tp"):
+    if stem.startswith("throughput_"):
         stem = "throughput"
     return PLOTTERS.get(stem)
 

@@ -13,6 +13,7 @@ from typing import Any, Sequence, Union
 
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.executor.base import freeze_imported_objects
 from minivllm.outputs import RequestOutput
 from minivllm.sampling import RequestOutputKind, SamplingParams
 
@@ -87,6 +88,7 @@ class LLM:
 
         from minivllm.executor.model_executor import ModelExecutor
 
+        freeze_imported_objects()  # before the model exists: it stays collectable
         cache_opts, sched_opts, exec_opts = split_engine_options(options)
         executor_config = ExecutorConfig.from_dict(
             {**exec_opts, "device": device, "dtype": dtype, "attention_backend": attention_backend, "seed": seed})

@@ -134,3 +134,19 @@ def test_too_big_prompt_queues_nothing_and_next_generate_works(model) -> None:
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], params, use_tqdm=False)
     assert len(out) == 1 and len(out[0].token_ids) == 4
+
+
+def test_llm_freezes_imported_objects_but_a_dropped_llm_is_freed(model) -> None:
+    """LLM() freezes what was alive before it (no full collection rescans torch's objects
+    every few hundred steps) but not itself: its engine stays in the collector's generations
+    (cycles through it are collected) and an LLM dropped is freed."""
+    import gc
+    import weakref
+
+    llm = make_llm(model[1])
+    assert gc.get_freeze_count() > 1000
+    assert id(llm.engine) in {id(o) for o in gc.get_objects()}  # frozen objects are not listed
+    ref = weakref.ref(llm.engine.executor.model)
+    del llm
+    gc.collect()
+    assert ref() is None

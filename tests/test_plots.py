@@ -246,6 +246,11 @@ SUMMARIES: dict[str, dict[str, Any]] = {
                           {"rate": "inf", "ttft_ms": pct(900, 2500), "tpot_ms": pct(None, None),
                            "output_tok_s": 7500.0}],
                 "offline": {"tok_s": 15500.0}},
+    "step_timeline": {"wall_s": 0.05, "steps": [{"ms": 30.0, "seqs": 3, "prefill": 900, "decode": 0},
+                                                {"ms": 6.0, "seqs": 3, "prefill": 0, "decode": 3},
+                                                {"ms": 2.0, "seqs": 1, "prefill": 0, "decode": 1}],
+                      "groups": [{"group": "steps with prefill", "steps": 1, "seconds": 0.03},
+                                 {"group": "decode, batch 1-8", "steps": 2, "seconds": 0.008}]},
 }
 
 
@@ -260,7 +265,8 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     (tmp_path / "kernel_count.json").write_text("{}")  # not drawn
     assert bench_plots.main([str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
-        "decode_attention.png", "host_overlap.png", "serving.png", "throughput.png", "throughput_tp2.png"]
+        "decode_attention.png", "host_overlap.png", "serving.png", "step_timeline.png", "throughput.png",
+        "throughput_tp2.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in tmp_path.glob("*.png"))
 
     da = SUMMARIES["decode_attention"]
@@ -282,6 +288,12 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     tpot = {line.get_label(): line.get_ydata() for line in ax["tpot"].lines}
     assert tpot["p50"][0] == 8 and np.isnan(tpot["p50"][1])  # no percentile: no point
     assert [list(line.get_ydata()) for line in ax["output_tok_s"].lines] == [[4000.0, 7500.0], [15500.0, 15500.0]]
+
+    ax = panels(bench_plots.plot_step_timeline(SUMMARIES["step_timeline"]))
+    assert list(ax["timeline"].lines[0].get_ydata()) == [30.0, 6.0, 2.0]
+    assert ax["timeline"].collections[0].get_offsets().tolist() == [[0.0, 30.0]]  # the prefill step marked
+    assert list(ax["batch"].lines[0].get_ydata()) == [0, 3, 1]
+    assert np.allclose([p.get_width() for c in ax["groups"].containers for p in c], [0.03, 0.008])
 
 
 def test_tp_scaling_figure_groups_tp_sizes_by_shapes(tmp_path: Path) -> None:

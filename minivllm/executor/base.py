@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 from typing import Protocol, runtime_checkable
 
 from minivllm.engine.plan import StepPlan, StepResult
@@ -49,3 +51,24 @@ class DoneStep:
 
     def result(self) -> StepResult:
         return self._result
+
+
+_unfreeze_registered = False
+
+
+def freeze_imported_objects() -> None:
+    """Before an executor is built: move every object alive now (torch, transformers and the
+    other modules: ~200k objects) out of the garbage collector's reach, as vLLM does.
+
+    Otherwise every full collection scans them all (132 ms for 220k objects on the CPU
+    machine; a ~10 ms stall every 50-100 decode steps of offline-256 on the H200 machine).
+    The model and the engine are built after the freeze, so they stay collectable: an
+    ``LLM`` dropped is freed. Unfrozen at exit so the interpreter can still collect them
+    (nanobind reports frozen bindings as leaks otherwise).
+    """
+    global _unfreeze_registered
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_registered:
+        _unfreeze_registered = True
+        atexit.register(gc.unfreeze)

@@ -65,7 +65,7 @@ from multiprocessing.connection import wait as wait_for_sentinels
 
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from minivllm.engine.plan import StepPlan, StepResult
-from minivllm.executor.base import StepHandle
+from minivllm.executor.base import StepHandle, freeze_imported_objects
 from minivllm.executor.model_executor import ModelExecutor
 
 FAULT_ENV = "MINIVLLM_TP_FAULT"
@@ -177,6 +177,7 @@ def _worker_main(rank: int, spec: RankSpec, errors: Any, plans: Connection) -> N
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     fault = _fault(rank)
     try:
+        freeze_imported_objects()
         group = _init_group(spec, rank)
         if fault == "load":
             raise RuntimeError(f"injected fault at load ({FAULT_ENV})")
