@@ -62,6 +62,8 @@ bench: serve-deps-offline
 	run benchmarks.throughput $(if $(BENCH_QUICK),--num-requests 128 --hf-requests 16 --async on); \
 	run benchmarks.serving $(if $(BENCH_QUICK),--num-requests 128 --max-duration 8); \
 	run benchmarks.host_overlap $(if $(BENCH_QUICK),--async on); \
+	run benchmarks.step_timeline $(if $(BENCH_QUICK),--num-requests 128); \
+	run benchmarks.launch_overhead; \
 	run benchmarks.kernel_count $(if $(BENCH_QUICK),--async on); \
 	run benchmarks.long_context $(if $(BENCH_QUICK),--repeats 2); \
 	if [ -f benchmarks/prefill_attention.py ]; then run benchmarks.prefill_attention --quick; fi; \
