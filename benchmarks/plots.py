@@ -20,7 +20,8 @@ For each summary it knows in DIR it writes ``<name>.png`` beside ``<name>.json``
 
 and, across files, ``tp_scaling.png`` when DIR holds throughput summaries of one
 shapes at several ``--tensor-parallel-size``: offline tok/s and batch-1 ms/token
-per TP size, grouped by shapes, with the all-reduce share of a decode step.
+per TP size, grouped by shapes, with the all-reduce share of a decode step; or,
+with one TP size and several shapes, the same bars as ``throughput_by_shapes.png``.
 
 Needs matplotlib (the ``plot`` extra), imported only when a figure is drawn; no torch.
 """
@@ -86,8 +87,10 @@ def plot_throughput(data: dict[str, Any]) -> "Figure":
     bars = tput.bar(names, values, color=["#999999"] * ("tok_s" in hf) + ["#4c72b0"] * len(modes))
     _bar_labels(tput, bars, "{:,.0f}")
     ratio = data.get("ratio_minivllm_hf")
+    shapes = data.get("args", {}).get("shapes")
     tput.set(ylabel="completion tokens / s",
-             title=f"{data.get('workload', 'offline')}" + (f": {ratio:.1f}x HF" if ratio else ""))
+             title=f"{data.get('workload', 'offline')}" + (f" [{shapes}]" if shapes else "")
+             + (f": {ratio:.1f}x HF" if ratio else ""))
     ms = [mv[m]["batch1"]["ms_per_token"] for m in modes]
     bars = batch1.bar([f"minivllm\n{m}" for m in modes], ms, color="#55a868")
     _bar_labels(batch1, bars, "{:.2f}")
@@ -253,8 +256,11 @@ def plot_dir(directory: str | Path) -> list[Path]:
         with open(path) as f:
             summaries.append(json.load(f))
     tp_sizes = {int(d.get("args", {}).get("tensor_parallel_size", 1)) for d in summaries}
+    shapes = {d.get("args", {}).get("shapes") for d in summaries}
     if len(tp_sizes) > 1:
         written.append(save(plot_tp_scaling(summaries), Path(directory) / "tp_scaling.png"))
+    elif len(shapes) > 1:  # one TP size, several models: the same bars, grouped by shapes
+        written.append(save(plot_tp_scaling(summaries), Path(directory) / "throughput_by_shapes.png"))
     return written
 
 

@@ -317,3 +317,13 @@ def test_tp_scaling_figure_groups_tp_sizes_by_shapes(tmp_path: Path) -> None:
     assert bar_heights(ax["batch1"]) == [2.0, 5.0, 3.0, 4.0]
     labels = [t.get_text() for t in ax["batch1"].texts]
     assert "4.00\n0.80x\nAR 15%" in labels and "3.00\n1.50x\nAR 25%" in labels
+
+
+def test_one_tp_size_and_several_shapes_draw_throughput_by_shapes(tmp_path: Path) -> None:
+    for shapes, tok_s in (("small", 100.0), ("big", 50.0)):
+        data = {"args": {"shapes": shapes, "tensor_parallel_size": 1},
+                "minivllm": {"async on": {"offline": {"tok_s": tok_s}, "batch1": {"ms_per_token": 1.0}}}}
+        (tmp_path / f"throughput_{shapes}.json").write_text(json.dumps(data))
+    assert bench_plots.main([str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "throughput_big.png", "throughput_by_shapes.png", "throughput_small.png"]
