@@ -12,11 +12,11 @@ compiler needed in CI, and the CPU parity tests check the same function).
 Triton kernels that replaced the hottest of them (``use_kernels``).
 
 Where host time matters, a hand-written kernel beats a compiled function: with
-dynamic shapes each call of a compiled function costs 100-160 µs of host time on
+dynamic shapes each call of a compiled function cost 100-160 µs of host time on
 the H200 machine (guards over symbolic sizes, the wrapper computing the grid),
-one Triton launch about 15 µs. Outside a CUDA graph (prefill, mixed steps) that
-host time, not the GPU's, set the step's length, so RMSNorm (with its residual
-add) and SiLU-and-mul call kernels (``minivllm/kernels/rms_norm.py``,
+a Triton launch 60-90 µs. Outside a CUDA graph (prefill, mixed steps) that host
+time, not the GPU's, sets the step's length, so RMSNorm (with its residual add)
+and SiLU-and-mul call kernels (``minivllm/kernels/rms_norm.py``,
 ``silu_and_mul.py``) through ``use_kernels``; the compiled path remains for the
 q/k norm + RoPE of the unfused attention path.
 
