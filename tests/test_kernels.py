@@ -682,3 +682,12 @@ def test_model_with_norm_and_activation_kernels_matches_references(tmp_path, mon
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     layers = len(ex.model.model.layers)
     assert len(calls) == len(plans) * (3 * layers + 1)  # two norms and the MLP per layer, the final norm
+
+
+def test_next_pow2_matches_triton() -> None:
+    import triton
+
+    from minivllm.kernels._launch import next_pow2
+
+    assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+    assert all(next_pow2(n) == triton.next_power_of_2(n) for n in range(1, 5000))

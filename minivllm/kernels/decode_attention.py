@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import LOG2E, check_attention_args, check_host_int, check_power_of_two, upcast_dot
+from minivllm.kernels._launch import (
+    LOG2E, check_attention_args, check_host_int, check_power_of_two, next_pow2, upcast_dot,
+)
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
 from minivllm.kernels.merge_attention_splits import merge_attention_splits
 
@@ -155,7 +157,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     programs = max(1, batch * num_kv_heads)
     wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs)
     max_tiles = max(1, triton.cdiv(max_context, block_n))
-    return max(1, min(triton.next_power_of_2(wanted), max_tiles, MAX_SPLITS))
+    return max(1, min(next_pow2(wanted), max_tiles, MAX_SPLITS))
 
 
 def default_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
@@ -214,7 +216,7 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         WRITE_FINAL=num_splits == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q),

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device,
+    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2,
 )
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -170,7 +170,7 @@ def gumbel_sample(
         num_splits = choose_num_splits(rows, vocab, logits.device, config)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    block = max(16, min(config.block, triton.next_power_of_2(triton.cdiv(vocab, num_splits))))
+    block = max(16, min(config.block, next_pow2(triton.cdiv(vocab, num_splits))))
     cols_per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
     num_splits = max(1, triton.cdiv(vocab, cols_per_split))  # rounding may leave fewer
     best_val = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)

@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device
+from minivllm.kernels._launch import (
+    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2,
+)
 
 
 @triton.jit
@@ -78,7 +80,7 @@ def merge_attention_splits(
         return
     _merge_splits_kernel[(num_heads, batch)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=next_pow2(num_splits),
         num_warps=4 if num_splits * head_dim >= 2048 else 2,
     )
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    LOG2E, check_attention_args, check_host_int, check_power_of_two, upcast_dot,
+    LOG2E, check_attention_args, check_host_int, check_power_of_two, next_pow2, upcast_dot,
 )
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
 
@@ -290,7 +290,7 @@ def prefill_attention(
         return out
     config = config or default_config(q.dtype, head_dim, int(max_q_len))
     group = num_heads // num_kv_heads
-    block_m = max(config.block_m, triton.next_power_of_2(group))
+    block_m = max(config.block_m, next_pow2(group))
     block_q = block_m // group
     # >= 1 tile even when max_q_len is 0: the extra sequence's programs still zero the rows.
     tiles = max(1, triton.cdiv(int(max_q_len), block_q))

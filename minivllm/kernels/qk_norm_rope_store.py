@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device
+from minivllm.kernels._launch import (
+    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2,
+)
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Elements of one (heads, D/2) half-tile; bounds registers at large H * D (the head
@@ -180,8 +182,8 @@ def qk_norm_rope_store(
     if num_tokens == 0:
         return q
     half = head_dim // 2
-    block_h = min(triton.next_power_of_2(num_heads), max(1, _MAX_TILE // half))
-    block_hkv = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE // half))
+    block_h = min(next_pow2(num_heads), max(1, _MAX_TILE // half))
+    block_hkv = min(next_pow2(num_kv_heads), max(1, _MAX_TILE // half))
     _qk_norm_rope_store_kernel[(num_tokens,)](
         # Without norm the weight pointers are qkv's (loaded, in bounds, never used).
         qkv, positions, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_same_device
+from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384
@@ -77,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_rows = residual.reshape(-1, n) if residual is not None else rows
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else out
     if rows.shape[0]:
-        block = triton.next_power_of_2(n)
+        block = next_pow2(n)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight, out, res_out, rows.stride(0), res_rows.stride(0), float(eps),
             N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None,

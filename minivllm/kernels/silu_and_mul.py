@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype
+from minivllm.kernels._launch import check_dtype, next_pow2
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -54,7 +54,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty((*x.shape[:-1], inner), dtype=x.dtype, device=x.device)
     if rows.shape[0] and inner:
-        block = min(1024, triton.next_power_of_2(inner))
+        block = min(1024, next_pow2(inner))
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inner, block))](
             rows, out, rows.stride(0), I=inner, BLOCK=block, num_warps=4 if block >= 512 else 1)
     return out

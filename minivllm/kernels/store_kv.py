@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_same_device
+from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -78,7 +78,7 @@ def store_kv(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
