@@ -55,7 +55,7 @@ def main() -> None:
         for rid, prompt in prompts.items():
             t = int(rng.integers(0, vocab))
             tokens[rid].append(t)
-            outputs.append(StepOutput(rid, 0, (t,), len(tokens[rid]), None, None, None))
+            outputs.append(StepOutput(rid, 0, (t,), len(tokens[rid]), None, None, None, time.monotonic()))
         t0 = time.perf_counter()
         engine._deliver(outputs)
         times.append(time.perf_counter() - t0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -40,6 +40,9 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, per prompt token,
             the same dict (None for the first token); else None. Complete in every
             output once the prompt has been computed.
+        first_token_time: ``time.monotonic()`` when the engine applied the first
+            completion token (None before it): a server's time to first token, also
+            for requests reported only at the end. Not part of ``==``.
     """
 
     request_id: str
@@ -51,6 +54,7 @@ class RequestOutput:
     index: int = 0
     logprobs: tuple[dict[int, float], ...] | None = None
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
+    first_token_time: float | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:

@@ -563,6 +563,37 @@ def test_health_models_and_metrics(server) -> None:
     assert m["minivllm_time_per_output_token_seconds_sum"] > 0
 
 
+def test_nonstreamed_requests_are_reported_once_and_keep_their_ttft(server) -> None:
+    """A response sent whole asks the engine for its output only at the end (output_kind
+    final_only, as vLLM's server); a streamed one gets one per token. Both observe time to
+    first token, the non-streamed one from the engine's clock."""
+    assert server.engine.wait_idle(TIMEOUT)
+    seen: dict[str, list] = {}
+    real = server.engine._deliver
+
+    def spy(outputs: list) -> None:
+        for o in outputs:
+            seen.setdefault(o.request_id, []).append(o)
+        real(outputs)
+
+    server.engine._deliver = spy
+    try:
+        before = metrics(server)["minivllm_time_to_first_token_seconds_count"]
+        body = dict(prompt="1+1=", max_tokens=5, temperature=0, ignore_eos=True)
+        whole = completion(server, **body)
+        streamed = stream_json(server.client, "/v1/completions", body)
+        assert server.engine.wait_idle(TIMEOUT)
+    finally:
+        del server.engine._deliver
+    assert whole["usage"]["completion_tokens"] == 5
+    counts = sorted((len(outs), outs[-1].num_tokens) for outs in seen.values())
+    assert counts == [(1, 5), (5, 5)], counts
+    (final,) = next(outs for outs in seen.values() if len(outs) == 1)
+    assert len(final.new_token_ids) == 5 and final.first_token_time is not None
+    assert metrics(server)["minivllm_time_to_first_token_seconds_count"] - before == 2
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_each_app_has_its_own_registry(llm: LLM) -> None:
     a = build_app(llm, ServerConfig("a")).state.server.metrics
     b = build_app(llm, ServerConfig("b")).state.server.metrics

@@ -25,6 +25,7 @@ Every sequence has a ``name`` (``sequence_name``) in the engine's records.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 from typing import Sequence as Seq
@@ -398,6 +399,7 @@ class LLMEngine:
         self._check_result(out, result)
         bm = self.scheduler.block_manager
         outputs = []
+        now = time.monotonic()
         for c in out.scheduled:
             seq = c.seq
             if seq.status is SequenceStatus.FINISHED:
@@ -412,6 +414,8 @@ class LLMEngine:
             token = result.sampled[seq.seq_id]
             seq.num_pending_tokens -= 1
             seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             if seq.logprobs is not None:
                 seq.logprobs.extend(result.logprobs[seq.seq_id].as_dicts([token]))
             reason = self._finish_reason(seq, token)
@@ -479,7 +483,8 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, tokens,
                              seq.finish_reason, text=text, new_token_ids=new, index=seq.index,
                              logprobs=seq.output_logprobs,
-                             prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
+                             prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+                             first_token_time=seq.first_token_time)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         decode = chunked = 0

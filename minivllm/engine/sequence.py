@@ -84,6 +84,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # Completion tokens already handed out in a RequestOutput (streaming).
         self.num_reported_tokens = 0
+        self.first_token_time: float | None = None  # time.monotonic() when its first completion token was applied
         # The last results of ``output_token_ids`` / ``output_logprobs``, extended as tokens come.
         self._output_token_ids: tuple[int, ...] = ()
         self._output_logprobs: tuple[dict[int, float], ...] = ()

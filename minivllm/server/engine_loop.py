@@ -95,6 +95,8 @@ class StepOutput(NamedTuple):
         num_tokens: completion tokens so far.
         text: the engine's final text (requests with stop strings, once finished), else None.
         new_logprobs: logprobs of ``new_token_ids`` (``SamplingParams.logprobs``), else None.
+        first_token_time: as in ``RequestOutput`` (the engine's clock: ``time.monotonic``,
+            which an engine process shares with the server on one host).
     """
 
     request_id: str
@@ -104,13 +106,14 @@ class StepOutput(NamedTuple):
     finish_reason: FinishReason | None
     text: str | None
     new_logprobs: tuple[dict[int, float], ...] | None
+    first_token_time: float | None
 
 
 def step_output(out: RequestOutput) -> StepOutput:
     new = out.new_token_ids
     logprobs = out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None
     return StepOutput(out.request_id, out.index, tuple(new), len(out.token_ids), out.finish_reason,
-                      out.text, logprobs)
+                      out.text, logprobs, out.first_token_time)
 
 
 def admit_into(engine: LLMEngine, request_ids: Sequence[str], prompts: Sequence[Sequence[int]],
@@ -457,9 +460,11 @@ class AsyncEngine:
             done = out.finish_reason is not None
             if not new and not done:
                 continue
-            if new and c.first_token_time is None:
-                c.first_token_time = now
-                self.metrics.ttft.observe(now - c.arrival)
+            if c.first_token_time is None and out.first_token_time is not None:
+                # The engine's time, not this delivery's: a non-streamed request (final_only)
+                # is delivered once, at its end.
+                c.first_token_time = out.first_token_time
+                self.metrics.ttft.observe(c.first_token_time - c.arrival)
             # The eos/stop token that ends a request is not part of its text.
             shown = new[:-1] if out.finish_reason == "stop" and new else new
             text = c.next_text(c.detokenizer.add(shown), out)

@@ -124,7 +124,9 @@ class _Request(BaseModel):
             max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit, top_k=self.top_k,
             min_p=self.min_p, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=self.num_logprobs(), **{k: v for k, v in given.items() if v is not None})
+            logprobs=self.num_logprobs(), **{k: v for k, v in given.items() if v is not None},
+            # A response sent whole needs the engine's output once, at the end (as vLLM's server).
+            output_kind="delta" if self.stream else "final_only")
 
 
 class CompletionRequest(_Request):
