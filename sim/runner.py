@@ -227,6 +227,8 @@ class _Run:
         final_only = self.accepted[self.owner[rid]].sampling.output_kind is RequestOutputKind.FINAL_ONLY
         if final_only and not out.finished:
             self.violation(step, f"{rid!r}: an unfinished output for an output_kind=final_only request")
+        elif (out.first_token_time is None) != (not out.token_ids):
+            self.violation(step, f"{rid!r}: first_token_time {out.first_token_time} with {len(out.token_ids)} tokens")
         elif tuple(sofar) != tuple(out.token_ids):
             self.violation(step, f"{rid!r}: streamed deltas {sofar} do not add up to token_ids {list(out.token_ids)}")
         elif not out.finished and not out.new_token_ids:
