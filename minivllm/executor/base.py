@@ -53,22 +53,25 @@ class DoneStep:
         return self._result
 
 
-_unfreeze_registered = False
+_froze = False
 
 
 def freeze_imported_objects() -> None:
-    """Before an executor is built: move every object alive now (torch, transformers and the
-    other modules: ~200k objects) out of the garbage collector's reach, as vLLM does.
+    """Once per process, before the first executor is built: move every object alive then
+    (torch, transformers and the other modules: ~200k objects) out of the garbage
+    collector's reach, as vLLM does.
 
     Otherwise every full collection scans them all (132 ms for 220k objects on the CPU
     machine; a ~10 ms stall every 50-100 decode steps of offline-256 on the H200 machine).
-    The model and the engine are built after the freeze, so they stay collectable: an
-    ``LLM`` dropped is freed. Unfrozen at exit so the interpreter can still collect them
+    Once only: a second ``LLM`` in the process must not freeze the first, which may be a
+    reference cycle (with a tokenizer its engine calls back into it) and could then never
+    be freed, GPU memory included. Unfrozen at exit so the interpreter can still collect everything
     (nanobind reports frozen bindings as leaks otherwise).
     """
-    global _unfreeze_registered
+    global _froze
+    if _froze:
+        return
+    _froze = True
     gc.collect()
     gc.freeze()
-    if not _unfreeze_registered:
-        _unfreeze_registered = True
-        atexit.register(gc.unfreeze)
+    atexit.register(gc.unfreeze)
