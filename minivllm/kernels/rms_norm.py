@@ -10,9 +10,10 @@ One program per row (token); the whole row sits in registers (hidden sizes up to
 so it rounds where Hugging Face's Qwen3RMSNorm and ``residual + hidden_states`` do.
 
 Why a kernel and not ``torch.compile``: the compiled function with dynamic shapes
-cost 160 µs of host time per call on the H200 machine (guards, symbolic sizes),
-this launch about 90 µs (most of it Triton's own launch path). A prefill step
-calls it 56 times outside any CUDA graph, and there the host time, not the
+cost 160 µs of host time per call on one H200 machine (guards, symbolic sizes),
+this launch about 90 µs on another (most of it Triton's own launch path;
+``benchmarks/launch_overhead.py`` compares the two in one process). A prefill
+step calls it 56 times outside any CUDA graph, and there the host time, not the
 GPU's, sets the step's length.
 
 Torch references: :func:`minivllm.layers.norm.rms_norm_ref` and
