@@ -21,6 +21,7 @@ import os
 # too, for every pytest worker); on this CPU-only machine kernels cannot run otherwise.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -291,6 +292,52 @@ def test_prefill_attention_zeroes_rows_of_no_sequence() -> None:
     out = prefill_attention(q, torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16), torch.zeros(1, dtype=torch.int32),
                             empty, empty.view(0, 1), 0.25, 0, config=cfg)
     assert (out == 0).all()
+
+
+@pytest.mark.parametrize("case", PREFILL_CONFIG_CASES[:4] + PREFILL_CASES[2:3],
+                         ids=lambda c: f"{str(c[0])[6:]}-h{c[2]}/{c[3]}-{len(c[5])}seqs")
+def test_prefill_attention_tile_map_equals_the_grid(case) -> None:
+    """Map mode (the grid fixed by the map's capacity, as a CUDA graph needs) computes the
+    grid mode's output bit for bit, with idle map rows, and padding rows given a kv_len-0
+    sequence of their own come out zero."""
+    from minivllm.kernels.prefill_attention import build_tile_map, tile_rows
+
+    dtype, bs, h, hkv, d, seqs, *rest = case
+    config = rest[0] if rest else PrefillConfig(64, 16, 4, 2)
+    gen = torch.Generator().manual_seed(7)
+    seqs = list(seqs) + [(11, 0)]  # the padding rows: a sequence with no context
+    q_lens, lens = [ql for ql, _ in seqs], [kl for _, kl in seqs]
+    k_cache, v_cache, tables = make_paged_kv(lens, bs, hkv, d, dtype, gen)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), h, d, generator=gen).to(dtype)
+    scale = d ** -0.5
+    grid_out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, scale, max(q_lens), config=config)
+    block_q = tile_rows(config, h, hkv)
+    tiles = sum(-(-n // block_q) for n in q_lens)
+    tile_map = torch.from_numpy(build_tile_map(np.array(q_lens), block_q, tiles + 5))
+    out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, scale, 0, config=config, tile_map=tile_map)
+    assert torch.equal(out, grid_out)
+    assert (out[int(cu[-2]):] == 0).all()
+    assert_close(out, reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, scale), dtype)
+
+
+def test_build_tile_map() -> None:
+    from minivllm.kernels.prefill_attention import build_tile_map
+
+    got = build_tile_map(np.array([5, 0, 9, 1]), 4, 8)
+    # tiles: seq 0 -> 0, 1; seq 2 -> 0, 1, 2; seq 3 -> 0; the last tiles (most keys) first
+    assert got.tolist() == [[2, 2], [0, 1], [2, 1], [0, 0], [2, 0], [3, 0], [-1, -1], [-1, -1]]
+    assert got.dtype == np.int32
+    with pytest.raises(ValueError, match="6 q tiles"):
+        build_tile_map(np.array([5, 0, 9, 1]), 4, 5)
+    q = torch.randn(4, 2, 16)
+    args = (q, torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16), torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([4], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 0.25, 4)
+    with pytest.raises(TypeError, match="tile_map"):
+        prefill_attention(*args, tile_map=torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="tile_map"):
+        prefill_attention(*args, tile_map=torch.zeros(6, dtype=torch.int32))
 
 
 def test_prefill_default_configs() -> None:

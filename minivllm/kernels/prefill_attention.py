@@ -30,6 +30,12 @@ the tiles with the most keys (each sequence's last) start first and the short
 ones fill the tail of the launch. Tiles past a sequence's q_len do no work; the
 grid comes from the host int ``max_q_len`` so nothing syncs with the device.
 
+Map mode (``tile_map``, built on the host by :func:`build_tile_map`): the grid is
+(capacity, Hkv) and each program reads its (sequence, q tile) from the map, in the
+same heavy-first order; rows of -1 idle. The grid no longer depends on the batch,
+which is what capturing a prefill step in a CUDA graph needs (the map, like the
+other metadata, then lives in a static buffer). Not used by the engine yet.
+
 Torch reference: :func:`minivllm.kernels.reference.paged_attention_reference`.
 """
 
@@ -37,12 +43,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    LOG2E, check_attention_args, check_host_int, check_power_of_two, next_pow2, upcast_dot,
+    LOG2E, check_attention_args, check_dtype, check_host_int, check_power_of_two, check_same_device, next_pow2,
+    upcast_dot,
 )
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
 
@@ -214,6 +222,7 @@ def _prefill_kernel(
     cu_seqlens_q_ptr,                     # (B+1,) int32
     kv_lens_ptr,                          # (B,) int32
     block_tables_ptr,                     # (B, W) int32, -1 padded
+    tile_map_ptr,                         # (capacity, 2) int32 (sequence, q tile), -1 rows idle; USE_MAP
     scale_log2,                           # softmax scale * log2(e): scores live in base 2
     num_tokens,                           # T (not specialised: one compile for every batch)
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -223,7 +232,19 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
+    USE_MAP: tl.constexpr,                # grid (capacity, Hkv): each program reads its tile from the map
 ):
+    if USE_MAP:
+        entry = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = tl.load(tile_map_ptr + 2 * entry)
+        if seq >= 0:
+            _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch, out_ptr,
+                           block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
+                           seq, kv_head, tl.load(tile_map_ptr + 2 * entry + 1), scale_log2,
+                           stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
+                           GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT)
+        return
     # Grid (Hkv, B+1, tiles) when HEAVY_FIRST, else (tiles, Hkv, B+1); q tiles reversed either way.
     if HEAVY_FIRST:
         kv_head = tl.program_id(0)
@@ -261,6 +282,7 @@ def prefill_attention(
     max_q_len: int,              # host int >= every q_len (sizes the grid; no device sync)
     *,
     config: PrefillConfig | None = None,
+    tile_map: torch.Tensor | None = None,
 ) -> torch.Tensor:               # (T, H, D), q's dtype
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -270,6 +292,12 @@ def prefill_attention(
 
     Args:
         config: tile/launch parameters; None picks :func:`default_config`.
+        tile_map: (capacity, 2) int32 from :func:`build_tile_map` with this config's
+            ``block_q`` (:func:`tile_rows`): the grid is then (capacity, Hkv), fixed by
+            the map's size rather than by the batch, so a CUDA graph captured for one
+            capacity replays for any batch that fits (``max_q_len`` is then unused).
+            Rows outside every sequence are left as they are (``torch.empty``): give
+            padding rows a sequence of their own with kv_len 0, whose rows are zeros.
 
     Raises:
         TypeError: unsupported dtypes (q and caches share one of bf16/fp16/fp32;
@@ -283,6 +311,11 @@ def prefill_attention(
     check_host_int("max_q_len", max_q_len, minimum=0)
     if config is not None and not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig or None, got {type(config).__name__}")
+    if tile_map is not None:
+        check_dtype("tile_map", tile_map, (torch.int32,))
+        if tile_map.dim() != 2 or tile_map.shape[1] != 2 or not tile_map.is_contiguous():
+            raise ValueError(f"tile_map must be a contiguous (capacity, 2) tensor, got {tuple(tile_map.shape)}")
+        check_same_device(q=q, tile_map=tile_map)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -290,16 +323,19 @@ def prefill_attention(
         return out
     config = config or default_config(q.dtype, head_dim, int(max_q_len))
     group = num_heads // num_kv_heads
-    block_m = max(config.block_m, next_pow2(group))
-    block_q = block_m // group
+    block_m, block_q = _tile_shape(config, group)
     # >= 1 tile even when max_q_len is 0: the extra sequence's programs still zero the rows.
     tiles = max(1, triton.cdiv(int(max_q_len), block_q))
     seqs = kv_lens.shape[0] + 1
     # CUDA caps grid axes 1 and 2 at 65535: a longer chunk puts its tiles on axis 0.
     heavy_first = config.heavy_first and tiles <= _MAX_GRID_YZ
-    grid = (num_kv_heads, seqs, tiles) if heavy_first else (tiles, num_kv_heads, seqs)
+    if tile_map is not None:
+        grid = (max(1, tile_map.shape[0]), num_kv_heads)
+    else:
+        grid = (num_kv_heads, seqs, tiles) if heavy_first else (tiles, num_kv_heads, seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, kv_lens, block_tables,
+        tile_map if tile_map is not None else cu_seqlens_q,  # unread without the map
         scale * LOG2E, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -308,7 +344,41 @@ def prefill_attention(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         HEAVY_FIRST=heavy_first,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=upcast_dot(q),
+        UPCAST_DOT=upcast_dot(q), USE_MAP=tile_map is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return out
+
+
+def _tile_shape(config: PrefillConfig, group: int) -> tuple[int, int]:
+    """(BLOCK_M rows, BLOCK_Q tokens) of a tile: BLOCK_M = BLOCK_Q x GQA group, padded to a power of two."""
+    block_m = max(config.block_m, next_pow2(group))
+    return block_m, block_m // group
+
+
+def tile_rows(config: PrefillConfig, num_heads: int, num_kv_heads: int) -> int:
+    """Tokens per q tile (BLOCK_Q) for ``config`` at this GQA ratio: what :func:`build_tile_map` needs."""
+    return _tile_shape(config, num_heads // num_kv_heads)[1]
+
+
+def build_tile_map(q_lens: np.ndarray, block_q: int, capacity: int) -> np.ndarray:
+    """The (capacity, 2) int32 work list of the map mode: one (sequence, q tile) row per tile
+    of every sequence, the tiles with the most keys first (each sequence's last tile, in
+    descending tile order, as the grid's heavy-first order), then rows of -1 (idle programs).
+
+    Raises:
+        ValueError: more tiles than ``capacity``.
+    """
+    q_lens = np.asarray(q_lens, dtype=np.int64)
+    tiles = -(-q_lens // block_q)
+    total = int(tiles.sum())
+    if total > capacity:
+        raise ValueError(f"the batch has {total} q tiles of {block_q} tokens, the map holds {capacity}")
+    seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    tile = (np.arange(total) - first).astype(np.int32)
+    order = np.argsort(-tile, kind="stable")
+    out = np.full((capacity, 2), -1, dtype=np.int32)
+    out[:total, 0] = seq[order]
+    out[:total, 1] = tile[order]
     return out
