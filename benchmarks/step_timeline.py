@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--prefill-graphs", action="store_true")
     ap.add_argument("--async", dest="async_mode", choices=("on", "off"), default="on")
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()

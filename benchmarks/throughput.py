@@ -189,7 +189,7 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
     llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, max_model_len=64 if args.smoke else 2048,
               max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager,
+              enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs and not args.smoke,
               tensor_parallel_size=args.tensor_parallel_size)
     print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks")
     return llm
@@ -425,6 +425,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="token budget of a step (vLLM's LLM class takes 16384 on H100/H200)")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="CUDA graphs of prefill and mixed steps too (ExecutorConfig.prefill_graphs)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (GPUs) for minivllm; the summary is throughput_tpN.json when N > 1")
     args = ap.parse_args()

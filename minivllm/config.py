@@ -134,6 +134,8 @@ class ExecutorConfig:
         enforce_eager: never use CUDA graphs.
         gpu_memory_utilization: fraction of the device's memory the executor may use.
         tensor_parallel_size: ranks the model is split over (only 1 runs today).
+        prefill_graphs: also capture CUDA graphs of prefill and mixed steps, per token
+            bucket (``executor/prefill_graph.py``; opt-in until measured on a GPU).
     """
 
     device: str = "auto"
@@ -143,6 +145,7 @@ class ExecutorConfig:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    prefill_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -158,6 +161,7 @@ class ExecutorConfig:
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_bool("prefill_graphs", self.prefill_graphs)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":

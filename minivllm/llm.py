@@ -74,7 +74,8 @@ class LLM:
             (max_num_seqs, max_num_batched_tokens, max_model_len, policy,
             chunked_prefill, async_scheduling: default on for CUDA) and
             ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
-            tensor_parallel_size: N ranks in N processes, one GPU each on CUDA).
+            tensor_parallel_size: N ranks in N processes, one GPU each on CUDA,
+            prefill_graphs: CUDA graphs of prefill and mixed steps too, opt-in).
 
     Raises:
         TypeError: unknown option. ValueError: a bad option value or model.

@@ -148,6 +148,9 @@ ENGINES = {
     "tiny-pool-preemption-sync": dict(num_blocks=48, async_scheduling=False),
     "chunked-prefill-budget-64": dict(POOL, max_num_batched_tokens=64),
     "prefill-first": dict(POOL, policy="prefill_first"),
+    # CUDA graphs of prefill and mixed steps too (opt-in), whole prompts and 64-token chunks.
+    "prefill-graphs": dict(POOL, prefill_graphs=True),
+    "prefill-graphs-chunked-64": dict(POOL, prefill_graphs=True, max_num_batched_tokens=64),
 }
 
 
@@ -169,6 +172,8 @@ def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
             assert s.num_preemptions > 0
         if engine == "chunked-prefill-budget-64":
             assert s.num_chunked_prefills > 0
+        if ENGINES[engine].get("prefill_graphs"):
+            assert llm.engine.executor.prefill_graph_runner.num_replays > 0
         runner = llm.engine.executor.graph_runner
         if "enforce_eager" in ENGINES[engine]:
             assert runner is None

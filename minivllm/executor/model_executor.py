@@ -51,6 +51,7 @@ from minivllm.executor.base import DoneStep, StepHandle
 from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
+from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers.attention import AttentionMetadata, make_attention_backend
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
@@ -232,10 +233,23 @@ class ModelExecutor:
         self._extras_staging = _PinnedRing(self.device)  # its own ring: one upload a step each
         self._outputs = _PinnedRing(self.device)
         self.graph_runner: CudaGraphRunner | None = None
+        self.prefill_graph_runner: PrefillGraphRunner | None = None
         if use_graphs:
             self.graph_runner = CudaGraphRunner(
                 self.model.forward, self.kv_cache, self.prev_sampled, model_config.hidden_size,
                 cdiv(self.max_model_len, self.block_size), default_capture_sizes(self.max_num_seqs))
+            if config.prefill_graphs:
+                self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
+
+    def make_prefill_graph_runner(self, capture: bool, buckets: list[int] | None = None) -> PrefillGraphRunner:
+        """A runner of prefill and mixed steps in token buckets (default: powers of two and the
+        token budget); ``capture=False`` runs the padded forward eagerly (the CPU, tests)."""
+        attn = self.model.model.layers[0].self_attn
+        return PrefillGraphRunner(
+            self.model.forward, self.kv_cache, self.prev_sampled, self.model_config.hidden_size,
+            attn.num_heads, self.num_kv_heads, self.model_config.head_dim, self.max_num_seqs,
+            cdiv(self.max_model_len, self.block_size),
+            buckets or default_prefill_buckets(self.max_num_batched_tokens), capture)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.model_config
@@ -521,6 +535,8 @@ class ModelExecutor:
         run eagerly."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
+        if batch.attn_metadata.tile_map is not None:  # prepared for the prefill runner
+            return self.prefill_graph_runner.run(batch)  # type: ignore[union-attr]
         ids = resolve_input_ids(batch.input_ids, batch.prev_rows, self.prev_sampled)
         return self.model(ids, batch.positions, batch.attn_metadata)
 
@@ -537,13 +553,19 @@ class ModelExecutor:
         if inputs.block_tables.size and int(inputs.block_tables.max()) >= self.num_blocks:
             raise ValueError(f"a block table names block {int(inputs.block_tables.max())}, "
                              f"but the pool has {self.num_blocks} blocks")
-        ids, prev_rows, pos, slots, sample, cu_q, kv_lens, tables = self._upload_all(
-            inputs.input_ids, self._prev_rows(plan), inputs.positions, inputs.slot_mapping,
-            inputs.sample_indices, inputs.cu_seqlens_q, inputs.kv_lens, inputs.block_tables)
+        arrays = [inputs.input_ids, self._prev_rows(plan), inputs.positions, inputs.slot_mapping,
+                  inputs.sample_indices, inputs.cu_seqlens_q, inputs.kv_lens, inputs.block_tables]
+        runner = self.prefill_graph_runner
+        bucket = None if runner is None else runner.bucket_for(
+            plan.num_tokens, plan.num_seqs, inputs.block_tables.shape[1], plan.one_token_per_seq)
+        if bucket is not None:  # runner is not None
+            arrays.append(runner.tile_map_for(inputs.cu_seqlens_q, bucket))  # type: ignore[union-attr]
+        ids, prev_rows, pos, slots, sample, cu_q, kv_lens, tables, *tile_map = self._upload_all(*arrays)
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu_q.to(torch.int32), kv_lens=kv_lens.to(torch.int32),
             block_tables=tables.to(torch.int32), max_q_len=inputs.max_q_len,
-            is_decode=plan.one_token_per_seq, kv_cache=self.kv_cache)
+            is_decode=plan.one_token_per_seq, kv_cache=self.kv_cache,
+            tile_map=tile_map[0].to(torch.int32) if tile_map else None)
         batch = DeviceBatch(input_ids=ids, prev_rows=prev_rows, positions=pos, sample_indices=sample,
                             attn_metadata=meta, num_seqs=plan.num_seqs,
                             table_width=inputs.block_tables.shape[1])

@@ -48,6 +48,9 @@ class AttentionMetadata:
     is_decode: bool
     # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): all layers' K/V.
     kv_cache: torch.Tensor
+    # int32 (capacity, 2): the prefill kernel's work list (its map mode: a grid that does not
+    # depend on the batch, for CUDA graphs of prefill steps); None: the grid from max_q_len.
+    tile_map: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
@@ -146,7 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens,
-                             meta.block_tables, scale, meta.max_q_len)
+                             meta.block_tables, scale, meta.max_q_len, tile_map=meta.tile_map)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""CUDA graphs for prefill and mixed steps, per token-count bucket (opt-in: ``prefill_graphs``).
+
+A step that is not a pure decode runs eagerly: about 260 launches whose host
+cost (20-44 ms at 8,192 tokens on the H200 machines) exceeded the GPU's 17 ms.
+Here a step of T tokens and B sequences is padded to the smallest captured
+bucket Tb >= T and replayed from one graph, like a decode step:
+
+    tokens      [0, T): the step's          [T, Tb): padding (id 0, position 0, slot -1)
+    sequences   [0, B): the step's          B: the padding tokens, kv_len 0 (attention
+                                               writes zeros for them); B+1..S: empty
+    attention   the prefill kernel's map mode: grid (capacity, Hkv) from the static
+                ``tile_map`` buffer, whatever B and the q lengths are
+
+Each bucket's graph bakes in ``max_q_len = Tb``, so the kernel's config (and its
+tokens per q tile) is the one ``default_config`` picks for Tb; the host builds the
+step's tile map with it (``tile_map_for``) and the executor uploads it with the
+other inputs. Padding costs GEMM rows (up to 2x the tokens of a small step), not
+correctness: every op is row-wise except attention, which never reads padding.
+
+With ``capture=False`` (the CPU, tests) ``run`` calls the forward on the same
+padded static buffers instead of replaying: the padding logic is checked where
+no graph can be captured.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+import numpy as np
+import torch
+
+from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
+from minivllm.kernels.prefill_attention import build_tile_map, default_config, tile_rows
+from minivllm.layers.attention import AttentionMetadata
+
+
+def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from 64 below the budget, and the budget itself."""
+    sizes = [1 << k for k in range(6, 32) if (1 << k) < max_num_batched_tokens]
+    return sizes + [max_num_batched_tokens]
+
+
+class PrefillGraphRunner:
+    """Captures ``forward(input_ids, positions, meta) -> hidden`` for prefill token buckets.
+
+    Args:
+        forward: the model's forward.
+        kv_cache: the whole KV cache (its address is baked into the graphs).
+        prev_sampled: the executor's buffer of last-step samples.
+        hidden_size: width of the forward's output rows.
+        num_heads, num_kv_heads, head_dim: the attention shape on this rank (tile sizes).
+        max_num_seqs: most sequences in a step.
+        max_blocks_per_seq: block-table width W.
+        buckets: token counts to capture.
+        capture: capture CUDA graphs (else run the padded forward eagerly).
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
+                 prev_sampled: torch.Tensor, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, max_num_seqs: int, max_blocks_per_seq: int, buckets: list[int],
+                 capture: bool) -> None:
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"buckets must be positive token counts, got {buckets}")
+        self.buckets = sorted(set(buckets))
+        self.max_num_seqs = max_num_seqs
+        self.width = max_blocks_per_seq
+        self.forward = forward
+        self.kv_cache = kv_cache
+        self.prev_sampled = prev_sampled
+        dev, t = kv_cache.device, self.buckets[-1]
+        # Per bucket: tokens per q tile of the config its graph bakes in, and the map's rows
+        # (every tile of B sequences and the padding one: tokens / tile + a part tile each).
+        self.block_q = {b: tile_rows(default_config(kv_cache.dtype, head_dim, b), num_heads, num_kv_heads)
+                        for b in self.buckets}
+        self.capacity = {b: -(-b // self.block_q[b]) + max_num_seqs + 1 for b in self.buckets}
+        s = max_num_seqs + 1  # the step's sequences and the padding one
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.prev_rows = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=dev)
+        self.kv_lens = torch.zeros(s, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((s, self.width), -1, dtype=torch.int32, device=dev)
+        self.tile_map = torch.full((max(self.capacity.values()), 2), -1, dtype=torch.int32, device=dev)
+        self.hidden = torch.zeros(t, hidden_size, dtype=kv_cache.dtype, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0
+        if capture:
+            self._capture()
+
+    def _meta(self, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket], cu_seqlens_q=self.cu_seqlens_q, kv_lens=self.kv_lens,
+            block_tables=self.block_tables, max_q_len=bucket, is_decode=False, kv_cache=self.kv_cache,
+            tile_map=self.tile_map[:self.capacity[bucket]])
+
+    def _step(self, bucket: int) -> None:
+        ids = resolve_input_ids(self.input_ids[:bucket], self.prev_rows[:bucket], self.prev_sampled)
+        self.hidden[:bucket] = self.forward(ids, self.positions[:bucket], self._meta(bucket))
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        for bucket in reversed(self.buckets):  # largest first: the smaller reuse its pool
+            self._fill_padding_only(bucket)
+            self._step(bucket)  # warm-up: compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._step(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def _fill_padding_only(self, bucket: int) -> None:
+        """A step of only padding (what capture runs): one kv_len-0 sequence of every token."""
+        self.cu_seqlens_q.fill_(bucket)
+        self.cu_seqlens_q[0] = 0
+        self.kv_lens.zero_()
+        self.tile_map[:self.capacity[bucket]].copy_(torch.from_numpy(
+            build_tile_map(np.array([bucket]), self.block_q[bucket], self.capacity[bucket])))
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, table_width: int, is_decode: bool) -> int | None:
+        """The bucket a step runs in, or None when it runs eagerly (a decode, too many tokens,
+        sequences or blocks)."""
+        if is_decode or num_seqs > self.max_num_seqs or table_width > self.width:
+            return None
+        i = bisect.bisect_left(self.buckets, num_tokens)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def tile_map_for(self, cu_seqlens_q: np.ndarray, bucket: int) -> np.ndarray:
+        """The step's tile map (host): its sequences' q tiles and the padding sequence's."""
+        q_lens = np.diff(cu_seqlens_q)
+        padding = bucket - int(cu_seqlens_q[-1])
+        return build_tile_map(np.append(q_lens, padding), self.block_q[bucket], self.capacity[bucket])
+
+    def run(self, batch: DeviceBatch) -> torch.Tensor:
+        """Replay the batch's bucket (its tensors, the tile map included, already on the device).
+
+        Returns:
+            (T, hidden_size) hidden states (a view into the static output).
+        Raises:
+            ValueError: the batch is not one this runner covers, or carries no tile map.
+        """
+        meta = batch.attn_metadata
+        t, b, w = batch.positions.shape[0], batch.num_seqs, batch.table_width
+        bucket = self.bucket_for(t, b, w, meta.is_decode)
+        if bucket is None or meta.tile_map is None or meta.tile_map.shape[0] != self.capacity[bucket]:
+            raise ValueError(f"prefill graphs cover up to {self.buckets[-1]} tokens, {self.max_num_seqs} "
+                             f"sequences and {self.width} blocks with a tile map of the bucket's capacity; got "
+                             f"{t} tokens, {b} sequences, {w} blocks, decode {meta.is_decode}, map "
+                             f"{None if meta.tile_map is None else tuple(meta.tile_map.shape)}")
+        self.input_ids[:t].copy_(batch.input_ids)
+        self.input_ids[t:bucket].zero_()   # valid ids for the embedding
+        self.prev_rows[:t].copy_(batch.prev_rows)
+        self.prev_rows[t:bucket].fill_(-1)
+        self.positions[:t].copy_(batch.positions)
+        self.positions[t:bucket].zero_()
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.slot_mapping[t:bucket].fill_(-1)
+        self.cu_seqlens_q[:b + 1].copy_(meta.cu_seqlens_q)
+        self.cu_seqlens_q[b + 1:].fill_(bucket)  # sequence b: the padding tokens; the rest empty
+        self.kv_lens[:b].copy_(meta.kv_lens)
+        self.kv_lens[b:].zero_()
+        self.block_tables.fill_(-1)
+        self.block_tables[:b, :w].copy_(meta.block_tables)
+        self.tile_map[:self.capacity[bucket]].copy_(meta.tile_map)
+        if self.graphs:
+            self.graphs[bucket].replay()
+        else:
+            self._step(bucket)
+        self.num_replays += 1
+        return self.hidden[:t]

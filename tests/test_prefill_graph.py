@@ -1,0 +1,75 @@
+"""The prefill graph runner's padding, on the CPU interpreter (``capture=False``: the padded
+static buffers run eagerly, what a CUDA graph of the bucket would replay): a prefill or
+mixed step through it gives the plain executor's logits and K/V cache, tokens padded to
+the bucket write nothing, and what it does not cover runs eagerly as before."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets  # noqa: E402
+from tests.model_utils import (  # noqa: E402
+    TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model,
+)
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> str:
+    return save_hf_model(make_hf_model(TinyConfig()), tmp_path_factory.mktemp("prefill-graph"))
+
+
+def executors(path: str, fused: bool) -> tuple:
+    """A plain executor and one with a runner of buckets 16 and 32 (both Triton, float32)."""
+    made = []
+    for _ in range(2):
+        ex = make_model_executor(path, device="cpu", dtype="float32", attention_backend="triton",
+                                 block_size=BS, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
+        ex.model.model.layers[0].self_attn.attn.backend.fuse_qk_norm_rope = fused
+        made.append(ex)
+    plain, padded = made
+    padded.prefill_graph_runner = padded.make_prefill_graph_runner(capture=False, buckets=[16, 32])
+    return plain, padded
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused-qk"])
+def test_padded_buckets_equal_the_eager_step(path: str, fused: bool) -> None:
+    plain, padded = executors(path, fused)
+    runner = padded.prefill_graph_runner
+    a, b, c = [3, 14, 15, 92, 65, 35, 8], [9, 79, 32, 38, 46], [26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69]
+    plans = [
+        make_plan([(a, 0, (9, 2), True), (b, 0, (5, 11), True)], BS),                   # 12 tokens -> 16
+        make_plan([([1], 7, (9, 2), True), ([2], 5, (5, 11), True)], BS),               # decode: decode path
+        make_plan([(c[:6], 0, (3, 12), False), ([7], 8, (9, 2, 14), True)], BS),        # mixed: chunk + decode
+        make_plan([(c[6:], 6, (3, 12, 7), True), (a[:3], 0, (1,), True)], BS),          # a prefix read -> 16
+        make_plan([(c + a + b + c, 0, tuple(range(10)), True)], BS),                    # 34 tokens: eager
+    ]
+    replays = []
+    for plan in plans:
+        want, got = (ex.compute_logits(plan).float() for ex in (plain, padded))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(padded.kv_cache, plain.kv_cache, atol=1e-5, rtol=1e-5)
+        replays.append(runner.num_replays)
+    assert replays == [1, 1, 2, 3, 3]  # the decode step and the 34-token step ran without it
+
+
+def test_buckets_and_tile_maps() -> None:
+    assert default_prefill_buckets(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert default_prefill_buckets(100) == [64, 100]
+    runner = PrefillGraphRunner(lambda *a: None, torch.zeros(1, 2, 4, BS, 2, 16), torch.zeros(4, dtype=torch.int64),
+                                32, 4, 2, 16, max_num_seqs=4, max_blocks_per_seq=8, buckets=[16, 64],
+                                capture=False)
+    assert runner.bucket_for(16, 2, 3, False) == 16 and runner.bucket_for(17, 2, 3, False) == 64
+    assert runner.bucket_for(65, 2, 3, False) is None and runner.bucket_for(2, 2, 3, True) is None
+    assert runner.bucket_for(8, 5, 3, False) is None and runner.bucket_for(8, 2, 9, False) is None
+    # fp32 at head_dim 16 tiles 16 rows = 8 tokens (GQA 2); 12 tokens in 2 sequences + 4 padding
+    tile_map = runner.tile_map_for(np.array([0, 7, 12]), 16)
+    assert tile_map.shape == (runner.capacity[16], 2)
+    assert sorted(map(tuple, tile_map[tile_map[:, 0] >= 0].tolist())) == [(0, 0), (1, 0), (2, 0)]
