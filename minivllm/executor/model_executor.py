@@ -23,8 +23,9 @@ view, token slot s living at [s // block_size, s % block_size].
 On CUDA two more things happen at start-up: the block pool is sized from the
 memory left after a warm-up forward at the largest batch
 (``size_kv_pool_from_free_memory``), and decode forwards are captured as CUDA
-graphs (``executor/cuda_graph.py``); ``_forward`` is the one place that routes
-a decode-only batch to them.
+graphs (``executor/cuda_graph.py``), and with ``prefill_graphs`` the other
+steps too, per token bucket (``executor/prefill_graph.py``); ``_forward`` is
+the one place that routes a batch to them.
 
 Host -> device: the step's index arrays are packed into one pinned int64
 buffer and sent with a single non-blocking copy (see ``_upload_all``), and the
@@ -531,8 +532,9 @@ class ModelExecutor:
         return self.model.compute_logits(hidden[batch.sample_indices])  # (S, V)
 
     def _forward(self, batch: DeviceBatch) -> torch.Tensor:
-        """Batches of one token per sequence that a captured graph covers replay it; the rest
-        run eagerly."""
+        """Batches of one token per sequence that a captured graph covers replay it; with
+        ``prefill_graphs``, the others that ``prepare`` gave a tile map replay their token
+        bucket's graph; the rest run eagerly."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         if batch.attn_metadata.tile_map is not None:  # prepared for the prefill runner
