@@ -72,11 +72,32 @@ def cases(rows: int, device: str, smoke: bool) -> list[tuple[str, str, Callable[
     from minivllm.kernels.rms_norm import rms_norm
     from minivllm.kernels.silu_and_mul import silu_and_mul
 
+    from minivllm.kernels.prefill_attention import prefill_attention
+    from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store
+
     norm_c, silu_c = compile_fused(add_rms_norm_ref), compile_fused(silu_and_mul_ref)
+    # The attention side of a layer: q/k norm + RoPE + K/V store, and prefill attention over
+    # 16 sequences of rows / 16 tokens (16 heads, 8 KV heads, head_dim 128, blocks of 16).
+    seqs, per = 16, max(1, rows // 16)
+    blocks = seqs * -(-per // 16)
+    cache = torch.zeros(blocks + 1, 16, 8, 128, device=device, dtype=dt)
+    qkv = torch.randn(seqs * per, 32 * 128, device=device, dtype=dt)
+    pos = torch.arange(seqs * per, device=device) % per
+    slots = torch.arange(seqs * per, device=device)
+    cos_sin = torch.randn(max(per, 1), 128, device=device)
+    q = torch.randn(seqs * per, 16, 128, device=device, dtype=dt)
+    cu = torch.arange(seqs + 1, device=device, dtype=torch.int32) * per
+    kv_lens = torch.full((seqs,), per, device=device, dtype=torch.int32)
+    tables = torch.arange(blocks, device=device, dtype=torch.int32).view(seqs, -1)
+    hw = torch.ones(128, device=device, dtype=dt)
     return out + [("add + RMSNorm", "compiled", lambda: norm_c(x, r, w, 1e-6)),
                   ("add + RMSNorm", "triton", lambda: rms_norm(x, w, 1e-6, residual=r)),
                   ("SiLU-and-mul", "compiled", lambda: silu_c(g)),
-                  ("SiLU-and-mul", "triton", lambda: silu_and_mul(g))]
+                  ("SiLU-and-mul", "triton", lambda: silu_and_mul(g)),
+                  ("q/k norm+RoPE+store", "triton",
+                   lambda: qk_norm_rope_store(qkv, pos, hw, hw, 1e-6, cos_sin, cache, cache, slots)),
+                  ("prefill attention", "triton",
+                   lambda: prefill_attention(q, cache, cache, cu, kv_lens, tables, 0.088, per))]
 
 
 def main() -> None:
