@@ -135,7 +135,8 @@ class ExecutorConfig:
         gpu_memory_utilization: fraction of the device's memory the executor may use.
         tensor_parallel_size: ranks the model is split over (only 1 runs today).
         prefill_graphs: also capture CUDA graphs of prefill and mixed steps, per token
-            bucket (``executor/prefill_graph.py``; opt-in until measured on a GPU).
+            bucket (``executor/prefill_graph.py``; opt-in until measured on a GPU). Like
+            the decode graphs, only on CUDA without ``enforce_eager``.
     """
 
     device: str = "auto"
