@@ -73,3 +73,29 @@ def test_buckets_and_tile_maps() -> None:
     tile_map = runner.tile_map_for(np.array([0, 7, 12]), 16)
     assert tile_map.shape == (runner.capacity[16], 2)
     assert sorted(map(tuple, tile_map[tile_map[:, 0] >= 0].tolist())) == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_engine_with_the_runner_generates_what_it_generates_without(path: str) -> None:
+    """Through LLM (Triton backend, interpreter, one step in flight): shared-prefix prompts, a
+    small pool that preempts and a budget that chunks, so the runner sees prefill, chunked
+    and mixed steps whose decode tokens come by reference from the step in flight; greedy
+    tokens equal."""
+    from minivllm import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 64, 13).tolist()
+    prompts = [prefix + rng.integers(0, 64, int(k)).tolist() for k in rng.integers(1, 9, 6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs, replays = [], 0
+    for with_runner in (False, True):
+        llm = LLM(path, device="cpu", attention_backend="triton", skip_tokenizer_init=True, block_size=BS,
+                  num_blocks=20, max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=True)
+        ex = llm.engine.executor
+        if with_runner:
+            ex.prefill_graph_runner = ex.make_prefill_graph_runner(capture=False, buckets=[16, 32])
+        outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if with_runner:
+            replays = ex.prefill_graph_runner.num_replays
+            assert llm.engine.stats.num_preemptions > 0 or llm.engine.stats.num_chunked_prefills > 0
+    assert outs[0] == outs[1]
+    assert replays > 0
