@@ -61,8 +61,9 @@ def freeze_imported_objects() -> None:
     (torch, transformers and the other modules: ~200k objects) out of the garbage
     collector's reach, as vLLM does.
 
-    Otherwise every full collection scans them all (132 ms for 220k objects on the CPU
-    machine; a ~10 ms stall every 50-100 decode steps of offline-256 on the H200 machine).
+    Otherwise every full collection scans them all: 132 ms for 220k objects on the CPU
+    machine. (The H200 step timeline of offline-256 shows ~10 ms stalls every 50-100
+    decode steps; that they are these collections is not yet measured.)
     Once only: a second ``LLM`` in the process must not freeze the first, which may be a
     reference cycle (with a tokenizer its engine calls back into it) and could then never
     be freed, GPU memory included. Unfrozen at exit so the interpreter can still collect everything

@@ -324,14 +324,15 @@ def prefill_attention(
     config = config or default_config(q.dtype, head_dim, int(max_q_len))
     group = num_heads // num_kv_heads
     block_m, block_q = _tile_shape(config, group)
-    # >= 1 tile even when max_q_len is 0: the extra sequence's programs still zero the rows.
-    tiles = max(1, triton.cdiv(int(max_q_len), block_q))
-    seqs = kv_lens.shape[0] + 1
-    # CUDA caps grid axes 1 and 2 at 65535: a longer chunk puts its tiles on axis 0.
-    heavy_first = config.heavy_first and tiles <= _MAX_GRID_YZ
+    heavy_first = config.heavy_first
     if tile_map is not None:
-        grid = (max(1, tile_map.shape[0]), num_kv_heads)
+        grid: tuple[int, ...] = (max(1, tile_map.shape[0]), num_kv_heads)
     else:
+        # >= 1 tile even when max_q_len is 0: the extra sequence's programs still zero the rows.
+        tiles = max(1, triton.cdiv(int(max_q_len), block_q))
+        seqs = kv_lens.shape[0] + 1
+        # CUDA caps grid axes 1 and 2 at 65535: a longer chunk puts its tiles on axis 0.
+        heavy_first = heavy_first and tiles <= _MAX_GRID_YZ
         grid = (num_kv_heads, seqs, tiles) if heavy_first else (tiles, num_kv_heads, seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, kv_lens, block_tables,
