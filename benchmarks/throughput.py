@@ -190,8 +190,11 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               max_num_seqs=args.max_num_seqs, max_model_len=64 if args.smoke else 2048,
               max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs and not args.smoke,
-              tensor_parallel_size=args.tensor_parallel_size)
-    print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks")
+              tensor_parallel_size=args.tensor_parallel_size,
+              disable_custom_all_reduce=args.disable_custom_all_reduce)
+    ar = getattr(llm.engine.executor, "all_reduce_path", "")
+    print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks"
+          + (f", all-reduce: {ar}" if args.tensor_parallel_size > 1 else ""))
     return llm
 
 
@@ -429,6 +432,8 @@ def parse_args() -> argparse.Namespace:
                     help="CUDA graphs of prefill and mixed steps too (ExecutorConfig.prefill_graphs)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (GPUs) for minivllm; the summary is throughput_tpN.json when N > 1")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="with TP: NCCL for every all-reduce (no one-shot symmetric-memory kernel)")
     args = ap.parse_args()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or set(engines) - {"minivllm", "hf"}:

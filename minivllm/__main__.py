@@ -62,6 +62,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (processes; one GPU each on CUDA) the model is split over")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="with --tensor-parallel-size > 1 on CUDA: every all-reduce through NCCL")
     p.add_argument("--record-trace", default=None, metavar="FILE.jsonl",
                    help="write the engine's traffic as a trace that python -m sim replay replays")
 
@@ -78,6 +80,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
         opts["enforce_eager"] = True
     if args.tensor_parallel_size != 1:
         opts["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.disable_custom_all_reduce:
+        opts["disable_custom_all_reduce"] = True
     if args.record_trace is not None:
         opts["record_trace"] = args.record_trace
     return opts

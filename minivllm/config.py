@@ -137,6 +137,9 @@ class ExecutorConfig:
         prefill_graphs: also capture CUDA graphs of prefill and mixed steps, per token
             bucket (``executor/prefill_graph.py``; opt-in until measured on a GPU). Like
             the decode graphs, only on CUDA without ``enforce_eager``.
+        disable_custom_all_reduce: with ``tensor_parallel_size > 1`` on CUDA, send every
+            all-reduce through NCCL instead of the one-shot symmetric-memory kernel for
+            small messages (``layers/all_reduce.py``; vLLM's option of the same name).
     """
 
     device: str = "auto"
@@ -147,6 +150,7 @@ class ExecutorConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     prefill_graphs: bool = False
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -163,6 +167,7 @@ class ExecutorConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_bool("prefill_graphs", self.prefill_graphs)
+        _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":

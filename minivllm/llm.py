@@ -75,7 +75,8 @@ class LLM:
             chunked_prefill, async_scheduling: default on for CUDA) and
             ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
             tensor_parallel_size: N ranks in N processes, one GPU each on CUDA,
-            prefill_graphs: CUDA graphs of prefill and mixed steps too, opt-in).
+            prefill_graphs: CUDA graphs of prefill and mixed steps too, opt-in,
+            disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce).
 
     Raises:
         TypeError: unknown option. ValueError: a bad option value or model.

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from minivllm.layers import all_reduce as ar
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -136,6 +137,7 @@ def make_cases(world: int) -> dict[str, list[Case]]:
     gen = torch.Generator().manual_seed(world)
     return {
         "row_bias_reduced": [row_case(gen, 6 * world, 5)],
+        "all_reduce_dispatch": [row_case(gen, 6 * world, 5)],
         "row_bias_unreduced": [row_case(gen, 6 * world, 5)],
         "mlp": [mlp_case(gen, 4 * world)],
         "attention_gqa": [attention_case(gen, h, kv) for h, kv in QKV_HEADS[world]],
@@ -215,7 +217,48 @@ def check_vocab(rank: int, world: int, c: Case, fail: Fail) -> None:
     expect_close(fail, f"lm head vocab={vocab}", head(t(c["hidden"])), c["want_logits"])
 
 
+class StubFastPath:
+    """Stands in for the one-shot symmetric-memory all-reduce (CUDA only): takes tensors of
+    at most ``limit`` elements, returns their sum as a new tensor, counts its calls."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.calls = limit, 0
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self.limit
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+
+def check_all_reduce_dispatch(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """The layers reduce through ``layers.all_reduce``: an installed fast path gets the
+    messages it takes (and its returned tensor is the layer's output), the rest go to
+    ``torch.distributed``; uninstalled, none reach it."""
+    out_size, in_size = c["w"].shape
+    layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world)
+    layer.weight.weight_loader(layer.weight, t(c["w"]))
+    layer.bias.weight_loader(layer.bias, t(c["b"]))
+    x = t(c["x"]).chunk(world, dim=-1)[rank]
+    for limit, calls in ((x.shape[0] * out_size, 1), (x.shape[0] * out_size - 1, 0)):
+        stub = StubFastPath(limit)
+        ar._installed = stub
+        try:
+            expect_close(fail, f"output via fast path limit {limit}", layer(x), c["want"])
+        finally:
+            ar.uninstall()
+        if stub.calls != calls:
+            fail(f"fast path with limit {limit} called {stub.calls} times, want {calls}")
+        expect_close(fail, "output after uninstall", layer(x), c["want"])
+        if stub.calls != calls:
+            fail("the uninstalled fast path was still called")
+
+
 CHECKS: dict[str, Callable[[int, int, Case, Fail], None]] = {
+    "all_reduce_dispatch": check_all_reduce_dispatch,
     "row_bias_reduced": check_row_bias_reduced,
     "row_bias_unreduced": check_row_bias_unreduced,
     "mlp": check_mlp,

@@ -9,6 +9,12 @@ reason) on a machine with fewer than two GPUs.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +24,7 @@ from tests_gpu.test_model_gpu import CONFIGS, NEW, hf_greedy, make_checkpoint, s
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason=f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+ROOT = Path(__file__).resolve().parent.parent
 POOL = dict(num_blocks=2048, max_num_seqs=16, max_model_len=512, skip_tokenizer_init=True)
 
 
@@ -38,6 +45,10 @@ def generate(path: str, prompts: list[list[int]], dtype: str, tp: int, **opts) -
         outs = [list(o.token_ids) for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW),
                                                         use_tqdm=False)]
         replays = llm.engine.executor.graph_runner.num_replays
+        if tp > 1:  # the one-shot symmetric-memory all-reduce unless disabled
+            path_taken = llm.engine.executor.all_reduce_path
+            want = "nccl" if opts.get("disable_custom_all_reduce") else "one-shot"
+            assert path_taken.startswith(want), path_taken
     gc.collect()
     torch.cuda.empty_cache()
     return outs, replays
@@ -53,6 +64,13 @@ def test_fp32_tp2_equals_tp1_and_hf(reference, async_scheduling: bool) -> None:
     assert two == one
 
 
+def test_fp32_tp2_nccl_only_equals_tp1(reference) -> None:
+    """``disable_custom_all_reduce``: every all-reduce through NCCL, same tokens."""
+    path, prompts, expected, _ = reference
+    two, _ = generate(path, prompts, "float32", 2, disable_custom_all_reduce=True)
+    assert two == expected
+
+
 def test_bf16_tp2_top5_against_hf(reference) -> None:
     path, prompts, _, hf16 = reference
     ours, _ = generate(path, prompts, "bfloat16", 2)
@@ -65,3 +83,39 @@ def test_bf16_tp2_top5_against_hf(reference) -> None:
             ctx = torch.tensor([prompt + b[:k]], device="cuda")
             top5 = hf16(ctx).logits[0, -1].float().topk(5).indices.tolist()
         assert a[k] in top5, f"TP=2 bf16 token {a[k]} at {k} not in HF's top-5 {top5}"
+
+
+FAULT_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(sys.argv[1], skip_tokenizer_init=True, num_blocks=256, max_model_len=256,
+              tensor_parallel_size=2)
+    print("PATH", llm.engine.executor.all_reduce_path, flush=True)
+    try:
+        llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                     use_tqdm=False)
+        print("NO ERROR", flush=True)
+    except RuntimeError as e:
+        print("CAUGHT", " ".join(str(e).split())[:300], flush=True)
+    llm.close()
+    print("CLOSED", flush=True)
+    os._exit(0)  # rank 0's stream may hold a one-shot kernel its dead peer never releases
+""")
+
+
+def test_worker_failing_mid_run_is_an_error_not_a_hang(tmp_path) -> None:
+    """Rank 1 raises before its third step: rank 0's third step waits in a one-shot
+    all-reduce that no abort releases. The driver must still raise within seconds
+    (it polls its step while the watchdog looks at the workers) and close."""
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MINIVLLM_TP_FAULT": "1:step3"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), str(ROOT / "fixtures" / "tiny-qwen3")],
+                          capture_output=True, text=True, env=env, timeout=240)
+    out = proc.stdout
+    assert "PATH one-shot" in out, out + proc.stderr[-3000:]
+    assert "CAUGHT" in out and "injected fault at step 3" in out, out + proc.stderr[-3000:]
+    assert "CLOSED" in out and proc.returncode == 0, out + proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 200

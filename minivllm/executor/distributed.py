@@ -52,6 +52,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass, replace
@@ -67,12 +68,16 @@ from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerC
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.executor.base import StepHandle, freeze_imported_objects
 from minivllm.executor.model_executor import ModelExecutor
+from minivllm.layers import all_reduce
 
 FAULT_ENV = "MINIVLLM_TP_FAULT"
 # Collectives that wait longer than this raise (a hung peer); generous for slow CPUs.
 TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
+# How often rank 0 checks its workers while it waits for a step that a one-shot
+# all-reduce may have stalled (a step takes milliseconds; this adds at most this much).
+POLL_S = 50e-6
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -297,6 +302,11 @@ class TPExecutor:
 
     # ---- failure and shutdown -----------------------------------------------
 
+    @property
+    def all_reduce_path(self) -> str:
+        """How rank 0's all-reduces travel (``ModelExecutor.all_reduce_path``)."""
+        return self.local.all_reduce_path
+
     def _check_workers(self) -> None:
         if self._closed:
             raise RuntimeError("this tensor-parallel executor is closed")
@@ -369,6 +379,16 @@ class _CheckedHandle:
         self.handle, self.executor = handle, executor
 
     def result(self) -> StepResult:
+        done = getattr(self.handle, "done", None)
+        if done is not None and all_reduce.installed() is not None:
+            # A one-shot all-reduce whose peer died spins on the GPU for good (no abort
+            # releases it, as one does NCCL's): wait by polling, so the watchdog's
+            # verdict still reaches the caller.
+            while not done.query():
+                if not self.executor._healthy:
+                    self.executor._check_workers()
+                    raise RuntimeError("tensor-parallel group failed during this step")
+                time.sleep(POLL_S)
         out = self.handle.result()
         if not self.executor._healthy:  # the watchdog aborted the collectives: say why
             self.executor._check_workers()
@@ -377,8 +397,11 @@ class _CheckedHandle:
 
 
 def _release_graphs(executor: ModelExecutor) -> None:
-    """Drop this rank's CUDA graphs (they hold captured NCCL work) once its last step is done."""
+    """Drop this rank's CUDA graphs (they hold captured collectives) and its symmetric
+    all-reduce buffer once its last step is done."""
     executor.graph_runner = None
+    executor.prefill_graph_runner = None
+    all_reduce.uninstall()
     if torch.cuda.is_available() and executor.device.type == "cuda":
         torch.cuda.synchronize(executor.device)
 

@@ -53,6 +53,7 @@ from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
+from minivllm.layers import all_reduce
 from minivllm.layers.attention import AttentionMetadata, make_attention_backend
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
@@ -216,6 +217,14 @@ class ModelExecutor:
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
         self.model = self._load_model(model_path, backend)
+        # How this rank's all-reduces travel (before any graph is captured: graphs keep it).
+        self.all_reduce_path = "none (one rank)"
+        if self.tp_size > 1:
+            self.all_reduce_path = "nccl" if self.device.type == "cuda" else "gloo"
+            if self.device.type == "cuda" and not config.disable_custom_all_reduce:
+                why_not = all_reduce.install_symm_mem_all_reduce(self.device, self.dtype)
+                self.all_reduce_path = "one-shot (symmetric memory) + nccl" if why_not is None \
+                    else f"nccl ({why_not})"
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         num_blocks = cache_config.num_blocks

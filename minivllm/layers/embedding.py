@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import cdiv
+from minivllm.layers.all_reduce import all_reduce
 from minivllm.layers.linear import Loaded, ShardId, check_tp, load_slice, set_weight_loader
 
 
@@ -58,8 +59,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         out = F.embedding((input_ids - self.vocab_start) * mine, self.weight)
         out = out * mine.unsqueeze(-1).to(out.dtype)
-        torch.distributed.all_reduce(out)
-        return out
+        return all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.layers.all_reduce import all_reduce
+
 if TYPE_CHECKING:
     from minivllm.config import ModelConfig
 
@@ -381,7 +383,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
         y = F.linear(x, self.weight)
         if self.tp_size > 1 and self.reduce_results:
-            torch.distributed.all_reduce(y)
+            y = all_reduce(y)
         # Unreduced, y is a partial sum: only rank 0's carries the bias, so it counts once.
         if self.bias is not None and (self.reduce_results or self.tp_rank == 0):
             y = y + self.bias
