@@ -191,7 +191,7 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs and not args.smoke,
               tensor_parallel_size=args.tensor_parallel_size,
-              disable_custom_all_reduce=args.disable_custom_all_reduce)
+              disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False))
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
     print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks"
           + (f", all-reduce: {ar}" if args.tensor_parallel_size > 1 else ""))
