@@ -15,6 +15,8 @@ For each summary it knows in DIR it writes ``<name>.png`` beside ``<name>.json``
   and host time exposed between GPU steps, per mode (``benchmarks/host_overlap.py``);
 - ``serving``: TTFT and TPOT p50 / p99 and output tok/s against the request rate,
   with the offline ``generate()`` rate (``benchmarks/serving.py``);
+- ``all_reduce``: µs per tensor-parallel all-reduce against the message size, NCCL
+  and the one-shot symmetric-memory kernel (``benchmarks/all_reduce.py``);
 - ``step_timeline``: every step of one offline run (ms, prefill marked, decode
   batch) and the seconds per step group (``benchmarks/step_timeline.py``).
 
@@ -177,7 +179,27 @@ def plot_step_timeline(data: dict[str, Any]) -> "Figure":
     return fig
 
 
+def plot_all_reduce(data: dict[str, Any]) -> "Figure":
+    """µs per all-reduce against the message size: NCCL and the one-shot kernel."""
+    from sim.plot import new_figure
+
+    rows = data["rows"]
+    kb = [r["kb"] for r in rows]
+    fig = new_figure(figsize=(7, 4.2), layout="constrained")
+    ax = fig.subplots()
+    ax.set_label("latency")
+    ax.plot(kb, [r["nccl_us"] for r in rows], "o-", label="NCCL", color="#4c72b0")
+    if all("one_shot_us" in r for r in rows):
+        ax.plot(kb, [r["one_shot_us"] for r in rows], "s-", label="one-shot (symmetric memory)", color="#dd8452")
+    a = data.get("args", {})
+    ax.set(xscale="log", xlabel="message (KB)", ylabel="µs per all-reduce (in a CUDA graph)", ylim=(0, None),
+           title=f"all-reduce over {a.get('world_size', '?')} GPUs, {a.get('dtype', '')}")
+    ax.legend(loc="upper left", fontsize="small")
+    return fig
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any]], "Figure"]] = {
+    "all_reduce": plot_all_reduce,
     "decode_attention": plot_decode_attention,
     "throughput": plot_throughput,
     "host_overlap": plot_host_overlap,

@@ -129,3 +129,16 @@ def test_one_token_prefill_remainder_is_prefill() -> None:
     trace, result = replay("prefill_remainder_one_token")
     assert [(e.prefill_tokens, e.decode_tokens) for e in trace.expects] == [(5, 0), (1, 0), (0, 1), (0, 1)]
     assert (result.prefill_tokens, result.decode_tokens) == (6, 2)
+
+
+def test_trace_recorded_on_an_h200_replays_on_the_cpu() -> None:
+    """Real traffic on the GPU (``python3 -m benchmarks.record_trace`` on one H200, CUDA
+    graphs, one step in flight: tiny Qwen3, seeded sampling, n = 2, a stop string, an
+    abort, a pool small enough to preempt) replays decision for decision here on the
+    recorded tokens; the hash model in their place diverges, so the replay rests on them."""
+    trace, result = replay("live_h200_tiny_qwen3")
+    assert trace.fake_model == "recorded" and trace.scheduler.async_scheduling
+    assert result.steps == len(trace.expects) and result.preemptions > 0 and result.aborts == 1
+    assert result.cached_tokens > 0 and result.chunked_prefills > 0
+    hashed = run_trace(dataclasses.replace(trace, fake_model="hash"), "replay")
+    assert hashed.mismatch is not None

@@ -170,11 +170,9 @@ def test_engine_greedy_matches_hf_generate(family) -> None:
     assert stats.num_preemptions > 0 and stats.num_cached_tokens > 0
 
 
-def test_chat_template_comes_from_a_llama_checkpoints_tokenizer(tmp_path, capsys) -> None:
-    """A Llama checkpoint with its own (non-Qwen) template: ``chat`` formats with it, and
-    the CLI's ``--chat`` gives the same reply."""
-    from minivllm.__main__ import main as cli_main
-
+@pytest.fixture
+def llama_chat_checkpoint(tmp_path) -> str:
+    """A tiny Llama checkpoint with the fixture's tokenizer and its own (non-Qwen) template."""
     cfg = TinyConfig(family="llama", vocab_size=100, tie_word_embeddings=True)
     path = save_hf_model(make_hf_model(cfg), tmp_path)
     shutil.copy(FIXTURE_TOKENIZER / "tokenizer.json", path)
@@ -183,6 +181,15 @@ def test_chat_template_comes_from_a_llama_checkpoints_tokenizer(tmp_path, capsys
                                 "{% if add_generation_prompt %}[assistant]{% endif %}")
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(tok_cfg, f)
+    return path
+
+
+def test_chat_template_comes_from_a_llama_checkpoints_tokenizer(llama_chat_checkpoint, capsys) -> None:
+    """A Llama checkpoint with its own (non-Qwen) template: ``chat`` formats with it, and
+    the CLI's ``--chat`` gives the same reply."""
+    from minivllm.__main__ import main as cli_main
+
+    path = llama_chat_checkpoint
     with LLM(path, device="cpu", dtype="float32", block_size=BS, num_blocks=16, max_model_len=64) as llm:
         out, = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2),
                         use_tqdm=False)
@@ -190,3 +197,29 @@ def test_chat_template_comes_from_a_llama_checkpoints_tokenizer(tmp_path, capsys
     assert cli_main(["generate", "--model", path, "--device", "cpu", "--dtype", "float32", "--block-size", "4",
                      "--num-blocks", "16", "--max-model-len", "64", "--max-tokens", "2", "--chat", "hi"]) == 0
     assert out.text and out.text in capsys.readouterr().out
+
+
+def test_llama_checkpoint_is_served_like_qwen3(llama_chat_checkpoint) -> None:
+    """The OpenAI server over a Llama checkpoint: chat (its own template) and completions
+    answer what the offline ``LLM`` answers."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from minivllm.server.app import build_app
+    from minivllm.server.protocol import ServerConfig
+
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    messages = [{"role": "user", "content": "hi"}]
+    with LLM(llama_chat_checkpoint, device="cpu", dtype="float32", block_size=BS, num_blocks=16,
+             max_model_len=64) as llm:
+        want_chat = llm.chat(messages, greedy, use_tqdm=False)[0].text
+        want_text = llm.generate(["12+34="], greedy, use_tqdm=False)[0].text
+        assert want_chat and want_text and want_chat != want_text
+        with TestClient(build_app(llm, ServerConfig("tiny-llama"))) as client:
+            common = dict(model="tiny-llama", max_tokens=4, temperature=0, ignore_eos=True)
+            r = client.post("/v1/chat/completions", json=dict(messages=messages, **common))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == want_chat
+            r = client.post("/v1/completions", json=dict(prompt="12+34=", **common))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want_text

@@ -246,6 +246,9 @@ SUMMARIES: dict[str, dict[str, Any]] = {
                           {"rate": "inf", "ttft_ms": pct(900, 2500), "tpot_ms": pct(None, None),
                            "output_tok_s": 7500.0}],
                 "offline": {"tok_s": 15500.0}},
+    "all_reduce": {"args": {"world_size": 2, "dtype": "bfloat16"}, "rows": [
+        {"rows": 1, "kb": 8.0, "nccl_us": 12.7, "one_shot_us": 6.7},
+        {"rows": 1024, "kb": 8192.0, "nccl_us": 53.3, "one_shot_us": 63.9}]},
     "step_timeline": {"wall_s": 0.05, "steps": [{"ms": 30.0, "seqs": 3, "prefill": 900, "decode": 0},
                                                 {"ms": 6.0, "seqs": 3, "prefill": 0, "decode": 3},
                                                 {"ms": 2.0, "seqs": 1, "prefill": 0, "decode": 1}],
@@ -265,7 +268,7 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     (tmp_path / "kernel_count.json").write_text("{}")  # not drawn
     assert bench_plots.main([str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
-        "decode_attention.png", "host_overlap.png", "serving.png", "step_timeline.png", "throughput.png",
+        "all_reduce.png", "decode_attention.png", "host_overlap.png", "serving.png", "step_timeline.png", "throughput.png",
         "throughput_tp2.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in tmp_path.glob("*.png"))
 
@@ -281,6 +284,10 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
 
     ax = panels(bench_plots.plot_host_overlap(SUMMARIES["host_overlap"]))["step_time"]
     assert np.allclose(bar_heights(ax), [6.0, 5.9, 4.2, 1.1])  # GPU busy per mode, then the exposed host time on top
+
+    ax = panels(bench_plots.plot_all_reduce(SUMMARIES["all_reduce"]))["latency"]
+    assert [list(line.get_ydata()) for line in ax.lines] == [[12.7, 53.3], [6.7, 63.9]]
+    assert list(ax.lines[0].get_xdata()) == [8.0, 8192.0]
 
     ax = panels(bench_plots.plot_serving(SUMMARIES["serving"]))
     ttft = {line.get_label(): list(line.get_ydata()) for line in ax["ttft"].lines}

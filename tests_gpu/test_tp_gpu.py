@@ -1,5 +1,9 @@
 """Tensor parallelism on two GPUs (the `nvidia-h200-x2` machine): Qwen3-0.6B shapes.
 
+The first TP=2 engine of the process reduces through the one-shot symmetric-memory
+kernel, later ones through NCCL (``layers/all_reduce.py``: once per process); the
+fault test runs its engine in a subprocess, one-shot again.
+
 float32 greedy TP=2 must be token-identical to TP=1 and to HF over 16 prompts with
 shared prefixes (CUDA graphs on, prefix caching on, both scheduling modes); bf16 TP=2
 against HF by the top-5 rule at the first difference. Skipped (loudly, with the
@@ -20,6 +24,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.layers import all_reduce
 from tests_gpu.test_model_gpu import CONFIGS, NEW, hf_greedy, make_checkpoint, shared_prefix_prompts
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -41,13 +46,14 @@ def reference(tmp_path_factory):
 
 
 def generate(path: str, prompts: list[list[int]], dtype: str, tp: int, **opts) -> tuple[list, int]:
+    first = not all_reduce.used_in_this_process()  # the one-shot path runs once per process
     with LLM(path, dtype=dtype, tensor_parallel_size=tp, **POOL, **opts) as llm:
         outs = [list(o.token_ids) for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW),
                                                         use_tqdm=False)]
         replays = llm.engine.executor.graph_runner.num_replays
-        if tp > 1:  # the one-shot symmetric-memory all-reduce unless disabled
+        if tp > 1:  # the one-shot symmetric-memory all-reduce unless disabled or set up before
             path_taken = llm.engine.executor.all_reduce_path
-            want = "nccl" if opts.get("disable_custom_all_reduce") else "one-shot"
+            want = "nccl" if opts.get("disable_custom_all_reduce") or not first else "one-shot"
             assert path_taken.startswith(want), path_taken
     gc.collect()
     torch.cuda.empty_cache()

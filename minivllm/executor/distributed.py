@@ -232,6 +232,11 @@ class TPExecutor:
         if config.device not in ("cpu", "cuda"):
             raise ValueError(f"tensor parallelism runs on device 'cpu' or 'cuda' (rank r on cuda:r), "
                              f"got {config.device!r}")
+        self._all_reduce_note = ""
+        if config.device.startswith("cuda") and not config.disable_custom_all_reduce \
+                and all_reduce.used_in_this_process():  # every rank must agree: tell them all
+            config = replace(config, disable_custom_all_reduce=True)
+            self._all_reduce_note = " (the one-shot path runs once per process: layers/all_reduce.py)"
         self.spec = RankSpec(model_config, str(model_path), scheduler_config, cache_config, config,
                              "127.0.0.1", free_port(), float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
         ctx = mp.get_context("spawn")
@@ -305,7 +310,7 @@ class TPExecutor:
     @property
     def all_reduce_path(self) -> str:
         """How rank 0's all-reduces travel (``ModelExecutor.all_reduce_path``)."""
-        return self.local.all_reduce_path
+        return self.local.all_reduce_path + self._all_reduce_note
 
     def _check_workers(self) -> None:
         if self._closed:

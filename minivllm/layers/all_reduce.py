@@ -10,9 +10,9 @@ Two paths, one function:
   every other rank's address space (``torch.distributed._symmetric_memory``: CUDA
   virtual memory shared over NVLink); one kernel copies the rank's partial sum into its
   own buffer, waits at a barrier on signal pads, reads every peer's buffer and adds. One
-  kernel and one barrier, where NCCL's ring pays a protocol per message: NCCL takes
-  about 7 us for 8 KB on two H200s (BENCHMARKS.md, TP section), which is the batch-1
-  decode step's all-reduce. vLLM's custom all-reduce and its symmetric-memory
+  kernel and one barrier, where NCCL's ring pays a protocol per message: at 8 KB (the
+  batch-1 decode step's all-reduce of Qwen3-8B) 6.7 us against NCCL's 12.7 on two
+  H200s, in CUDA graphs (``benchmarks.all_reduce``). vLLM's custom all-reduce and its symmetric-memory
   communicator do the same.
 
 No NVLink multicast is used (``multimem`` ops need it; the one-shot kernel reads peers
@@ -32,7 +32,9 @@ import torch.distributed as dist
 # Largest message the one-shot path takes; larger ones go to NCCL. Each rank reads
 # every peer's whole message, so its cost grows with world size x bytes, where NCCL's
 # ring moves 2 x bytes / world size per rank: small messages are the one-shot's.
-# vLLM's custom all-reduce switches at 1-8 MB for two ranks (by GPU).
+# Measured on two H200s over NVLink, bf16, in CUDA graphs (``benchmarks.all_reduce``):
+# one-shot 6.7 us vs NCCL 12.7 us at 8 KB, 23.0 vs 33.7 at 2 MB, 37.3 vs 39.9 at 4 MB,
+# and 63.9 vs 53.3 at 8 MB: the one-shot path up to 4 MB.
 DEFAULT_MAX_BYTES = 4 << 20
 
 
@@ -55,8 +57,9 @@ class SymmMemAllReduce:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op after
-            symm_mem.enable_symm_mem_for_group(self.group_name)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None and not hasattr(enable, "__deprecated__"):  # older torch needs it
+            enable(self.group_name)
         self.dtype = dtype
         self.max_numel = max_bytes // dtype.itemsize
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
@@ -76,6 +79,12 @@ class SymmMemAllReduce:
 
 
 _installed: SymmMemAllReduce | None = None
+# Whether this process has set the path up before. torch keeps symmetric memory's group
+# state by group name, and a later process group reuses the name ("0") with a new store:
+# seen on two H200s, the second tensor-parallel LLM of one process hung in its rendezvous
+# (torch 2.11, through the deprecated ``enable_symm_mem_for_group`` cache). So once per
+# process; ``TPExecutor`` sends later groups of the same process, on every rank, to NCCL.
+_used_in_this_process = False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +107,24 @@ def install_symm_mem_all_reduce(device: torch.device, dtype: torch.dtype,
     Every rank must call it (the buffer's rendezvous is a collective). Returns None when
     installed, else why not (the caller reports it; NCCL then takes every message).
     """
-    global _installed
+    global _installed, _used_in_this_process
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() < 2:
         return "needs CUDA and a process group of two or more ranks"
+    if _used_in_this_process:
+        return "an earlier process group of this process set it up (once per process)"
+    _used_in_this_process = True
     try:
         _installed = SymmMemAllReduce(dist.group.WORLD, device, dtype, max_bytes)
     except (RuntimeError, AttributeError, ImportError) as e:
         _installed = None
         return f"symmetric memory unavailable: {type(e).__name__}: {e}"
     return None
+
+
+def used_in_this_process() -> bool:
+    """Whether this process has set the path up before (then it must not again: every rank
+    of a new group has to be told, ``TPExecutor`` does)."""
+    return _used_in_this_process
 
 
 def installed() -> SymmMemAllReduce | None:
