@@ -594,6 +594,67 @@ def test_nonstreamed_requests_are_reported_once_and_keep_their_ttft(server) -> N
     assert streamed[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_consumer_behind_the_engine_gets_each_choices_waiting_deltas_merged() -> None:
+    """What waits in a group's queue comes out as one delta per choice (texts, tokens and
+    logprobs joined in order, the last counts and finish reason), then what the engine
+    sends later, one by one; an engine failure behind waiting deltas comes after them."""
+    from minivllm.server.engine_loop import Delta, RequestGroup
+
+    def d(index: int, text: str, tok: int, done: bool = False) -> Delta:
+        return Delta(index, text, (tok,), ({tok: -0.5},), 3, tok, "length" if done else None)
+
+    async def consume(group: RequestGroup, later: list[Any]) -> list[Any]:
+        got = []
+        try:
+            async for delta in group:
+                got.append(delta)
+                if later:
+                    group.queue.put_nowait(later.pop(0))
+        except EngineDeadError as e:
+            got.append(e)
+        return got
+
+    group = RequestGroup(["a"], n=2)
+    for item in (d(0, "x", 1), d(1, "p", 1), d(0, "y", 2), d(0, "z", 3, done=True)):
+        group.queue.put_nowait(item)
+    got = asyncio.run(consume(group, [d(1, "q", 2, done=True)]))
+    assert [(g.index, g.text, g.token_ids, g.num_completion_tokens, g.finish_reason) for g in got] == [
+        (0, "xyz", (1, 2, 3), 3, "length"), (1, "p", (1,), 1, None), (1, "q", (2,), 2, "length")]
+    assert got[0].logprobs == ({1: -0.5}, {2: -0.5}, {3: -0.5})
+
+    group = RequestGroup(["b"])
+    for item in (d(0, "x", 1), d(0, "y", 2), EngineDeadError("gone")):
+        group.queue.put_nowait(item)
+    got = asyncio.run(consume(group, []))
+    assert [g.text if isinstance(g, Delta) else str(g) for g in got] == ["xy", "gone"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chunk_writer_writes_what_the_models_dump(include_usage: bool) -> None:
+    """The streamed chunks written from strings equal the pydantic models' SSE, byte for
+    byte: quotes, newlines, non-ASCII and emoji in the text, an empty text, each finish
+    reason, and (chat) a delta without content."""
+    from minivllm.server.app import _ChunkWriter, _chunk_json, _sse
+    from minivllm.server.protocol import (ChatCompletionChunk, ChatStreamChoice, CompletionChoice,
+                                          CompletionStreamResponse, DeltaMessage)
+
+    rid, created, model = 'cmpl-"x"\\1', 1_700_000_000, "tiny/qwen3 \u00e9"
+    texts = ["", " t12", 'say "hi"\n\tnow\\', "caf\u00e9 \u4e2d\u6587 \U0001F600"]
+    cases = [(i, t, f) for i, t in enumerate(texts) for f in (None, "length", "stop")]
+    cw = _ChunkWriter("text_completion", rid, created, model, include_usage)
+    hw = _ChunkWriter("chat.completion.chunk", rid, created, model, include_usage)
+    for index, text, finish in cases:
+        want = _sse(_chunk_json(CompletionStreamResponse(
+            id=rid, created=created, model=model,
+            choices=[CompletionChoice(index=index, text=text, finish_reason=finish)]), include_usage))
+        assert cw.completion(index, text, finish) == want
+        delta = DeltaMessage(content=text) if text else DeltaMessage()
+        body = _chunk_json(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            ChatStreamChoice(index=index, delta=delta, finish_reason=finish)]), include_usage)
+        body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+        assert hw.chat(index, text or None, finish) == _sse(body)
+
+
 def test_each_app_has_its_own_registry(llm: LLM) -> None:
     a = build_app(llm, ServerConfig("a")).state.server.metrics
     b = build_app(llm, ServerConfig("b")).state.server.metrics

@@ -84,6 +84,15 @@ class Delta:
     finish_reason: FinishReason | None
 
 
+def merge_deltas(ds: Sequence[Delta]) -> Delta:
+    """Consecutive deltas of one choice as one: texts, tokens and logprobs joined, the
+    counts and finish reason of the last."""
+    last = ds[-1]
+    logprobs = None if last.logprobs is None else tuple(x for d in ds for x in d.logprobs or ())
+    return Delta(last.index, "".join(d.text for d in ds), tuple(t for d in ds for t in d.token_ids),
+                 logprobs, last.num_prompt_tokens, last.num_completion_tokens, last.finish_reason)
+
+
 class StepOutput(NamedTuple):
     """One request's part of an engine step, as the engine thread needs it: the new tokens,
     not the whole completion (what crosses the pipe from an engine process, see
@@ -167,13 +176,29 @@ class RequestGroup:
         return self._unfinished == 0
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
+        """Each choice's deltas in order. What waits in the queue when the consumer comes
+        back for more is taken at once and merged per choice (``merge_deltas``): a stream
+        whose HTTP side falls behind the engine (hundreds of streams on one event loop)
+        then sends fewer, larger chunks instead of a growing backlog, as vLLM's output
+        collector merges deltas its consumer has not taken yet."""
         while self._unfinished:
-            item = await self.queue.get()
-            if isinstance(item, (EngineDeadError, RequestLostError)):
-                raise item
-            if item.finish_reason is not None:
-                self._unfinished -= 1
-            yield item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            waiting: dict[int, list[Delta]] = {}
+            error: EngineDeadError | RequestLostError | None = None
+            for item in items:
+                if isinstance(item, (EngineDeadError, RequestLostError)):
+                    error = item
+                    break
+                waiting.setdefault(item.index, []).append(item)
+            for ds in waiting.values():
+                d = ds[0] if len(ds) == 1 else merge_deltas(ds)
+                if d.finish_reason is not None:
+                    self._unfinished -= 1
+                yield d
+            if error is not None:
+                raise error
 
 
 @dataclass
