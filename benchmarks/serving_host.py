@@ -143,7 +143,7 @@ def run_served(args: argparse.Namespace) -> dict[str, float]:
     last = max(r.chunk_times[-1] for r in records)
     chunks = sum(len(r.chunk_times) for r in records)
     tokens = sum(r.num_output_tokens for r in records)
-    return dict(seconds=last - first, tok_s=tokens / (last - first), chunks=chunks,
+    return dict(seconds=last - first, tokens=tokens, tok_s=tokens / (last - first), chunks=chunks,
                 tokens_per_chunk=tokens / chunks, client_cpu_s=client_cpu)
 
 
