@@ -186,10 +186,15 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
     from minivllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True,
+    opts: dict[str, Any] = {}  # what is not given takes the LLM's default
+    budget = 64 if args.smoke else args.max_num_batched_tokens
+    if budget is not None:
+        opts["max_num_batched_tokens"] = budget
+    if args.prefill_graphs != "auto" or args.smoke:
+        opts["prefill_graphs"] = args.prefill_graphs == "on" and not args.smoke
+    llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True, **opts,
               max_num_seqs=args.max_num_seqs, max_model_len=64 if args.smoke else 2048,
-              max_num_batched_tokens=64 if args.smoke else args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs and not args.smoke,
+              enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False))
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
@@ -426,10 +431,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--async", dest="async_mode", choices=("on", "off", "both"), default="both")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                    help="token budget of a step (vLLM's LLM class takes 16384 on H100/H200)")
-    ap.add_argument("--prefill-graphs", action="store_true",
-                    help="CUDA graphs of prefill and mixed steps too (ExecutorConfig.prefill_graphs)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="token budget of a step (default: the LLM's, 16384 on CUDA as vLLM's LLM class)")
+    ap.add_argument("--prefill-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="CUDA graphs of prefill and mixed steps (ExecutorConfig.prefill_graphs; "
+                         "auto: the LLM's default, on for one GPU)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (GPUs) for minivllm; the summary is throughput_tpN.json when N > 1")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",

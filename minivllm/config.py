@@ -135,8 +135,9 @@ class ExecutorConfig:
         gpu_memory_utilization: fraction of the device's memory the executor may use.
         tensor_parallel_size: ranks the model is split over (only 1 runs today).
         prefill_graphs: also capture CUDA graphs of prefill and mixed steps, per token
-            bucket (``executor/prefill_graph.py``; opt-in until measured on a GPU). Like
-            the decode graphs, only on CUDA without ``enforce_eager``.
+            bucket (``executor/prefill_graph.py``). None (the default): on for one GPU,
+            off with tensor parallelism (not yet run on two GPUs). Like the decode
+            graphs, only on CUDA without ``enforce_eager``.
         disable_custom_all_reduce: with ``tensor_parallel_size > 1`` on CUDA, send every
             all-reduce through NCCL instead of the one-shot symmetric-memory kernel for
             small messages (``layers/all_reduce.py``; vLLM's option of the same name).
@@ -149,7 +150,7 @@ class ExecutorConfig:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    prefill_graphs: bool = False
+    prefill_graphs: bool | None = None
     disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
@@ -166,7 +167,8 @@ class ExecutorConfig:
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        _check_bool("prefill_graphs", self.prefill_graphs)
+        if self.prefill_graphs is not None:
+            _check_bool("prefill_graphs", self.prefill_graphs)
         _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
 
     @classmethod

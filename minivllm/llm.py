@@ -22,6 +22,10 @@ Prompt = Union[str, Sequence[int]]
 _CACHE_KEYS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _EXEC_KEYS = {f.name for f in dataclasses.fields(ExecutorConfig)}
+# A step's token budget on CUDA unless given: vLLM's for its offline LLM class on
+# H100/H200-class GPUs (offline-256 on one H200: 25,015-25,221 tok/s with it and prefill
+# graphs, 23,624-24,984 with 8192 and none; BENCHMARKS.md, fourth session).
+CUDA_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def resolve_model_path(model: str) -> str:
@@ -71,11 +75,13 @@ class LLM:
             replays without the model, on any machine (``sim.recorder``).
         **options: engine options by config field name: ``CacheConfig``
             (block_size, num_blocks, enable_prefix_caching), ``SchedulerConfig``
-            (max_num_seqs, max_num_batched_tokens, max_model_len, policy,
-            chunked_prefill, async_scheduling: default on for CUDA) and
+            (max_num_seqs, max_num_batched_tokens: 16384 on CUDA, else the config's,
+            max_model_len, policy, chunked_prefill, async_scheduling: default on for
+            CUDA) and
             ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
             tensor_parallel_size: N ranks in N processes, one GPU each on CUDA,
-            prefill_graphs: CUDA graphs of prefill and mixed steps too, opt-in,
+            prefill_graphs: CUDA graphs of prefill and mixed steps too, on by default
+            for one GPU,
             disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce).
 
     Raises:
@@ -100,7 +106,10 @@ class LLM:
         self.model_config = ModelConfig.from_hf_json(path)
         sched_opts.setdefault("max_model_len", self.model_config.max_position_embeddings)
         # One step in flight pays where a device runs beside the host.
-        sched_opts.setdefault("async_scheduling", torch.device(device).type == "cuda")
+        cuda = torch.device(device).type == "cuda"
+        sched_opts.setdefault("async_scheduling", cuda)
+        if cuda:  # vLLM's offline default on H100/H200-class GPUs (its server takes 8192)
+            sched_opts.setdefault("max_num_batched_tokens", CUDA_MAX_NUM_BATCHED_TOKENS)
         if sched_opts["max_model_len"] > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {sched_opts['max_model_len']} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")

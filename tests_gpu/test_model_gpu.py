@@ -148,9 +148,10 @@ ENGINES = {
     "tiny-pool-preemption-sync": dict(num_blocks=48, async_scheduling=False),
     "chunked-prefill-budget-64": dict(POOL, max_num_batched_tokens=64),
     "prefill-first": dict(POOL, policy="prefill_first"),
-    # CUDA graphs of prefill and mixed steps too (opt-in), whole prompts and 64-token chunks.
-    "prefill-graphs": dict(POOL, prefill_graphs=True),
+    # Prefill and mixed steps in CUDA graphs too (the default on one GPU: every engine
+    # above without enforce_eager), with 64-token chunks; and without them.
     "prefill-graphs-chunked-64": dict(POOL, prefill_graphs=True, max_num_batched_tokens=64),
+    "no-prefill-graphs": dict(POOL, prefill_graphs=False),
 }
 
 
@@ -172,8 +173,11 @@ def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
             assert s.num_preemptions > 0
         if engine == "chunked-prefill-budget-64":
             assert s.num_chunked_prefills > 0
-        if ENGINES[engine].get("prefill_graphs"):
-            assert llm.engine.executor.prefill_graph_runner.num_replays > 0
+        prefill_runner = llm.engine.executor.prefill_graph_runner
+        if "enforce_eager" in ENGINES[engine] or ENGINES[engine].get("prefill_graphs") is False:
+            assert prefill_runner is None
+        else:
+            assert prefill_runner is not None and prefill_runner.num_replays > 0
         runner = llm.engine.executor.graph_runner
         if "enforce_eager" in ENGINES[engine]:
             assert runner is None
