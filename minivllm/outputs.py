@@ -14,7 +14,7 @@ def sequence_name(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     """A request's progress, as reported by one ``LLMEngine.step()``.
 
@@ -43,6 +43,10 @@ class RequestOutput:
         first_token_time: ``time.monotonic()`` when the engine applied the first
             completion token (None before it): a server's time to first token, also
             for requests reported only at the end. Not part of ``==``.
+
+    A plain slotted dataclass, as vLLM's ``RequestOutput`` is a plain class: 0.8 us to
+    build against a frozen dataclass's 2.0 (256 a step when streaming). The engine never
+    changes an output it returned (``tests/test_engine_host_path.py``).
     """
 
     request_id: str

@@ -105,7 +105,7 @@ def test_serving_host_smoke() -> None:
 
     from benchmarks import serving_host
 
-    args = argparse.Namespace(streams=6, max_tokens=24, step_ms=5.0, seq_us=0.0)
+    args = argparse.Namespace(streams=6, max_tokens=24, step_ms=5.0, seq_us=0.0, engine_process=False)
     off = serving_host.run_offline(args)
     assert off["seconds"] >= off["steps"] * 5e-3 * 0.9  # device time, one step after another
     srv = serving_host.run_served(args)

@@ -36,7 +36,7 @@ import threading
 import traceback
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from minivllm.config import ModelConfig
 from minivllm.llm import LLM, resolve_model_path
@@ -74,7 +74,9 @@ class ProcessAsyncEngine(AsyncEngine):
     """An ``AsyncEngine`` whose engine runs in a spawned process.
 
     Args:
-        model: checkpoint for ``LLM`` in the engine process.
+        model: checkpoint for ``LLM`` in the engine process; or a picklable callable that
+            builds an ``LLM``-like object there from ``llm_options`` (``engine``,
+            ``scheduler_config``, ``close``: a fake engine, ``benchmarks/serving_host.py``).
         llm_options: ``LLM``'s keyword arguments there (device, dtype, engine options).
         tokenizer: this process's tokenizer (the detokenizers).
         metrics: as for ``AsyncEngine``.
@@ -83,7 +85,7 @@ class ProcessAsyncEngine(AsyncEngine):
         RuntimeError: the engine process failed to start (its traceback included).
     """
 
-    def __init__(self, model: str, llm_options: dict[str, Any], tokenizer: Any,
+    def __init__(self, model: str | Callable[..., Any], llm_options: dict[str, Any], tokenizer: Any,
                  metrics: ServerMetrics | None = None) -> None:
         super().__init__(None, tokenizer, metrics)  # type: ignore[arg-type]
         ctx = mp.get_context("spawn")
@@ -209,11 +211,12 @@ def _stop_at_exit(ref: "weakref.ReferenceType[ProcessAsyncEngine]") -> None:
         engine.close()
 
 
-def _core_main(cmds: Connection, outs: Connection, model: str, llm_options: dict[str, Any]) -> None:
+def _core_main(cmds: Connection, outs: Connection, model: str | Callable[..., Any],
+               llm_options: dict[str, Any]) -> None:
     """The engine process: build the LLM, then apply commands and step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; it stops us
     try:
-        llm = LLM(model, **llm_options)
+        llm = model(**llm_options) if callable(model) else LLM(model, **llm_options)
         engine = llm.engine
         outs.send(("ready", llm.scheduler_config.max_model_len))
         while True:
