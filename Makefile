@@ -43,12 +43,15 @@ demo: $(VENV)/.full
 # Needs a CUDA device; runs from the tree (the GPU machine has its packages preinstalled).
 # One process per file: each engine sizes its KV pool from the memory free in its
 # process, which the kernel tests' allocations would otherwise distort.
-# TESTS_GPU="model tp" runs a subset (the part after tests_gpu/test_).
+# TESTS_GPU="model tp" runs a subset (the part after tests_gpu/test_). With pytest-timeout
+# installed (the GPU machine has it), a test past GPU_TEST_TIMEOUT seconds (default 400)
+# ends its file's run with every thread's stack, instead of hanging the whole call.
 TESTS_GPU ?= kernels model families sampling_features bf16_accuracy tp
 test-gpu:
 	@rc=0; for f in $(TESTS_GPU); do \
 	  echo "=== tests_gpu/test_$$f*.py"; \
-	  PYTHONPATH=. python3 -m pytest -q -rs tests_gpu/test_$${f}*.py || rc=1; \
+	  PYTHONPATH=. python3 -m pytest -q -rs -o timeout=$(or $(GPU_TEST_TIMEOUT),400) -o timeout_method=thread \
+	    tests_gpu/test_$${f}*.py || rc=1; \
 	done; exit $$rc
 
 # Needs a CUDA device; one process per benchmark (each sizes GPU memory for itself),
