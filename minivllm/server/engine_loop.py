@@ -474,6 +474,7 @@ class AsyncEngine:
         socket: once per output it cost more than the detokenizing)."""
         now = time.monotonic()
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[QueueItem], Delta]]] = {}
+        generated = 0  # one counter update a step: prometheus_client takes a lock per inc
         for out in outputs:
             choices = self._tracked.get(out.request_id)
             c = choices[out.index] if choices is not None and out.index < len(choices) else None
@@ -481,7 +482,7 @@ class AsyncEngine:
                 continue  # aborted by its client
             new = out.new_token_ids
             c.num_tokens = out.num_tokens
-            self.metrics.generation_tokens.inc(len(new))
+            generated += len(new)
             done = out.finish_reason is not None
             if not new and not done:
                 continue
@@ -499,6 +500,8 @@ class AsyncEngine:
             delta = Delta(c.index, text, tuple(new), logprobs, c.num_prompt_tokens, c.num_tokens,
                           out.finish_reason)
             batches.setdefault(c.loop, []).append((c.group.queue, delta))
+        if generated:
+            self.metrics.generation_tokens.inc(generated)
         for loop, items in batches.items():
             _notify(loop, _put_all, items)
 
