@@ -57,7 +57,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default: 16384 on CUDA for generate, 8192 to serve, as vLLM)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: 16384 on CUDA for generate, 8192 to "
+                        "serve, as vLLM)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of the GPU's memory the model and KV pool may use (CUDA)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",

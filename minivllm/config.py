@@ -133,7 +133,8 @@ class ExecutorConfig:
         seed: seed of the sampler's stream for requests without a seed of their own.
         enforce_eager: never use CUDA graphs.
         gpu_memory_utilization: fraction of the device's memory the executor may use.
-        tensor_parallel_size: ranks the model is split over (only 1 runs today).
+        tensor_parallel_size: ranks the model is split over, one process each
+            (``executor/distributed.py``).
         prefill_graphs: also capture CUDA graphs of prefill and mixed steps, per token
             bucket (``executor/prefill_graph.py``). None (the default): on for one GPU,
             off with tensor parallelism (not yet run on two GPUs). Like the decode

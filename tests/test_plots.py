@@ -268,7 +268,8 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     (tmp_path / "kernel_count.json").write_text("{}")  # not drawn
     assert bench_plots.main([str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
-        "all_reduce.png", "decode_attention.png", "host_overlap.png", "serving.png", "step_timeline.png", "throughput.png",
+        "all_reduce.png", "decode_attention.png", "host_overlap.png", "serving.png", "step_timeline.png",
+        "throughput.png",
         "throughput_tp2.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in tmp_path.glob("*.png"))
 

@@ -12,8 +12,8 @@ Two paths, one function:
   own buffer, waits at a barrier on signal pads, reads every peer's buffer and adds. One
   kernel and one barrier, where NCCL's ring pays a protocol per message: at 8 KB (the
   batch-1 decode step's all-reduce of Qwen3-8B) 6.7 us against NCCL's 12.7 on two
-  H200s, in CUDA graphs (``benchmarks.all_reduce``). vLLM's custom all-reduce and its symmetric-memory
-  communicator do the same.
+  H200s, in CUDA graphs (``benchmarks.all_reduce``). vLLM's custom all-reduce and its
+  symmetric-memory communicator do the same.
 
 No NVLink multicast is used (``multimem`` ops need it; the one-shot kernel reads peers
 with ordinary loads), so the device machines' ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``
