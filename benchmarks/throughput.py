@@ -198,8 +198,11 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               tensor_parallel_size=args.tensor_parallel_size,
               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False))
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
-    print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks"
-          + (f", all-reduce: {ar}" if args.tensor_parallel_size > 1 else ""))
+    ex = llm.engine.executor
+    prefill_graphs = getattr(getattr(ex, "local", ex), "prefill_graph_runner", None) is not None
+    print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks, "
+          f"step budget {llm.scheduler_config.max_num_batched_tokens} tokens, prefill graphs "
+          f"{'on' if prefill_graphs else 'off'}" + (f", all-reduce: {ar}" if args.tensor_parallel_size > 1 else ""))
     return llm
 
 
