@@ -27,8 +27,9 @@ rates); one untimed warm-up of short requests precedes the first rate. Per rate:
 - ITL: the gap between consecutive chunks of a request, over all requests.
 
 The server sends one SSE chunk per engine step that adds text; a token whose text
-is empty (an incomplete character, a special token) rides on the next chunk, so
-the chunk count can fall short of the token count. A request's output tokens are
+is empty (an incomplete character, a special token) rides on the next chunk, and a
+stream whose HTTP side falls behind the engine gets the steps waiting for it in one
+chunk, so the chunk count can fall short of the token count. A request's output tokens are
 its ``max_tokens``, checked against the usage chunk where the server takes
 ``stream_options.include_usage`` (probed once); a request that ends otherwise than
 by length, or with another count, is a failure.
@@ -131,8 +132,10 @@ def with_tokenizer(path: str, vocab_size: int, choice: str, scratch: str) -> str
 # ---- the server process ----------------------------------------------------------
 
 def engine_options(args: argparse.Namespace, max_model_len: int) -> dict[str, Any]:
-    """Engine options shared by the server (as CLI flags) and the offline ``LLM``."""
-    opts: dict[str, Any] = dict(max_model_len=max_model_len, max_num_seqs=args.max_num_seqs)
+    """Engine options shared by the server (as CLI flags) and the offline ``LLM``; the step
+    budget is named, since the two defaults differ (serve 8192, ``LLM`` on CUDA 16384)."""
+    opts: dict[str, Any] = dict(max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens)
     if args.enforce_eager:
         opts["enforce_eager"] = True
     return opts
@@ -614,6 +617,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-duration", type=float, default=20.0,
                     help="a finite rate sends the requests of about this many seconds")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="step budget of both the server and offline generate() (serve's default)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--engine-process", action="store_true",
                     help="serve with the engine in its own process (serve --engine-process)")

@@ -90,8 +90,10 @@ def test_smoke_run_on_cpu(tmp_path) -> None:
     assert [r["rate"] for r in data["rates"]] == ["4", "inf"]
     for r in data["rates"]:
         assert r["requests"] == r["completed"] == 8 and r["failures"] == 0
-        # The synthetic tokenizer gives every token text: one chunk per token.
-        assert r["chunks"] == r["output_tokens"] == data["offline"]["completion_tokens"] > 0
+        # Every token has text (synthetic tokenizer); a stream behind the engine gets the
+        # tokens waiting for it in one chunk, so there are at most as many chunks as tokens.
+        assert r["output_tokens"] == data["offline"]["completion_tokens"] > 0
+        assert 0 < r["chunks"] <= r["output_tokens"]
         assert r["output_tok_s"] > 0 and r["request_throughput"] > 0
         for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert 0 < r[metric]["p50"] <= r[metric]["p99"]
