@@ -72,14 +72,29 @@ def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = 
     cfg = model_class.config_class(**copy.deepcopy({**numbers, **overrides}), initializer_range=std)
     cfg.architectures = [architecture]
     torch.manual_seed(seed)
-    # Built directly in the target dtype: an 8B model in float32 would need 32 GB of host memory.
+    # Built directly in the target dtype: an 8B model in float32 would need 32 GB of host
+    # memory. On a GPU when there is one: initialising 8B parameters on the CPU took
+    # minutes (its 150 s benchmark limits ran out on the two-H200 machine); safetensors
+    # copies each tensor to the host as it writes.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
     try:
-        model = model_class(cfg)
+        try:
+            with torch.device(device):
+                model = model_class(cfg)
+        except (RuntimeError, TypeError, ValueError) as e:  # not yet run on a GPU: say so, go on
+            if device == "cpu":
+                raise
+            print(f"building {shapes} on the GPU failed ({type(e).__name__}: {e}); on the CPU instead")
+            device = "cpu"
+            model = model_class(cfg)
     finally:
         torch.set_default_dtype(default)
     model.save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the engine that loads it sizes its KV pool from free memory
     return path
 
 
