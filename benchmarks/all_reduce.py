@@ -14,45 +14,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.gpu_timing import graph_us
 from benchmarks.throughput import write_summary
 from minivllm.executor.distributed import free_port
 from minivllm.layers import all_reduce as ar
 
 ROWS = (1, 8, 32, 64, 128, 256, 512, 1024)
 REPS, REPLAYS = 50, 20
-
-
-def graph_time_us(fn: Any, x: torch.Tensor) -> float:
-    """Median µs per call of ``fn(x)`` captured ``REPS`` times in one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            fn(x)
-    times = []
-    for _ in range(REPLAYS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / REPS)
-    del g
-    return statistics.median(times)
 
 
 def nccl(x: torch.Tensor) -> torch.Tensor:
@@ -74,12 +48,14 @@ def worker(rank: int, world: int, port: int, hidden: int, dtype_name: str, q: An
         row: dict[str, Any] = dict(rows=m, kb=m * hidden * dtype.itemsize / 1024)
         want = x.clone()
         dist.all_reduce(want)
-        if why is None:
-            got = ar.installed()(x)
+        fast = ar.installed()
+        if fast is not None:
+            got = fast(x)
             torch.cuda.synchronize()
             row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
-            row["one_shot_us"] = graph_time_us(ar.installed(), x)
-        row["nccl_us"] = graph_time_us(nccl, x.clone())
+            row["one_shot_us"] = graph_us(lambda i: fast(x), REPS, REPLAYS, dist.barrier)
+        y = x.clone()
+        row["nccl_us"] = graph_us(lambda i: nccl(y), REPS, REPLAYS, dist.barrier)
         rows.append(row)
     if rank == 0:
         q.put(dict(rows=rows, symm_mem=why or "installed"))

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_timing import graph_us
 from benchmarks.throughput import write_summary
 
 
@@ -36,21 +37,6 @@ def host_us(fn: Callable[[], Any], n: int = 200) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return dt * 1e6
-
-
-def graph_us(fn: Callable[[], Any], n: int = 20) -> float:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / n
 
 
 def cases(rows: int, device: str, smoke: bool) -> list[tuple[str, str, Callable[[], Any]]]:
@@ -113,7 +99,7 @@ def main() -> None:
     for n in ([8] if args.smoke else args.rows):
         for op, variant, fn in cases(n, device, args.smoke):
             h = host_us(fn)
-            gpu = None if args.smoke else graph_us(fn)
+            gpu = None if args.smoke else graph_us(lambda i: fn(), 20, replays=1)
             rows.append(dict(op=op, variant=variant, rows=n, host_us=h, gpu_us=gpu))
             print(f"{op:22s} {variant:9s} {n:6d} {h:8.1f} {'-' if gpu is None else f'{gpu:8.1f}':>8s}", flush=True)
     write_summary("launch_overhead", {"args": vars(args), "rows": rows})

@@ -24,9 +24,9 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable
-
 import torch
+
+from benchmarks.gpu_timing import graph_us
 
 NUM_LAYERS = 28
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
@@ -90,32 +90,6 @@ def check(x: dict[str, torch.Tensor]) -> float:
                (cache_new.float() - cache_old.float()).abs().max().item())
 
 
-def graph_time_us(fn: Callable[[dict[str, torch.Tensor], int], torch.Tensor], x: dict[str, torch.Tensor],
-                  replays: int = 50) -> float:
-    """Median replay time of a CUDA graph of NUM_LAYERS calls, per call, in us."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):   # warm up (compile) off the capture
-        for layer in range(NUM_LAYERS):
-            fn(x, layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(NUM_LAYERS):
-            fn(x, layer)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / NUM_LAYERS)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, checks only")
@@ -144,7 +118,8 @@ def main() -> None:
             diff = check(x)
             bench = {name: triton.testing.do_bench(lambda fn=fn: fn(x, 0), return_mode="median") * 1e3
                      for name, fn in (("old", old_path), ("new", new_path))}
-            graph = {name: graph_time_us(fn, x) for name, fn in (("old", old_path), ("new", new_path))}
+            graph = {name: graph_us(lambda layer, fn=fn: fn(x, layer), NUM_LAYERS, replays=50)
+                     for name, fn in (("old", old_path), ("new", new_path))}
             print(f"{str(dtype)[6:]:>8} {t:>6} {diff:>10.2e} {bench['old']:>13.2f} {bench['new']:>13.2f} "
                   f"{graph['old']:>10.2f} {graph['new']:>10.2f} {graph['old'] / graph['new']:>8.2f}x", flush=True)
     print(f"total {time.perf_counter() - t0:.1f}s")

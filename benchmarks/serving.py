@@ -60,7 +60,6 @@ import math
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -72,6 +71,7 @@ import numpy as np
 
 from benchmarks.throughput import (Workload, add_common_args, bench_device, met, model_path,
                                    offline_workload, run_offline, write_summary)
+from minivllm.executor.distributed import free_port
 
 TARGET_RATIO = 0.9
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,12 +148,6 @@ def cli_flags(opts: dict[str, Any]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     return flags
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

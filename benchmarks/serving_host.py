@@ -162,7 +162,8 @@ async def lean_client(port: int, bodies: list[bytes]) -> list[tuple[float, float
 def run_served(args: argparse.Namespace) -> dict[str, float]:
     import httpx
 
-    from benchmarks.serving import free_port, request_body
+    from benchmarks.serving import request_body
+    from minivllm.executor.distributed import free_port
 
     port = free_port()
     proc = multiprocessing.get_context("spawn").Process(target=serve, args=(args, port))  # may spawn

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from minivllm.executor.distributed import free_port
 from minivllm.layers import all_reduce as ar
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import (
@@ -50,13 +50,6 @@ QKV_HEADS = {2: [(4, 1), (4, 2), (8, 4)], 3: [(6, 1), (6, 3)]}
 # smaller than the shards need (4 -> 2 + 2 + 0: the last rank holds only padding).
 VOCABS = {2: [12, 11], 3: [12, 10, 4]}
 Case = dict[str, np.ndarray]
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the OS picks it; never hard-coded)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def t(a: np.ndarray) -> torch.Tensor:
