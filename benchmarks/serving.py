@@ -23,7 +23,8 @@ rates); one untimed warm-up of short requests precedes the first rate. Per rate:
 - request throughput and output tok/s: completed requests and their output
   tokens / (last token received - first request sent);
 - TTFT: first streamed chunk - request sent;
-- TPOT: (last chunk - first chunk) / (output tokens - 1), per request;
+- TPOT: (last chunk - first chunk) / (output tokens - 1), per request (0 when all of a
+  request's tokens arrived at once);
 - ITL: the gap between consecutive chunks of a request, over all requests.
 
 The server sends one SSE chunk per engine step that adds text; a token whose text

@@ -95,8 +95,13 @@ def test_smoke_run_on_cpu(tmp_path) -> None:
         assert r["output_tokens"] == data["offline"]["completion_tokens"] > 0
         assert 0 < r["chunks"] <= r["output_tokens"]
         assert r["output_tok_s"] > 0 and r["request_throughput"] > 0
-        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
-            assert 0 < r[metric]["p50"] <= r[metric]["p99"]
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        # A stream whose tokens arrive merged (or in one socket read) has zero gaps: TPOT
+        # and ITL can be 0 on this fast tiny model, never negative; ITL exists only where
+        # some request got two chunks.
+        assert 0 <= r["tpot_ms"]["p50"] <= r["tpot_ms"]["p99"]
+        if r["chunks"] > r["completed"]:
+            assert 0 <= r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
     assert data["offline"]["tok_s"] > 0 and data["ratio_server_offline"] > 0
 
 
