@@ -63,9 +63,9 @@ def plot_decode_attention(data: dict[str, Any]) -> "Figure":
         ax.bar_label(bars, labels=[f"{100 * g / copy:.0f}%" for g in gbs], fontsize="small", padding=2)
     ax.axhline(copy, color="black", linestyle="--", linewidth=1, label=f"copy {copy:,.0f} GB/s")
     ax.set_xticks(x, [f"batch {r['batch']}\nctx {r['context']}" for r in rows])
-    ax.set(ylabel="GB/s (K/V, q, out, tables read or written)",
+    ax.set(ylabel="GB/s (K/V, q, out, tables read or written)", ylim=(0, copy * 1.3),
            title="paged decode attention vs copy bandwidth (labels: % of copy)")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper center", ncols=3, fontsize="small")  # above the bars, clear of them
     return fig
 
 
@@ -180,7 +180,7 @@ def plot_step_timeline(data: dict[str, Any]) -> "Figure":
 
 
 def plot_all_reduce(data: dict[str, Any]) -> "Figure":
-    """µs per all-reduce against the message size: NCCL and the one-shot kernel."""
+    """µs per all-reduce against the message size: NCCL and the one- and two-shot kernels."""
     from sim.plot import new_figure
 
     rows = data["rows"]
@@ -191,6 +191,8 @@ def plot_all_reduce(data: dict[str, Any]) -> "Figure":
     ax.plot(kb, [r["nccl_us"] for r in rows], "o-", label="NCCL", color="#4c72b0")
     if all("one_shot_us" in r for r in rows):
         ax.plot(kb, [r["one_shot_us"] for r in rows], "s-", label="one-shot (symmetric memory)", color="#dd8452")
+    if all("two_shot_us" in r for r in rows):
+        ax.plot(kb, [r["two_shot_us"] for r in rows], "^-", label="two-shot (symmetric memory)", color="#55a868")
     a = data.get("args", {})
     ax.set(xscale="log", xlabel="message (KB)", ylabel="µs per all-reduce (in a CUDA graph)", ylim=(0, None),
            title=f"all-reduce over {a.get('world_size', '?')} GPUs, {a.get('dtype', '')}")
@@ -254,10 +256,11 @@ def plot_tp_scaling(summaries: list[dict[str, Any]]) -> "Figure":
 
 def plotter_for(path: Path) -> Callable[[dict[str, Any]], "Figure"] | None:
     """The plotter of a summary file (``throughput_tp2.json``, ``throughput_llama-3.2-1b.json``
-    are throughput summaries), or None."""
+    are throughput summaries, ``serving_engine_process.json`` a serving one), or None."""
     stem = path.stem
-    if stem.startswith("throughput_"):
-        stem = "throughput"
+    for family in ("throughput", "serving"):  # throughput_tp2, serving_engine_process, ...
+        if stem.startswith(family + "_"):
+            stem = family
     return PLOTTERS.get(stem)
 
 

@@ -174,12 +174,12 @@ class ServerProcess:
     """
 
     def __init__(self, model: str, port: int, device: str, seed: int, options: dict[str, Any],
-                 log_path: str, engine_process: bool = False) -> None:
+                 log_path: str, engine_process: bool = True) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "minivllm", "serve", model, "--host", "127.0.0.1",
                "--port", str(port), "--device", device, "--seed", str(seed), *cli_flags(options),
-               *(["--engine-process"] if engine_process else [])]
+               "--engine-process" if engine_process else "--no-engine-process"]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
         print("server:", " ".join(cmd), flush=True)
@@ -615,8 +615,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="step budget of both the server and offline generate() (serve's default)")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--engine-process", action="store_true",
-                    help="serve with the engine in its own process (serve --engine-process)")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="serve with the engine in its own process (serve's default; "
+                         "--no-engine-process: in the server's thread)")
     ap.add_argument("--client-procs", type=int, default=None,
                     help="client processes (default: 4 on cuda, 1 on cpu)")
     ap.add_argument("--tokenizer", choices=("auto", "synthetic"), default="auto",

@@ -48,6 +48,7 @@ This module also holds the helpers the other end-to-end benchmarks share
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import gc
@@ -281,30 +282,42 @@ def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32) -> 
                      use_tqdm=False)
 
     run(steps + 1)                                                       # warm-up, same shapes
-    total_prefill, nccl_prefill = _profiled_kernel_us(lambda: run(1))
-    total_all, nccl_all = _profiled_kernel_us(lambda: run(steps + 1))
-    total, nccl = total_all - total_prefill, nccl_all - nccl_prefill
+    prefill = _profiled_kernel_us(lambda: run(1))
+    decode = _profiled_kernel_us(lambda: run(steps + 1))
+    decode.subtract(prefill)
+    total = sum(decode.values())
+    nccl = sum(t for name, t in decode.items() if is_all_reduce_kernel(name))
+    top = [dict(name=name[:120], us_per_step=t / steps) for name, t in decode.most_common(TOP_KERNELS)]
     r = dict(batch=batch, decode_steps=steps, kernel_us_per_step=total / steps,
-             allreduce_us_per_step=nccl / steps, allreduce_share=nccl / total if total > 0 else 0.0)
+             allreduce_us_per_step=nccl / steps, allreduce_share=nccl / total if total > 0 else 0.0,
+             top_kernels=top)
     print(f"decode at batch {batch}: GPU kernels {r['kernel_us_per_step']:.0f} us/step, all-reduce "
           f"{r['allreduce_us_per_step']:.0f} us/step = {100 * r['allreduce_share']:.1f}% (rank 0)", flush=True)
+    for k in top:
+        print(f"  {k['us_per_step']:8.1f} us/step  {k['name'][:100]}")
     return r
 
 
-def _profiled_kernel_us(fn: Any) -> tuple[float, float]:
-    """(all CUDA kernel time, NCCL kernel time) in us while ``fn()`` runs."""
+TOP_KERNELS = 12
+
+
+def is_all_reduce_kernel(name: str) -> bool:
+    """NCCL's kernels and torch's symmetric-memory all-reduce kernels."""
+    n = name.lower()
+    return "nccl" in n or "allreduce" in n or "all_reduce" in n
+
+
+def _profiled_kernel_us(fn: Any) -> collections.Counter:
+    """CUDA kernel time in us by kernel name while ``fn()`` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-    total = nccl = 0.0
+    times: collections.Counter = collections.Counter()
     for ev in prof.events():
         if str(getattr(ev, "device_type", "")).endswith("CUDA"):
-            t = getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
-            total += t
-            if "nccl" in ev.name.lower() or "allreduce" in ev.name.lower():
-                nccl += t
-    return total, nccl
+            times[ev.name] += getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
+    return times
 
 
 # ---- Hugging Face --------------------------------------------------------------

@@ -39,9 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(else $MINIVLLM_API_KEY if set; neither: no key)")
-    s.add_argument("--engine-process", action="store_true",
-                   help="run the engine in its own process (the HTTP loop and the engine stop "
-                        "sharing one GIL)")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process, as vLLM does (the HTTP loop and the "
+                        "engine stop sharing one GIL: 0.96 of offline generate() on an H200 "
+                        "against 0.69 with --no-engine-process)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; a larger one is answered 413")
     _add_engine_args(s)

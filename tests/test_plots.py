@@ -247,8 +247,8 @@ SUMMARIES: dict[str, dict[str, Any]] = {
                            "output_tok_s": 7500.0}],
                 "offline": {"tok_s": 15500.0}},
     "all_reduce": {"args": {"world_size": 2, "dtype": "bfloat16"}, "rows": [
-        {"rows": 1, "kb": 8.0, "nccl_us": 12.7, "one_shot_us": 6.7},
-        {"rows": 1024, "kb": 8192.0, "nccl_us": 53.3, "one_shot_us": 63.9}]},
+        {"rows": 1, "kb": 8.0, "nccl_us": 12.7, "one_shot_us": 6.7, "two_shot_us": 8.3},
+        {"rows": 1024, "kb": 8192.0, "nccl_us": 53.3, "one_shot_us": 63.9, "two_shot_us": 36.2}]},
     "step_timeline": {"wall_s": 0.05, "steps": [{"ms": 30.0, "seqs": 3, "prefill": 900, "decode": 0},
                                                 {"ms": 6.0, "seqs": 3, "prefill": 0, "decode": 3},
                                                 {"ms": 2.0, "seqs": 1, "prefill": 0, "decode": 1}],
@@ -287,7 +287,7 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     assert np.allclose(bar_heights(ax), [6.0, 5.9, 4.2, 1.1])  # GPU busy per mode, then the exposed host time on top
 
     ax = panels(bench_plots.plot_all_reduce(SUMMARIES["all_reduce"]))["latency"]
-    assert [list(line.get_ydata()) for line in ax.lines] == [[12.7, 53.3], [6.7, 63.9]]
+    assert [list(line.get_ydata()) for line in ax.lines] == [[12.7, 53.3], [6.7, 63.9], [8.3, 36.2]]
     assert list(ax.lines[0].get_xdata()) == [8.0, 8192.0]
 
     ax = panels(bench_plots.plot_serving(SUMMARIES["serving"]))

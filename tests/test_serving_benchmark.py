@@ -81,7 +81,7 @@ def test_smoke_run_on_cpu(tmp_path) -> None:
     cmd = [sys.executable, "-m", "benchmarks.serving", "--model", "fixtures/tiny-qwen3",
            "--num-requests", "8", "--rates", "4,inf", "--device", "cpu",
            "--tokenizer", "synthetic", "--out", str(out),
-           "--engine-process"]  # serve's engine-process path end to end (test_server covers the thread)
+           "--engine-process"]  # serve's default layout end to end (test_server covers the thread)
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=SMOKE_TIMEOUT)

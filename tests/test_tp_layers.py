@@ -339,3 +339,21 @@ def test_tp_layer_matches_unsharded(world_failures, check):
 
 def test_no_child_process_left(world_failures):
     assert not mp.active_children()
+
+
+def test_two_shot_rule_large_messages_whose_shares_align() -> None:
+    """The symmetric-memory path sends a message to the two-shot kernel from
+    ``TWO_SHOT_MIN_BYTES`` up when each rank's share is whole 16-byte vectors; the rest
+    (and every message on a torch without the kernel) to the one-shot kernel. The
+    kernels themselves run only on GPUs (tests_gpu/test_tp_gpu.py)."""
+    fast = object.__new__(ar.SymmMemAllReduce)  # the rule alone: no symmetric memory on the CPU
+    fast.world_size, fast._two_shot = 2, object()
+    big = torch.empty(ar.TWO_SHOT_MIN_BYTES // 2, dtype=torch.bfloat16)
+    assert fast.uses_two_shot(big)
+    assert not fast.uses_two_shot(big[:-8])  # 16 bytes under the minimum
+    assert not fast.uses_two_shot(torch.empty(big.numel() + 8, dtype=torch.bfloat16))  # half a vector per rank
+    fast.world_size = 4
+    assert not fast.uses_two_shot(torch.empty(big.numel() + 8, dtype=torch.bfloat16))
+    assert fast.uses_two_shot(torch.empty(big.numel() + 32, dtype=torch.bfloat16))
+    fast._two_shot = None
+    assert not fast.uses_two_shot(big)

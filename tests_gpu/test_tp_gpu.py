@@ -95,7 +95,7 @@ FAULT_SCRIPT = textwrap.dedent("""
     import os, sys
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(sys.argv[1], skip_tokenizer_init=True, num_blocks=256, max_model_len=256,
+    llm = LLM(sys.argv[1], skip_tokenizer_init=True, num_blocks=256, max_model_len=64,
               tensor_parallel_size=2)
     print("PATH", llm.engine.executor.all_reduce_path, flush=True)
     try:

@@ -223,7 +223,7 @@ class ModelExecutor:
             self.all_reduce_path = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda" and not config.disable_custom_all_reduce:
                 why_not = all_reduce.install_symm_mem_all_reduce(self.device, self.dtype)
-                self.all_reduce_path = "one-shot (symmetric memory) + nccl" if why_not is None \
+                self.all_reduce_path = "one-shot / two-shot (symmetric memory) + nccl" if why_not is None \
                     else f"nccl ({why_not})"
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads

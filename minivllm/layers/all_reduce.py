@@ -13,15 +13,17 @@ Two paths, one function:
   kernel and one barrier, where NCCL's ring pays a protocol per message: at 8 KB (the
   batch-1 decode step's all-reduce of Qwen3-8B) 6.7 us against NCCL's 12.7 on two
   H200s, in CUDA graphs (``benchmarks.all_reduce``). vLLM's custom all-reduce and its
-  symmetric-memory communicator do the same.
+  symmetric-memory communicator do the same. From 256 KB (a decode step of 32 or more
+  tokens) the **two-shot** kernel over the same buffer instead: each rank reduces its
+  1/world share and writes it to every peer, half the traffic for one more barrier
+  (15.2 us against one-shot's 21.9 and NCCL's 33.7 at 2 MB).
 
-No NVLink multicast is used (``multimem`` ops need it; the one-shot kernel reads peers
-with ordinary loads), so the device machines' ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``
-stands.
+No NVLink multicast is used (``multimem`` ops need it; the one-shot and two-shot kernels
+read and write peers with ordinary loads and stores), so the device machines'
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` stands.
 
 The executor installs the fast path (``install_symm_mem_all_reduce``) after the process
-group exists and before CUDA graphs are captured; graphs then bake in the one-shot
-kernel. ``uninstall`` releases it (before the group is destroyed).
+group exists and before CUDA graphs are captured; graphs then bake in its kernels. ``uninstall`` releases it (before the group is destroyed).
 """
 
 from __future__ import annotations
@@ -29,13 +31,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# Largest message the one-shot path takes; larger ones go to NCCL. Each rank reads
-# every peer's whole message, so its cost grows with world size x bytes, where NCCL's
-# ring moves 2 x bytes / world size per rank: small messages are the one-shot's.
-# Measured on two H200s over NVLink, bf16, in CUDA graphs (``benchmarks.all_reduce``):
-# one-shot 6.7 us vs NCCL 12.7 us at 8 KB, 23.0 vs 33.7 at 2 MB, 37.3 vs 39.9 at 4 MB,
-# and 63.9 vs 53.3 at 8 MB: the one-shot path up to 4 MB.
-DEFAULT_MAX_BYTES = 4 << 20
+# Largest message the symmetric-memory paths take; larger ones go to NCCL. The one-shot
+# kernel has every rank read every peer's whole message (one barrier); the two-shot
+# kernel has each rank reduce its 1/world share and write it to every peer (a
+# reduce-scatter and an all-gather, two barriers): less traffic, one more barrier.
+# Measured on two H200s over NVLink, bf16, in CUDA graphs (``benchmarks.all_reduce``,
+# us per all-reduce, NCCL / one-shot / two-shot):
+#     8 KB 11.9 / 6.6 / 8.3;  64 KB 12.6 / 7.4 / 8.4;  256 KB 13.0 / 9.5 / 9.0;
+#     2 MB 33.7 / 21.9 / 15.2;  8 MB 52.3 / 62.6 / 36.2.
+# So: one-shot below 256 KB (a decode step's activations up to 32 tokens of Qwen3-8B),
+# two-shot from there to 8 MB, NCCL above (prefill chunks).
+DEFAULT_MAX_BYTES = 8 << 20
+TWO_SHOT_MIN_BYTES = 256 << 10
 
 
 class SymmMemAllReduce:
@@ -64,7 +71,10 @@ class SymmMemAllReduce:
         self.max_numel = max_bytes // dtype.itemsize
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
-        self._op = torch.ops.symm_mem.one_shot_all_reduce_copy
+        self.world_size = dist.get_world_size(group)
+        self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy
+        # Absent from older torch builds: then the one-shot kernel takes every size.
+        self._two_shot = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes this way: the dtype, contiguous, 16-byte sized, small enough."""
@@ -72,10 +82,20 @@ class SymmMemAllReduce:
         return (x.dtype == self.dtype and x.is_contiguous() and 0 < n <= self.max_numel
                 and (n * x.element_size()) % 16 == 0)
 
+    def uses_two_shot(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (which this path takes) goes through the two-shot kernel: from
+        ``TWO_SHOT_MIN_BYTES`` up, when every rank's share is a whole number of 16-byte
+        vectors."""
+        return (self._two_shot is not None and x.numel() * x.element_size() >= TWO_SHOT_MIN_BYTES
+                and (x.numel() * x.element_size()) % (16 * self.world_size) == 0)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over ranks, as a new tensor (``x`` is left as it was)."""
         slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
-        return self._op(slot, x, "sum", self.group_name)
+        if self.uses_two_shot(x):
+            slot.copy_(x)  # the two-shot kernel reduces in the symmetric buffer (it scratches it)
+            return self._two_shot(slot, "sum", self.group_name, torch.empty_like(x))
+        return self._one_shot(slot, x, "sum", self.group_name)
 
 
 _installed: SymmMemAllReduce | None = None
