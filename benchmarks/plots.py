@@ -264,18 +264,36 @@ def plotter_for(path: Path) -> Callable[[dict[str, Any]], "Figure"] | None:
     return PLOTTERS.get(stem)
 
 
+def plot_file(path: str | Path) -> Path | None:
+    """Write ``<name>.png`` beside the summary ``<name>.json``; None for a summary without a
+    plotter. Raises ``ImportError`` (naming the ``plot`` extra) without matplotlib."""
+    from sim.plot import save
+
+    path = Path(path)
+    plotter = plotter_for(path)
+    if plotter is None:
+        return None
+    with open(path) as f:
+        return save(plotter(json.load(f)), path.with_suffix(".png"))
+
+
+def figure_beside(path: str | Path) -> None:
+    """What a benchmark calls after writing its summary: ``plot_file``, saying what it
+    wrote, or, without matplotlib (the GPU machine may lack it), how to draw it later."""
+    try:
+        png = plot_file(path)
+    except ImportError as e:
+        print(f"no figure ({e}); `python -m benchmarks.plots {Path(path).parent}` draws it later")
+    else:
+        if png is not None:
+            print(f"figure written to {png}")
+
+
 def plot_dir(directory: str | Path) -> list[Path]:
     """Write ``<name>.png`` beside each known ``<name>.json`` in ``directory``; the PNGs written."""
     from sim.plot import save
 
-    written = []
-    for path in sorted(Path(directory).glob("*.json")):
-        plotter = plotter_for(path)
-        if plotter is None:
-            continue
-        with open(path) as f:
-            fig = plotter(json.load(f))
-        written.append(save(fig, path.with_suffix(".png")))
+    written = [png for path in sorted(Path(directory).glob("*.json")) if (png := plot_file(path))]
     summaries = []
     for path in sorted(Path(directory).glob("throughput*.json")):
         with open(path) as f:

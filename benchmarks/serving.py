@@ -70,6 +70,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.plots import figure_beside
 from benchmarks.throughput import (Workload, add_common_args, bench_device, met, model_path,
                                    offline_workload, run_offline, write_summary)
 from minivllm.executor.distributed import free_port
@@ -681,6 +682,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)
+        figure_beside(args.out)
     if any(r["failures"] for r in results["rates"]):
         raise SystemExit(1)
 

@@ -135,7 +135,8 @@ def mode_name(on: bool) -> str:
 
 
 def write_summary(name: str, data: dict[str, Any]) -> None:
-    """$OUT/<name>.json when OUT is set."""
+    """$OUT/<name>.json when OUT is set, and its figure ``<name>.png`` beside it
+    (``benchmarks.plots``) when matplotlib is installed."""
     out = os.environ.get("OUT")
     if not out:
         return
@@ -144,6 +145,9 @@ def write_summary(name: str, data: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
     print(f"summary written to {path}")
+    from benchmarks.plots import figure_beside
+
+    figure_beside(path)
 
 
 def met(value: float, goal: float, lower_is_better: bool = False) -> str:

@@ -88,6 +88,7 @@ def test_smoke_run_on_cpu(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [r["rate"] for r in data["rates"]] == ["4", "inf"]
+    assert (tmp_path / "serving.png").stat().st_size > 0, proc.stdout[-2000:]  # its figure, beside it
     for r in data["rates"]:
         assert r["requests"] == r["completed"] == 8 and r["failures"] == 0
         # Every token has text (synthetic tokenizer); a stream behind the engine gets the

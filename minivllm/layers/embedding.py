@@ -71,6 +71,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)  # (S, shard_size)
         if self.tp_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        torch.distributed.all_gather(parts, logits)
-        return torch.cat(parts, dim=-1)[:, : self.num_embeddings]
+        # One collective into one buffer (rank-major), then one copy into (S, vocab) order.
+        rows, shard = logits.shape
+        parts = logits.new_empty((self.tp_size * rows, shard))
+        torch.distributed.all_gather_into_tensor(parts, logits.contiguous())
+        return parts.view(self.tp_size, rows, shard).permute(1, 0, 2).reshape(rows, -1)[:, : self.num_embeddings]
