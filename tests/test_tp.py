@@ -195,6 +195,32 @@ def test_no_worker_outlives_the_driver(random_model: str, tmp_path: Path, ending
     assert not any(alive(p) for p in pids), f"worker(s) left behind after {ending}"
 
 
+UNGUARDED_SCRIPT = textwrap.dedent("""
+    import sys
+    from minivllm import LLM
+
+    # No `if __name__ == "__main__":` guard: each spawned worker re-runs this line while
+    # importing the main module and dies before it joins the process group.
+    LLM(sys.argv[1], device="cpu", attention_backend="torch", skip_tokenizer_init=True,
+        block_size=4, max_model_len=96, num_blocks=40, tensor_parallel_size=2)
+""")
+
+
+def test_worker_dying_before_it_joins_is_an_error_not_a_hang(random_model: str, tmp_path: Path) -> None:
+    """A worker that never reaches the rendezvous (here: a script without a main guard, a
+    mistake users make) is a clear error within seconds, naming the likely cause, where
+    the driver would otherwise wait in ``init_process_group`` for the whole timeout."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), random_model], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 60, "the dead worker took too long to surface"
+    assert "minivllm-tp-rank1 exited" in proc.stderr and "__main__" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_tp_size_the_model_cannot_split_is_refused_before_any_process(random_model: str) -> None:
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(random_model, **ENGINE, tensor_parallel_size=3)

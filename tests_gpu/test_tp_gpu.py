@@ -95,18 +95,22 @@ FAULT_SCRIPT = textwrap.dedent("""
     import os, sys
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(sys.argv[1], skip_tokenizer_init=True, num_blocks=256, max_model_len=64,
-              tensor_parallel_size=2)
-    print("PATH", llm.engine.executor.all_reduce_path, flush=True)
-    try:
-        llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                     use_tqdm=False)
-        print("NO ERROR", flush=True)
-    except RuntimeError as e:
-        print("CAUGHT", " ".join(str(e).split())[:300], flush=True)
-    llm.close()
-    print("CLOSED", flush=True)
-    os._exit(0)  # rank 0's stream may hold a one-shot kernel its dead peer never releases
+    def main():
+        llm = LLM(sys.argv[1], skip_tokenizer_init=True, num_blocks=256, max_model_len=64,
+                  tensor_parallel_size=2)
+        print("PATH", llm.engine.executor.all_reduce_path, flush=True)
+        try:
+            llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                         use_tqdm=False)
+            print("NO ERROR", flush=True)
+        except RuntimeError as e:
+            print("CAUGHT", " ".join(str(e).split())[:300], flush=True)
+        llm.close()
+        print("CLOSED", flush=True)
+        os._exit(0)  # rank 0's stream may hold a one-shot kernel its dead peer never releases
+
+    if __name__ == "__main__":  # spawned workers import this module
+        main()
 """)
 
 

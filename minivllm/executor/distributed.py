@@ -2,7 +2,7 @@
 
     driver process (rank 0)                      worker process r = 1 .. N-1 (spawned)
     LLMEngine --plan--> TPExecutor.submit        loop:
-        broadcast(plan)   ----- gloo ----->          plan = broadcast(...)   (None: stop)
+        plans.send(plan)  ----- pipe ----->          plan = pipe.recv()      (None: stop)
         ModelExecutor(rank 0).submit(plan)           ModelExecutor(rank r).submit(plan)
             ... all-reduces inside the model (gloo on the CPU, NCCL on GPUs) ...
         <-- StepResult (rank 0's samples)
@@ -22,6 +22,12 @@ collectives. A pipe, not a gloo ``broadcast_object_list``: on a 2-core CPU the
 driver spends 85 us per batch-1 plan (gloo: 942 us) and 721 us per batch-256 plan,
 pickling included (gloo: 1,990 us), and a pipe reports a peer's death itself (EOF,
 broken pipe). ``python -m benchmarks.plan_broadcast`` measures both.
+
+Start-up: the driver serves the rendezvous ``TCPStore`` (on a port the OS picks)
+before it spawns the workers, and each worker checks in on it before joining the
+process group; until all have, the driver watches the workers, so one that dies
+first (a script without a main guard: spawn re-imports it) is an error at once,
+not a wait for the group's timeout.
 
 Failure: a worker that raises puts its traceback on a queue and exits; the
 driver checks the queue and the workers' liveness before every step and after
@@ -75,6 +81,7 @@ FAULT_ENV = "MINIVLLM_TP_FAULT"
 TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
+JOIN_POLL_S = 0.02  # how often the driver looks for workers' check-ins at start-up
 # How often rank 0 checks its workers while it waits for a step that a one-shot
 # all-reduce may have stalled (a step takes milliseconds; this adds at most this much).
 POLL_S = 50e-6
@@ -143,14 +150,33 @@ def _rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device == "cuda" else device
 
 
-def _init_group(spec: RankSpec, rank: int) -> dist.ProcessGroup:
-    """Join the process group; returns a CPU (gloo) group (start-up agreement on the KV pool)."""
+def _store(spec: RankSpec | None, rank: int, timeout_s: float, world_size: int = 0) -> dist.TCPStore:
+    """The rendezvous store: rank 0 serves it (on a port the OS picks when ``spec`` is
+    None: it exists before the spec), the workers connect to ``spec``'s address."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False)
+    assert spec is not None
+    return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+                         timeout=timeout)
+
+
+def _joined_key(rank: int) -> str:
+    return f"minivllm/joined/{rank}"
+
+
+def _init_group(spec: RankSpec, rank: int, store: dist.TCPStore) -> dist.ProcessGroup:
+    """Join the process group; returns a CPU (gloo) group (start-up agreement on the KV pool).
+    A worker first checks in on the store, so the driver can tell a worker that never
+    comes from a slow one (``TPExecutor._wait_for_workers``)."""
     cuda = spec.executor_config.device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend="nccl" if cuda else "gloo", init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-        world_size=spec.world_size, rank=rank, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    if rank:
+        store.set(_joined_key(rank), "1")
+    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, world_size=spec.world_size,
+                            rank=rank, timeout=datetime.timedelta(seconds=spec.timeout_s))
     return dist.new_group(backend="gloo") if cuda else dist.group.WORLD
 
 
@@ -183,7 +209,7 @@ def _worker_main(rank: int, spec: RankSpec, errors: Any, plans: Connection) -> N
     fault = _fault(rank)
     try:
         freeze_imported_objects()
-        group = _init_group(spec, rank)
+        group = _init_group(spec, rank, _store(spec, rank, spec.timeout_s))
         if fault == "load":
             raise RuntimeError(f"injected fault at load ({FAULT_ENV})")
         executor = _build_executor(spec, rank, group)
@@ -237,8 +263,12 @@ class TPExecutor:
                 and all_reduce.used_in_this_process():  # every rank must agree: tell them all
             config = replace(config, disable_custom_all_reduce=True)
             self._all_reduce_note = " (the one-shot path runs once per process: layers/all_reduce.py)"
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        # Served here before any worker starts, on a port the OS picked (never hard-coded,
+        # and no window between choosing a free port and binding it).
+        self._store = _store(None, 0, timeout_s, world_size=tp)
         self.spec = RankSpec(model_config, str(model_path), scheduler_config, cache_config, config,
-                             "127.0.0.1", free_port(), float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+                             "127.0.0.1", self._store.port, timeout_s)
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
         self.plans = PlanPipes(ctx, tp - 1)
@@ -251,7 +281,8 @@ class TPExecutor:
         self.plans.close_readers()  # the workers hold them now: a dead worker is a broken pipe
         atexit.register(_close_at_exit, weakref.ref(self))
         try:
-            self.group = _init_group(self.spec, 0)
+            self._wait_for_workers()
+            self.group = _init_group(self.spec, 0, self._store)
             self.local = _build_executor(self.spec, 0, self.group)
         except BaseException as e:
             self._closed = True
@@ -311,6 +342,26 @@ class TPExecutor:
     def all_reduce_path(self) -> str:
         """How rank 0's all-reduces travel (``ModelExecutor.all_reduce_path``)."""
         return self.local.all_reduce_path + self._all_reduce_note
+
+    def _wait_for_workers(self) -> None:
+        """Return once every worker has checked in on the store. A worker that exits first
+        (or reports an error) is a ``RuntimeError`` at once, where ``init_process_group``
+        would wait for the whole timeout; so is the timeout itself."""
+        keys = [_joined_key(r) for r in range(1, self.spec.world_size)]
+        deadline = time.monotonic() + self.spec.timeout_s
+        while not self._store.check(keys):
+            self._raise_worker_error(None)
+            dead = next((p for p in self.workers if p.exitcode is not None), None)
+            if dead is not None:
+                raise RuntimeError(
+                    f"tensor-parallel worker {dead.name} exited (code {dead.exitcode}) before joining the "
+                    "process group. Workers are spawned and import the main module first: a script "
+                    "that builds the LLM at import time must do it under `if __name__ == \"__main__\":` "
+                    "(the worker's own traceback is above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not join within {self.spec.timeout_s:.0f} s "
+                                   f"(${TIMEOUT_ENV})")
+            wait_for_sentinels([p.sentinel for p in self.workers], timeout=JOIN_POLL_S)  # wakes on an exit
 
     def _check_workers(self) -> None:
         if self._closed:
