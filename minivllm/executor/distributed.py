@@ -81,7 +81,9 @@ FAULT_ENV = "MINIVLLM_TP_FAULT"
 TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
-JOIN_POLL_S = 0.02  # how often the driver looks for workers' check-ins at start-up
+JOIN_POLL_S = 0.02
+WEDGED_NOTE = ("rank 0's GPU stream is left waiting in a symmetric-memory all-reduce for the dead "
+               "rank; no abort releases it, so this process cannot use that GPU again: restart it")  # how often the driver looks for workers' check-ins at start-up
 # How often rank 0 checks its workers while it waits for a step that a one-shot
 # all-reduce may have stalled (a step takes milliseconds; this adds at most this much).
 POLL_S = 50e-6
@@ -276,6 +278,7 @@ class TPExecutor:
                                     daemon=True, name=f"minivllm-tp-rank{r}") for r in range(1, tp)]
         self._healthy = False
         self._closed = False
+        self._wedged = False  # rank 0's stream waits in an all-reduce for a dead peer
         for p in self.workers:
             p.start()
         self.plans.close_readers()  # the workers hold them now: a dead worker is a broken pipe
@@ -393,6 +396,9 @@ class TPExecutor:
         if self._closed:
             return
         self._closed = True
+        if self._wedged:  # any GPU call could wait on the stuck kernel: only end the workers
+            self._terminate()
+            return
         if self._healthy and all(p.is_alive() for p in self.workers):
             try:
                 self.plans.send(None)
@@ -410,6 +416,10 @@ class TPExecutor:
         wait_for_sentinels([p.sentinel for p in self.workers])
         if not self._closed:
             self._healthy = False
+            if all_reduce.installed() is not None:
+                # The driver polls its step (``_CheckedHandle``) and sees the verdict; an
+                # abort here could wait on a symmetric-memory kernel that never ends.
+                return
             try:
                 _leave_group()
             except Exception:  # the main thread reports the worker's error
@@ -442,8 +452,14 @@ class _CheckedHandle:
             # verdict still reaches the caller.
             while not done.query():
                 if not self.executor._healthy:
-                    self.executor._check_workers()
-                    raise RuntimeError("tensor-parallel group failed during this step")
+                    # This rank's stream now waits for good: nothing on this GPU may be
+                    # waited for again in this process (``close`` only ends the workers).
+                    self.executor._wedged = True
+                    try:
+                        self.executor._check_workers()
+                        raise RuntimeError("tensor-parallel group failed during this step")
+                    except RuntimeError as e:
+                        raise RuntimeError(f"{e}\n{WEDGED_NOTE}") from e.__cause__
                 time.sleep(POLL_S)
         out = self.handle.result()
         if not self.executor._healthy:  # the watchdog aborted the collectives: say why
