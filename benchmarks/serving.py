@@ -627,7 +627,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds without a byte before a request fails")
-    ap.add_argument("--out", default=None, help="also write the JSON summary here")
+    ap.add_argument("--out", default=None, help="write the JSON summary here (default: $OUT/serving.json when OUT is set)")
     args = ap.parse_args(argv)
     try:
         args.rates = parse_rates(args.rates)
@@ -678,11 +678,12 @@ def main(argv: list[str] | None = None) -> None:
     if any(math.isinf(r) for r in args.rates):
         results["offline"] = run_offline_llm(args, su)
         compare(results)
-    write_summary("serving", results)
-    if args.out:
+    if args.out:  # instead of $OUT/serving.json: two runs in one $OUT must not overwrite each other
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)
         figure_beside(args.out)
+    else:
+        write_summary("serving", results)
     if any(r["failures"] for r in results["rates"]):
         raise SystemExit(1)
 
