@@ -445,12 +445,12 @@ class _CheckedHandle:
         self.handle, self.executor = handle, executor
 
     def result(self) -> StepResult:
-        done = getattr(self.handle, "done", None)
-        if done is not None and all_reduce.installed() is not None:
+        ready = getattr(self.handle, "ready", None)  # CUDA steps have it
+        if ready is not None and all_reduce.installed() is not None:
             # A one-shot all-reduce whose peer died spins on the GPU for good (no abort
             # releases it, as one does NCCL's): wait by polling, so the watchdog's
             # verdict still reaches the caller.
-            while not done.query():
+            while not ready():
                 if not self.executor._healthy:
                     # This rank's stream now waits for good: nothing on this GPU may be
                     # waited for again in this process (``close`` only ends the workers).

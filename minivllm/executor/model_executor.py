@@ -153,6 +153,11 @@ class _CudaStep:
         self.host = host
         self.done = done
 
+    def ready(self) -> bool:
+        """Whether the step has finished (no wait): a caller that must stay responsive
+        while it waits polls this (``distributed._CheckedHandle``)."""
+        return self.done.query()
+
     def result(self) -> StepResult:
         self.done.synchronize()  # the one wait per step: by now usually already past
         return self.outputs.unpack(self.host.numpy())
