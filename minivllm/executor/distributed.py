@@ -81,9 +81,9 @@ FAULT_ENV = "MINIVLLM_TP_FAULT"
 TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
-JOIN_POLL_S = 0.02
+JOIN_POLL_S = 0.02  # how often the driver looks for workers' check-ins at start-up
 WEDGED_NOTE = ("rank 0's GPU stream is left waiting in a symmetric-memory all-reduce for the dead "
-               "rank; no abort releases it, so this process cannot use that GPU again: restart it")  # how often the driver looks for workers' check-ins at start-up
+               "rank; no abort releases it, so this process cannot use that GPU again: restart it")
 # How often rank 0 checks its workers while it waits for a step that a one-shot
 # all-reduce may have stalled (a step takes milliseconds; this adds at most this much).
 POLL_S = 50e-6

@@ -23,7 +23,8 @@ read and write peers with ordinary loads and stores), so the device machines'
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` stands.
 
 The executor installs the fast path (``install_symm_mem_all_reduce``) after the process
-group exists and before CUDA graphs are captured; graphs then bake in its kernels. ``uninstall`` releases it (before the group is destroyed).
+group exists and before CUDA graphs are captured; graphs then bake in its kernels.
+``uninstall`` releases it (before the group is destroyed).
 """
 
 from __future__ import annotations
