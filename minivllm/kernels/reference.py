@@ -96,3 +96,15 @@ def paged_attention_reference(
         probs = scores.softmax(dim=-1)
         out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+def all_reduce_add_rms_norm_reference(parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+                                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``kernels/all_reduce_rms_norm.py`` returns on every rank: the ranks' partial
+    sums added in rank order in float32 and rounded (the all-reduce), then
+    ``add_rms_norm_ref``."""
+    total = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)
+    for p in parts:
+        total += p.float()
+    s = total.to(parts[0].dtype) + residual
+    return rms_norm_ref(s, weight, eps), s

@@ -1,0 +1,167 @@
+"""Tensor-parallel all-reduce fused with the residual add and RMSNorm after it.
+
+A row-parallel layer (``o_proj``, ``down_proj``) leaves each rank a partial sum
+``x_r``; the decoder then adds the sum to the residual stream and normalises. Unfused
+that is two kernels and two passes (the all-reduce, then ``rms_norm`` with its
+residual); here one kernel over symmetric memory (every rank's buffer mapped into
+every rank's address space over NVLink)::
+
+    copy x_rank into this rank's symmetric buffer      (rows of this program)
+    barrier 1: every rank's copy of these rows is done
+    s   = x_0 + x_1 + ... + x_{W-1}     rank order on every rank (so they agree bit
+                                        for bit), fp32, rounded to x's dtype: what
+                                        the all-reduce would return
+    s   = s + residual                  rounded: the new residual stream
+    out = w * (s / sqrt(mean(s^2) + eps))   as ``kernels/rms_norm.py``
+    barrier 2: every rank has read these rows (a peer may overwrite its buffer next)
+
+Barriers are per program: program p of each rank handles the same rows (the grid
+depends only on the row count) and meets program p of every peer on one flag per
+(channel, program, peer) in a symmetric int32 signal pad. Signalling a peer swaps
+its flag 0 -> 1 (release, system scope), waiting swaps one's own 1 -> 0 (acquire),
+so a flag is never set twice before it is consumed. Each rank's own term comes
+from ``x`` itself; only peers' buffers are read over NVLink.
+
+``SYNC=False`` skips both barriers: tests on the CPU (``TRITON_INTERPRET=1``) run
+the ranks one after the other in one process, with the buffers filled beforehand.
+
+Torch reference: :func:`minivllm.kernels.reference.all_reduce_add_rms_norm_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2
+
+MAX_PROGRAMS = 256  # flags per channel and peer; the grid is at most this many programs
+CHANNELS = 2        # barrier 1 and barrier 2
+MAX_HIDDEN = 16384
+
+
+def signal_pad_numel(world_size: int) -> int:
+    """int32 flags a rank's signal pad needs (zeroed before first use)."""
+    return CHANNELS * MAX_PROGRAMS * world_size
+
+
+@triton.jit
+def _flag(pad_ptrs, owner, channel, pid, src, WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+    """Address of flag (channel, pid, src) in rank ``owner``'s signal pad."""
+    pad = tl.load(pad_ptrs + owner).to(tl.pointer_type(tl.int32))
+    return pad + (channel * MAX_PROGRAMS + pid) * WORLD + src
+
+
+@triton.jit
+def _barrier(pad_ptrs, channel, pid, RANK: tl.constexpr, WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+    """Meet program ``pid`` of every other rank. Writes before it (by any thread of this
+    program) are visible to the peers after it, and theirs to this program."""
+    tl.debug_barrier()  # every thread's stores precede the release below
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            flag = _flag(pad_ptrs, peer, channel, pid, RANK, WORLD, MAX_PROGRAMS)
+            while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            flag = _flag(pad_ptrs, RANK, channel, pid, peer, WORLD, MAX_PROGRAMS)
+            while tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()  # every thread's loads follow the acquire above
+
+
+@triton.jit
+def _all_reduce_add_rms_norm_kernel(
+    x_ptr,                                # (T, N) this rank's partial sums, contiguous
+    buf_ptrs,                             # (WORLD,) int64: each rank's symmetric buffer (>= T*N)
+    pad_ptrs,                             # (WORLD,) int64: each rank's int32 signal pad
+    residual_ptr, weight_ptr,             # (T, N) contiguous, (N,)
+    out_ptr, residual_out_ptr,            # (T, N) contiguous
+    T, eps,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+    MAX_PROGRAMS: tl.constexpr, SYNC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    dtype = x_ptr.dtype.element_ty
+    mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(dtype))
+    for row in range(pid, T, nprog):
+        at = row * N + offs  # < the buffer's numel: int32 is enough
+        tl.store(mine + at, tl.load(x_ptr + at, mask=mask), mask=mask)
+    if SYNC:
+        _barrier(pad_ptrs, 0, pid, RANK, WORLD, MAX_PROGRAMS)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, T, nprog):
+        at = row * N + offs  # < the buffer's numel: int32 is enough
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                part = tl.load(x_ptr + at, mask=mask, other=0.0)
+            else:
+                peer = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype))
+                part = tl.load(peer + at, mask=mask, other=0.0, volatile=True)
+            acc += part.to(tl.float32)
+        s = acc.to(dtype)                                            # the all-reduce's output
+        res = tl.load(residual_ptr + at, mask=mask, other=0.0)
+        s = (s.to(tl.float32) + res.to(tl.float32)).to(dtype)       # one rounding, as torch's add
+        tl.store(residual_out_ptr + at, s, mask=mask)
+        s32 = s.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(s32 * s32, axis=0) / N + eps)
+        normed = (s32 * rstd).to(dtype).to(tl.float32)
+        tl.store(out_ptr + at, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if SYNC:
+        _barrier(pad_ptrs, 1, pid, RANK, WORLD, MAX_PROGRAMS)
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            buf_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, world_size: int,
+                            sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(sum_r x_r + residual), sum_r x_r + residual)`` over the ranks.
+
+    Every rank calls it with the same shapes (each with its own ``x``), in the same
+    order relative to its other collectives.
+
+    Args:
+        x: (T, N) this rank's partial sums, contiguous.
+        residual: like ``x``.
+        weight: (N,).
+        eps: added to the mean square.
+        buf_ptrs: (world_size,) int64 on x's device: every rank's symmetric buffer,
+            each at least ``T * N`` elements of x's dtype.
+        pad_ptrs: (world_size,) int64: every rank's signal pad, ``signal_pad_numel``
+            int32 flags, zero before the first call (and zero again after each).
+        rank, world_size: this rank and the group's size.
+        sync: False only for single-process tests (no barriers; see module doc).
+
+    Raises:
+        TypeError: non-float tensors, or int64 pointer tables of another dtype.
+        ValueError: shapes that disagree, non-contiguous tensors, a bad rank.
+    """
+    check_dtype("x", x, (torch.bfloat16, torch.float16, torch.float32))
+    check_dtype("residual", residual, (x.dtype,))
+    check_dtype("weight", weight, (torch.bfloat16, torch.float16, torch.float32))
+    check_dtype("buf_ptrs", buf_ptrs, (torch.int64,))
+    check_dtype("pad_ptrs", pad_ptrs, (torch.int64,))
+    if x.dim() != 2 or not x.is_contiguous() or residual.shape != x.shape or not residual.is_contiguous():
+        raise ValueError(f"x and residual must be contiguous (T, N) of one shape, got {tuple(x.shape)} "
+                         f"and {tuple(residual.shape)}")
+    if weight.shape != x.shape[-1:] or x.shape[-1] > MAX_HIDDEN:
+        raise ValueError(f"weight must be ({x.shape[-1]},) with N <= {MAX_HIDDEN}, got {tuple(weight.shape)}")
+    if not 0 <= rank < world_size or buf_ptrs.shape != (world_size,) or pad_ptrs.shape != (world_size,):
+        raise ValueError(f"rank {rank} of {world_size} with pointer tables {tuple(buf_ptrs.shape)}, "
+                         f"{tuple(pad_ptrs.shape)}")
+    check_same_device(x=x, residual=residual, weight=weight, buf_ptrs=buf_ptrs, pad_ptrs=pad_ptrs)
+    t, n = x.shape
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty_like(x)
+    if t:
+        block = next_pow2(n)
+        _all_reduce_add_rms_norm_kernel[(min(t, MAX_PROGRAMS),)](
+            x, buf_ptrs, pad_ptrs, residual, weight, out, res_out, t, float(eps),
+            N=n, BLOCK_N=block, RANK=rank, WORLD=world_size, MAX_PROGRAMS=MAX_PROGRAMS, SYNC=sync,
+            num_warps=max(1, min(16, block // 256)),
+        )
+    return out, res_out

@@ -1,0 +1,106 @@
+"""The fused all-reduce + residual add + RMSNorm kernel (``kernels/all_reduce_rms_norm.py``)
+against its torch reference, on the CPU under TRITON_INTERPRET=1 (conftest).
+
+The ranks run one after the other in this process: "symmetric buffers" are plain
+tensors whose addresses go in the pointer tables, and a later rank's buffer is filled
+before an earlier rank runs (what that rank's first phase would have written). The
+barriers run only where they can complete in that order: with SYNC on, every flag a
+rank waits for is set beforehand, and the flags each rank leaves behind are checked
+against the protocol (swap 0 -> 1 on the peer to signal, 1 -> 0 on one's own to wait).
+The kernel with real peers runs on two GPUs (tests_gpu/test_tp_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.kernels.all_reduce_rms_norm import (
+    MAX_PROGRAMS, all_reduce_add_rms_norm, signal_pad_numel,
+)
+from minivllm.kernels.reference import all_reduce_add_rms_norm_reference
+
+
+# The norm's mean is summed in another order than torch's: an ulp of the statistic apart.
+NORM_TOLERANCE = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.float16: dict(rtol=1e-3, atol=1e-6),
+                  torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def ptr_table(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+def flag(pad: torch.Tensor, channel: int, pid: int, src: int, world: int) -> torch.Tensor:
+    return pad[(channel * MAX_PROGRAMS + pid) * world + src]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world,rows,hidden", [(2, 3, 64), (3, 5, 48), (2, 300, 32)])
+def test_every_rank_gets_the_reference(dtype: torch.dtype, world: int, rows: int, hidden: int) -> None:
+    """Every rank returns the same bits (the sum is taken in rank order everywhere). The
+    new residual equals the reference bit for bit in float32 and float16 (same fp32 sum,
+    same roundings), the output within an ulp of the norm's statistic; bf16 within one
+    bf16 step, as the interpreter truncates fp32 -> bf16 casts where CUDA rounds
+    (tests/test_kernels.py). 300 rows exceed the grid (programs loop over rows)."""
+    g = torch.Generator().manual_seed(rows * 10 + world)
+    parts = [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(world)]
+    residual = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    want_out, want_res = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
+    bufs = [torch.full((rows * hidden + 7,), float("nan"), dtype=dtype) for _ in range(world)]
+    for r in range(1, world):  # later ranks "already copied" their partial sums
+        bufs[r][: rows * hidden] = parts[r].reshape(-1)
+    pads = [torch.zeros(signal_pad_numel(world), dtype=torch.int32) for _ in range(world)]
+    exact = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+    close = NORM_TOLERANCE[dtype]
+    first = None
+    for rank in range(world):
+        out, res = all_reduce_add_rms_norm(parts[rank], residual, weight, 1e-6, ptr_table(bufs),
+                                           ptr_table(pads), rank, world, sync=False)
+        torch.testing.assert_close(res, want_res, **exact)
+        torch.testing.assert_close(out, want_out, **close)
+        if first is None:
+            first = (out, res)
+        assert torch.equal(out, first[0]) and torch.equal(res, first[1]), f"rank {rank} disagrees with rank 0"
+        assert torch.equal(bufs[rank][: rows * hidden], parts[rank].reshape(-1))  # its copy for the peers
+        assert torch.isnan(bufs[rank][rows * hidden:]).all()  # nothing past its rows
+    assert all(int(p.count_nonzero()) == 0 for p in pads)  # no barrier without sync
+
+
+def test_barrier_flags_follow_the_protocol() -> None:
+    """Two ranks, two programs each, run rank 0 then rank 1 with barriers on. Rank 1
+    has already signalled rank 0 on both channels; rank 0 consumes those and signals
+    rank 1, whose waits then pass and whose signals land on rank 0's (now clear) flags."""
+    world, rows, hidden = 2, 2, 32
+    parts = [torch.randn(rows, hidden) for _ in range(world)]
+    residual, weight = torch.randn(rows, hidden), torch.ones(hidden)
+    bufs = [torch.zeros(rows * hidden) for _ in range(world)]
+    bufs[1].copy_(parts[1].reshape(-1))
+    pads = [torch.zeros(signal_pad_numel(world), dtype=torch.int32) for _ in range(world)]
+    for channel in range(2):
+        for pid in range(rows):
+            flag(pads[0], channel, pid, 1, world).fill_(1)  # rank 1's signals, sent earlier
+    want = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
+    for rank in range(world):
+        got = all_reduce_add_rms_norm(parts[rank], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads),
+                                      rank, world, sync=True)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        torch.testing.assert_close(got[0], want[0], **NORM_TOLERANCE[torch.float32])
+    for channel in range(2):
+        for pid in range(rows):
+            assert int(flag(pads[1], channel, pid, 0, world)) == 0  # rank 0 signalled, rank 1 consumed
+            assert int(flag(pads[0], channel, pid, 1, world)) == 1  # rank 1's signal, for a next rank-0 run
+    assert int(pads[0].sum()) == 2 * rows and int(pads[1].sum()) == 0  # no other flag touched
+
+
+def test_bad_arguments_are_named() -> None:
+    x = torch.zeros(2, 8)
+    ptrs = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 2, 2)
+    with pytest.raises(TypeError, match="buf_ptrs"):
+        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs.int(), ptrs, 0, 2)
+    with pytest.raises(ValueError, match="weight"):
+        all_reduce_add_rms_norm(x, x, torch.ones(4), 1e-6, ptrs, ptrs, 0, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        all_reduce_add_rms_norm(x.t(), x.t(), torch.ones(2), 1e-6, ptrs, ptrs, 0, 2)
