@@ -1,6 +1,8 @@
-"""The tensor-parallel all-reduce by message size: NCCL against the one-shot
-symmetric-memory kernel (``minivllm/layers/all_reduce.py``), each inside a CUDA graph
-as a decode step runs it, and the one-shot result checked against NCCL's first.
+"""The tensor-parallel all-reduce by message size: NCCL against torch's one-shot and
+two-shot symmetric-memory kernels (``minivllm/layers/all_reduce.py``), each inside a
+CUDA graph as a decode step runs it, results checked against NCCL's first; then the
+all-reduce fused with the residual add + RMSNorm after it
+(``kernels/all_reduce_rms_norm.py``) against the all-reduce followed by ``rms_norm``.
 
     python3 -m benchmarks.all_reduce [--world-size 2] [--dtype bfloat16]
 
@@ -24,6 +26,7 @@ from benchmarks.gpu_timing import graph_us
 from benchmarks.throughput import write_summary
 from minivllm.executor.distributed import free_port
 from minivllm.layers import all_reduce as ar
+from minivllm.layers.norm import add_rms_norm
 
 ROWS = (1, 8, 32, 64, 128, 256, 512, 1024)
 REPS, REPLAYS = 50, 20
@@ -48,7 +51,9 @@ def worker(rank: int, world: int, port: int, hidden: int, dtype_name: str, q: An
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     dtype = getattr(torch, dtype_name)
     dev = torch.device("cuda", rank)
-    why = ar.install_symm_mem_all_reduce(dev, dtype, max_bytes=max(ROWS) * hidden * dtype.itemsize)
+    why = ar.install_symm_mem_all_reduce(dev, dtype, max_bytes=max(ROWS) * hidden * dtype.itemsize,
+                                         fuse_norm=True)
+    norm_w = torch.rand(hidden, device=dev, dtype=dtype) + 0.5
     rows = []
     for m in ROWS:
         g = torch.Generator(device=dev).manual_seed(1000 * rank + m)
@@ -69,6 +74,17 @@ def worker(rank: int, world: int, port: int, hidden: int, dtype_name: str, q: An
                 row["two_shot_us"] = graph_us(lambda i: two_shot(fast, x), REPS, REPLAYS, dist.barrier)
             except (RuntimeError, AttributeError) as e:
                 row["two_shot_error"] = f"{type(e).__name__}: {e}"[:200]
+            if fast.fuses_norm:  # all-reduce + residual add + RMSNorm: one kernel vs two
+                res = torch.randn(m, hidden, device=dev, dtype=dtype, generator=g)
+                fused = fast.add_rms_norm(x, res, norm_w, 1e-6)
+                unfused = add_rms_norm(fast(x), res, norm_w, 1e-6)
+                torch.cuda.synchronize()
+                row["fused_max_abs_diff"] = max(float((a.float() - b.float()).abs().max())
+                                                for a, b in zip(fused, unfused))
+                row["fused_norm_us"] = graph_us(lambda i: fast.add_rms_norm(x, res, norm_w, 1e-6),
+                                                REPS, REPLAYS, dist.barrier)
+                row["unfused_norm_us"] = graph_us(lambda i: add_rms_norm(fast(x), res, norm_w, 1e-6),
+                                                  REPS, REPLAYS, dist.barrier)
         y = x.clone()
         row["nccl_us"] = graph_us(lambda i: nccl(y), REPS, REPLAYS, dist.barrier)
         rows.append(row)
@@ -103,6 +119,12 @@ def main() -> None:
         print(f"{r['rows']:>6} {r['kb']:>8.0f} {r['nccl_us']:>9.2f} {r.get('one_shot_us', float('nan')):>12.2f} "
               f"{r.get('two_shot_us', float('nan')):>12.2f} {r.get('max_abs_diff', float('nan')):>11.3g}"
               + (f"  two-shot: {r['two_shot_error']}" if "two_shot_error" in r else ""))
+    if all("fused_norm_us" in r for r in res["rows"]):
+        print(f"\nall-reduce + residual add + RMSNorm ({args.dtype}): one fused kernel vs all-reduce then rms_norm")
+        print(f"{'rows':>6} {'fused us':>9} {'unfused us':>11} {'max |diff|':>11}")
+        for r in res["rows"]:
+            print(f"{r['rows']:>6} {r['fused_norm_us']:>9.2f} {r['unfused_norm_us']:>11.2f} "
+                  f"{r['fused_max_abs_diff']:>11.3g}")
     write_summary("all_reduce", dict(args=vars(args), **res))
 
 

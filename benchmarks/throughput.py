@@ -201,7 +201,8 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               max_num_seqs=args.max_num_seqs, max_model_len=64 if args.smoke else 2048,
               enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
-              disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False))
+              disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
+              fuse_all_reduce_norm=getattr(args, "fuse_all_reduce_norm", False))
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
     ex = llm.engine.executor
     prefill_graphs = getattr(getattr(ex, "local", ex), "prefill_graph_runner", None) is not None
@@ -460,6 +461,8 @@ def parse_args() -> argparse.Namespace:
                     help="ranks (GPUs) for minivllm; the summary is throughput_tpN.json when N > 1")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="with TP: NCCL for every all-reduce (no one-shot symmetric-memory kernel)")
+    ap.add_argument("--fuse-all-reduce-norm", action="store_true",
+                    help="with TP on CUDA: the all-reduce inside the residual add + RMSNorm kernel")
     args = ap.parse_args()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or set(engines) - {"minivllm", "hf"}:

@@ -142,6 +142,10 @@ class ExecutorConfig:
         disable_custom_all_reduce: with ``tensor_parallel_size > 1`` on CUDA, send every
             all-reduce through NCCL instead of the one-shot symmetric-memory kernel for
             small messages (``layers/all_reduce.py``; vLLM's option of the same name).
+        fuse_all_reduce_norm: with the symmetric-memory path, the all-reduce after
+            ``o_proj`` and ``down_proj`` runs inside the residual add + RMSNorm that
+            follows (one kernel, ``kernels/all_reduce_rms_norm.py``). Off by default
+            until it has run on GPUs.
     """
 
     device: str = "auto"
@@ -153,6 +157,7 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     prefill_graphs: bool | None = None
     disable_custom_all_reduce: bool = False
+    fuse_all_reduce_norm: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -171,6 +176,7 @@ class ExecutorConfig:
         if self.prefill_graphs is not None:
             _check_bool("prefill_graphs", self.prefill_graphs)
         _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
+        _check_bool("fuse_all_reduce_norm", self.fuse_all_reduce_norm)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":

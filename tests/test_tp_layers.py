@@ -40,6 +40,7 @@ from minivllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from minivllm.layers.norm import RMSNorm, add_rms_norm_ref
 
 WORLDS = (2, 3)
 HIDDEN, D = 12, 4
@@ -69,6 +70,14 @@ def row_case(gen: torch.Generator, in_size: int, out_size: int) -> Case:
     full.weight.weight_loader(full.weight, w)
     full.bias.weight_loader(full.bias, b)
     return {"w": n(w), "b": n(b), "x": n(x), "want": n(full(x))}
+
+
+def deferred_norm_case(gen: torch.Generator, in_size: int, out_size: int) -> Case:
+    """A row-parallel layer with bias, then the residual add + RMSNorm after it."""
+    c = row_case(gen, in_size, out_size)
+    residual, weight = torch.randn(5, out_size, generator=gen), torch.rand(out_size, generator=gen) + 0.5
+    want, want_res = add_rms_norm_ref(t(c["want"]), residual, weight, 1e-6)
+    return {**c, "residual": n(residual), "norm_w": n(weight), "want_norm": n(want), "want_res": n(want_res)}
 
 
 def mlp_case(gen: torch.Generator, inter: int) -> Case:
@@ -132,6 +141,7 @@ def make_cases(world: int) -> dict[str, list[Case]]:
         "row_bias_reduced": [row_case(gen, 6 * world, 5)],
         "all_reduce_dispatch": [row_case(gen, 6 * world, 5)],
         "row_bias_unreduced": [row_case(gen, 6 * world, 5)],
+        "deferred_norm": [deferred_norm_case(gen, 6 * world, 8)],
         "mlp": [mlp_case(gen, 4 * world)],
         "attention_gqa": [attention_case(gen, h, kv) for h, kv in QKV_HEADS[world]],
         "vocab": [vocab_case(gen, v, world) for v in VOCABS[world]],
@@ -227,6 +237,50 @@ class StubFastPath:
         return out
 
 
+class StubFusedNorm(StubFastPath):
+    """Stands in for the symmetric-memory path with the fused all-reduce + add + RMSNorm
+    kernel (CUDA only): the same sums through gloo, each kind of call counted."""
+
+    fuses_norm = True
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.norm_calls = 0
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self.norm_calls += 1
+        total = x.clone()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        return add_rms_norm_ref(total, residual, weight, eps)
+
+
+def check_deferred_norm(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """With the fused path installed, a row-parallel layer built with
+    ``reduce_in_next_norm`` leaves its sum to the norm after it (bias still counted once);
+    without it the layer reduces and the norm only normalises: the same result."""
+    out_size, in_size = c["w"].shape
+    layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world, reduce_in_next_norm=True)
+    layer.weight.weight_loader(layer.weight, t(c["w"]))
+    layer.bias.weight_loader(layer.bias, t(c["b"]))
+    norm = RMSNorm(out_size, 1e-6, reduces_input=True)
+    norm.weight.data.copy_(t(c["norm_w"]))
+    x = t(c["x"]).chunk(world, dim=-1)[rank]
+    for fused in (True, False):
+        stub = StubFusedNorm(10 ** 6)
+        stub.fuses_norm = fused
+        ar._installed = stub
+        try:
+            out, res = norm(layer(x), t(c["residual"]))
+        finally:
+            ar.uninstall()
+        expect_close(fail, f"norm output (fused {fused})", out, c["want_norm"])
+        expect_close(fail, f"new residual (fused {fused})", res, c["want_res"])
+        if (stub.norm_calls, stub.calls) != ((1, 0) if fused else (0, 1)):
+            fail(f"fused {fused}: {stub.norm_calls} fused and {stub.calls} plain all-reduces")
+
+
 def check_all_reduce_dispatch(rank: int, world: int, c: Case, fail: Fail) -> None:
     """The layers reduce through ``layers.all_reduce``: an installed fast path gets the
     messages it takes (and its returned tensor is the layer's output), the rest go to
@@ -254,6 +308,7 @@ CHECKS: dict[str, Callable[[int, int, Case, Fail], None]] = {
     "all_reduce_dispatch": check_all_reduce_dispatch,
     "row_bias_reduced": check_row_bias_reduced,
     "row_bias_unreduced": check_row_bias_unreduced,
+    "deferred_norm": check_deferred_norm,
     "mlp": check_mlp,
     "attention_gqa": check_attention_gqa,
     "vocab": check_vocab,
@@ -357,3 +412,31 @@ def test_two_shot_rule_large_messages_whose_shares_align() -> None:
     assert fast.uses_two_shot(torch.empty(big.numel() + 32, dtype=torch.bfloat16))
     fast._two_shot = None
     assert not fast.uses_two_shot(big)
+
+
+def test_decoder_leaves_every_row_parallel_sum_to_the_norm_after_it() -> None:
+    """Model level, in one process: with a stand-in for the fused path installed, every
+    layer's ``o_proj`` and ``down_proj`` sums go through the norm after them (two per
+    layer and forward: the last layer's to the final norm) and no plain all-reduce
+    runs; greedy tokens are those of the plain path. (One rank: the stand-in's "sum"
+    is the rank's own partial; the gloo checks above cover two and three ranks.)"""
+    from pathlib import Path
+
+    from minivllm import LLM, SamplingParams
+
+    fixture = str(Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen3")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    with LLM(fixture, device="cpu", attention_backend="torch", skip_tokenizer_init=True, num_blocks=32,
+             max_model_len=64, block_size=4) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stub = StubFusedNorm(10 ** 9)
+        ar._installed = stub
+        try:
+            got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            ar.uninstall()
+        layers = len(llm.engine.executor.model.model.layers)
+    assert got == want
+    assert stub.calls == 0 and stub.norm_calls > 0 and stub.norm_calls % (2 * layers) == 0, \
+        (stub.calls, stub.norm_calls, layers)

@@ -2,7 +2,8 @@
 
 The first TP=2 engine of the process reduces through the one-shot symmetric-memory
 kernel, later ones through NCCL (``layers/all_reduce.py``: once per process); the
-fault test runs its engine in a subprocess, one-shot again.
+fault test and the fused all-reduce + RMSNorm test run their engines in subprocesses,
+one-shot again.
 
 float32 greedy TP=2 must be token-identical to TP=1 and to HF over 16 prompts with
 shared prefixes (CUDA graphs on, prefix caching on, both scheduling modes); bf16 TP=2
@@ -129,3 +130,42 @@ def test_worker_failing_mid_run_is_an_error_not_a_hang(tmp_path) -> None:
     assert "CAUGHT" in out and "injected fault at step 3" in out, out + proc.stderr[-3000:]
     assert "CLOSED" in out and proc.returncode == 0, out + proc.stderr[-3000:]
     assert time.monotonic() - t0 < 200
+
+
+FUSED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from minivllm import LLM, SamplingParams
+
+    def main():
+        path, prompts_file, new, pool = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+        prompts = json.load(open(prompts_file))
+        with LLM(path, dtype="float32", tensor_parallel_size=2, fuse_all_reduce_norm=True, **pool) as llm:
+            print("PATH", llm.engine.executor.all_reduce_path, flush=True)
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new), use_tqdm=False)
+            print("REPLAYS", llm.engine.executor.graph_runner.num_replays, flush=True)
+        print("TOKENS", json.dumps([list(o.token_ids) for o in outs]), flush=True)
+
+    if __name__ == "__main__":  # spawned workers import this module
+        main()
+""")
+
+
+def test_fp32_tp2_fused_all_reduce_norm_equals_hf(reference, tmp_path) -> None:
+    """``fuse_all_reduce_norm``: o_proj's and down_proj's sums taken inside the residual
+    add + RMSNorm kernel (kernels/all_reduce_rms_norm.py), CUDA graphs on; float32
+    greedy tokens identical to HF's. In a subprocess: the symmetric-memory path is set
+    up by the first tensor-parallel engine of a process only."""
+    import json
+
+    path, prompts, expected, _ = reference
+    script, prompts_file = tmp_path / "fused.py", tmp_path / "prompts.json"
+    script.write_text(FUSED_SCRIPT)
+    prompts_file.write_text(json.dumps(prompts))
+    proc = subprocess.run([sys.executable, str(script), path, str(prompts_file), str(NEW), json.dumps(POOL)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0 and "PATH one-shot" in out and "fused" in out, out + proc.stderr[-3000:]
+    assert "REPLAYS 0" not in out, "TP=2 ran no CUDA graph"
+    tokens = json.loads(out.split("TOKENS ", 1)[1])
+    assert tokens == expected

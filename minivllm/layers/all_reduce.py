@@ -61,7 +61,7 @@ class SymmMemAllReduce:
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, fuse_norm: bool = False) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.group_name = group.group_name
@@ -76,6 +76,34 @@ class SymmMemAllReduce:
         self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy
         # Absent from older torch builds: then the one-shot kernel takes every size.
         self._two_shot = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
+        self.fuses_norm = False
+        if fuse_norm:
+            self._set_up_fused_norm(group, device, symm_mem)
+
+    def _set_up_fused_norm(self, group: dist.ProcessGroup, device: torch.device, symm_mem: object) -> None:
+        """The fused all-reduce + residual add + RMSNorm kernel's tables: every rank's
+        buffer and every rank's signal pad (zeroed on every rank before any is used)."""
+        from minivllm.kernels.all_reduce_rms_norm import signal_pad_numel
+
+        self.rank = dist.get_rank(group)
+        self.pad = symm_mem.empty(signal_pad_numel(self.world_size), dtype=torch.int32,  # type: ignore[attr-defined]
+                                  device=device)
+        self.pad.zero_()
+        pad_handle = symm_mem.rendezvous(self.pad, self.group_name)  # type: ignore[attr-defined]
+        self.buf_ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.pad_ptrs = torch.tensor(list(pad_handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self._pad_handle = pad_handle
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # no peer signals into a pad before it is zero
+        self.fuses_norm = True
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(all_reduce(x), residual)`` in one kernel (``x`` as ``takes`` allows)."""
+        from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm as kernel
+
+        return kernel(x, residual.contiguous(), weight, eps, self.buf_ptrs, self.pad_ptrs,
+                      self.rank, self.world_size)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes this way: the dtype, contiguous, 16-byte sized, small enough."""
@@ -121,9 +149,28 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def defers_to_norm(x: torch.Tensor) -> bool:
+    """Whether a row-parallel output ``x`` that feeds a residual add + RMSNorm leaves its
+    all-reduce to that norm (the fused kernel is installed and takes ``x``). The layer
+    and the norm both ask, about tensors of one shape, so they agree."""
+    fast = _installed
+    return fast is not None and fast.fuses_norm and x.dim() == 2 and fast.takes(x)
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(sum + residual), sum + residual)`` of the ranks' partial sums ``x``,
+    in one kernel; only where ``defers_to_norm(x)``."""
+    assert _installed is not None and _installed.fuses_norm
+    return _installed.add_rms_norm(x, residual, weight, eps)
+
+
 def install_symm_mem_all_reduce(device: torch.device, dtype: torch.dtype,
-                                max_bytes: int = DEFAULT_MAX_BYTES) -> str | None:
-    """Route small all-reduces through the one-shot kernel from now on.
+                                max_bytes: int = DEFAULT_MAX_BYTES, fuse_norm: bool = False) -> str | None:
+    """Route small all-reduces through the symmetric-memory kernels from now on; with
+    ``fuse_norm``, also let row-parallel layers leave their all-reduce to the residual
+    add + RMSNorm after them (``kernels/all_reduce_rms_norm.py``; opt-in until measured
+    on GPUs: ``ExecutorConfig.fuse_all_reduce_norm``).
 
     Every rank must call it (the buffer's rendezvous is a collective). Returns None when
     installed, else why not (the caller reports it; NCCL then takes every message).
@@ -135,7 +182,7 @@ def install_symm_mem_all_reduce(device: torch.device, dtype: torch.dtype,
         return "an earlier process group of this process set it up (once per process)"
     _used_in_this_process = True
     try:
-        _installed = SymmMemAllReduce(dist.group.WORLD, device, dtype, max_bytes)
+        _installed = SymmMemAllReduce(dist.group.WORLD, device, dtype, max_bytes, fuse_norm)
     except (RuntimeError, AttributeError, ImportError) as e:
         _installed = None
         return f"symmetric memory unavailable: {type(e).__name__}: {e}"

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.all_reduce import all_reduce
+from minivllm.layers.all_reduce import all_reduce, defers_to_norm
 
 if TYPE_CHECKING:
     from minivllm.config import ModelConfig
@@ -358,16 +358,21 @@ class RowParallelLinear(LinearBase):
         bias: add a replicated bias.
         tp_rank: this rank; tp_size: number of ranks.
         reduce_results: all-reduce the partial outputs (off: the caller reduces).
+        reduce_in_next_norm: the output goes straight into a residual add + RMSNorm
+            built with ``reduces_input``; when the fused all-reduce + norm kernel takes
+            it (``all_reduce.defers_to_norm``), that norm sums the partial outputs.
 
     Raises:
         ValueError: ``input_size`` is not divisible by ``tp_size``.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True,
+                 reduce_in_next_norm: bool = False) -> None:
         super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size)
         self.input_size = input_size
         self.reduce_results = reduce_results
+        self.reduce_in_next_norm = reduce_in_next_norm
         set_weight_loader(self.weight, self.weight_loader)
         if self.bias is not None:
             set_weight_loader(self.bias, default_weight_loader)
@@ -382,9 +387,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
         y = F.linear(x, self.weight)
-        if self.tp_size > 1 and self.reduce_results:
+        reduced = self.reduce_results and not (self.reduce_in_next_norm and defers_to_norm(y))
+        if self.tp_size > 1 and reduced:
             y = all_reduce(y)
         # Unreduced, y is a partial sum: only rank 0's carries the bias, so it counts once.
-        if self.bias is not None and (self.reduce_results or self.tp_rank == 0):
+        if self.bias is not None and (reduced or self.tp_rank == 0):
             y = y + self.bias
         return y

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from minivllm.layers import fuse
+from minivllm.layers.all_reduce import all_reduce_add_rms_norm, defers_to_norm
 from minivllm.layers.linear import default_weight_loader, set_weight_loader
 
 
@@ -49,9 +50,12 @@ class RMSNorm(nn.Module):
     Qwen3RMSNorm does, so bf16 results round the same way.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, reduces_input: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        # With a residual, ``x`` may be ranks' partial sums left by a row-parallel layer
+        # built with ``reduce_in_next_norm``: then the fused kernel sums them here.
+        self.reduces_input = reduces_input
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         set_weight_loader(self.weight, default_weight_loader)
 
@@ -73,4 +77,6 @@ class RMSNorm(nn.Module):
         """
         if residual is None:
             return self._norm(x)
+        if self.reduces_input and defers_to_norm(x):
+            return all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -117,7 +117,7 @@ class DecoderAttention(nn.Module):
         self.head_dim = d
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * d, config.hidden_size,
-            bias=spec.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size)
+            bias=spec.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size, reduce_in_next_norm=True)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.rotary_emb = rotary
@@ -160,7 +160,8 @@ class DecoderMLP(nn.Module):
         i = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [i, i], tp_rank=tp_rank, tp_size=tp_size)
-        self.down_proj = RowParallelLinear(i, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
+                                           reduce_in_next_norm=True)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
@@ -175,8 +176,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, spec, layer_idx, rotary, backend, tp_rank, tp_size)
         self.mlp = DecoderMLP(config, tp_rank, tp_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # o_proj and down_proj may leave their all-reduce to the norm after them (the
+        # previous layer's down_proj to input_layernorm, the last one's to the final norm).
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, reduces_input=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, reduces_input=True)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +210,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, spec, i, rotary, backend, tp_rank, tp_size)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, reduces_input=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
