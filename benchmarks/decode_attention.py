@@ -47,7 +47,7 @@ from minivllm.kernels.decode_attention import DecodeConfig, choose_num_splits, d
 from minivllm.kernels.reference import paged_attention_reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
-SHAPES = [(64, 1024), (256, 1024), (8, 8192), (16, 8192)]          # (batch, context)
+SHAPES = [(1, 512), (64, 1024), (256, 1024), (8, 8192), (16, 8192)]  # (batch, context); 1 x 512: batch-1 decode
 DTYPE = torch.bfloat16
 DEVICE = "cuda"   # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it
 
@@ -293,20 +293,25 @@ def main() -> None:
         eager, graph = time_us(p, None, None)
         splits = choose_num_splits(batch, NUM_KV_HEADS, context, props.multi_processor_count,
                                    default_config(DTYPE, HEAD_DIM).block_n)
-        rows.append((batch, context, splits, p.bytes_moved, eager, graph, err))
+        fused = None
+        if splits > 1:  # the last split merges in the kernel: one launch instead of two
+            cfg = DecodeConfig(block_n=default_config(DTYPE, HEAD_DIM).block_n, fused_merge=True)
+            err = max(err, check(p, None, cfg))
+            fused = time_us(p, None, cfg)[1]
+        rows.append((batch, context, splits, p.bytes_moved, eager, graph, err, fused))
 
     print(f"\ndecode attention, bf16, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block_size={BLOCK_SIZE}, "
           f"copy bandwidth {copy_gbs:.0f} GB/s")
     print(f"{'batch':>5} {'ctx':>5} {'splits':>6} {'MB':>7} {'eager us':>9} {'GB/s':>6} {'%copy':>6} "
-          f"{'graph us':>9} {'GB/s':>6} {'%copy':>6} {'max err':>8}")
-    for batch, context, splits, nbytes, eager, graph, err in rows:
+          f"{'graph us':>9} {'GB/s':>6} {'%copy':>6} {'max err':>8} {'fused-merge graph us':>21}")
+    for batch, context, splits, nbytes, eager, graph, err, fused in rows:
         e_gbs, g_gbs = nbytes / (eager * 1e-6) / 1e9, nbytes / (graph * 1e-6) / 1e9
         print(f"{batch:>5} {context:>5} {splits:>6} {nbytes / 1e6:>7.1f} {eager:>9.1f} {e_gbs:>6.0f} "
               f"{100 * e_gbs / copy_gbs:>5.1f}% {graph:>9.1f} {g_gbs:>6.0f} {100 * g_gbs / copy_gbs:>5.1f}% "
-              f"{err:>8.1e}")
+              f"{err:>8.1e} {'-' if fused is None else f'{fused:.1f}':>21}")
     write_summary("decode_attention", {"copy_gbs": copy_gbs, "rows": [
-        dict(batch=b, context=c, splits=s, bytes=n, eager_us=e, graph_us=g, max_err=x)
-        for b, c, s, n, e, g, x in rows]})
+        dict(batch=b, context=c, splits=s, bytes=n, eager_us=e, graph_us=g, max_err=x, fused_merge_graph_us=f)
+        for b, c, s, n, e, g, x, f in rows]})
     if not args.no_engine:
         del problems
         torch.cuda.empty_cache()

@@ -129,6 +129,13 @@ DECODE_CASES = [
 ]
 
 
+def decode_arrivals(device: torch.device) -> torch.Tensor:
+    """Every arrival counter the fused merge has used on ``device`` (all must be 0 between launches)."""
+    import minivllm.kernels.decode_attention as da
+
+    return torch.cat(da._ARRIVALS.get(device, []) + [torch.zeros(1, dtype=torch.int32, device=device)])
+
+
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
 def test_decode_attention_matches_reference(case) -> None:
     dtype, bs, h, hkv, d, lens = case
@@ -140,11 +147,15 @@ def test_decode_attention_matches_reference(case) -> None:
     ref = reference_fp32(q, k_cache, v_cache, torch.arange(len(lens) + 1, dtype=torch.int32), kv_lens, tables, scale)
     # None: the heuristic, one split on CPU (direct write, no merge). 3: uneven shares, and
     # empty splits for short rows. block_n 16: several tiles per split, tiles spanning blocks.
-    for num_splits, config in ((None, None), (3, None), (3, DecodeConfig(block_n=16))):
+    # fused_merge: the last split merges in the kernel (twice: its counters reset).
+    for num_splits, config in ((None, None), (3, None), (3, DecodeConfig(block_n=16)),
+                               (3, DecodeConfig(fused_merge=True)), (3, DecodeConfig(block_n=16, fused_merge=True)),
+                               (5, DecodeConfig(block_n=16, fused_merge=True))):
         out = decode_attention(q, k_cache, v_cache, kv_lens, tables, scale, num_splits=num_splits, config=config)
         assert out.shape == q.shape and out.dtype == dtype
         assert_close(out, ref, dtype)
         assert (out[kv_lens == 0] == 0).all()
+    assert int(decode_arrivals(q.device).count_nonzero()) == 0, "a fused merge left its counter set"
 
 
 def test_decode_attention_strided_q() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.kernels.decode_attention import decode_attention
+from minivllm.kernels.decode_attention import DecodeConfig, decode_attention
 from minivllm.kernels.prefill_attention import PrefillConfig, prefill_attention
 from minivllm.kernels.reference import paged_attention_reference, store_kv_reference
 from minivllm.kernels.store_kv import store_kv
@@ -109,8 +109,10 @@ def test_decode_attention(batch: str, dtype: torch.dtype) -> None:
     q = torch.randn(len(lens), H, D, generator=gen, device=DEVICE).to(dtype)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
     ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
-    for num_splits in (None, 1, 7):
-        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, num_splits=num_splits)
+    fused = DecodeConfig(fused_merge=True)  # the last split merges in the kernel
+    for num_splits, config in ((None, None), (1, None), (7, None), (None, fused), (7, fused)):
+        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, num_splits=num_splits,
+                               config=config)
         assert_close(out, ref, dtype)
         assert (out[kv_lens == 0] == 0).all()
 
@@ -127,9 +129,12 @@ def test_decode_attention_block_sizes(block_size: int) -> None:
     assert_close(decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5), ref, torch.bfloat16)
 
 
-def test_decode_attention_cuda_graph() -> None:
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge-kernel", "fused-merge"])
+def test_decode_attention_cuda_graph(fused_merge: bool) -> None:
     """Captured once, replayed on new lengths / tables / queries (including padding rows
-    with kv_len 0): the split count came from shapes, so every replay is right."""
+    with kv_len 0): the split count came from shapes, so every replay is right (with the
+    fused merge: its arrival counters are zero again after every replay)."""
+    config = DecodeConfig(fused_merge=fused_merge)
     gen = torch.Generator(DEVICE).manual_seed(2)
     batch, width, bs = 32, 256, 16
     shape = (batch * width, bs, HKV, D)
@@ -151,11 +156,11 @@ def test_decode_attention_cuda_graph() -> None:
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fill([100] * batch)
-        decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5)  # compile outside capture
+        decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, config=config)  # compile outside capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5)
+        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, config=config)
 
     cu = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     for trial in range(3):

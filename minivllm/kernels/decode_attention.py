@@ -12,8 +12,10 @@ looked up in the block table), and keeps an online softmax in fp32::
 
 Why split: at batch 8 and Hkv 8 there are only 64 (sequence, head) pairs for 132
 SMs; splitting the context gives every SM work. Each split writes its normalised
-partial output and log-sum-exp, and :mod:`merge_attention_splits` combines them.
-With one split the kernel writes the final output itself (no second launch).
+partial output and log-sum-exp, and :mod:`merge_attention_splits` combines them;
+with ``DecodeConfig.fused_merge`` the last split of each (sequence, KV head) to
+finish does that merge itself (an arrival counter per pair), saving the second
+launch. With one split the kernel writes the final output itself.
 
 CUDA-graph capturable: the split count depends on shapes only (batch, KV heads,
 block-table width * block size, SM count), never on tensor values, and nothing
@@ -53,12 +55,18 @@ class DecodeConfig:
     block_n: int = 64     # context tokens per tile; a power of two >= 16 (tl.dot's minimum)
     num_warps: int = 4
     num_stages: int = 3   # software-pipelining depth of the K/V loads
+    # With splits: the last split program of each (sequence, KV head) to finish merges
+    # the splits itself (an arrival counter), instead of a second kernel. Off until
+    # timed on a GPU (benchmarks.decode_attention --fused-merge).
+    fused_merge: bool = False
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, minimum=16)
         check_power_of_two("num_warps", self.num_warps)
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if not isinstance(self.fused_merge, bool):
+            raise ValueError(f"fused_merge must be a bool, got {self.fused_merge!r}")
 
 
 @triton.jit
@@ -70,6 +78,7 @@ def _decode_split_kernel(
     out_ptr,                              # (B, H, D): written only when num_splits == 1
     part_out_ptr,                         # (B, H, S, D) fp32 contiguous: split-normalised output
     part_lse_ptr,                         # (B, H, S) fp32 contiguous: log2-sum-exp2 of the split's scores
+    arrivals_ptr,                         # (B, Hkv) int32, zero between launches: FUSED_MERGE's counters
     scale_log2,                           # softmax scale * log2(e): scores live in base 2
     num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -77,7 +86,7 @@ def _decode_split_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WRITE_FINAL: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
 ):
     kv_head = tl.program_id(0)
@@ -133,6 +142,44 @@ def _decode_split_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=head_ok)
+        if FUSED_MERGE:
+            # Arrive; the last split of this (sequence, KV head) merges all of them. The
+            # barrier puts every thread's stores before the release; acq_rel makes the
+            # other splits' stores visible to the last one, which reads them past L1.
+            tl.debug_barrier()
+            counter = arrivals_ptr + seq * tl.num_programs(0) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.debug_barrier()
+                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_ok, num_splits,
+                             stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_G)
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch (CUDA-graph replays too)
+
+
+@triton.jit
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_ok, num_splits,
+                 stride_ob, stride_oh,
+                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``merge_attention_splits`` for the heads of one KV group of one sequence: two
+    passes over the splits (max log-sum-exp, then the weighted sum)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (seq * NUM_HEADS + heads) * num_splits                      # (BLOCK_G,) first split's row
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for sp in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + base + sp, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, lse)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights exp2(-inf) = 0, not NaN
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for sp in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + base + sp, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(lse - m)
+        part = tl.load(part_out_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
+        total += w
+        acc += w[:, None] * part
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,19 +256,35 @@ def decode_attention(
     if num_splits > 1:
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    fused_merge = config.fused_merge and num_splits > 1
+    arrivals = _arrival_counters(q.device, batch * num_kv_heads) if fused_merge else kv_lens
     group = num_heads // num_kv_heads
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, kv_lens, block_tables, out, part_out, part_lse,
+        q, k_cache, v_cache, kv_lens, block_tables, out, part_out, part_lse, arrivals,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
-        WRITE_FINAL=num_splits == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WRITE_FINAL=num_splits == 1, FUSED_MERGE=fused_merge,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         merge_attention_splits(part_out, part_lse, out)
     return out
+
+
+# Per device: zeroed int32 arrival counters, grown on demand. A replaced buffer is kept
+# alive: CUDA graphs captured with it still use it (each launch leaves it zero again).
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed counters on ``device`` (a prefix of the current buffer)."""
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return buffers[-1]
