@@ -749,3 +749,14 @@ def test_next_pow2_matches_triton() -> None:
 
     assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
     assert all(next_pow2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
+
+
+def test_decode_fused_merge_env_reaches_the_default_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MINIVLLM_DECODE_FUSED_MERGE=1`` (A/B runs on the GPU) turns the in-kernel merge on
+    wherever no config is given, the engine included; unset, it is off."""
+    from minivllm.kernels.decode_attention import FUSED_MERGE_ENV, default_config
+
+    monkeypatch.delenv(FUSED_MERGE_ENV, raising=False)
+    assert not default_config(torch.bfloat16, 128).fused_merge
+    monkeypatch.setenv(FUSED_MERGE_ENV, "1")
+    assert default_config(torch.bfloat16, 128).fused_merge

@@ -28,6 +28,7 @@ with ``cu_seqlens_q = arange(B + 1)``.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -207,10 +208,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(next_pow2(wanted), max_tiles, MAX_SPLITS))
 
 
+# "1": the engine's decode attention merges splits in the kernel (``fused_merge``), for
+# A/B runs of the benchmarks until it has been timed on a GPU and made the default.
+FUSED_MERGE_ENV = "MINIVLLM_DECODE_FUSED_MERGE"
+
+
 def default_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
     """Tile sizes that keep the per-program K/V tiles within shared memory."""
     tile_bytes = 64 * head_dim * (4 if dtype == torch.float32 else 2)
-    return DecodeConfig(block_n=64 if tile_bytes <= 16384 else 32)
+    return DecodeConfig(block_n=64 if tile_bytes <= 16384 else 32,
+                        fused_merge=os.environ.get(FUSED_MERGE_ENV, "0") == "1")
 
 
 def decode_attention(
