@@ -195,6 +195,33 @@ def test_no_worker_outlives_the_driver(random_model: str, tmp_path: Path, ending
     assert not any(alive(p) for p in pids), f"worker(s) left behind after {ending}"
 
 
+def test_close_leaves_a_stuck_gpu_stream_alone(random_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(The decision only; the stuck stream itself exists on GPUs.) After a worker died
+    with the symmetric-memory path installed, a step already queued on rank 0's stream
+    may wait for good in an all-reduce; ``close`` must then not synchronise or abort the
+    group (either hangs: seen on two H200s), only end the workers, and warn that the
+    process must restart."""
+    from minivllm.executor import distributed
+
+    llm = LLM(random_model, **ENGINE, tensor_parallel_size=2)
+    ex = llm.engine.executor
+    pids = worker_pids(llm)
+    left: list[bool] = []
+    real_leave = distributed._leave_group
+    monkeypatch.setattr(distributed, "_leave_group", lambda: left.append(True))
+    monkeypatch.setattr(distributed.all_reduce, "installed", lambda: object())  # "one-/two-shot installed"
+    monkeypatch.setattr(distributed.TPExecutor, "_gpu_drains", lambda self, timeout_s=0.0: False)
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        ex._healthy = False  # what the watchdog (CUDA) or a failed step records
+        with pytest.warns(RuntimeWarning, match="restart"):
+            llm.close()
+        assert not left, "close() left the group (an NCCL abort there hung on GPUs)"
+        assert not any(alive(p) for p in pids)
+    finally:
+        real_leave()  # this test's own cleanup: the gloo group of this process
+
+
 UNGUARDED_SCRIPT = textwrap.dedent("""
     import sys
     from minivllm import LLM

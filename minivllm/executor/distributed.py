@@ -60,6 +60,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -82,6 +83,7 @@ TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
 JOIN_POLL_S = 0.02  # how often the driver looks for workers' check-ins at start-up
+DRAIN_WAIT_S = 2.0  # after a failure, how long close() lets rank 0's queued GPU work finish
 WEDGED_NOTE = ("rank 0's GPU stream is left waiting in a symmetric-memory all-reduce for the dead "
                "rank; no abort releases it, so this process cannot use that GPU again: restart it")
 # How often rank 0 checks its workers while it waits for a step that a one-shot
@@ -396,6 +398,12 @@ class TPExecutor:
         if self._closed:
             return
         self._closed = True
+        if not self._wedged and not self._healthy and all_reduce.installed() is not None \
+                and not self._gpu_drains():
+            # A step submitted before the failure was seen (one step ahead) waits in a
+            # symmetric-memory all-reduce for the dead peer.
+            self._wedged = True
+            warnings.warn(WEDGED_NOTE, RuntimeWarning, stacklevel=2)
         if self._wedged:  # any GPU call could wait on the stuck kernel: only end the workers
             self._terminate()
             return
@@ -410,6 +418,20 @@ class TPExecutor:
         for p in self.workers:
             p.join(timeout=JOIN_TIMEOUT_S if self._healthy else 0.5)
         self._terminate()
+
+    def _gpu_drains(self, timeout_s: float = DRAIN_WAIT_S) -> bool:
+        """Whether rank 0's stream finishes its queued work within ``timeout_s``, polled
+        (a synchronize would wait for good on a kernel whose peer is gone)."""
+        local = getattr(self, "local", None)
+        if local is None or local.device.type != "cuda":
+            return True
+        stream = torch.cuda.current_stream(local.device)
+        deadline = time.monotonic() + timeout_s
+        while not stream.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def _watch_workers(self) -> None:
         """(CUDA) Abort the NCCL communicators when a worker dies before ``close``."""
