@@ -36,12 +36,17 @@ with the worker's own error. A gloo collective fails at once when a peer leaves;
 an NCCL one would wait for its timeout, so on GPUs a watchdog thread in the
 driver waits on the workers' process sentinels and aborts the NCCL communicators
 when one dies, which releases a driver blocked in a collective within seconds.
+A symmetric-memory kernel (``layers/all_reduce.py``) whose peer died is released
+by nothing: rank 0 then polls its step instead of waiting on it, and ``close``
+leaves that stream and the group alone (a synchronise or an abort would hang;
+seen on two H200s), ends the workers and says the process must restart.
 
 Shutdown (``close``, the ``LLM`` context manager, interpreter exit) sends
 ``None`` to a healthy group, and then every rank leaves the process group at the
-same time (gloo destroys it; NCCL communicators are aborted, see ``_leave_group``). After an error or an interrupt
-the group is aborted and the workers are terminated. Workers ignore SIGINT:
-Ctrl-C reaches the driver, which ends them.
+same time (gloo destroys it; NCCL communicators are aborted, see
+``_leave_group``). After an error or an interrupt the group is aborted and the
+workers are terminated. Workers ignore SIGINT: Ctrl-C reaches the driver, which
+ends them.
 
 Testing hook: ``MINIVLLM_TP_FAULT="RANK:load"`` or ``"RANK:stepK"`` makes worker
 RANK raise at load or at its K-th step (tests/test_tp.py uses it).
