@@ -204,8 +204,7 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
               fuse_all_reduce_norm=getattr(args, "fuse_all_reduce_norm", False))
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
-    ex = llm.engine.executor
-    prefill_graphs = getattr(getattr(ex, "local", ex), "prefill_graph_runner", None) is not None
+    prefill_graphs = getattr(llm.engine.executor, "captures_prefill_graphs", False)
     print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks, "
           f"step budget {llm.scheduler_config.max_num_batched_tokens} tokens, prefill graphs "
           f"{'on' if prefill_graphs else 'off'}" + (f", all-reduce: {ar}" if args.tensor_parallel_size > 1 else ""))

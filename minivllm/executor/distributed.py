@@ -353,6 +353,11 @@ class TPExecutor:
         """How rank 0's all-reduces travel (``ModelExecutor.all_reduce_path``)."""
         return self.local.all_reduce_path + self._all_reduce_note
 
+    @property
+    def captures_prefill_graphs(self) -> bool:
+        """As ``ModelExecutor.captures_prefill_graphs`` (every rank does as rank 0)."""
+        return self.local.captures_prefill_graphs
+
     def _wait_for_workers(self) -> None:
         """Return once every worker has checked in on the store. A worker that exits first
         (or reports an error) is a ``RuntimeError`` at once, where ``init_process_group``

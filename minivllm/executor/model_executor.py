@@ -258,6 +258,11 @@ class ModelExecutor:
             if config.prefill_graphs if config.prefill_graphs is not None else self.tp_size == 1:
                 self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
 
+    @property
+    def captures_prefill_graphs(self) -> bool:
+        """Whether prefill and mixed steps replay CUDA graphs (``ExecutorConfig.prefill_graphs``)."""
+        return self.prefill_graph_runner is not None
+
     def make_prefill_graph_runner(self, capture: bool, buckets: list[int] | None = None) -> PrefillGraphRunner:
         """A runner of prefill and mixed steps in token buckets (default: powers of two and the
         token budget); ``capture=False`` runs the padded forward eagerly (the CPU, tests)."""
