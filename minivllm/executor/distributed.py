@@ -159,16 +159,16 @@ def _rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device == "cuda" else device
 
 
-def _store(spec: RankSpec | None, rank: int, timeout_s: float, world_size: int = 0) -> dist.TCPStore:
-    """The rendezvous store: rank 0 serves it (on a port the OS picks when ``spec`` is
-    None: it exists before the spec), the workers connect to ``spec``'s address."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if rank == 0:
-        return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
-                             wait_for_workers=False)
-    assert spec is not None
+def _serve_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store, on a port the OS picks (it exists before the spec)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def _connect_store(spec: RankSpec) -> dist.TCPStore:
+    """A worker's connection to rank 0's store."""
     return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
-                         timeout=timeout)
+                         timeout=datetime.timedelta(seconds=spec.timeout_s))
 
 
 def _joined_key(rank: int) -> str:
@@ -218,7 +218,7 @@ def _worker_main(rank: int, spec: RankSpec, errors: Any, plans: Connection) -> N
     fault = _fault(rank)
     try:
         freeze_imported_objects()
-        group = _init_group(spec, rank, _store(spec, rank, spec.timeout_s))
+        group = _init_group(spec, rank, _connect_store(spec))
         if fault == "load":
             raise RuntimeError(f"injected fault at load ({FAULT_ENV})")
         executor = _build_executor(spec, rank, group)
@@ -275,7 +275,7 @@ class TPExecutor:
         timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         # Served here before any worker starts, on a port the OS picked (never hard-coded,
         # and no window between choosing a free port and binding it).
-        self._store = _store(None, 0, timeout_s, world_size=tp)
+        self._store = _serve_store(tp, timeout_s)
         self.spec = RankSpec(model_config, str(model_path), scheduler_config, cache_config, config,
                              "127.0.0.1", self._store.port, timeout_s)
         ctx = mp.get_context("spawn")

@@ -12,7 +12,7 @@ every rank's address space over NVLink)::
                                         for bit), fp32, rounded to x's dtype: what
                                         the all-reduce would return
     s   = s + residual                  rounded: the new residual stream
-    out = w * (s / sqrt(mean(s^2) + eps))   as ``kernels/rms_norm.py``
+    out = w * (s / sqrt(mean(s^2) + eps))   ``rms_norm.weighted_rms_norm_row``
     barrier 2: every rank has read these rows (a peer may overwrite its buffer next)
 
 Barriers are per program: program p of each rank handles the same rows (the grid
@@ -35,10 +35,10 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2
+from minivllm.kernels.rms_norm import MAX_HIDDEN, weighted_rms_norm_row
 
 MAX_PROGRAMS = 256  # flags per channel and peer; the grid is at most this many programs
 CHANNELS = 2        # barrier 1 and barrier 2
-MAX_HIDDEN = 16384
 
 
 def signal_pad_numel(world_size: int) -> int:
@@ -108,10 +108,7 @@ def _all_reduce_add_rms_norm_kernel(
         res = tl.load(residual_ptr + at, mask=mask, other=0.0)
         s = (s.to(tl.float32) + res.to(tl.float32)).to(dtype)       # one rounding, as torch's add
         tl.store(residual_out_ptr + at, s, mask=mask)
-        s32 = s.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(s32 * s32, axis=0) / N + eps)
-        normed = (s32 * rstd).to(dtype).to(tl.float32)
-        tl.store(out_ptr + at, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + at, weighted_rms_norm_row(s, w, eps, N).to(out_ptr.dtype.element_ty), mask=mask)
     if SYNC:
         _barrier(pad_ptrs, 1, pid, RANK, WORLD, MAX_PROGRAMS)
 

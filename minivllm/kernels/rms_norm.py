@@ -33,6 +33,16 @@ MAX_HIDDEN = 16384
 
 
 @triton.jit
+def weighted_rms_norm_row(x, w, eps, N: tl.constexpr):
+    """``w * (x / sqrt(mean(x^2) + eps))`` of one row ``x`` (its own dtype, padded with
+    zeros past N), ``w`` in fp32: statistics in fp32, the normalised value rounded to
+    x's dtype before the weight multiply. Returns fp32 (the caller casts once)."""
+    x32 = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    return w * (x32 * rstd).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr,                  # (T, N); residual read when HAS_RESIDUAL
     weight_ptr,                           # (N,)
@@ -49,11 +59,8 @@ def _rms_norm_kernel(
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # one rounding, as torch's add
         tl.store(residual_out_ptr + row * N + offs, x, mask=mask)
-    x32 = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
-    normed = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * N + offs, weighted_rms_norm_row(x, w, eps, N).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

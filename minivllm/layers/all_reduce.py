@@ -120,11 +120,19 @@ class SymmMemAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over ranks, as a new tensor (``x`` is left as it was)."""
+        return self.two_shot(x) if self.uses_two_shot(x) else self.one_shot(x)
+
+    def one_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum through the one-shot kernel (any size ``takes`` allows)."""
         slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
-        if self.uses_two_shot(x):
-            slot.copy_(x)  # the two-shot kernel reduces in the symmetric buffer (it scratches it)
-            return self._two_shot(slot, "sum", self.group_name, torch.empty_like(x))
         return self._one_shot(slot, x, "sum", self.group_name)
+
+    def two_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum through the two-shot kernel (needs ``two_shot_all_reduce_out`` and
+        whole 16-byte vectors per rank)."""
+        slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
+        slot.copy_(x)  # the two-shot kernel reduces in the symmetric buffer (it scratches it)
+        return self._two_shot(slot, "sum", self.group_name, torch.empty_like(x))
 
 
 _installed: SymmMemAllReduce | None = None
