@@ -271,12 +271,16 @@ def _engine_line(buf: GraphBuffers, num_layers: int, placement: str, splits: int
 
 
 def main() -> None:
+    global BLOCK_SIZE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time other tile configs and split counts")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-like CUDA-graph section")
     ap.add_argument("--max-model-len", type=int, default=ENGINE_MAX_MODEL_LEN,
                     help="sets the engine-like block-table width (max_model_len / block_size)")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                    help="tokens per KV cache block (the engine's CacheConfig.block_size)")
     args = ap.parse_args()
+    BLOCK_SIZE = args.block_size
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.decode_attention needs a CUDA device")
     props = torch.cuda.get_device_properties(0)

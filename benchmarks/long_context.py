@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     args = ap.parse_args()
     if args.smoke:
         args.num_prompts, args.prompt_len, args.decode_tokens = 2, 64, 16
@@ -225,8 +226,8 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True, max_num_seqs=args.num_prompts,
               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, async_scheduling=True,
-              num_blocks=args.num_prompts * cdiv(max_len, 16) + 64)
+              enable_prefix_caching=False, async_scheduling=True, block_size=args.block_size,
+              num_blocks=args.num_prompts * cdiv(max_len, args.block_size) + 64)
     print(f"start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks", flush=True)
     res: dict[str, Any] = {"args": vars(args), "shape": f"{args.num_prompts} x {args.prompt_len:,}"}
     res["prefill"] = {"minivllm": minivllm_prefill(llm, args)}

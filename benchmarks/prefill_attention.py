@@ -41,7 +41,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from minivllm.kernels.prefill_attention import CONFIG_TABLE, PrefillConfig, default_config, prefill_attention
+from minivllm.kernels.prefill_attention import (
+    CONFIG_TABLE, PrefillConfig, TensorDescriptor, default_config, prefill_attention,
+)
 from minivllm.kernels.reference import paged_attention_reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
@@ -91,12 +93,18 @@ CANDIDATES = [
     PrefillConfig(256, 32, 8, 3),
     PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 4), PrefillConfig(64, 32, 4, 4),
     PrefillConfig(64, 64, 4, 2, heavy_first=False),   # the previous kernel's tiles and grid axes
+    # The pointer path where the TMA path would run (block_size a multiple of block_n):
+    PrefillConfig(128, 64, 8, 3, tma=False), PrefillConfig(128, 128, 8, 2, tma=False),
+    PrefillConfig(64, 64, 4, 3, tma=False),
 ]
 
 
 def label(c: PrefillConfig) -> str:
-    """Short name of a config, e.g. ``m128 n64 w8 s3 heavy``."""
-    return f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} {'heavy' if c.heavy_first else 'perhead'}"
+    """Short name of a config, e.g. ``m128 n64 w8 s3 heavy tma``: ``tma`` where its unmasked
+    tiles come by tensor-memory copy at this block size (``tma_allowed``), else ``ptr``."""
+    tma = c.tma and BLOCK_SIZE % c.block_n == 0 and TensorDescriptor is not None
+    return (f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} {'heavy' if c.heavy_first else 'perhead'}"
+            f" {'tma' if tma else 'ptr'}")
 
 
 @dataclass(frozen=True)
@@ -276,10 +284,28 @@ def _brief(row: dict) -> str:
     return f"{row['name']} ({row['tflops']:.0f} TFLOP/s{pct})"
 
 
+def _distinct(configs: list[PrefillConfig]) -> list[PrefillConfig]:
+    """The first config of each label: where TMA cannot run, tma=True and tma=False are one kernel."""
+    seen: dict[str, PrefillConfig] = {}
+    for c in configs:
+        seen.setdefault(label(c), c)
+    return list(seen.values())
+
+
 def main() -> None:
+    global BLOCK_SIZE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="time only the default configs and SDPA's default")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                    help="tokens per KV cache block (the engine's CacheConfig.block_size)")
+    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES),
+                    help="comma list of shape names (default: all)")
     args = ap.parse_args()
+    names = [n.strip() for n in args.shapes.split(",") if n.strip()]
+    unknown = set(names) - {s.name for s in SHAPES}
+    if unknown:
+        ap.error(f"--shapes: unknown {sorted(unknown)}; known: {[s.name for s in SHAPES]}")
+    BLOCK_SIZE = args.block_size
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.prefill_attention needs a CUDA device")
     props = torch.cuda.get_device_properties(0)
@@ -289,9 +315,10 @@ def main() -> None:
     for fp32, max_dim, min_q, config in CONFIG_TABLE:
         print(f"  {'fp32' if fp32 else '16-bit'} head_dim <= {max_dim} max_q_len >= {min_q}: {label(config)}")
     results = []
-    for shape in SHAPES:
+    for shape in (s for s in SHAPES if s.name in names):
         default = default_config(DTYPE, HEAD_DIM, max(shape.q_lens))
-        configs = [default] if args.quick else list(dict.fromkeys([default, *CANDIDATES]))
+        # One run per label: where TMA cannot run, tma=True and tma=False are the same kernel.
+        configs = [default] if args.quick else _distinct([default, *CANDIDATES])
         results.append(bench_shape(shape, configs, args.quick))
         print_shape(results[-1])
         torch.cuda.empty_cache()

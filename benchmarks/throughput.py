@@ -197,6 +197,8 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
         opts["max_num_batched_tokens"] = budget
     if args.prefill_graphs != "auto" or args.smoke:
         opts["prefill_graphs"] = args.prefill_graphs == "on" and not args.smoke
+    if getattr(args, "block_size", None) is not None:
+        opts["block_size"] = args.block_size
     llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True, **opts,
               max_num_seqs=args.max_num_seqs, max_model_len=64 if args.smoke else 2048,
               enforce_eager=args.enforce_eager,
@@ -205,7 +207,8 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               fuse_all_reduce_norm=getattr(args, "fuse_all_reduce_norm", False))
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
     prefill_graphs = getattr(llm.engine.executor, "captures_prefill_graphs", False)
-    print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks, "
+    print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks "
+          f"of {llm.engine.cache_config.block_size}, "
           f"step budget {llm.scheduler_config.max_num_batched_tokens} tokens, prefill graphs "
           f"{'on' if prefill_graphs else 'off'}" + (f", all-reduce: {ar}" if args.tensor_parallel_size > 1 else ""))
     return llm
@@ -462,6 +465,8 @@ def parse_args() -> argparse.Namespace:
                     help="with TP: NCCL for every all-reduce (no one-shot symmetric-memory kernel)")
     ap.add_argument("--fuse-all-reduce-norm", action="store_true",
                     help="with TP on CUDA: the all-reduce inside the residual add + RMSNorm kernel")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per KV cache block (default: the LLM's)")
     args = ap.parse_args()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or set(engines) - {"minivllm", "hf"}:

@@ -15,6 +15,7 @@ cache dtype before P @ V, as on the GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 # Must precede the first triton import of this process (tests/conftest.py sets it
@@ -22,6 +23,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -291,6 +293,47 @@ PREFILL_CONFIG_CASES = [
 def test_prefill_attention_configs_match_reference(case) -> None:
     *shape, config = case
     run_prefill_case(*shape, config=config)
+
+
+# The TMA path (unmasked tiles as boxes of the cache seen as rows): blocks of 32 and 64
+# tokens holding 2-4 tiles of 16; prefixes off the tile and block edges; unowned slots NaN,
+# so a box that strayed past a sequence's keys would poison its rows.
+PREFILL_TMA_CASES = [
+    (torch.float32, 32, 4, 2, 16, [(70, 70), (5, 40), (1, 9), (0, 6), (40, 107)], PrefillConfig(32, 16, 4, 2)),
+    (torch.float16, 64, 4, 2, 32, [(33, 49), (16, 47), (1, 1), (90, 90)], PrefillConfig(64, 16, 4, 3)),
+    (torch.bfloat16, 32, 6, 2, 16, [(40, 40), (22, 50), (0, 0)], PrefillConfig(64, 32, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_TMA_CASES, ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-n{c[6].block_n}")
+def test_prefill_attention_tma_path_matches_reference_and_pointer_path(case) -> None:
+    """Both load paths against the reference, and against each other bit for bit (the same
+    arithmetic in the same order; only how the tiles arrive differs)."""
+    from minivllm.kernels.prefill_attention import tma_allowed
+    *shape, config = case
+    dtype, bs, h, hkv, d, seqs = shape
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, tables = make_paged_kv([kl for _, kl in seqs], bs, hkv, d, dtype, gen)
+    assert tma_allowed(k_cache, config.block_n)
+    cu = torch.tensor([0] + [ql for ql, _ in seqs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_lens = torch.tensor([kl for _, kl in seqs], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), h, d, generator=gen).to(dtype)
+    args = (q, k_cache, v_cache, cu, kv_lens, tables, d ** -0.5, max(ql for ql, _ in seqs))
+    with_tma = prefill_attention(*args, config=config)
+    without = prefill_attention(*args, config=dataclasses.replace(config, tma=False))
+    assert_close(with_tma, reference_fp32(*args[:7]), dtype)
+    assert torch.equal(with_tma, without)
+
+
+def test_prefill_attention_tma_allowed_only_where_a_box_fits() -> None:
+    from minivllm.kernels.prefill_attention import tma_allowed
+    cache = torch.zeros(4, 32, 2, 16)
+    assert tma_allowed(cache, 16) and tma_allowed(cache, 32)
+    assert not tma_allowed(cache, 64)                      # a tile would span two blocks
+    assert not tma_allowed(cache[:, :, :1], 16)            # not one contiguous (N*bs, Hkv*D) array
+    assert not tma_allowed(torch.zeros(4, 32, 1, 2), 16)   # rows of 4 bytes: not 16-byte aligned
+    with pytest.raises(ValueError, match="tma"):
+        PrefillConfig(tma=1)
 
 
 def test_prefill_attention_zeroes_rows_of_no_sequence() -> None:

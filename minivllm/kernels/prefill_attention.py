@@ -54,6 +54,11 @@ from minivllm.kernels._launch import (
 )
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
 
+try:   # host-side TMA descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: the pointer path only
+    TensorDescriptor = None
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -64,6 +69,7 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 3       # software-pipelining depth of the K/V loads
     heavy_first: bool = True  # q tiles on the slowest grid axis, longest first (see module doc)
+    tma: bool = True          # unmasked K/V tiles by tensor-memory copy where allowed (see tma_allowed)
 
     def __post_init__(self) -> None:
         check_power_of_two("block_m", self.block_m, minimum=16)
@@ -71,8 +77,9 @@ class PrefillConfig:
         check_power_of_two("num_warps", self.num_warps)
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        if not isinstance(self.heavy_first, bool):
-            raise ValueError(f"heavy_first must be a bool, got {self.heavy_first!r}")
+        for name in ("heavy_first", "tma"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 # Default configs, first matching row wins: (fp32?, head_dim <=, max_q_len >=, config).
@@ -114,15 +121,32 @@ def default_config(dtype: torch.dtype, head_dim: int, max_q_len: int) -> Prefill
 def _attend_kv_range(
     q, q_pos, m_i, l_i, acc,              # (M, D) queries, (M,) positions, softmax state
     k_ptr, v_ptr,                         # caches, already offset to this KV head
+    k_desc, v_desc, desc_col,             # USE_TMA: (N*bs, Hkv*D) descriptors, this KV head's column
     table_row,                            # this sequence's block-table row
     start, end, scale_log2, stride_cn, stride_cb,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,                 # False: every key in [start, end) is visible to every row
+    USE_TMA: tl.constexpr,                # unmasked tiles come by tensor-memory copy (BLOCK_SIZE % BLOCK_N == 0)
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Fold the keys [start, end) into the online softmax; returns (m_i, l_i, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    if USE_TMA and not MASKED:
+        # A tile lies inside one cache block: one block id per tile, and the tile is a
+        # (BLOCK_N, D) box of the cache seen as (N*bs, Hkv*D) rows. Unmasked tiles only:
+        # a box cannot be masked, and the diagonal's keys past `end` may hold anything.
+        block = tl.load(table_row + start // BLOCK_SIZE, mask=start < end, other=0)
+        for n0 in range(start, end, BLOCK_N):
+            row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
+            k = k_desc.load([row, desc_col])
+            v = v_desc.load([row, desc_col])
+            block = tl.load(table_row + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end, other=0)
+            if UPCAST_DOT:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (M, BLOCK_N), unscaled
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+        return m_i, l_i, acc
     # Block ids are looked up one tile ahead (loop-carried): the K/V loads' addresses then do
     # not wait on a load of the same iteration, so the pipeliner can issue them stages ahead.
     # Masked lookups never touch the table's -1 padding or the next row.
@@ -151,12 +175,12 @@ def _attend_kv_range(
 
 @triton.jit
 def _attend_q_tile(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_row, cu_seqlens_q_ptr, kv_lens_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, table_row, cu_seqlens_q_ptr, kv_lens_ptr,
     seq, kv_head, q_tile, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Attention of one q tile (BLOCK_Q tokens x GROUP heads) of one sequence; writes its rows."""
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -183,12 +207,13 @@ def _attend_q_tile(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         # The first tile holds key 0, visible to every row (q_pos >= 0): m_i is finite after it.
-        m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table_row, 0, full_end,
-                                         scale_log2, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                         False, DOT_PRECISION, UPCAST_DOT)
-        m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table_row, full_end, kv_end,
-                                         scale_log2, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                         True, DOT_PRECISION, UPCAST_DOT)
+        desc_col = kv_head * HEAD_DIM
+        m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, desc_col,
+                                         table_row, 0, full_end, scale_log2, stride_cn, stride_cb,
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_TMA, DOT_PRECISION, UPCAST_DOT)
+        m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, desc_col,
+                                         table_row, full_end, kv_end, scale_log2, stride_cn, stride_cb,
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_TMA, DOT_PRECISION, UPCAST_DOT)
         out = normalize_rows(acc, l_i)                                 # kv_len 0: zeros
         tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -218,6 +243,7 @@ def _zero_rows(
 def _prefill_kernel(
     q_ptr,                                # (T, H, D)
     k_cache_ptr, v_cache_ptr,             # (N, bs, Hkv, D), same strides
+    k_desc, v_desc,                       # USE_TMA: descriptors of the caches as (N*bs, Hkv*D); else unread
     out_ptr,                              # (T, H, D)
     cu_seqlens_q_ptr,                     # (B+1,) int32
     kv_lens_ptr,                          # (B,) int32
@@ -233,17 +259,19 @@ def _prefill_kernel(
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
     USE_MAP: tl.constexpr,                # grid (capacity, Hkv): each program reads its tile from the map
+    USE_TMA: tl.constexpr,                # unmasked K/V tiles by tensor-memory copy (see PrefillConfig.tma)
 ):
     if USE_MAP:
         entry = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq = tl.load(tile_map_ptr + 2 * entry)
         if seq >= 0:
-            _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch, out_ptr,
+            _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
+                           k_desc, v_desc, out_ptr,
                            block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
                            seq, kv_head, tl.load(tile_map_ptr + 2 * entry + 1), scale_log2,
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
-                           GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT)
+                           GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, DOT_PRECISION, UPCAST_DOT)
         return
     # Grid (Hkv, B+1, tiles) when HEAVY_FIRST, else (tiles, Hkv, B+1); q tiles reversed either way.
     if HEAVY_FIRST:
@@ -264,11 +292,12 @@ def _prefill_kernel(
         _zero_rows(out_ptr, tl.load(cu_seqlens_q_ptr + num_seqs), num_tokens, kv_head, q_tile, num_tiles,
                    stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
     else:
-        _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch, out_ptr,
+        _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
+                       k_desc, v_desc, out_ptr,
                        block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
                        seq, kv_head, q_tile, scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
-                       GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT)
+                       GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, DOT_PRECISION, UPCAST_DOT)
 
 
 def prefill_attention(
@@ -325,6 +354,8 @@ def prefill_attention(
     group = num_heads // num_kv_heads
     block_m, block_q = _tile_shape(config, group)
     heavy_first = config.heavy_first
+    use_tma = config.tma and tma_allowed(k_cache, config.block_n)
+    k_desc, v_desc = (_cache_descriptor(c, config.block_n) for c in (k_cache, v_cache)) if use_tma else (k_cache, v_cache)
     if tile_map is not None:
         grid: tuple[int, ...] = (max(1, tile_map.shape[0]), num_kv_heads)
     else:
@@ -335,7 +366,7 @@ def prefill_attention(
         heavy_first = heavy_first and tiles <= _MAX_GRID_YZ
         grid = (num_kv_heads, seqs, tiles) if heavy_first else (tiles, num_kv_heads, seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, kv_lens, block_tables,
+        q, k_cache, v_cache, k_desc, v_desc, out, cu_seqlens_q, kv_lens, block_tables,
         tile_map if tile_map is not None else cu_seqlens_q,  # unread without the map
         scale * LOG2E, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -345,10 +376,32 @@ def prefill_attention(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         HEAVY_FIRST=heavy_first,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=upcast_dot(q), USE_MAP=tile_map is not None,
+        UPCAST_DOT=upcast_dot(q), USE_MAP=tile_map is not None, USE_TMA=use_tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def tma_allowed(k_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether the unmasked K/V tiles can come by tensor-memory copy (TMA): the cache's
+    blocks hold whole tiles (block_size % block_n == 0), each layer's cache is one
+    contiguous (N, bs, Hkv, D) tensor (so it is a 2-D (N*bs, Hkv*D) array of rows, 16-byte
+    aligned), and the device is a Hopper or later GPU, or the CPU interpreter (which
+    emulates descriptors, so CI runs this path too)."""
+    if TensorDescriptor is None or k_cache.shape[1] % block_n or not k_cache.is_contiguous():
+        return False
+    if k_cache.data_ptr() % 16 or (k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()) % 16:
+        return False
+    if k_cache.device.type == "cuda":
+        return torch.cuda.get_device_capability(k_cache.device)[0] >= 9
+    return True
+
+
+def _cache_descriptor(cache: torch.Tensor, block_n: int) -> object:
+    """A (block_n, D) box descriptor over ``cache`` seen as (N*bs, Hkv*D) rows (a few us
+    of host time per launch; a captured prefill graph keeps the encoded copy)."""
+    rows = cache.view(cache.shape[0] * cache.shape[1], cache.shape[2] * cache.shape[3])
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, cache.shape[3]])
 
 
 def _tile_shape(config: PrefillConfig, group: int) -> tuple[int, int]:
