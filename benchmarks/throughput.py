@@ -458,7 +458,7 @@ def parse_args() -> argparse.Namespace:
                     help="token budget of a step (default: the LLM's, 16384 on CUDA as vLLM's LLM class)")
     ap.add_argument("--prefill-graphs", choices=("auto", "on", "off"), default="auto",
                     help="CUDA graphs of prefill and mixed steps (ExecutorConfig.prefill_graphs; "
-                         "auto: the LLM's default, on for one GPU)")
+                         "auto: the LLM's default, on)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (GPUs) for minivllm; the summary is throughput_tpN.json when N > 1")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",

@@ -136,9 +136,9 @@ class ExecutorConfig:
         tensor_parallel_size: ranks the model is split over, one process each
             (``executor/distributed.py``).
         prefill_graphs: also capture CUDA graphs of prefill and mixed steps, per token
-            bucket (``executor/prefill_graph.py``). None (the default): on for one GPU,
-            off with tensor parallelism (not yet run on two GPUs). Like the decode
-            graphs, only on CUDA without ``enforce_eager``.
+            bucket (``executor/prefill_graph.py``). None (the default): on, on every
+            rank under tensor parallelism too. Like the decode graphs, only on CUDA
+            without ``enforce_eager``.
         disable_custom_all_reduce: with ``tensor_parallel_size > 1`` on CUDA, send every
             all-reduce through NCCL instead of the one-shot symmetric-memory kernel for
             small messages (``layers/all_reduce.py``; vLLM's option of the same name).

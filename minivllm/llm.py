@@ -80,8 +80,7 @@ class LLM:
             CUDA) and
             ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
             tensor_parallel_size: N ranks in N processes, one GPU each on CUDA,
-            prefill_graphs: CUDA graphs of prefill and mixed steps too, on by default
-            for one GPU,
+            prefill_graphs: CUDA graphs of prefill and mixed steps too, on by default,
             disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce).
 
     Raises:

@@ -79,10 +79,10 @@ def test_fp32_tp2_nccl_only_equals_tp1(reference) -> None:
 
 
 def test_fp32_tp2_prefill_graphs_equals_hf(reference) -> None:
-    """``prefill_graphs=True`` under TP (off by default there until this passes): prefill
-    and mixed steps replayed from CUDA graphs captured on both ranks, collectives inside."""
+    """Prefill graphs under TP (the default): prefill and mixed steps replayed from CUDA
+    graphs captured on both ranks, collectives inside."""
     path, prompts, expected, _ = reference
-    with LLM(path, dtype="float32", tensor_parallel_size=2, prefill_graphs=True, **POOL) as llm:
+    with LLM(path, dtype="float32", tensor_parallel_size=2, **POOL) as llm:
         assert llm.engine.executor.captures_prefill_graphs
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW), use_tqdm=False)
         replays = llm.engine.executor.local.prefill_graph_runner.num_replays

@@ -255,7 +255,7 @@ class ModelExecutor:
             self.graph_runner = CudaGraphRunner(
                 self.model.forward, self.kv_cache, self.prev_sampled, model_config.hidden_size,
                 cdiv(self.max_model_len, self.block_size), default_capture_sizes(self.max_num_seqs))
-            if config.prefill_graphs if config.prefill_graphs is not None else self.tp_size == 1:
+            if config.prefill_graphs is not False:
                 self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
 
     @property
