@@ -12,6 +12,8 @@ rounding plus P rounded to bf16 before P @ V).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -181,13 +183,13 @@ PREFILL_BATCH = [
 
 
 def prefill_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, dtype: torch.dtype,
-                 seed: int, lead: int = 0, tail: int = 0) -> tuple[torch.Tensor, ...]:
+                 seed: int, lead: int = 0, tail: int = 0, block_size: int = 16) -> tuple[torch.Tensor, ...]:
     """A paged prefill batch of (q_len, kv_len) sequences: (q, k_cache, v_cache, cu_seqlens_q,
     kv_lens, block_tables, max_q_len); ``lead``/``tail`` q rows before/after the sequences."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
     q_lens = [ql for ql, _ in seqs]
     lens = [kl for _, kl in seqs]
-    k_cache, v_cache, tables = make_paged_kv(lens, 16, num_kv_heads, dtype, gen)
+    k_cache, v_cache, tables = make_paged_kv(lens, block_size, num_kv_heads, dtype, gen)
     cu = torch.tensor([lead] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(cu[-1]) + tail, num_heads, D, generator=gen, device=DEVICE).to(dtype)
@@ -247,6 +249,32 @@ def test_prefill_attention_configs(config: PrefillConfig) -> None:
     out = prefill_attention(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max_q, config=config)
     assert_close(out, ref, torch.bfloat16)
     assert (out[:lead] == 0).all() and (out[int(cu[-1]):] == 0).all()
+
+
+TMA_CASES = [(PrefillConfig(128, 64, 8, 3), 64), (PrefillConfig(128, 64, 8, 2), 64), (PrefillConfig(64, 64, 4, 3), 64),
+             (PrefillConfig(128, 64, 8, 3), 128), (PrefillConfig(128, 128, 8, 2), 128)]
+
+
+@pytest.mark.parametrize("config, block_size", TMA_CASES,
+                         ids=[f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}-bs{bs}" for c, bs in TMA_CASES])
+def test_prefill_attention_tma_path(config: PrefillConfig, block_size: int) -> None:
+    """The TMA path (unmasked tiles as boxes of the cache; unowned slots NaN) on the mixed
+    batch: against the reference, bit-equal to the pointer path, and in a CUDA graph."""
+    from minivllm.kernels.prefill_attention import tma_allowed
+
+    q, k_cache, v_cache, cu, kv_lens, tables, max_q = prefill_case(PREFILL_BATCH, H, HKV, torch.bfloat16, seed=6,
+                                                                    block_size=block_size)
+    assert tma_allowed(k_cache, config.block_n)
+    args = (q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5, max_q)
+    out = prefill_attention(*args, config=config)
+    assert_close(out, reference_fp32(*args[:7]), torch.bfloat16)
+    assert torch.equal(out, prefill_attention(*args, config=dataclasses.replace(config, tma=False)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = prefill_attention(*args, config=config)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
 
 
 LOOP_SPLIT_SEQS = [
