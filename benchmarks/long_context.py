@@ -211,7 +211,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per KV cache block (default: the LLM's, 64 on CUDA)")
     args = ap.parse_args()
     if args.smoke:
         args.num_prompts, args.prompt_len, args.decode_tokens = 2, 64, 16
@@ -219,7 +220,11 @@ def main() -> None:
     args.id_limit = 512 if args.smoke else 10000
     device = bench_device(args)
     from minivllm import LLM
-    from minivllm.config import cdiv
+    from minivllm.config import CacheConfig, cdiv
+    from minivllm.llm import CUDA_BLOCK_SIZE
+
+    if args.block_size is None:
+        args.block_size = CUDA_BLOCK_SIZE if device == "cuda" else CacheConfig().block_size
 
     path = model_path(args)
     max_len = args.prompt_len + args.decode_tokens

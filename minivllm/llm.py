@@ -26,6 +26,11 @@ _EXEC_KEYS = {f.name for f in dataclasses.fields(ExecutorConfig)}
 # H100/H200-class GPUs (offline-256 on one H200: 25,015-25,221 tok/s with it and prefill
 # graphs, 23,624-24,984 with 8192 and none; BENCHMARKS.md, fourth session).
 CUDA_MAX_NUM_BATCHED_TOKENS = 16384
+# Tokens per KV block on CUDA unless given: blocks of 64 hold whole 64-key tiles, so the
+# prefill kernel loads its unmasked K/V tiles by tensor-memory copy (TMA). Offline-256 on
+# one H200: 25,511 tok/s against 24,216 with blocks of 16 (BENCHMARKS.md, sixth session).
+# The price: prefix-cache hits come in steps of 64 tokens instead of 16.
+CUDA_BLOCK_SIZE = 64
 
 
 def resolve_model_path(model: str) -> str:
@@ -74,7 +79,8 @@ class LLM:
             trace in the simulator's format that ``python -m sim replay`` (``--plot``)
             replays without the model, on any machine (``sim.recorder``).
         **options: engine options by config field name: ``CacheConfig``
-            (block_size, num_blocks, enable_prefix_caching), ``SchedulerConfig``
+            (block_size: 64 on CUDA, else the config's 16; num_blocks,
+            enable_prefix_caching), ``SchedulerConfig``
             (max_num_seqs, max_num_batched_tokens: 16384 on CUDA, else the config's,
             max_model_len, policy, chunked_prefill, async_scheduling: default on for
             CUDA) and
@@ -109,6 +115,7 @@ class LLM:
         sched_opts.setdefault("async_scheduling", cuda)
         if cuda:  # vLLM's offline default on H100/H200-class GPUs (its server takes 8192)
             sched_opts.setdefault("max_num_batched_tokens", CUDA_MAX_NUM_BATCHED_TOKENS)
+            cache_opts.setdefault("block_size", CUDA_BLOCK_SIZE)
         if sched_opts["max_model_len"] > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {sched_opts['max_model_len']} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")

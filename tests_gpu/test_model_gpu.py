@@ -143,9 +143,12 @@ POOL = dict(num_blocks=2048)
 ENGINES = {
     "graphs+prefix-cache": dict(POOL),
     "graphs+prefix-cache-sync": dict(POOL, async_scheduling=False),
+    # The CUDA default is blocks of 64 (the prefill kernel's TMA path); blocks of 16 too.
+    "graphs+prefix-cache-block16": dict(POOL, block_size=16),
     "eager+no-prefix-cache": dict(POOL, enforce_eager=True, enable_prefix_caching=False),
-    "tiny-pool-preemption": dict(num_blocks=48),
-    "tiny-pool-preemption-sync": dict(num_blocks=48, async_scheduling=False),
+    "tiny-pool-preemption": dict(num_blocks=48, block_size=16),
+    "tiny-pool-preemption-sync": dict(num_blocks=48, block_size=16, async_scheduling=False),
+    "tiny-pool-preemption-block64": dict(num_blocks=12),
     "chunked-prefill-budget-64": dict(POOL, max_num_batched_tokens=64),
     "prefill-first": dict(POOL, policy="prefill_first"),
     # Prefill and mixed steps in CUDA graphs too (the default on one GPU: every engine
@@ -189,7 +192,8 @@ def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
             before = s.num_cached_tokens
             again = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
             assert again == expected
-            # Across separate calls every prompt's 200-token prefix (12 blocks of 16) is reused.
+            # Across separate calls every prompt's 200-token prefix is reused: its first 192
+            # tokens (12 blocks of 16 or 3 of 64).
             assert s.num_cached_tokens - before >= 16 * 192
     finally:
         del llm

@@ -97,8 +97,12 @@ class PrefillConfig:
 # chained to a same-iteration table load so barely pipelined, memset output) measured
 # 214 TFLOP/s vs SDPA's 426 at 16 x 1024. fp32 (exactness, not speed: tl.dot "ieee" runs
 # on FMA units) uses the spill-free tiles found by the same compile.
+#
+# Measured since (sixth session, one H200, `--block-size 64`, the TMA path): 64 x 64 tiles
+# with 4 warps and 3 stages beat 128 x 64 with 8 at 16 x 1024 (284 vs 280 TFLOP/s) and at
+# 4 x 4096 (472 vs 436, 81% of SDPA); with blocks of 16 (pointer loads) the two are within
+# 2% of each other. So one row serves every 16-bit chunk length up to head_dim 128.
 CONFIG_TABLE: tuple[tuple[bool, int, int, PrefillConfig], ...] = (
-    (False, 128, 128, PrefillConfig(128, 64, num_warps=8, num_stages=3)),
     (False, 128, 0, PrefillConfig(64, 64, num_warps=4, num_stages=3)),
     (False, 256, 0, PrefillConfig(64, 32, num_warps=4, num_stages=2)),
     (True, 64, 0, PrefillConfig(64, 32, num_warps=8, num_stages=2)),
