@@ -5,8 +5,9 @@ The ranks run one after the other in this process: "symmetric buffers" are plain
 tensors whose addresses go in the pointer tables, and a later rank's buffer is filled
 before an earlier rank runs (what that rank's first phase would have written). The
 barriers run only where they can complete in that order: with SYNC on, every flag a
-rank waits for is set beforehand, and the flags each rank leaves behind are checked
-against the protocol (swap 0 -> 1 on the peer to signal, 1 -> 0 on one's own to wait).
+rank waits for is set beforehand, and the flags and counters each rank leaves behind
+are checked against the protocol (write the call's epoch into the peer's flag to
+signal, wait until one's own flag holds it; each program counts its calls).
 The kernel with real peers runs on two GPUs (tests_gpu/test_tp_gpu.py).
 """
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from minivllm.kernels.all_reduce_rms_norm import (
-    MAX_PROGRAMS, all_reduce_add_rms_norm, signal_pad_numel,
+    CHANNELS, MAX_PROGRAMS, all_reduce_add_rms_norm, signal_pad_numel,
 )
 from minivllm.kernels.reference import all_reduce_add_rms_norm_reference
 
@@ -32,6 +33,10 @@ def ptr_table(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def flag(pad: torch.Tensor, channel: int, pid: int, src: int, world: int) -> torch.Tensor:
     return pad[(channel * MAX_PROGRAMS + pid) * world + src]
+
+
+def counter(pad: torch.Tensor, pid: int, world: int) -> torch.Tensor:
+    return pad[CHANNELS * MAX_PROGRAMS * world + pid]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -68,29 +73,33 @@ def test_every_rank_gets_the_reference(dtype: torch.dtype, world: int, rows: int
 
 
 def test_barrier_flags_follow_the_protocol() -> None:
-    """Two ranks, two programs each, run rank 0 then rank 1 with barriers on. Rank 1
-    has already signalled rank 0 on both channels; rank 0 consumes those and signals
-    rank 1, whose waits then pass and whose signals land on rank 0's (now clear) flags."""
+    """Two ranks, two programs each, two calls, each call run rank 0 then rank 1 with
+    barriers on. Before each call rank 1 has already signalled rank 0 with the call's
+    epoch on both channels; rank 0's waits pass on those, it signals rank 1 with the same
+    epoch, whose waits then pass. Afterwards every flag and counter holds the epoch."""
     world, rows, hidden = 2, 2, 32
     parts = [torch.randn(rows, hidden) for _ in range(world)]
     residual, weight = torch.randn(rows, hidden), torch.ones(hidden)
     bufs = [torch.zeros(rows * hidden) for _ in range(world)]
     bufs[1].copy_(parts[1].reshape(-1))
     pads = [torch.zeros(signal_pad_numel(world), dtype=torch.int32) for _ in range(world)]
-    for channel in range(2):
-        for pid in range(rows):
-            flag(pads[0], channel, pid, 1, world).fill_(1)  # rank 1's signals, sent earlier
     want = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
-    for rank in range(world):
-        got = all_reduce_add_rms_norm(parts[rank], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads),
-                                      rank, world, sync=True)
-        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
-        torch.testing.assert_close(got[0], want[0], **NORM_TOLERANCE[torch.float32])
-    for channel in range(2):
+    for epoch in (1, 2):
+        for channel in range(CHANNELS):
+            for pid in range(rows):
+                flag(pads[0], channel, pid, 1, world).fill_(epoch)  # rank 1's signals, sent earlier
+        for rank in range(world):
+            got = all_reduce_add_rms_norm(parts[rank], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads),
+                                          rank, world, sync=True)
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+            torch.testing.assert_close(got[0], want[0], **NORM_TOLERANCE[torch.float32])
         for pid in range(rows):
-            assert int(flag(pads[1], channel, pid, 0, world)) == 0  # rank 0 signalled, rank 1 consumed
-            assert int(flag(pads[0], channel, pid, 1, world)) == 1  # rank 1's signal, for a next rank-0 run
-    assert int(pads[0].sum()) == 2 * rows and int(pads[1].sum()) == 0  # no other flag touched
+            for channel in range(CHANNELS):
+                assert int(flag(pads[1], channel, pid, 0, world)) == epoch  # rank 0 signalled rank 1
+                assert int(flag(pads[0], channel, pid, 1, world)) == epoch
+            assert int(counter(pads[0], pid, world)) == epoch and int(counter(pads[1], pid, world)) == epoch
+        # Nothing else touched: per pad, the 2 x rows flags and the rows counters.
+        assert int(pads[0].count_nonzero()) == 3 * rows and int(pads[1].count_nonzero()) == 3 * rows
 
 
 def test_bad_arguments_are_named() -> None:

@@ -209,7 +209,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 
 
 # "1": the engine's decode attention merges splits in the kernel (``fused_merge``), for
-# A/B runs of the benchmarks until it has been timed on a GPU and made the default.
+# A/B runs of the benchmarks. Timed on H200s (sixth session) it lost: Qwen3-8B batch-1
+# decode kernels 5,046 us per step with it against 4,741 without (its split kernel 527 us
+# per step at TP=2 against 139 + 85 for split + merge), so it stays off.
 FUSED_MERGE_ENV = "MINIVLLM_DECODE_FUSED_MERGE"
 
 

@@ -177,8 +177,9 @@ def install_symm_mem_all_reduce(device: torch.device, dtype: torch.dtype,
                                 max_bytes: int = DEFAULT_MAX_BYTES, fuse_norm: bool = False) -> str | None:
     """Route small all-reduces through the symmetric-memory kernels from now on; with
     ``fuse_norm``, also let row-parallel layers leave their all-reduce to the residual
-    add + RMSNorm after them (``kernels/all_reduce_rms_norm.py``; opt-in until measured
-    on GPUs: ``ExecutorConfig.fuse_all_reduce_norm``).
+    add + RMSNorm after them (``kernels/all_reduce_rms_norm.py``; opt-in,
+    ``ExecutorConfig.fuse_all_reduce_norm``: its first version lost on two H200s, its
+    barrier is rewritten since and not yet timed).
 
     Every rank must call it (the buffer's rendezvous is a collective). Returns None when
     installed, else why not (the caller reports it; NCCL then takes every message).
