@@ -28,7 +28,8 @@ _EXEC_KEYS = {f.name for f in dataclasses.fields(ExecutorConfig)}
 CUDA_MAX_NUM_BATCHED_TOKENS = 16384
 # Tokens per KV block on CUDA unless given: blocks of 64 hold whole 64-key tiles, so the
 # prefill kernel loads its unmasked K/V tiles by tensor-memory copy (TMA). Offline-256 on
-# one H200: 25,511 tok/s against 24,216 with blocks of 16 (BENCHMARKS.md, sixth session).
+# one H200, blocks of 64 against 16 in the same call: 25,511 vs 24,216 tok/s, and with
+# today's prefill tiles 25,422 and 25,471 vs 25,100 (BENCHMARKS.md, sixth session).
 # The price: prefix-cache hits come in steps of 64 tokens instead of 16.
 CUDA_BLOCK_SIZE = 64
 
