@@ -40,10 +40,14 @@ import torch.distributed as dist
 # us per all-reduce, NCCL / one-shot / two-shot):
 #     8 KB 11.9 / 6.6 / 8.3;  64 KB 12.6 / 7.4 / 8.4;  256 KB 13.0 / 9.5 / 9.0;
 #     2 MB 33.7 / 21.9 / 15.2;  8 MB 52.3 / 62.6 / 36.2.
-# So: one-shot below 256 KB (a decode step's activations up to 32 tokens of Qwen3-8B),
-# two-shot from there to 8 MB, NCCL above (prefill chunks).
+# A second machine (sixth session): 256 KB 12.9 / 9.5 / 12.7;  512 KB 14.9 / 11.4 / 13.5;
+#     1 MB 20.3 / 15.4 / 16.5;  2 MB 31.8 / 22.5 / 20.1;  8 MB 51.6 / 61.8 / 41.0.
+# The crossover moves between machines (256 KB on the first, 2 MB on the second); over
+# both, one-shot wins below 1 MB (a decode step's activations up to 128 tokens of
+# Qwen3-8B) and two-shot from 1 MB (mean 14.1 vs 15.2 us there) to 8 MB; NCCL above
+# (prefill chunks).
 DEFAULT_MAX_BYTES = 8 << 20
-TWO_SHOT_MIN_BYTES = 256 << 10
+TWO_SHOT_MIN_BYTES = 1 << 20
 
 
 class SymmMemAllReduce:
