@@ -22,6 +22,14 @@ Each q tile walks its keys in two loops (online softmax, fp32 accumulation)::
 so only the one or two tiles on the diagonal pay for the mask, and the loop
 stops at the tile's last query position (causal tile skipping).
 
+TMA path (``PrefillConfig.tma``, where :func:`tma_allowed`): when a cache block holds
+whole key tiles (block_size a multiple of BLOCK_N; the engine's CUDA default of 64
+does), an unmasked tile is one (BLOCK_N, D) box of the cache seen as a 2-D array of
+(N * block_size) rows of Hkv * D, fetched by the tensor-memory copy engine from one
+block id, instead of BLOCK_N x D pointers. The masked tiles keep pointer loads: a box
+cannot be masked, and slots past a sequence's last key may hold anything. Rows are
+int32 coordinates: a pool of under 2**31 token slots.
+
 Grid: one program per (KV head, sequence, q tile) plus one extra "sequence" B
 whose programs zero the output rows that belong to no sequence (before
 ``cu_q[0]`` or past ``cu_q[B]``), so the output is ``torch.empty`` and no memset
