@@ -1,7 +1,7 @@
 """Paged decode-attention bandwidth on the GPU, as a share of the measured copy bandwidth.
 
 Qwen3-0.6B attention shapes (16 query heads, 8 KV heads, head_dim 128), bf16,
-block_size 16, every sequence at the full context, blocks scattered at random
+blocks of the engine's CUDA default (64; ``--block-size``), every sequence at the full context, blocks scattered at random
 over the pool. Bytes counted are what the kernel must read or write at least:
 K and V of every context token, q, the output, the block tables and kv_lens (the
 split partials are overhead, not counted). Time: ``triton.testing.do_bench``
@@ -45,8 +45,10 @@ import triton
 from benchmarks.throughput import write_summary
 from minivllm.kernels.decode_attention import DecodeConfig, choose_num_splits, decode_attention, default_config
 from minivllm.kernels.reference import paged_attention_reference
+from minivllm.llm import CUDA_BLOCK_SIZE
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+# Blocks as the engine makes them on CUDA (--block-size overrides).
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, CUDA_BLOCK_SIZE
 SHAPES = [(1, 512), (64, 1024), (256, 1024), (8, 8192), (16, 8192)]  # (batch, context); 1 x 512: batch-1 decode
 DTYPE = torch.bfloat16
 DEVICE = "cuda"   # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it

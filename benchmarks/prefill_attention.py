@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python3 -m benchmarks.prefill_attention [--quick]
 
-Qwen3-0.6B attention shapes (H 16, Hkv 8, D 128), bf16, block_size 16, each
-sequence's blocks drawn at random from a pool 1.5x the need (unowned slots NaN):
+Qwen3-0.6B attention shapes (H 16, Hkv 8, D 128), bf16, blocks of the engine's CUDA
+default (64; ``--block-size``), each sequence's blocks drawn at random from a pool 1.5x the need (unowned slots NaN):
 
     16x1024, 4x4096, 1x8192   full causal prefill
     4x1024+3072               prefix-cache hit: 1024 new tokens over 3072 cached ones
@@ -23,7 +23,8 @@ result, or too much shared memory) is reported and skipped. Times are
 
 The output marks with ``*`` the config that ``default_config`` picks for the shape
 and ends with the best config per shape; with ``$OUT`` set, the same goes to
-``$OUT/prefill_attention.json``. Exit status 1 if a default config fails its check.
+``$OUT/prefill_attention_bs<block size>.json``. Exit status 1 if a default config fails
+its check.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ from minivllm.kernels.prefill_attention import (
     CONFIG_TABLE, PrefillConfig, TensorDescriptor, default_config, prefill_attention,
 )
 from minivllm.kernels.reference import paged_attention_reference
+from minivllm.llm import CUDA_BLOCK_SIZE
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+# Blocks as the engine makes them on CUDA (--block-size overrides).
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, CUDA_BLOCK_SIZE
 DTYPE = torch.bfloat16
 DEVICE = "cuda"   # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it
 SCALE = HEAD_DIM ** -0.5
@@ -324,8 +327,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     ok = summarize(results)
     if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "prefill_attention.json")
-        meta = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__}
+        path = os.path.join(os.environ["OUT"], f"prefill_attention_bs{BLOCK_SIZE}.json")
+        meta = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
+                "block_size": BLOCK_SIZE}
         with open(path, "w") as f:
             json.dump({**meta, "results": results}, f, indent=1)
         print(f"wrote {path}")
