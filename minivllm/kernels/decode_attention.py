@@ -39,7 +39,7 @@ from minivllm.kernels._launch import (
     LOG2E, check_attention_args, check_host_int, check_power_of_two, next_pow2, upcast_dot,
 )
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
-from minivllm.kernels.merge_attention_splits import merge_attention_splits
+from minivllm.kernels.merge_attention_splits import merge_attention_splits, merge_head_splits
 
 # Splits beyond this add merge traffic and barely any parallelism.
 MAX_SPLITS = 64
@@ -88,6 +88,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_FINAL: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr,                # FUSED_MERGE: splits padded to a power of two
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
 ):
     kv_head = tl.program_id(0)
@@ -151,36 +152,11 @@ def _decode_split_kernel(
             counter = arrivals_ptr + seq * tl.num_programs(0) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 tl.debug_barrier()
-                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_ok, num_splits,
-                             stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_G)
+                for g in tl.static_range(GROUP):  # each head's splits in one load, as the merge kernel
+                    head = kv_head * GROUP + g
+                    merge_head_splits(part_out_ptr, part_lse_ptr, out_ptr + seq * stride_ob + head * stride_oh,
+                                      (seq * NUM_HEADS + head) * num_splits, num_splits, HEAD_DIM, BLOCK_S)
                 tl.atomic_xchg(counter, 0)  # zero again for the next launch (CUDA-graph replays too)
-
-
-@triton.jit
-def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_ok, num_splits,
-                 stride_ob, stride_oh,
-                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr):
-    """``merge_attention_splits`` for the heads of one KV group of one sequence: two
-    passes over the splits (max log-sum-exp, then the weighted sum)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    base = (seq * NUM_HEADS + heads) * num_splits                      # (BLOCK_G,) first split's row
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for sp in range(0, num_splits):
-        lse = tl.load(part_lse_ptr + base + sp, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, lse)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights exp2(-inf) = 0, not NaN
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for sp in range(0, num_splits):
-        lse = tl.load(part_lse_ptr + base + sp, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - m)
-        part = tl.load(part_out_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
-        total += w
-        acc += w[:, None] * part
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,7 +187,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 # "1": the engine's decode attention merges splits in the kernel (``fused_merge``), for
 # A/B runs of the benchmarks. Timed on H200s (sixth session) it lost: Qwen3-8B batch-1
 # decode kernels 5,046 us per step with it against 4,741 without (its split kernel 527 us
-# per step at TP=2 against 139 + 85 for split + merge), so it stays off.
+# per step at TP=2 against 139 + 85 for split + merge), so it stays off. That version's
+# last split merged with a loop over the splits, two dependent L2 loads per split (32
+# splits in a batch-1 graph); it now loads each head's splits at once, as the merge
+# kernel does (``merge_head_splits``): not yet timed.
 FUSED_MERGE_ENV = "MINIVLLM_DECODE_FUSED_MERGE"
 
 
@@ -276,7 +255,7 @@ def decode_attention(
         block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
-        WRITE_FINAL=num_splits == 1, FUSED_MERGE=fused_merge,
+        WRITE_FINAL=num_splits == 1, FUSED_MERGE=fused_merge, BLOCK_S=next_pow2(num_splits) if fused_merge else 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -23,6 +23,33 @@ from minivllm.kernels._launch import (
 
 
 @triton.jit
+def merge_head_splits(
+    part_out_ptr,                 # (B, H, S, D) fp32 contiguous
+    part_lse_ptr,                 # (B, H, S) fp32 contiguous, base 2, -inf = empty split
+    out_row_ptr,                  # this (sequence, head)'s D outputs
+    row0,                         # this (sequence, head)'s first split row: (seq * H + head) * S
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One (sequence, head): every split's log-sum-exp and output in one load each (no
+    loop over splits), weighted and summed. ``.cg`` loads (L2, not L1): the decode
+    kernel's fused merge reads partials that other programs of the same launch wrote."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    row = row0 + offs_s                                                       # (BLOCK_S,)
+    lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 0)
+    # All splits empty: subtract 0 instead of -inf so the weights are exp2(-inf) = 0, not NaN.
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))             # (BLOCK_S,)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=split_ok[:, None], other=0.0, cache_modifier=".cg")  # (BLOCK_S, D)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # (D,)
+    tl.store(out_row_ptr + offs_d, out.to(out_row_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _merge_splits_kernel(
     part_out_ptr,                 # (B, H, S, D) fp32 contiguous
     part_lse_ptr,                 # (B, H, S) fp32 contiguous, base 2, -inf = empty split
@@ -33,20 +60,8 @@ def _merge_splits_kernel(
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_ok = offs_s < num_splits
-    row = (seq * NUM_HEADS + head) * num_splits + offs_s                      # (BLOCK_S,)
-
-    lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    # All splits empty: subtract 0 instead of -inf so the weights are exp2(-inf) = 0, not NaN.
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))             # (BLOCK_S,)
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=split_ok[:, None], other=0.0)                         # (BLOCK_S, D)
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # (D,)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    merge_head_splits(part_out_ptr, part_lse_ptr, out_ptr + seq * stride_ob + head * stride_oh,
+                      (seq * NUM_HEADS + head) * num_splits, num_splits, HEAD_DIM, BLOCK_S)
 
 
 def merge_attention_splits(
