@@ -1,8 +1,8 @@
 """Paged decode-attention bandwidth on the GPU, as a share of the measured copy bandwidth.
 
 Qwen3-0.6B attention shapes (16 query heads, 8 KV heads, head_dim 128), bf16,
-blocks of the engine's CUDA default (64; ``--block-size``), every sequence at the full context, blocks scattered at random
-over the pool. Bytes counted are what the kernel must read or write at least:
+blocks of the engine's CUDA default (64; ``--block-size``), every sequence at the
+full context, blocks scattered at random over the pool. Bytes counted are what the kernel must read or write at least:
 K and V of every context token, q, the output, the block tables and kv_lens (the
 split partials are overhead, not counted). Time: ``triton.testing.do_bench``
 median (L2 flushed between runs) and the median of CUDA-graph replays. The copy

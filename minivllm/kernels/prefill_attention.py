@@ -367,7 +367,9 @@ def prefill_attention(
     block_m, block_q = _tile_shape(config, group)
     heavy_first = config.heavy_first
     use_tma = config.tma and tma_allowed(k_cache, config.block_n)
-    k_desc, v_desc = (_cache_descriptor(c, config.block_n) for c in (k_cache, v_cache)) if use_tma else (k_cache, v_cache)
+    k_desc, v_desc = k_cache, v_cache                  # unread without TMA
+    if use_tma:
+        k_desc, v_desc = _cache_descriptor(k_cache, config.block_n), _cache_descriptor(v_cache, config.block_n)
     if tile_map is not None:
         grid: tuple[int, ...] = (max(1, tile_map.shape[0]), num_kv_heads)
     else:
