@@ -109,9 +109,13 @@ class PrefillConfig:
 # Measured since (sixth session, one H200, `--block-size 64`, the TMA path): 64 x 64 tiles
 # with 4 warps and 3 stages beat 128 x 64 with 8 at 16 x 1024 (284 vs 280 TFLOP/s) and at
 # 4 x 4096 (472 vs 436, 81% of SDPA); with blocks of 16 (pointer loads) the two are within
-# 2% of each other. So one row serves every 16-bit chunk length up to head_dim 128.
+# 2% of each other. So one tile shape serves every 16-bit chunk length up to head_dim 128.
+# Short chunks keep pointer loads: the one short-chunk shape timed with TMA and blocks of
+# 64 (32 chunks of 64 tokens over 960 cached) ran at 155 TFLOP/s, where pointer loads and
+# blocks of 16 had run it at 267; which of the two changes cost it is not yet measured.
 CONFIG_TABLE: tuple[tuple[bool, int, int, PrefillConfig], ...] = (
-    (False, 128, 0, PrefillConfig(64, 64, num_warps=4, num_stages=3)),
+    (False, 128, 128, PrefillConfig(64, 64, num_warps=4, num_stages=3)),
+    (False, 128, 0, PrefillConfig(64, 64, num_warps=4, num_stages=3, tma=False)),
     (False, 256, 0, PrefillConfig(64, 32, num_warps=4, num_stages=2)),
     (True, 64, 0, PrefillConfig(64, 32, num_warps=8, num_stages=2)),
     (True, 256, 0, PrefillConfig(16, 32, num_warps=8, num_stages=2)),
