@@ -365,6 +365,30 @@ def token_stats(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
             "logits_rel": rows.mean().item()}
 
 
+def teacher_forced_flips(path: str, hf32, prompts: list[list[int]], steps: int, device: str = "cuda",
+                         hf_batched: bool = False) -> dict[str, dict[str, float]]:
+    """Section 3 reduced to the two engines as users run them: each side's bf16 logits over
+    the same teacher-forced context (our float32 greedy continuation) against its own
+    float32 ones, as :func:`token_stats`. Ours through ``LLM``'s executor (CUDA graphs where
+    it has them), HF one prompt at a time unless ``hf_batched``. ``tests_gpu`` asserts on it."""
+    logits: dict[str, torch.Tensor] = {}
+    cont = None
+    for dtype in ("float32", "bfloat16"):
+        llm = make_llm(path, dtype, prompts, steps, device)
+        logits[dtype], fed = ours_teacher_forced(llm.engine.executor, prompts, steps, cont)
+        cont = fed if cont is None else cont
+        del llm
+        release_memory()
+    ours = token_stats(logits["bfloat16"], logits["float32"])
+    del logits
+    ref = hf_teacher_forced(hf32, prompts, cont, hf_batched)
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    hf = token_stats(hf_teacher_forced(hf16, prompts, cont, hf_batched), ref)
+    del hf16, ref
+    release_memory()
+    return {"ours": ours, "hf": hf}
+
+
 # ---- variants: one cause switched off at a time ----------------------------------------------
 
 @contextlib.contextmanager

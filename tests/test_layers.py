@@ -363,3 +363,19 @@ def test_bf16_model_loses_no_more_than_hf(tmp_path):
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(ours["float32"], ref) < 1e-5
     assert rel(ours["bfloat16"], ours["float32"]) <= 1.1 * rel(theirs, ref)
+
+
+def test_teacher_forced_flip_measure_compares_each_side_with_its_own_float32(tmp_path):
+    """The measure ``tests_gpu/test_bf16_accuracy.py`` asserts on, run through on the CPU at
+    tiny shapes: both sides' bf16 really ran in bf16 (a nonzero logits error), counted over
+    every (step, prompt) position."""
+    from benchmarks.bf16_layers import SMOKE_SHAPES, make_bf16_checkpoint, random_prompts, teacher_forced_flips
+
+    hf32 = make_bf16_checkpoint(str(tmp_path), 0.1, device="cpu", num_hidden_layers=2, **SMOKE_SHAPES)
+    prompts = random_prompts(2, 8, SMOKE_SHAPES["vocab_size"])
+    got = teacher_forced_flips(str(tmp_path), hf32, prompts, steps=3, device="cpu")
+    for side in ("ours", "hf"):
+        stats = got[side]
+        assert 0 < stats["logits_rel"] < 0.2, (side, stats)
+        assert 0 <= stats["outside_top5"] <= stats["flip"] <= 1, (side, stats)
+        assert stats["flip"] * 8 == round(stats["flip"] * 8), (side, stats)  # 4 steps x 2 prompts

@@ -6,7 +6,12 @@ prompts of 32 tokens, 64 greedy tokens each. Ours: ``LLM`` as users run it on CU
 (CUDA graphs, Triton kernels, async scheduling), bf16 vs float32. HF: ``generate``
 one prompt at a time (as the other GPU tests run it; see HF_BATCHED), bf16 vs float32.
 
-Asserted: our bf16 keeps on average at least 90% as many leading tokens identical
+Asserted, teacher-forced (the statistically strong measure: 16 x 65 positions, each
+side's bf16 logits against its own float32 ones on one context, our float32 greedy
+continuation): our bf16 argmax differs from float32's no more often than HF's does
+(within 10%), and falls outside float32's top-5 no more often.
+
+Greedy (the issue's measure): our bf16 keeps on average at least 90% as many leading tokens identical
 to float32 as HF's bf16 does; and at the first difference our token is in float32's
 top-5 for at least as many prompts as HF's (a prompt without a difference counts as
 a hit). The float32 top-5 comes from HF's float32 model on the shared context.
@@ -34,6 +39,7 @@ from benchmarks.bf16_layers import (
     make_llm,
     random_prompts,
     release_memory,
+    teacher_forced_flips,
     top5_at_first_difference,
 )
 
@@ -118,3 +124,19 @@ def test_bf16_first_difference_in_fp32_top5_as_often_as_hf(agreement) -> None:
     assert sum(ours.top5_hits) >= sum(hf.top5_hits), (
         f"our first differing token is in float32's top-5 for {sum(ours.top5_hits)} prompts, "
         f"HF's for {sum(hf.top5_hits)}")
+
+
+def test_bf16_teacher_forced_flips_no_more_than_hf(tmp_path) -> None:
+    """Measured (benchmarks.bf16_layers, H200, 2026-11-30): flips ours 0.120 with graphs, HF
+    0.160 one prompt at a time; outside float32's top-5 0.000 vs 0.003."""
+    path = str(tmp_path)
+    hf32 = make_bf16_checkpoint(path, STD)
+    prompts = random_prompts(NUM_PROMPTS, PROMPT_LEN, hf32.config.vocab_size)
+    got = teacher_forced_flips(path, hf32, prompts, NEW, hf_batched=HF_BATCHED)
+    del hf32
+    release_memory()
+    ours, hf = got["ours"], got["hf"]
+    print(f"\nteacher-forced: ours {ours}\nHF   {hf}")
+    positions = NUM_PROMPTS * (NEW + 1)
+    assert ours["flip"] <= 1.1 * hf["flip"] + 1 / positions, (ours, hf)
+    assert ours["outside_top5"] <= hf["outside_top5"] + 1 / positions, (ours, hf)
