@@ -99,9 +99,6 @@ CANDIDATES = [
     # The pointer path where the TMA path would run (block_size a multiple of block_n):
     PrefillConfig(128, 64, 8, 3, tma=False), PrefillConfig(128, 128, 8, 2, tma=False),
     PrefillConfig(64, 64, 4, 3, tma=False),
-    # Triton's automatic warp specialisation of the TMA loop (the compiler may decline):
-    PrefillConfig(64, 64, 4, 3, warp_specialize=True), PrefillConfig(128, 64, 8, 3, warp_specialize=True),
-    PrefillConfig(128, 128, 8, 2, warp_specialize=True),
 ]
 
 
@@ -110,7 +107,7 @@ def label(c: PrefillConfig) -> str:
     tiles come by tensor-memory copy at this block size (``tma_allowed``), else ``ptr``."""
     tma = c.tma and BLOCK_SIZE % c.block_n == 0 and TensorDescriptor is not None
     return (f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} {'heavy' if c.heavy_first else 'perhead'}"
-            f" {'tma' if tma else 'ptr'}{' ws' if tma and c.warp_specialize else ''}")
+            f" {'tma' if tma else 'ptr'}")
 
 
 @dataclass(frozen=True)

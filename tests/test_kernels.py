@@ -302,12 +302,10 @@ PREFILL_TMA_CASES = [
     (torch.float32, 32, 4, 2, 16, [(70, 70), (5, 40), (1, 9), (0, 6), (40, 107)], PrefillConfig(32, 16, 4, 2)),
     (torch.float16, 64, 4, 2, 32, [(33, 49), (16, 47), (1, 1), (90, 90)], PrefillConfig(64, 16, 4, 3)),
     (torch.bfloat16, 32, 6, 2, 16, [(40, 40), (22, 50), (0, 0)], PrefillConfig(64, 32, 4, 2)),
-    (torch.float16, 32, 4, 2, 16, [(70, 70), (5, 40)], PrefillConfig(64, 16, 4, 3, warp_specialize=True)),
 ]
 
 
-@pytest.mark.parametrize("case", PREFILL_TMA_CASES,
-                         ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-n{c[6].block_n}-ws{int(c[6].warp_specialize)}")
+@pytest.mark.parametrize("case", PREFILL_TMA_CASES, ids=lambda c: f"{str(c[0])[6:]}-bs{c[1]}-n{c[6].block_n}")
 def test_prefill_attention_tma_path_matches_reference_and_pointer_path(case) -> None:
     """Both load paths against the reference, and against each other bit for bit (the same
     arithmetic in the same order; only how the tiles arrive differs)."""
@@ -336,8 +334,6 @@ def test_prefill_attention_tma_allowed_only_where_a_box_fits() -> None:
     assert not tma_allowed(torch.zeros(4, 32, 1, 2), 16)   # rows of 4 bytes: not 16-byte aligned
     with pytest.raises(ValueError, match="tma"):
         PrefillConfig(tma=1)
-    with pytest.raises(ValueError, match="warp_specialize"):
-        PrefillConfig(warp_specialize="yes")
 
 
 def test_prefill_attention_zeroes_rows_of_no_sequence() -> None:

@@ -78,9 +78,6 @@ class PrefillConfig:
     num_stages: int = 3       # software-pipelining depth of the K/V loads
     heavy_first: bool = True  # q tiles on the slowest grid axis, longest first (see module doc)
     tma: bool = True          # unmasked K/V tiles by tensor-memory copy where allowed (see tma_allowed)
-    # Ask Triton to split the TMA loop into load / MMA / softmax warp groups (tl.range's
-    # warp_specialize; the compiler may decline). Only with the TMA path; not yet timed.
-    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         check_power_of_two("block_m", self.block_m, minimum=16)
@@ -88,7 +85,7 @@ class PrefillConfig:
         check_power_of_two("num_warps", self.num_warps)
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        for name in ("heavy_first", "tma", "warp_specialize"):
+        for name in ("heavy_first", "tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -146,7 +143,6 @@ def _attend_kv_range(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,                 # False: every key in [start, end) is visible to every row
     USE_TMA: tl.constexpr,                # unmasked tiles come by tensor-memory copy (BLOCK_SIZE % BLOCK_N == 0)
-    WARP_SPECIALIZE: tl.constexpr,        # the TMA loop asks for warp specialisation
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Fold the keys [start, end) into the online softmax; returns (m_i, l_i, acc)."""
@@ -157,7 +153,7 @@ def _attend_kv_range(
         # (BLOCK_N, D) box of the cache seen as (N*bs, Hkv*D) rows. Unmasked tiles only:
         # a box cannot be masked, and the diagonal's keys past `end` may hold anything.
         block = tl.load(table_row + start // BLOCK_SIZE, mask=start < end, other=0)
-        for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        for n0 in range(start, end, BLOCK_N):
             row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
             k = k_desc.load([row, desc_col])
             v = v_desc.load([row, desc_col])
@@ -200,7 +196,7 @@ def _attend_q_tile(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Attention of one q tile (BLOCK_Q tokens x GROUP heads) of one sequence; writes its rows."""
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -230,12 +226,10 @@ def _attend_q_tile(
         desc_col = kv_head * HEAD_DIM
         m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, desc_col,
                                          table_row, 0, full_end, scale_log2, stride_cn, stride_cb,
-                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_TMA, WARP_SPECIALIZE,
-                                         DOT_PRECISION, UPCAST_DOT)
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_TMA, DOT_PRECISION, UPCAST_DOT)
         m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, desc_col,
                                          table_row, full_end, kv_end, scale_log2, stride_cn, stride_cb,
-                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_TMA, False,
-                                         DOT_PRECISION, UPCAST_DOT)
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_TMA, DOT_PRECISION, UPCAST_DOT)
         out = normalize_rows(acc, l_i)                                 # kv_len 0: zeros
         tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -282,7 +276,6 @@ def _prefill_kernel(
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
     USE_MAP: tl.constexpr,                # grid (capacity, Hkv): each program reads its tile from the map
     USE_TMA: tl.constexpr,                # unmasked K/V tiles by tensor-memory copy (see PrefillConfig.tma)
-    WARP_SPECIALIZE: tl.constexpr,        # see PrefillConfig.warp_specialize
 ):
     if USE_MAP:
         entry = tl.program_id(0)
@@ -294,8 +287,7 @@ def _prefill_kernel(
                            block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
                            seq, kv_head, tl.load(tile_map_ptr + 2 * entry + 1), scale_log2,
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
-                           GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
-                           DOT_PRECISION, UPCAST_DOT)
+                           GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, DOT_PRECISION, UPCAST_DOT)
         return
     # Grid (Hkv, B+1, tiles) when HEAVY_FIRST, else (tiles, Hkv, B+1); q tiles reversed either way.
     if HEAVY_FIRST:
@@ -321,8 +313,7 @@ def _prefill_kernel(
                        block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
                        seq, kv_head, q_tile, scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
-                       GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
-                           DOT_PRECISION, UPCAST_DOT)
+                       GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, DOT_PRECISION, UPCAST_DOT)
 
 
 def prefill_attention(
@@ -404,7 +395,6 @@ def prefill_attention(
         HEAVY_FIRST=heavy_first,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q), USE_MAP=tile_map is not None, USE_TMA=use_tma,
-        WARP_SPECIALIZE=use_tma and config.warp_specialize,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
