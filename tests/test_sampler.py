@@ -21,11 +21,13 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from minivllm.kernels.gumbel_sample import gumbel_sample, gumbel_sample_reference, step_key  # noqa: E402
+from minivllm.kernels.gumbel_sample import (  # noqa: E402
+    gumbel_best, gumbel_sample, gumbel_sample_reference, step_key,
+)
 from minivllm.layers import sampler as sampler_mod  # noqa: E402
 from minivllm.layers.sampler import (  # noqa: E402
-    Sampler, SamplingTensors, apply_filters, filter_floor, hashed_uniform, reference_sample, row_key,
-    row_keys,
+    Sampler, SamplingTensors, apply_filters, filter_floor, hashed_uniform, pick_candidate, reference_sample,
+    row_key, row_keys,
 )
 from minivllm.sampling import GREEDY_TEMPERATURE, SamplingParams  # noqa: E402
 
@@ -330,6 +332,50 @@ def test_kernel_greedy_ties_take_the_first_index(splits):
     greedy = torch.ones(6, dtype=torch.bool)
     got = gumbel_sample(logits, temperature, None, greedy, seeded, keys, 0, num_splits=splits)
     assert got.tolist() == logits.argmax(dim=1).tolist()
+
+
+# ----------------------------------------------------------------------------- vocab shards (TP)
+
+def shards_of(vocab: int, world: int) -> list[tuple[int, int]]:
+    """[start, end) per rank, as the vocab-parallel LM head cuts the vocabulary."""
+    size = -(-vocab // world)
+    return [(min(vocab, r * size), min(vocab, (r + 1) * size)) for r in range(world)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mix", ["greedy", "mixed", "random"])
+def test_sampling_from_vocab_shards_equals_sampling_the_gathered_row(backend, world, mix):
+    """Ranks simulated in one process: each rank's best (value, global column) of its shard,
+    then the pick over ranks, gives the token the whole row gives. Ties straddle the shard
+    borders (the smallest index must win), greedy, seeded and unseeded rows share a batch."""
+    vocab, rows = 301, 9
+    logits = make_logits(3, rows, vocab, 2.0, ties=True)  # rounded: many ties
+    logits[0] = 0.0  # a row tied everywhere: column 0 must win
+    temps = {"greedy": [0.0] * rows, "random": [0.7, 1.0, 1.5] * 3, "mixed": [0.0, 0.8, 1.3] * 3}[mix]
+    params = [SamplingParams(temperature=t, seed=(i if i % 2 else None)) for i, t in enumerate(temps)]
+    t = SamplingTensors.build(params, list(range(10, 10 + rows)), vocab, "cpu")
+    sampler = Sampler(use_kernel=backend == "kernel")
+    want = sampler(logits, t, step_seed=1234)
+    pairs = torch.stack([sampler.shard_candidates(logits[:, a:b].contiguous(), t, a, 1234)
+                         for a, b in shards_of(vocab, world)])
+    assert torch.equal(pick_candidate(pairs), want)
+    if mix != "greedy":  # the noise is keyed by the global column: an offset left out changes draws
+        wrong = torch.stack([sampler.shard_candidates(logits[:, a:b].contiguous(), t, 0, 1234)
+                             for a, b in shards_of(vocab, world)])
+        assert not torch.equal(pick_candidate(wrong), want)
+
+
+def test_filtering_rows_are_refused_on_shards():
+    logits = make_logits(0, 2, 50, 1.0, ties=False)
+    for p in (SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams(min_p=0.1)):
+        t = SamplingTensors.build([p, SamplingParams()], [0, 0], 50, "cpu")
+        assert not t.vocab_parallel_ok
+        with pytest.raises(ValueError, match="whole logits row"):
+            Sampler().shard_candidates(logits, t, 0, 1)
+    with pytest.raises(ValueError, match="col_offset|columns"):
+        gumbel_best(logits, torch.ones(2), None, torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool),
+                    torch.zeros(2, 2, dtype=torch.int64), 1, col_offset=-1)
 
 
 def test_step_key_halves_stay_int32():

@@ -115,6 +115,29 @@ def test_tp2_fixture_model_and_random_sampling(random_model: str) -> None:
     assert outs[0] == outs[1]
 
 
+def test_tp2_samples_from_vocab_shards_as_tp1_samples_whole_rows(random_model: str) -> None:
+    """Greedy, seeded and unseeded temperature rows in one batch take the shard path (no
+    gather of the logits; the odd vocabulary pads rank 1's shard) and give TP=1's tokens;
+    a top-k request gathers the rows as before."""
+    ps = prompts(CFG.vocab_size, n=6, seed=4)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=10, ignore_eos=True)
+              for t, s in ((0.0, None), (0.8, 7), (1.0, None), (1.3, 11), (0.0, None), (1.0, None))]
+    top_k = SamplingParams(temperature=1.0, top_k=5, seed=2, max_tokens=10, ignore_eos=True)
+    outs, shard_calls = [], []
+    for tp in (1, 2):
+        with LLM(random_model, **ENGINE, tensor_parallel_size=tp) as llm:
+            if tp == 2:
+                sampler = llm.engine.executor.local.sampler
+                real = sampler.forward_vocab_parallel
+                sampler.forward_vocab_parallel = lambda *a, **k: (shard_calls.append(1), real(*a, **k))[1]
+            outs.append(([o.token_ids for o in llm.generate(ps, params, use_tqdm=False)],
+                         [o.token_ids for o in llm.generate(ps[:2], top_k, use_tqdm=False)]))
+            if tp == 2:
+                calls_before_top_k = len(shard_calls)
+    assert outs[0] == outs[1]
+    assert calls_before_top_k > 0 and len(shard_calls) == calls_before_top_k
+
+
 @pytest.mark.parametrize("stage", ["load", "step3"])
 def test_worker_failure_is_a_clear_error(random_model: str, stage: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:

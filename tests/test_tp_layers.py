@@ -218,6 +218,9 @@ def check_vocab(rank: int, world: int, c: Case, fail: Fail) -> None:
     head.weight.weight_loader(head.weight, t(c["w"]))
     expect_close(fail, f"embedding vocab={vocab}", emb(t(c["ids"])), c["want_emb"])
     expect_close(fail, f"lm head vocab={vocab}", head(t(c["hidden"])), c["want_logits"])
+    # Ungathered: exactly this rank's columns of the logits, padding dropped.
+    want_shard = c["want_logits"][:, head.vocab_start:head.vocab_end]
+    expect_close(fail, f"lm head shard vocab={vocab}", head(t(c["hidden"]), gather=False), want_shard)
 
 
 class StubFastPath:

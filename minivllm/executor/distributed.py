@@ -330,8 +330,12 @@ class TPExecutor:
         """Run one step on every rank and return rank 0's (S, V) logits of its sampling rows.
 
         Every rank does exactly what ``submit`` does (sampler included), so the ranks'
-        sampling streams stay in step; for tests that compare TP logits with TP=1's.
+        sampling streams stay in step; for tests that compare TP logits with TP=1's. The
+        plan asks for the sampled tokens' logprobs, so that every rank gathers whole rows
+        (the path a plan without them may skip: ``ModelExecutor._samples_from_shards``).
         """
+        plan = replace(plan, sampling_params=tuple(replace(p, logprobs=p.logprobs or 0)
+                                                   for p in plan.sampling_params))
         self.local.keep_logits = True
         try:
             self.submit(plan).result()

@@ -363,6 +363,10 @@ class ModelExecutor:
             tensors = SamplingTensors.build(params, np.full(rows, seq_len), self.model_config.vocab_size,
                                             self.device)
             self.sampler(logits, tensors)
+            if self.tp_size > 1 and tensors.vocab_parallel_ok:  # the shard path (an (S, 2) all-gather)
+                shard = self.model.compute_logits(hidden[:rows], gather=False)
+                self.sampler.forward_vocab_parallel(shard, tensors, self.model.lm_head.vocab_start,
+                                                    step_seed=0)  # the step counter stays TP=1's
         self._warm_up_extras(hidden, logits)
         del hidden, logits, dummy
 
@@ -431,10 +435,13 @@ class ModelExecutor:
     def _sample(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
                 params: list[SamplingParams], extras: _Extras) -> tuple[torch.Tensor, LogprobTensors | None]:
         """Sample the plan's sampling rows: token ids (S,) on the device, and their logprobs where asked."""
-        logits = self.model.compute_logits(hidden[batch.sample_indices])  # (S, V), raw
         # A sampled token's position is its sequence's length so far: the seeded-row counter.
         tensors = SamplingTensors.build(params, inputs.kv_lens[plan.sample], self.model_config.vocab_size,
                                         self.device)
+        if self._samples_from_shards(tensors, extras):
+            shard = self.model.compute_logits(hidden[batch.sample_indices], gather=False)  # (S, V / tp)
+            return self.sampler.forward_vocab_parallel(shard, tensors, self.model.lm_head.vocab_start), None
+        logits = self.model.compute_logits(hidden[batch.sample_indices])  # (S, V), raw
         if self.keep_logits:  # tests: TP logits against TP=1 (distributed.TPExecutor.compute_logits)
             self.last_logits = logits
         tokens = self.sampler(logits, tensors, penalties=extras.penalties)  # (S,) int64 on the device
@@ -444,6 +451,12 @@ class ModelExecutor:
         if rows is None:
             return tokens, sliced_logprobs(lambda s: logits[s], tokens, extras.logprobs.max_k)
         return tokens, sliced_logprobs(lambda s: logits[rows[s]], tokens[rows], extras.logprobs.max_k)
+
+    def _samples_from_shards(self, tensors: SamplingTensors, extras: _Extras) -> bool:
+        """Under tensor parallelism, whether this step's rows can be sampled from the vocab
+        shards (no gather of the (S, V) logits): no penalty, filter or logprobs needs whole
+        rows. Decided from the plan alone, so every rank takes the same collectives."""
+        return self.tp_size > 1 and tensors.vocab_parallel_ok and extras.penalties is None and extras.logprobs is None
 
     def _results(self, outputs: _StepOutputs, blocks: list[torch.Tensor]) -> StepHandle:
         """Bring the int64 ``blocks`` (sampled ids, packed logprobs) down in one copy."""

@@ -20,6 +20,13 @@ Few rows leave most SMs idle with one program per row (a 151936-wide bf16 row is
 its best (value, index) and a tiny torch reduction picks the row's winner. Ties
 go to the smallest index, as ``torch.argmax`` does.
 
+Vocab-parallel (tensor parallelism): a rank holding the columns ``[col_offset,
+col_offset + V_shard)`` of every row runs :func:`gumbel_best` on its shard with that
+offset: the noise of a column depends on its *global* index, so each rank's winner is
+the full row's winner restricted to its columns, and the row's token is the best of
+the ranks' (value, index) pairs (``layers/sampler.py``), the same token as sampling the
+gathered row.
+
 Torch reference: :func:`gumbel_sample_reference` (below), token-for-token the same
 given the same keys (up to 1-ulp differences of ``log`` between libraries, which
 can only matter on a near-exact tie of two perturbed logits).
@@ -81,7 +88,7 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit(do_not_specialize=["step_lo", "step_hi"])
+@triton.jit(do_not_specialize=["step_lo", "step_hi", "col_offset"])
 def _gumbel_sample_kernel(
     logits_ptr,                 # (S, V) float, last dim contiguous
     temperature_ptr,            # (S,) float32 (ignored on greedy rows)
@@ -92,6 +99,7 @@ def _gumbel_sample_kernel(
     best_idx_ptr,               # (S, num_splits) int64 out
     stride_row, vocab_size, cols_per_split,
     step_lo, step_hi,           # int32 in [0, 2**31): this step's key for unseeded rows
+    col_offset,                 # global index of column 0 (a vocab shard's start; else 0)
     HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # The split count is not a constexpr: it changes with the batch size, and
@@ -123,7 +131,7 @@ def _gumbel_sample_kernel(
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
         # Same arithmetic as the reference: the hash of the vocab index, an IEEE
         # round-to-nearest division like torch's (Triton's fp32 `/` need not be), two logs.
-        h = _mix32(_mix32(_mix32(cols.to(tl.uint32)) ^ k0) ^ k1)
+        h = _mix32(_mix32(_mix32((cols + col_offset).to(tl.uint32)) ^ k0) ^ k1)
         u = ((h >> (32 - 23)).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         scaled = tl.math.div_rn(x, temperature)
         perturbed = tl.where(x >= floor, scaled + -tl.log(-tl.log(u)), float("-inf"))
@@ -149,12 +157,34 @@ def gumbel_sample(
     config: GumbelConfig | None = None,
 ) -> torch.Tensor:
     """One token id per row (S,) int64: greedy rows argmax, others a Gumbel-max draw.
+    (:func:`gumbel_best`'s columns; see there.)"""
+    return gumbel_best(logits, temperature, floor, greedy, seeded, seed_keys, step_seed,
+                       num_splits=num_splits, config=config)[1]
+
+
+def gumbel_best(
+    logits: torch.Tensor,         # (S, V) bf16 / fp16 / fp32
+    temperature: torch.Tensor,    # (S,) float32
+    floor: torch.Tensor | None,   # (S,) float32 or None (no filter)
+    greedy: torch.Tensor,         # (S,) bool
+    seeded: torch.Tensor,         # (S,) bool
+    seed_keys: torch.Tensor,      # (S, 2) int64
+    step_seed: int,
+    *,
+    col_offset: int = 0,
+    num_splits: int | None = None,
+    config: GumbelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's winning (value (S,) float32, column (S,) int64): greedy rows the largest
+    logit, others the largest ``logit / T + g`` (the Gumbel-max draw).
 
     A random row draws from ``softmax(logits / T)`` restricted to the tokens with
     ``logits >= floor``; its noise comes from ``seed_keys`` where ``seeded``,
     else from ``step_seed`` and the row index. Never syncs the host.
 
     Args:
+        col_offset: global index of column 0 when ``logits`` holds a vocab shard (the
+            noise is keyed by global index); returned columns stay local.
         num_splits: programs per row (None: from ``config``; 1 off CUDA).
         config: launch tunables (None: the defaults).
 
@@ -163,7 +193,7 @@ def gumbel_sample(
         ValueError: shapes disagree, logits' last dim is strided, tensors live on
             different devices, or ``num_splits`` < 1.
     """
-    _check_args(logits, temperature, floor, greedy, seeded, seed_keys, step_seed)
+    _check_args(logits, temperature, floor, greedy, seeded, seed_keys, step_seed, col_offset)
     config = config or GumbelConfig()
     rows, vocab = logits.shape
     if num_splits is None:
@@ -176,18 +206,19 @@ def gumbel_sample(
     best_val = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, num_splits, dtype=torch.int64, device=logits.device)
     if rows == 0:
-        return best_idx[:, 0]
+        return best_val[:, 0], best_idx[:, 0]
     lo, hi = step_key(step_seed)
     _gumbel_sample_kernel[(rows, num_splits)](
         logits, temperature, floor if floor is not None else temperature, greedy, seeded,
-        seed_keys, best_val, best_idx, logits.stride(0), vocab, cols_per_split, lo, hi,
+        seed_keys, best_val, best_idx, logits.stride(0), vocab, cols_per_split, lo, hi, col_offset,
         HAS_FLOOR=floor is not None, BLOCK=block,
         num_warps=max(1, min(config.num_warps, block // 128)),
     )
     if num_splits == 1:
-        return best_idx[:, 0]
+        return best_val[:, 0], best_idx[:, 0]
     # Splits are in column order and argmax takes the first maximum: the smallest index wins a tie.
-    return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]
+    winner = best_val.argmax(dim=1, keepdim=True)
+    return best_val.gather(1, winner)[:, 0], best_idx.gather(1, winner)[:, 0]
 
 
 def choose_num_splits(rows: int, vocab: int, device: torch.device, config: GumbelConfig) -> int:
@@ -201,8 +232,8 @@ def choose_num_splits(rows: int, vocab: int, device: torch.device, config: Gumbe
 
 def _check_args(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
                 greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor,
-                step_seed: int) -> None:
-    """Validate the arguments of :func:`gumbel_sample` (raises TypeError / ValueError)."""
+                step_seed: int, col_offset: int = 0) -> None:
+    """Validate the arguments of :func:`gumbel_best` (raises TypeError / ValueError)."""
     check_dtype("logits", logits, _FLOAT_DTYPES)
     if logits.dim() != 2:
         raise ValueError(f"logits must be (S, V), got shape {tuple(logits.shape)}")
@@ -223,6 +254,10 @@ def _check_args(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Te
     check_same_device(logits=logits, seed_keys=seed_keys, **tensors)
     if isinstance(step_seed, bool) or not isinstance(step_seed, int):
         raise TypeError(f"step_seed must be an int, got {type(step_seed).__name__}")
+    if isinstance(col_offset, bool) or not isinstance(col_offset, int):
+        raise TypeError(f"col_offset must be an int, got {type(col_offset).__name__}")
+    if col_offset < 0 or col_offset + logits.shape[1] > 2 ** 31:
+        raise ValueError(f"columns [{col_offset}, {col_offset + logits.shape[1]}) must lie in [0, 2**31)")
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -240,9 +275,11 @@ def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hashed_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Counter-based uniforms: (R, 2) int64 keys -> (R, vocab_size) float32 strictly in (0, 1)."""
-    v = _mix32_torch(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))  # (V,)
+def hashed_uniform(keys: torch.Tensor, vocab_size: int, col_offset: int = 0) -> torch.Tensor:
+    """Counter-based uniforms: (R, 2) int64 keys -> (R, vocab_size) float32 strictly in (0, 1),
+    for the global columns ``col_offset .. col_offset + vocab_size - 1``."""
+    cols = torch.arange(col_offset, col_offset + vocab_size, device=keys.device, dtype=torch.int64)
+    v = _mix32_torch(cols)                                                               # (V,)
     x = _mix32_torch(v[None, :] ^ keys[:, :1])                                          # (R, V)
     x = _mix32_torch(x ^ keys[:, 1:])
     return ((x >> (32 - _UNIFORM_BITS)).float() + 0.5) / float(1 << _UNIFORM_BITS)
@@ -266,9 +303,18 @@ def gumbel_sample_reference(logits: torch.Tensor, temperature: torch.Tensor, flo
                             greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor,
                             step_seed: int) -> torch.Tensor:
     """:func:`gumbel_sample` in torch ops over a materialised (S, V) noise tensor."""
-    scaled = logits.float() / temperature[:, None]  # (S, V)
+    return gumbel_best_reference(logits, temperature, floor, greedy, seeded, seed_keys, step_seed)[1]
+
+
+def gumbel_best_reference(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
+                          greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor,
+                          step_seed: int, col_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gumbel_best` in torch ops over a materialised (S, V) noise tensor."""
+    raw = logits.float()
+    scaled = raw / temperature[:, None]  # (S, V)
     if floor is not None:
-        scaled = scaled.masked_fill(logits.float() < floor[:, None], float("-inf"))
-    u = hashed_uniform(row_keys(seeded, seed_keys, step_seed), logits.shape[1])
-    sampled = (scaled + -torch.log(-torch.log(u))).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        scaled = scaled.masked_fill(raw < floor[:, None], float("-inf"))
+    u = hashed_uniform(row_keys(seeded, seed_keys, step_seed), logits.shape[1], col_offset)
+    z = torch.where(greedy[:, None], raw, scaled + -torch.log(-torch.log(u)))
+    best, idx = z.max(dim=-1)  # the first maximum: the smallest column wins a tie
+    return best, idx

@@ -13,8 +13,8 @@ Two paths, one function:
   kernel and one barrier, where NCCL's ring pays a protocol per message: at 8 KB (the
   batch-1 decode step's all-reduce of Qwen3-8B) 6.7 us against NCCL's 12.7 on two
   H200s, in CUDA graphs (``benchmarks.all_reduce``). vLLM's custom all-reduce and its
-  symmetric-memory communicator do the same. From 256 KB (a decode step of 32 or more
-  tokens) the **two-shot** kernel over the same buffer instead: each rank reduces its
+  symmetric-memory communicator do the same. From 1 MB (``TWO_SHOT_MIN_BYTES``: a decode
+  step of 128 or more tokens of Qwen3-8B) the **two-shot** kernel over the same buffer instead: each rank reduces its
   1/world share and writes it to every peer, half the traffic for one more barrier
   (15.2 us against one-shot's 21.9 and NCCL's 33.7 at 2 MB).
 

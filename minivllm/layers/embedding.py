@@ -9,7 +9,8 @@ divisibility by ``tp_size``. The embedding looks up the ids in its half-open
 range ``[vocab_start, vocab_end)`` (an id equal to ``vocab_end`` belongs to the
 next rank: every id is looked up on exactly one rank), zeros the others and
 all-reduces; the LM head computes logits for its range and all-gathers them
-along the vocabulary, then drops the trailing padding.
+along the vocabulary, then drops the trailing padding (or, with ``gather=False``, hands
+back its own range for sampling from the shards: ``Sampler.forward_vocab_parallel``).
 """
 
 from __future__ import annotations
@@ -66,11 +67,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to logits; shares the embedding's sharding (and can
     share its weight, for tied embeddings)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, dim) -> (S, vocab)
-        """Logits for exactly the rows given (the caller passes only sampling rows)."""
+    def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """Logits (S, vocab) for exactly the rows given (the caller passes only sampling rows);
+        ``gather=False``: this rank's columns ``[vocab_start, vocab_end)`` only, (S, vocab_end -
+        vocab_start), no collective."""
         logits = F.linear(hidden, self.weight)  # (S, shard_size)
         if self.tp_size == 1:
             return logits
+        if not gather:
+            return logits[:, : self.vocab_end - self.vocab_start]
         # One collective into one buffer (rank-major), then one copy into (S, vocab) order.
         rows, shard = logits.shape
         parts = logits.new_empty((self.tp_size * rows, shard))

@@ -35,6 +35,13 @@ chunked into. Unseeded rows hash (row, step seed) instead: the step seed is a
 plain host int, by default a counter advanced per call and keyed by the
 executor's generator seed, so drawing it never waits for the device.
 
+Under tensor parallelism each rank holds a vocab shard of the logits. Rows that need
+only greedy and temperature (no penalty, no floor) are sampled from the shards
+(``forward_vocab_parallel``): each rank finds its shard's best (value, global index),
+the ranks all-gather those S pairs instead of the (S, V) logits, and every rank picks
+the same best pair, the token the gathered row would have given (the noise is keyed by
+global index; ties go to the smallest index in both).
+
 ``reference_sample`` is the previous all-torch path (full sort, (S, V) noise from
 the generator); the tests check the fast path against it.
 """
@@ -50,11 +57,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from minivllm.kernels.gumbel_sample import gumbel_sample, gumbel_sample_reference, hashed_uniform
+from minivllm.kernels.gumbel_sample import (
+    gumbel_best, gumbel_best_reference, gumbel_sample, gumbel_sample_reference, hashed_uniform,
+)
 from minivllm.layers.penalties import PenaltyTensors, apply_penalties
 from minivllm.sampling import SamplingParams, is_greedy_temperature
 
-__all__ = ["MAX_CANDIDATES", "Sampler", "SamplingTensors", "apply_filters", "filter_floor",
+__all__ = ["MAX_CANDIDATES", "Sampler", "SamplingTensors", "apply_filters", "filter_floor", "pick_candidate",
            "hashed_uniform", "reference_sample", "row_key", "row_keys"]
 
 _MASK32 = 0xFFFFFFFF
@@ -204,6 +213,11 @@ class SamplingTensors:
     # sort it all; 0: no top-k / top-p row.
     num_candidates: int
 
+    @property
+    def vocab_parallel_ok(self) -> bool:
+        """No row filters, so each can be sampled from vocab shards (``forward_vocab_parallel``)."""
+        return self.num_candidates == 0 and not self.any_min_p
+
     @staticmethod
     def build(params: Sequence[SamplingParams], positions: Sequence[int] | np.ndarray,
               vocab_size: int, device: torch.device | str) -> "SamplingTensors":
@@ -347,6 +361,14 @@ def reference_sample(logits: torch.Tensor, t: SamplingTensors,
 
 # ----------------------------------------------------------------------------- sampler
 
+def pick_candidate(pairs: torch.Tensor) -> torch.Tensor:
+    """The token ids (S,) int64 from every rank's (value, global column) pairs (world, S, 2),
+    ranks in vocab order: the largest value, the smallest column on a tie (the first maximum
+    over ranks holding ascending column ranges), as ``argmax`` over the whole row."""
+    winner = pairs[:, :, 0].argmax(dim=0, keepdim=True)  # (1, S)
+    return pairs[:, :, 1].gather(0, winner)[0].long()
+
+
 class Sampler(nn.Module):
     """Samples one token per row of logits, without a host sync.
 
@@ -384,6 +406,48 @@ class Sampler(nn.Module):
         if t.all_greedy:
             return logits.argmax(dim=-1)
         floor = filter_floor(logits, t)
-        use_kernel = logits.is_cuda if self.use_kernel is None else self.use_kernel
-        sample = gumbel_sample if use_kernel else gumbel_sample_reference
+        sample = gumbel_sample if self._kernel(logits) else gumbel_sample_reference
         return sample(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed)
+
+    def forward_vocab_parallel(self, shard: torch.Tensor, t: SamplingTensors, col_offset: int,
+                               group: "torch.distributed.ProcessGroup | None" = None,
+                               step_seed: int | None = None) -> torch.Tensor:
+        """Sample from this rank's vocab shard of the logits: the same token ids (S,) int64
+        on every rank of ``group``, equal to ``forward`` on the gathered logits.
+
+        Args:
+            shard: (S, V_rank) logits of the global columns ``col_offset ..``; padding
+                columns already dropped.
+            t: the rows' settings; no row may filter (``vocab_parallel_ok``).
+            group: the tensor-parallel group (None: the default one).
+            step_seed: as ``forward`` (every rank draws the same counter).
+
+        Raises:
+            ValueError: a row filters (top-k / top-p / min-p need the whole row).
+        """
+        if step_seed is None:
+            step_seed = self.next_step_seed()
+        mine = self.shard_candidates(shard, t, col_offset, step_seed)
+        world = torch.distributed.get_world_size(group)
+        pairs = mine.new_empty(world * mine.shape[0], 2)  # rank-major, as the collective wants it
+        torch.distributed.all_gather_into_tensor(pairs, mine, group=group)
+        return pick_candidate(pairs.view(world, -1, 2))
+
+    def shard_candidates(self, shard: torch.Tensor, t: SamplingTensors, col_offset: int,
+                         step_seed: int) -> torch.Tensor:
+        """This shard's best (value, global column) per row, as one (S, 2) float32 tensor (a
+        column is exact in float32 below 2**24): the message ``forward_vocab_parallel`` gathers."""
+        if not t.vocab_parallel_ok:
+            raise ValueError("top-k / top-p / min-p rows need the whole logits row: gather the logits")
+        if shard.shape[1] + col_offset > 1 << 24:
+            raise ValueError(f"vocab columns up to {shard.shape[1] + col_offset} are not exact in float32")
+        if t.all_greedy:
+            value, col = shard.max(dim=-1)  # the first maximum, as argmax
+        else:
+            best = gumbel_best if self._kernel(shard) else gumbel_best_reference
+            value, col = best(shard, t.temperature, None, t.greedy, t.seeded, t.seed_keys, step_seed,
+                              col_offset=col_offset)
+        return torch.stack([value.float(), (col + col_offset).float()], dim=1)
+
+    def _kernel(self, logits: torch.Tensor) -> bool:
+        return logits.is_cuda if self.use_kernel is None else self.use_kernel

@@ -272,6 +272,7 @@ class DecoderForCausalLM(nn.Module):
         """(T,) token ids, (T,) positions -> (T, hidden) hidden states (no logits)."""
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """(S, hidden) rows that sample -> (S, vocab) logits."""
-        return self.lm_head(hidden_rows)
+    def compute_logits(self, hidden_rows: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """(S, hidden) rows that sample -> (S, vocab) logits; ``gather=False`` under tensor
+        parallelism: this rank's vocab columns only (``ParallelLMHead.forward``)."""
+        return self.lm_head(hidden_rows, gather)
