@@ -204,7 +204,8 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
-              fuse_all_reduce_norm=getattr(args, "fuse_all_reduce_norm", False))
+              fuse_all_reduce_norm=getattr(args, "fuse_all_reduce_norm", False),
+              gemv=getattr(args, "gemv", False))
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
     prefill_graphs = getattr(llm.engine.executor, "captures_prefill_graphs", False)
     print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks "
@@ -465,6 +466,8 @@ def parse_args() -> argparse.Namespace:
                     help="with TP: NCCL for every all-reduce (no one-shot symmetric-memory kernel)")
     ap.add_argument("--fuse-all-reduce-norm", action="store_true",
                     help="with TP on CUDA: the all-reduce inside the residual add + RMSNorm kernel")
+    ap.add_argument("--gemv", action="store_true",
+                    help="linear layers at batch <= 16 through kernels/gemv.py (ExecutorConfig.gemv)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per KV cache block (default: the LLM's)")
     args = ap.parse_args()

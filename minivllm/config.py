@@ -148,6 +148,11 @@ class ExecutorConfig:
             correct on two H200s, but its first version was slower than the
             all-reduce and norm apart (8B TP=2: 12,660 against 13,558 tok/s); its
             barrier has been rewritten since, not yet timed.
+        gemv: linear layers given at most 16 rows (decode at small batch, in CUDA graphs
+            too) run ``kernels/gemv.py`` instead of cuBLAS where it takes the shape
+            (bf16 / fp16, enough output columns to fill the GPU). Off by default: not yet
+            timed on a GPU (``benchmarks.gemv`` compares it with cuBLAS). On the CPU it
+            needs ``TRITON_INTERPRET=1`` (tests).
     """
 
     device: str = "auto"
@@ -160,6 +165,7 @@ class ExecutorConfig:
     prefill_graphs: bool | None = None
     disable_custom_all_reduce: bool = False
     fuse_all_reduce_norm: bool = False
+    gemv: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -179,6 +185,7 @@ class ExecutorConfig:
             _check_bool("prefill_graphs", self.prefill_graphs)
         _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
         _check_bool("fuse_all_reduce_norm", self.fuse_all_reduce_norm)
+        _check_bool("gemv", self.gemv)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":

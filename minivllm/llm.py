@@ -88,7 +88,8 @@ class LLM:
             ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
             tensor_parallel_size: N ranks in N processes, one GPU each on CUDA,
             prefill_graphs: CUDA graphs of prefill and mixed steps too, on by default,
-            disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce).
+            disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce,
+            gemv: our GEMV kernel for linear layers at batch <= 16, off by default).
 
     Raises:
         TypeError: unknown option. ValueError: a bad option value or model.

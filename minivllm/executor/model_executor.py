@@ -55,6 +55,7 @@ from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers import all_reduce
 from minivllm.layers.attention import AttentionMetadata, make_attention_backend
+from minivllm.layers.linear import use_gemv
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.layers.sampler import Sampler, SamplingTensors
@@ -292,6 +293,8 @@ class ModelExecutor:
             model = build_model(self.model_config, attention_backend=backend,
                                 tp_rank=self.tp_rank, tp_size=self.tp_size)
         load_weights(model, model_path)
+        if self.config.gemv:  # before any CUDA graph is captured: graphs keep the kernels
+            use_gemv(model)
         return model.eval()
 
     def size_kv_pool_from_free_memory(self, gpu_memory_utilization: float) -> int:

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.kernels.gemv import gemv, gemv_takes
 from minivllm.layers.all_reduce import all_reduce, defers_to_norm
 
 if TYPE_CHECKING:
@@ -214,9 +215,27 @@ class LinearBase(nn.Module):
         self.bias: nn.Parameter | None = (
             nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
         )
+        # Decode-sized inputs (<= 16 rows) through kernels/gemv.py where it takes them; set
+        # by the executor from ExecutorConfig.gemv.
+        self.use_gemv = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out_local)
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)``: the GEMV kernel where enabled and it takes the shape, else cuBLAS."""
+        if self.use_gemv and gemv_takes(x, self.weight):
+            return gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
+
+def use_gemv(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every linear layer of ``model`` to (or off) the GEMV kernel for inputs of at
+    most 16 rows (``ExecutorConfig.gemv``); returns how many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for m in layers:
+        m.use_gemv = enabled
+    return len(layers)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -386,7 +405,7 @@ class RowParallelLinear(LinearBase):
         load_unpacked(self, param, loaded, shard_id, dim=1, full=self.input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
-        y = F.linear(x, self.weight)
+        y = self._linear(x, None)
         reduced = self.reduce_results and not (self.reduce_in_next_norm and defers_to_norm(y))
         if self.tp_size > 1 and reduced:
             y = all_reduce(y)

@@ -1,0 +1,128 @@
+"""The GEMV kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at decode shapes.
+
+    PYTHONPATH=. python3 -m benchmarks.gemv [--quick] [--rows 1,4,16] [--models 0.6b,8b,8b-tp2]
+
+Weights of the decode GEMMs of Qwen3-0.6B, Qwen3-8B and one rank of Qwen3-8B at TP=2
+(qkv_proj, o_proj, gate_up_proj, down_proj; bf16), x of ``--rows`` rows. Each call is
+timed inside a CUDA graph, as the decode step replays it (``benchmarks.gpu_timing``),
+cycling over enough copies of the weight that they do not fit in L2 (a decode step reads
+every layer's weights once). GB/s counts the weight bytes. Every config is checked
+against ``F.linear`` in float32 before it is timed; a failing one is reported and
+skipped. The default config (``gemv.DEFAULT_CONFIG``) is marked ``*``, and a shape it
+does not take (``gemv_takes``: too few output columns) is marked ``(not taken)``.
+With ``$OUT`` set the rows go to ``$OUT/gemv.json``. Exit status 1 if the default
+config fails its check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.gpu_timing import graph_us
+from benchmarks.qwen3_shapes import QWEN3_0_6B, QWEN3_8B
+from minivllm.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv, gemv_takes
+
+DEVICE = "cuda"             # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it
+L2_FLUSH_BYTES = 256 << 20  # copies of a weight cycled per timing: more than the H200's 50 MB L2
+TOL = 1.6e-2                # bf16, as the kernel GPU tests
+
+CANDIDATES = [
+    GemvConfig(16, 256, 4, 4), GemvConfig(16, 512, 4, 3), GemvConfig(16, 512, 8, 3), GemvConfig(16, 128, 4, 6),
+    GemvConfig(32, 256, 4, 4), GemvConfig(32, 256, 8, 3), GemvConfig(32, 128, 4, 5),
+    GemvConfig(64, 128, 4, 4), GemvConfig(64, 256, 8, 3),
+]
+
+
+def decode_gemms(model: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of one layer's four GEMMs: ``0.6b``, ``8b``, ``8b-tp2`` (one rank)."""
+    cfg, tp = {"0.6b": (QWEN3_0_6B, 1), "8b": (QWEN3_8B, 1), "8b-tp2": (QWEN3_8B, 2)}[model]
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d // tp, max(1, cfg["num_key_value_heads"] // tp) * d
+    return [(f"{model} qkv", q + 2 * kv, h), (f"{model} o", h, q),
+            (f"{model} gate_up", 2 * i // tp, h), (f"{model} down", h, i // tp)]
+
+
+def time_us(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    return graph_us(lambda c: fn(x, weights[c]), len(weights))
+
+
+def bench_shape(name: str, n: int, k: int, rows: int, configs: list[GemvConfig]) -> dict:
+    w0 = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+    copies = max(2, -(-L2_FLUSH_BYTES // w0.nbytes))
+    weights = [w0] + [torch.randn_like(w0) / k ** 0.5 for _ in range(copies - 1)]
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), w0.float())
+    row = {"shape": name, "N": n, "K": k, "rows": rows, "weight_MB": w0.nbytes / 2 ** 20,
+           "taken_by_default": gemv_takes(x, w0), "configs": []}
+    cublas = time_us(F.linear, weights, x)
+    row["cublas_us"], row["cublas_GBs"] = cublas, w0.nbytes / cublas / 1e3
+    for config in configs:
+        entry = {"config": asdict(config), "default": config == DEFAULT_CONFIG}
+        try:
+            err = (gemv(x, w0, config=config).float() - ref).abs().max().item()
+            if not err <= TOL * max(1.0, ref.abs().max().item()):
+                raise AssertionError(f"max error {err:.3g}")
+            us = time_us(lambda a, w, c=config: gemv(a, w, config=c), weights, x)
+            entry.update(us=us, GBs=w0.nbytes / us / 1e3, speedup=cublas / us)
+        except Exception as exc:  # noqa: BLE001 - a sweep reports a failing config and goes on
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+        row["configs"].append(entry)
+    del weights
+    torch.cuda.empty_cache()
+    return row
+
+
+def label(c: dict) -> str:
+    return f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+
+
+def print_row(row: dict) -> None:
+    taken = "" if row["taken_by_default"] else " (not taken)"
+    print(f"{row['shape']:>16} M={row['rows']:<2} {row['weight_MB']:7.1f} MB  cuBLAS {row['cublas_us']:7.2f} us "
+          f"{row['cublas_GBs']:6.0f} GB/s{taken}")
+    for e in row["configs"]:
+        mark = "*" if e["default"] else " "
+        if "error" in e:
+            print(f"      {mark} {label(e['config']):<20} FAILED {e['error']}")
+        else:
+            print(f"      {mark} {label(e['config']):<20} {e['us']:7.2f} us {e['GBs']:6.0f} GB/s  x{e['speedup']:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the default config only")
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--models", default="0.6b,8b,8b-tp2")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gemv needs a CUDA device")
+    configs = [DEFAULT_CONFIG] + ([] if args.quick else [c for c in CANDIDATES if c != DEFAULT_CONFIG])
+    results, default_failed = [], False
+    for model in args.models.split(","):
+        for name, n, k in decode_gemms(model):
+            for rows in (int(r) for r in args.rows.split(",")):
+                row = bench_shape(name, n, k, rows, configs)
+                print_row(row)
+                results.append(row)
+                default_failed |= any("error" in e for e in row["configs"] if e["default"])
+    ok = [(r, e) for r in results for e in r["configs"] if "us" in e]
+    total = {key: sum(r["cublas_us"] if key == "cublas" else e["us"] for r, e in ok if e["default"])
+             for key in ("cublas", "gemv")}
+    print(f"sum over the shapes, default config: cuBLAS {total['cublas']:.1f} us, gemv {total['gemv']:.1f} us")
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "gemv.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if default_failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""``y = x W^T (+ b)`` for a few rows of ``x``: the decode step's GEMMs at small batch.
+
+At batch 1-16 a linear layer is a weight stream: every weight is read once and used
+by at most 16 rows, so the time is the weight bytes over the memory bandwidth. On
+the H200 cuBLAS reached 3.2 TB/s over the decode GEMMs of Qwen3-8B at TP=2 (2.5 TB/s
+on ``o_proj``, 2.7 on ``qkv_proj`` plus a split-K reduction kernel) where a copy
+reaches about 4.2 (BENCHMARKS.md, sixth session). This kernel streams W once, with
+no split-K reduction pass::
+
+    program p (grid: cdiv(N, BLOCK_N)) owns output columns [p*BLOCK_N, (p+1)*BLOCK_N)
+
+    W rows of p   ##########....##########   BLOCK_N x K, read in BLOCK_K steps
+    x (M rows)    ----------....----------   padded to BLOCK_M = 16 rows (tl.dot's
+                                             minimum), re-read from L2 by every program
+    acc (fp32)    BLOCK_N x BLOCK_M  += W_tile @ x_tile^T   (tensor cores)
+
+The K loop is one ``tl.dot`` per step, so Triton software-pipelines the W loads
+``num_stages`` deep. Accumulation is fp32 and the output is rounded once, as
+cuBLAS's (with its bf16 split-K reduction off, which the executor sets). Each output
+element is one dot product in a fixed order: deterministic, independent of M.
+
+There is no split of K: the grid must itself fill the GPU, so the caller uses this
+kernel only where ``cdiv(N, BLOCK_N)`` programs are enough (:func:`gemv_takes`).
+
+Torch reference: ``torch.nn.functional.linear``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._launch import (
+    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, upcast_dot,
+)
+
+MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile and launch parameters (a tuning knob, not semantics). Not yet timed on a GPU:
+    ``python3 -m benchmarks.gemv`` sweeps them against cuBLAS and prints the best."""
+
+    block_n: int = 16         # output columns (W rows) per program; power of two >= 16
+    block_k: int = 256        # reduction step; power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 4       # W tiles in flight per program
+    min_programs: int = 132   # fewer programs than this (an H200 has 132 SMs): cuBLAS instead
+
+    def __post_init__(self) -> None:
+        check_power_of_two("block_n", self.block_n, minimum=16)
+        check_power_of_two("block_k", self.block_k, minimum=16)
+        check_power_of_two("num_warps", self.num_warps)
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.min_programs < 1:
+            raise ValueError(f"min_programs must be >= 1, got {self.min_programs}")
+
+
+DEFAULT_CONFIG = GemvConfig()
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,                       # (M, K), last dim contiguous
+    w_ptr,                       # (N, K) contiguous
+    bias_ptr,                    # (N,) (read only if HAS_BIAS)
+    y_ptr,                       # (M, N) contiguous
+    M, N, K,
+    stride_xm,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,    # CPU interpreter + bf16: see _launch.upcast_dot
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
+    rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K               # (BLOCK_N, 1)
+    x_rows = x_ptr + rows[:, None] * stride_xm                    # (BLOCK_M, 1)
+    col_ok = cols < N
+    row_ok = rows < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_rows + k[None, :])                          # (BLOCK_N, BLOCK_K)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        if UPCAST_DOT:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc)                             # (BLOCK_N, BLOCK_M)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    out = y_ptr + rows[None, :].to(tl.int64) * N + cols[:, None]      # y[m, n] at (n, m)
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+
+
+def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = DEFAULT_CONFIG) -> bool:
+    """Whether :func:`gemv` serves ``F.linear(x, weight)``: x is (M <= 16, K) in bf16/fp16
+    with W's dtype, W is (N, K) contiguous, and N is wide enough for ``config.min_programs``
+    programs. Host shapes only (no device read: safe inside CUDA-graph capture)."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
+            and x.stride(1) == 1 and triton.cdiv(weight.shape[0], config.block_n) >= config.min_programs)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x (M, K) with M <= 16: (M, N) in x's dtype.
+
+    Raises:
+        TypeError: x, weight (and bias) are not one of bf16 / fp16 together.
+        ValueError: more than 16 rows, mismatched K, a strided last dimension, a
+            non-contiguous weight, a bias not (N,), or tensors on different devices.
+    """
+    check_dtype("x", x, _DTYPES)
+    check_dtype("weight", weight, (x.dtype,))
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        raise ValueError(f"x must be (M <= {MAX_ROWS}, K), got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous (N, {x.shape[1]}), got shape {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    check_last_dim_contiguous("x", x)
+    tensors = {"x": x, "weight": weight}
+    n, k = weight.shape
+    if bias is not None:
+        check_dtype("bias", bias, (x.dtype,))
+        if bias.shape != (n,) or (n > 1 and bias.stride(0) != 1):
+            raise ValueError(f"bias must be a contiguous ({n},), got shape {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    check_same_device(**tensors)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0 or n == 0:
+        return y
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, bias if bias is not None else weight, y, x.shape[0], n, k, x.stride(0),
+        HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
+        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y

@@ -1,0 +1,140 @@
+"""The GEMV kernel (``kernels/gemv.py``, TRITON_INTERPRET=1 here) against ``F.linear``, the
+rules of when the linear layers take it, and a model whose layers take it."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest sets it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from minivllm.kernels.gemv import MAX_ROWS, GemvConfig, gemv, gemv_takes  # noqa: E402
+from minivllm.layers import linear as linear_mod  # noqa: E402
+from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear, use_gemv  # noqa: E402
+
+# One output rounding of the fp32 result (the interpreter truncates bf16 casts: up to one
+# ulp, 2**-7 relative, where CUDA rounds to half an ulp).
+RTOL = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+ANY = GemvConfig(block_k=32, min_programs=1)
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def expect_linear(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    torch.testing.assert_close(y.float(), ref, rtol=RTOL[x.dtype], atol=RTOL[x.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,bias", [
+    (1, 64, 96, False),     # even N and K
+    (3, 50, 130, True),     # a partial last column block and K step, bias
+    (16, 32, 64, False),    # the most rows it takes
+    (7, 16, 8, True),       # K shorter than one step
+])
+def test_gemv_is_f_linear(dtype, m, n, k, bias) -> None:
+    x, w, b = operands(m, n, k, dtype, bias)
+    expect_linear(gemv(x, w, b, ANY), x, w, b)
+
+
+def test_rows_do_not_change_each_others_results() -> None:
+    """Each output is one dot product in a fixed order, whatever M: row i of a batch equals
+    the same row alone, bit for bit (a batch-1 decode and a batch-8 one agree)."""
+    x, w, _ = operands(8, 48, 100, torch.bfloat16, False, seed=3)
+    batch = gemv(x, w, config=ANY)
+    for i in range(x.shape[0]):
+        assert torch.equal(gemv(x[i:i + 1], w, config=ANY), batch[i:i + 1])
+
+
+def test_strided_rows_of_x() -> None:
+    base, w, _ = operands(4, 32, 64, torch.float16, False)
+    wide = torch.zeros(4, 96, dtype=torch.float16)
+    wide[:, 16:80] = base
+    x = wide[:, 16:80]  # row stride 96
+    expect_linear(gemv(x, w, config=ANY), base, w, None)
+
+
+def test_takes_only_decode_sized_16_bit_inputs_on_wide_weights() -> None:
+    x, w, _ = operands(MAX_ROWS, 64, 32, torch.bfloat16, False)
+    wide = GemvConfig(block_n=16, min_programs=4)
+    assert gemv_takes(x, w, wide)
+    assert not gemv_takes(torch.cat([x, x[:1]]), w, wide)                      # 17 rows
+    assert not gemv_takes(x.float(), w.float(), wide)                           # fp32: cuBLAS
+    assert not gemv_takes(x, w.t().contiguous().t(), wide)                      # W not contiguous
+    assert not gemv_takes(x, w, GemvConfig(block_n=16, min_programs=5))         # 4 programs < 5
+    assert not gemv_takes(x[None], w, wide)                                     # (1, M, K)
+    assert not gemv_takes(x[:0], w, wide)                                       # no rows
+
+
+@pytest.mark.parametrize("change,error,field", [
+    (dict(x=torch.zeros(2, 8)), TypeError, "x"),
+    (dict(weight=torch.zeros(16, 8, dtype=torch.float16)), TypeError, "weight"),
+    (dict(x=torch.zeros(17, 8, dtype=torch.bfloat16)), ValueError, "x"),
+    (dict(weight=torch.zeros(16, 9, dtype=torch.bfloat16)), ValueError, "weight"),
+    (dict(bias=torch.zeros(15, dtype=torch.bfloat16)), ValueError, "bias"),
+])
+def test_gemv_rejects_bad_arguments(change, error, field) -> None:
+    args = dict(x=torch.zeros(2, 8, dtype=torch.bfloat16), weight=torch.zeros(16, 8, dtype=torch.bfloat16),
+                bias=None)
+    with pytest.raises(error, match=field):
+        gemv(**{**args, **change}, config=ANY)
+
+
+def test_layers_take_the_kernel_for_few_rows_only(monkeypatch) -> None:
+    """A switched layer calls the kernel at <= 16 rows and cuBLAS above; a row-parallel
+    layer passes no bias to it (its bias is added after the reduction)."""
+    calls: list[tuple[int, bool]] = []
+    real = linear_mod.gemv
+    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b: (calls.append((x.shape[0], b is not None)),
+                                                                 real(x, w, b, ANY))[1])
+    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w: gemv_takes(x, w, ANY))
+    torch.manual_seed(0)
+    gate_up = MergedColumnParallelLinear(32, [48, 48], bias=False).to(torch.bfloat16)
+    down = RowParallelLinear(48, 32, bias=True).to(torch.bfloat16)
+    for layer in (gate_up, down):
+        torch.nn.init.normal_(layer.weight, std=0.1)
+    torch.nn.init.normal_(down.bias)
+    model = torch.nn.Sequential(gate_up, down)
+    assert use_gemv(model) == 2
+    for rows in (1, 16, 17):
+        x = torch.randn(rows, 32).to(torch.bfloat16)
+        h = gate_up(x)
+        expect_linear(h, x, gate_up.weight, None)
+        expect_linear(down(h[:, :48].contiguous()), h[:, :48], down.weight, down.bias)
+    assert calls == [(1, False), (1, False), (16, False), (16, False)]
+    use_gemv(model, False)
+    gate_up(torch.randn(1, 32).to(torch.bfloat16))
+    assert len(calls) == 4
+
+
+def test_executor_config_switches_the_model_s_layers(monkeypatch) -> None:
+    """``ExecutorConfig(gemv=True)`` reaches every linear layer: a step of three sequences
+    (6 tokens) of the trained fixture in bf16 runs its GEMMs in the kernel and gives the
+    cuBLAS path's logits within bf16 rounding."""
+    from model_utils import make_model_executor, make_plan
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
+    calls = []
+    real = linear_mod.gemv
+    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b: (calls.append(x.shape[0]), real(x, w, b, ANY))[1])
+    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w: gemv_takes(x, w, ANY))
+    plan = make_plan([([5, 9, 11], 0, (0,), True), ([7, 3], 0, (1,), True), ([42], 0, (2,), True)], 16)
+    logits = {}
+    for on in (False, True):
+        ex = make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                 device="cpu", dtype="bfloat16", attention_backend="torch", gemv=on)
+        logits[on] = ex.compute_logits(plan).float()
+    assert calls and set(calls) == {6}  # 3 layers x (qkv, o, gate_up, down), 6 tokens each
+    assert len(calls) == 3 * 4
+    rel = (logits[True] - logits[False]).norm() / logits[False].norm()
+    assert rel < 2e-2, rel
