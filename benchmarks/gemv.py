@@ -36,6 +36,7 @@ CANDIDATES = [
     GemvConfig(16, 256, 4, 4), GemvConfig(16, 512, 4, 3), GemvConfig(16, 512, 8, 3), GemvConfig(16, 128, 4, 6),
     GemvConfig(32, 256, 4, 4), GemvConfig(32, 256, 8, 3), GemvConfig(32, 128, 4, 5),
     GemvConfig(64, 128, 4, 4), GemvConfig(64, 256, 8, 3),
+    GemvConfig(16, 256, 4, 4, tma=True), GemvConfig(32, 256, 4, 4, tma=True), GemvConfig(64, 128, 4, 4, tma=True),
 ]
 
 
@@ -79,7 +80,7 @@ def bench_shape(name: str, n: int, k: int, rows: int, configs: list[GemvConfig])
 
 
 def label(c: dict) -> str:
-    return f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+    return f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}" + (" tma" if c["tma"] else "")
 
 
 def print_row(row: dict) -> None:

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from minivllm.kernels.gemv import MAX_ROWS, GemvConfig, gemv, gemv_takes  # noqa: E402
+from minivllm.kernels.gemv import MAX_ROWS, GemvConfig, gemv, gemv_takes, tma_allowed  # noqa: E402
 from minivllm.layers import linear as linear_mod  # noqa: E402
 from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear, use_gemv  # noqa: E402
 
@@ -45,6 +45,17 @@ def expect_linear(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 def test_gemv_is_f_linear(dtype, m, n, k, bias) -> None:
     x, w, b = operands(m, n, k, dtype, bias)
     expect_linear(gemv(x, w, b, ANY), x, w, b)
+
+
+@pytest.mark.parametrize("n,k", [(64, 96), (50, 136), (40, 24)])
+def test_tma_path_is_the_pointer_path(n, k) -> None:
+    """W tiles by tensor-memory copy (boxes zero-filled past N and K): the same bits as
+    pointer loads, a partial last block and a K tail included."""
+    x, w, b = operands(5, n, k, torch.bfloat16, True, seed=n)
+    tma = GemvConfig(block_k=32, min_programs=1, tma=True)
+    assert tma_allowed(w)
+    expect_linear(gemv(x, w, b, tma), x, w, b)
+    assert torch.equal(gemv(x, w, b, tma), gemv(x, w, b, ANY))
 
 
 def test_rows_do_not_change_each_others_results() -> None:

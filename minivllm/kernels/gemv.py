@@ -15,7 +15,9 @@ no split-K reduction pass::
     acc (fp32)    BLOCK_N x BLOCK_M  += W_tile @ x_tile^T   (tensor cores)
 
 The K loop is one ``tl.dot`` per step, so Triton software-pipelines the W loads
-``num_stages`` deep. Accumulation is fp32 and the output is rounded once, as
+``num_stages`` deep (``cp.async`` on sm_90, checked by compiling for it), or, with
+``GemvConfig.tma``, fetches each W tile as one tensor-memory-copy box (the box is
+zero-filled past N and K, so no masks). Accumulation is fp32 and the output is rounded once, as
 cuBLAS's (with its bf16 split-K reduction off, which the executor sets). Each output
 element is one dot product in a fixed order: deterministic, independent of M.
 
@@ -37,6 +39,11 @@ from minivllm.kernels._launch import (
     check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, upcast_dot,
 )
 
+try:   # host-side TMA descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
+
 MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -51,6 +58,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4       # W tiles in flight per program
     min_programs: int = 132   # fewer programs than this (an H200 has 132 SMs): cuBLAS instead
+    tma: bool = False         # W tiles by tensor-memory copy (Hopper+; the interpreter emulates it)
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, minimum=16)
@@ -60,6 +68,8 @@ class GemvConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.min_programs < 1:
             raise ValueError(f"min_programs must be >= 1, got {self.min_programs}")
+        if not isinstance(self.tma, bool):
+            raise ValueError(f"tma must be a bool, got {self.tma!r}")
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -69,6 +79,7 @@ DEFAULT_CONFIG = GemvConfig()
 def _gemv_kernel(
     x_ptr,                       # (M, K), last dim contiguous
     w_ptr,                       # (N, K) contiguous
+    w_desc,                      # USE_TMA: descriptor of W with (BLOCK_N, BLOCK_K) boxes; else unread
     bias_ptr,                    # (N,) (read only if HAS_BIAS)
     y_ptr,                       # (M, N) contiguous
     M, N, K,
@@ -76,6 +87,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,    # CPU interpreter + bf16: see _launch.upcast_dot
+    USE_TMA: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
     rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
@@ -87,7 +99,9 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        if EVEN_N and EVEN_K:
+        if USE_TMA:
+            w = w_desc.load([tl.program_id(0) * BLOCK_N, k0])        # (BLOCK_N, BLOCK_K)
+        elif EVEN_N and EVEN_K:
             w = tl.load(w_rows + k[None, :])                          # (BLOCK_N, BLOCK_K)
         else:
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -139,10 +153,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or n == 0:
         return y
+    use_tma = config.tma and tma_allowed(weight)
+    w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else weight, y, x.shape[0], n, k, x.stride(0),
+        x, weight, w_desc, bias if bias is not None else weight, y, x.shape[0], n, k, x.stride(0),
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
+
+
+def tma_allowed(weight: torch.Tensor) -> bool:
+    """Whether W's tiles can come by tensor-memory copy: a 16-byte-aligned contiguous W whose
+    rows are a multiple of 16 bytes, on a Hopper or later GPU or the CPU interpreter."""
+    if TensorDescriptor is None or weight.data_ptr() % 16 or (weight.shape[1] * weight.element_size()) % 16:
+        return False
+    if weight.device.type == "cuda":
+        return torch.cuda.get_device_capability(weight.device)[0] >= 9
+    return True
