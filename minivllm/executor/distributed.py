@@ -396,12 +396,17 @@ class TPExecutor:
             raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})") from cause
 
     def _raise_worker_error(self, cause: BaseException | None) -> None:
-        """Raise a worker's reported error, if any (waiting briefly when ``cause`` says a peer
-        left, unless a signal killed it: then it reported nothing)."""
+        """Raise a worker's reported error, if any. When ``cause`` says a peer left, wait up
+        to 5 s for its report while every worker still runs (one may be writing it); once one
+        has exited, only briefly: a worker flushes its report before it exits (a worker that
+        died in start-up, before ``_worker_main``, has none; one killed by a signal neither)."""
         killed = any(p.exitcode is not None and p.exitcode < 0 for p in self.workers)
+        exited = any(p.exitcode is not None for p in self.workers)
         try:
-            rank, tb = (self._errors.get(timeout=5.0) if cause is not None and not killed
-                        else self._errors.get_nowait())
+            if cause is None or killed:
+                rank, tb = self._errors.get_nowait()
+            else:
+                rank, tb = self._errors.get(timeout=0.5 if exited else 5.0)
         except (queue.Empty, OSError, ValueError):
             return
         self._healthy = False
