@@ -72,6 +72,7 @@ bench: serve-deps-offline
 	if [ -f benchmarks/prefill_attention.py ]; then run benchmarks.prefill_attention --quick; fi; \
 	if [ -f benchmarks/decode_attention.py ]; then run benchmarks.decode_attention; fi; \
 	if [ -f benchmarks/sampler.py ]; then run benchmarks.sampler; fi; \
+	run benchmarks.gemv $(if $(BENCH_QUICK),--quick); \
 	exit $$rc
 
 # The GPU machine has no network: install the server's packages from wheels carried in
