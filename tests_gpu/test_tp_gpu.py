@@ -92,6 +92,20 @@ def test_fp32_tp2_prefill_graphs_equals_hf(reference) -> None:
     assert [list(o.token_ids) for o in outs] == expected
 
 
+def test_fp32_tp2_temperature_sampling_from_vocab_shards_equals_tp1(reference) -> None:
+    """Temperature rows, seeded and not, sample from the vocab shards under TP (an (S, 2)
+    all-gather instead of the logits; ``Sampler.forward_vocab_parallel``): TP=1's tokens."""
+    path, prompts, _, _ = reference
+    params = [SamplingParams(temperature=0.8, seed=i if i % 2 else None, max_tokens=NEW) for i in range(len(prompts))]
+    outs = []
+    for tp in (1, 2):
+        with LLM(path, dtype="float32", tensor_parallel_size=tp, **POOL) as llm:
+            outs.append([list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
+
+
 def test_bf16_tp2_top5_against_hf(reference) -> None:
     path, prompts, _, hf16 = reference
     ours, _ = generate(path, prompts, "bfloat16", 2)
