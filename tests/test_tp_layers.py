@@ -140,6 +140,7 @@ def make_cases(world: int) -> dict[str, list[Case]]:
     return {
         "row_bias_reduced": [row_case(gen, 6 * world, 5)],
         "all_reduce_dispatch": [row_case(gen, 6 * world, 5)],
+        "output_slot": [row_case(gen, 6 * world, 5)],
         "row_bias_unreduced": [row_case(gen, 6 * world, 5)],
         "deferred_norm": [deferred_norm_case(gen, 6 * world, 8)],
         "mlp": [mlp_case(gen, 4 * world)],
@@ -307,7 +308,57 @@ def check_all_reduce_dispatch(rank: int, world: int, c: Case, fail: Fail) -> Non
             fail("the uninstalled fast path was still called")
 
 
+class StubTwoShot(StubFastPath):
+    """Stands in for the symmetric-memory path whose two-shot kernel reduces in its buffer:
+    offers a view of that buffer (``slot_for``) and records whether each message it
+    reduces already lies there (the GEMM wrote it in place: no copy)."""
+
+    fuses_norm = False
+
+    def __init__(self, limit: int, dtype: torch.dtype) -> None:
+        super().__init__(limit)
+        self.buffer = torch.full((limit,), float("nan"), dtype=dtype)
+        self.in_place: list[bool] = []
+
+    def slot_for(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        n = shape[0] * shape[1]
+        return self.buffer[:n].view(shape) if dtype == self.buffer.dtype and n <= self.limit else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.in_place.append(x.data_ptr() == self.buffer.data_ptr())
+        return super().__call__(x)
+
+
+def check_output_slot(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """A row-parallel layer writes its partial output straight into the all-reduce's buffer
+    when the path offers it (the same sum, no copy); one whose output a fused norm may
+    reduce does not take it."""
+    out_size, in_size = c["w"].shape
+    x = t(c["x"]).chunk(world, dim=-1)[rank]
+    for into_norm, fused in ((False, False), (True, False), (True, True)):
+        layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world,
+                                  reduce_in_next_norm=into_norm)
+        layer.weight.weight_loader(layer.weight, t(c["w"]))
+        layer.bias.weight_loader(layer.bias, t(c["b"]))
+        stub = StubTwoShot(x.shape[0] * out_size, x.dtype)
+        stub.fuses_norm = fused
+        ar._installed = stub
+        try:
+            y = layer(x)
+        finally:
+            ar.uninstall()
+        if fused:  # the layer left its sum (rank 0's bias in it) to the norm: finish it here
+            if y.data_ptr() == stub.buffer.data_ptr():
+                fail("an output left to the fused norm was written into the all-reduce buffer")
+            dist.all_reduce(y)
+        expect_close(fail, f"output (into_norm {into_norm}, fused {fused})", y, c["want"])
+        want = [] if fused else [True]
+        if stub.in_place != want:
+            fail(f"into_norm {into_norm}, fused {fused}: messages in the buffer {stub.in_place}, want {want}")
+
+
 CHECKS: dict[str, Callable[[int, int, Case, Fail], None]] = {
+    "output_slot": check_output_slot,
     "all_reduce_dispatch": check_all_reduce_dispatch,
     "row_bias_reduced": check_row_bias_reduced,
     "row_bias_unreduced": check_row_bias_unreduced,

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.kernels.gemv import gemv, gemv_takes
-from minivllm.layers.all_reduce import all_reduce, defers_to_norm
+from minivllm.layers.all_reduce import all_reduce, defers_to_norm, output_slot
 
 if TYPE_CHECKING:
     from minivllm.config import ModelConfig
@@ -405,7 +405,11 @@ class RowParallelLinear(LinearBase):
         load_unpacked(self, param, loaded, shard_id, dim=1, full=self.input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
-        y = self._linear(x, None)
+        slot = None
+        if self.tp_size > 1 and self.reduce_results and x.dim() == 2:
+            # Large decode steps: the GEMM writes straight into the all-reduce's buffer.
+            slot = output_slot((x.shape[0], self.weight.shape[0]), x.dtype, into_norm=self.reduce_in_next_norm)
+        y = self._linear(x, None) if slot is None else torch.matmul(x, self.weight.t(), out=slot)
         reduced = self.reduce_results and not (self.reduce_in_next_norm and defers_to_norm(y))
         if self.tp_size > 1 and reduced:
             y = all_reduce(y)
