@@ -145,19 +145,11 @@ def _gumbel_sample_kernel(
     tl.store(best_idx_ptr + row * num_splits + split, idx.to(tl.int64))
 
 
-def gumbel_sample(
-    logits: torch.Tensor,         # (S, V) bf16 / fp16 / fp32
-    temperature: torch.Tensor,    # (S,) float32
-    floor: torch.Tensor | None,   # (S,) float32 or None (no filter)
-    greedy: torch.Tensor,         # (S,) bool
-    seeded: torch.Tensor,         # (S,) bool
-    seed_keys: torch.Tensor,      # (S, 2) int64
-    step_seed: int,
-    num_splits: int | None = None,
-    config: GumbelConfig | None = None,
-) -> torch.Tensor:
-    """One token id per row (S,) int64: greedy rows argmax, others a Gumbel-max draw.
-    (:func:`gumbel_best`'s columns; see there.)"""
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
+                  greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor, step_seed: int,
+                  num_splits: int | None = None, config: GumbelConfig | None = None) -> torch.Tensor:
+    """One token id per row (S,) int64: greedy rows argmax, others a Gumbel-max draw (the
+    columns of :func:`gumbel_best`, which documents the arguments)."""
     return gumbel_best(logits, temperature, floor, greedy, seeded, seed_keys, step_seed,
                        num_splits=num_splits, config=config)[1]
 
