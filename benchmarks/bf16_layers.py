@@ -607,8 +607,8 @@ def print_layer_tables(phase: str, tables: dict[str, dict[str, list[float]]]) ->
         for layer in range(len(ours["in_norm"])):
             print(f"{layer:5d} " + " ".join(
                 f"{_cell(ours, c, layer) / max(_cell(hf, c, layer), 1e-30):10.2f}" for c in STEPS))
-        print(" mean " + " ".join(f"{np.mean(ours.get(c) or [np.nan]) / max(np.mean(hf.get(c) or [np.nan]), 1e-30):10.2f}"
-                                  for c in STEPS))
+        means = [np.mean(ours.get(c) or [np.nan]) / max(np.mean(hf.get(c) or [np.nan]), 1e-30) for c in STEPS]
+        print(" mean " + " ".join(f"{m:10.2f}" for m in means))
         print(f"final_norm {ours['final_norm'][0] / max(hf['final_norm'][0], 1e-30):.2f}")
 
 

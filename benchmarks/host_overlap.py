@@ -167,7 +167,8 @@ def measure_mode(llm: Any, args: argparse.Namespace, device: str, on: bool, stre
 
 
 def print_table(results: dict[str, dict[str, Any]], batch: int, output_kind: str) -> None:
-    print(f"\nbatch-{batch} decode ({output_kind}), per step   wall ms   GPU busy ms   idle (profiled) ms   exposed host ms")
+    print(f"\nbatch-{batch} decode ({output_kind}), per step   wall ms   GPU busy ms   idle (profiled) ms"
+          "   exposed host ms")
     for name, r in results.items():
         print(f"  {name:27s} {r['wall_ms_per_step']:8.2f} {r['gpu_busy_ms_per_step']:13.2f} "
               f"{r['gpu_idle_ms_per_step']:20.2f} {r['exposed_host_ms_per_step']:17.2f}")

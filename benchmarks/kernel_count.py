@@ -44,7 +44,8 @@ def build(args: argparse.Namespace, device: str, eager: bool) -> Any:
     t0 = time.perf_counter()
     b = args.batch
     llm = LLM(model_path(args), device=device, seed=args.seed, skip_tokenizer_init=True, max_num_seqs=b,
-              max_model_len=args.prompt_len + args.steps + 64, max_num_batched_tokens=max(512, min(8192, b * args.prompt_len)),
+              max_model_len=args.prompt_len + args.steps + 64,
+              max_num_batched_tokens=max(512, min(8192, b * args.prompt_len)),
               num_blocks=64 + b * (args.prompt_len + args.steps + 64) // 16, enforce_eager=eager)
     print(f"{'eager' if eager else 'graph'} engine start-up {time.perf_counter() - t0:.1f}s", flush=True)
     return llm
@@ -148,8 +149,9 @@ def graph_step_time(args: argparse.Namespace, device: str) -> dict[str, Any]:
                                       steps=args.steps)
         graphs = "CUDA graphs" if device == "cuda" else "no graphs on the CPU"
         ms = results[mode_name(on)]["median_ms"]
-        print(f"batch-{args.batch} decode step [{mode_name(on)}, {graphs}]: median {ms:.3f} ms, mean {dts.mean():.3f} ms "
-              f"over {args.steps} steps (goal <= {GOAL_MS_TOKEN} ms/token; stretch {STRETCH_MS_TOKEN})",
+        print(f"batch-{args.batch} decode step [{mode_name(on)}, {graphs}]: median {ms:.3f} ms, "
+              f"mean {dts.mean():.3f} ms over {args.steps} steps "
+              f"(goal <= {GOAL_MS_TOKEN} ms/token; stretch {STRETCH_MS_TOKEN})",
               flush=True)
     return results
 

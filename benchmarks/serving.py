@@ -627,7 +627,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds without a byte before a request fails")
-    ap.add_argument("--out", default=None, help="write the JSON summary here (default: $OUT/serving.json when OUT is set)")
+    ap.add_argument("--out", default=None,
+                    help="write the JSON summary here (default: $OUT/serving.json when OUT is set)")
     args = ap.parse_args(argv)
     try:
         args.rates = parse_rates(args.rates)

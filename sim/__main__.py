@@ -226,7 +226,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if result.violations:
             status = 1
         if result.ok:
-            what = f"all {result.steps} steps match" if trace.expects else f"{result.steps} steps, no expectations; checks pass"
+            what = (f"all {result.steps} steps match" if trace.expects
+                    else f"{result.steps} steps, no expectations; checks pass")
             print(f"{name}: OK, {what}")
     return status
 

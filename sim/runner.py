@@ -296,7 +296,8 @@ class _Run:
         if late:
             self.violation(step, f"aborted {late} not returned by the next step()")
         if not self.engine.has_unfinished_requests() and self.engine.num_free_blocks != self.trace.num_blocks:
-            self.violation(step, f"idle engine has {self.engine.num_free_blocks} of {self.trace.num_blocks} blocks free")
+            self.violation(step, f"idle engine has {self.engine.num_free_blocks} of {self.trace.num_blocks} "
+                                 "blocks free")
         expect = self.check_record(step, outs)
         if self.mode == "record":
             self.result.expects.append(expect)
@@ -409,7 +410,8 @@ class _Run:
         if self.mode == "replay" and r.mismatch is None and self.trace.expects:
             extra = [e.step for e in self.trace.expects if e.step >= step]
             if extra:
-                r.mismatch_step, r.mismatch = step, f"the run ended after {step} steps; the trace expects step {extra[0]}"
+                r.mismatch_step = step
+                r.mismatch = f"the run ended after {step} steps; the trace expects step {extra[0]}"
         r.rejected = len(self.rejected)
         r.prefill_tokens, r.decode_tokens = s.num_prefill_tokens, s.num_decode_tokens
         r.cached_tokens, r.chunked_prefills, r.aborts = s.num_cached_tokens, s.num_chunked_prefills, s.num_aborts

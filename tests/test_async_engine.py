@@ -74,7 +74,8 @@ def test_pending_token_is_fed_by_reference() -> None:
     engine = make_engine()
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
     outs = drain(engine)
-    assert (outs["a"].token_ids, outs["a"].finish_reason) == oracle([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), None)
+    want = oracle([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), None)
+    assert (outs["a"].token_ids, outs["a"].finish_reason) == want
     plans = engine.executor.plans  # type: ignore[attr-defined]
     # Prefill, then four decodes each feeding the previous step's sample by reference.
     assert [p.feeds_prev_sample.tolist() for p in plans] == [[False]] + [[True]] * 4
@@ -115,7 +116,8 @@ def test_abort_in_flight_frees_blocks_after_the_step() -> None:
     assert outs["a"].finish_reason == "abort"
     full = oracle([1] * 6, SamplingParams(max_tokens=8, ignore_eos=True), None)[0]
     assert outs["a"].token_ids == full[:len(outs["a"].token_ids)]
-    assert (outs["b"].token_ids, outs["b"].finish_reason) == oracle([2] * 9, SamplingParams(max_tokens=7, ignore_eos=True), None)
+    want = oracle([2] * 9, SamplingParams(max_tokens=7, ignore_eos=True), None)
+    assert (outs["b"].token_ids, outs["b"].finish_reason) == want
     assert engine.num_free_blocks == 4
 
 
@@ -167,7 +169,8 @@ def test_block_freed_in_flight_is_not_reallocated_early() -> None:
     engine.add_request("b", [7] * 9, SamplingParams(max_tokens=3, ignore_eos=True))
     outs = drain(engine)
     assert outs["a"].token_ids == free_run[:3]
-    assert (outs["b"].token_ids, outs["b"].finish_reason) == oracle([7] * 9, SamplingParams(max_tokens=3, ignore_eos=True), eos)
+    want = oracle([7] * 9, SamplingParams(max_tokens=3, ignore_eos=True), eos)
+    assert (outs["b"].token_ids, outs["b"].finish_reason) == want
 
 
 def test_fake_executor_refuses_a_block_handover_in_flight() -> None:

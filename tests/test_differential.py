@@ -47,7 +47,8 @@ def test_prefix_caching_and_pool_size_do_not_change_outputs(chunk: int) -> None:
         if not t.events:
             continue
         bs = t.cache.block_size
-        tight = max(cdiv(len(e.prompt_token_ids) + e.sampling.max_tokens, bs) for e in t.events)  # type: ignore[union-attr]
+        tight = max(cdiv(len(e.prompt_token_ids) + e.sampling.max_tokens, bs)  # type: ignore[union-attr]
+                    for e in t.events)
         runs = {(nb, prefix): variant(t, nb, prefix) for nb in (512, tight) for prefix in (True, False)}
         reference = outputs(runs[(512, False)])
         assert len(reference) == sum(e.sampling.n for e in t.events)  # type: ignore[union-attr]

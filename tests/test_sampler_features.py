@@ -435,7 +435,8 @@ def test_a_top_p_below_float32_keeps_the_most_likely_token() -> None:
     sampler = Sampler(torch.Generator().manual_seed(0))
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     for top_p in (1e-300, 1e-40):
-        params = [SamplingParams(top_p=top_p), SamplingParams(top_p=top_p, top_k=5), SamplingParams(top_p=top_p, seed=3)]
+        params = [SamplingParams(top_p=top_p), SamplingParams(top_p=top_p, top_k=5),
+                  SamplingParams(top_p=top_p, seed=3)]
         tensors = SamplingTensors.build(params, np.array([3, 3, 3]), 50, torch.device("cpu"))
         assert sampler(logits, tensors).tolist() == logits.argmax(-1).tolist()
 

@@ -2,7 +2,8 @@
 
 One uvicorn server (port 0, API key set) over one LLM for the module, and a second
 LLM for expected answers (only the server's thread may use its engine). Clients:
-the official ``openai`` package and raw HTTP (httpx, sockets). The fixture adds numbers ("12+34=" -> "46"), so answers are checkable.
+the official ``openai`` package and raw HTTP (httpx, sockets). The fixture adds numbers
+("12+34=" -> "46"), so answers are checkable.
 Tests that need the executor's logprobs and penalties come last: an executor
 without them fails the engine thread, and every later request with it.
 """

@@ -117,6 +117,7 @@ def test_tampered_trace_reports_its_step(tmp_path: Path, capsys: pytest.CaptureF
 def test_cli_help_and_module_entry() -> None:
     proc = subprocess.run([sys.executable, "-m", "sim", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and "replay" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "sim", "replay", str(ROOT / "fixtures/traces/shared_prefix_three_seqs.jsonl")],
+    trace = str(ROOT / "fixtures/traces/shared_prefix_three_seqs.jsonl")
+    proc = subprocess.run([sys.executable, "-m", "sim", "replay", trace],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

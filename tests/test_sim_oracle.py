@@ -29,7 +29,8 @@ def first_new(run: list[int], i: int) -> int:
 
 
 def gen(eos: int | None = None, max_model_len: int = 100, **kw: object):  # type: ignore[no-untyped-def]
-    return oracle_generate(PROMPT, SamplingParams(temperature=0.0, **kw), eos, max_model_len, V)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0.0, **kw)  # type: ignore[arg-type]
+    return oracle_generate(PROMPT, params, eos, max_model_len, V)
 
 
 def test_max_tokens_gives_length() -> None:

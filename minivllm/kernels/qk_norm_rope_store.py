@@ -217,7 +217,8 @@ def _check_args(
         check_dtype(name, t, (torch.int64, torch.int32))
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a number, got {type(eps).__name__}")
-    tensors = {"qkv": qkv, "positions": positions, **weights, "cos_sin_cache": cos_sin_cache, "k_cache": k_cache, "v_cache": v_cache,
+    tensors = {"qkv": qkv, "positions": positions, **weights, "cos_sin_cache": cos_sin_cache, "k_cache": k_cache,
+               "v_cache": v_cache,
                "slot_mapping": slot_mapping}
     for name, t in tensors.items():
         check_last_dim_contiguous(name, t)

@@ -63,7 +63,8 @@ class RotaryEmbedding(nn.Module):
     def check_positions(self, positions: torch.Tensor) -> None:
         """Raise ``ValueError`` for a position outside the cache (CPU tensors only:
         checking a device tensor would sync the host every step)."""
-        if positions.device.type == "cpu" and positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_position):
+        if positions.device.type == "cpu" and positions.numel() and (
+                int(positions.min()) < 0 or int(positions.max()) >= self.max_position):
             raise ValueError(
                 f"positions must be in [0, {self.max_position}) (max_position_embeddings), got "
                 f"[{int(positions.min())}, {int(positions.max())}]"
