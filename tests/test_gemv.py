@@ -149,3 +149,16 @@ def test_executor_config_switches_the_model_s_layers(monkeypatch) -> None:
     assert len(calls) == 3 * 4
     rel = (logits[True] - logits[False]).norm() / logits[False].norm()
     assert rel < 2e-2, rel
+
+
+def test_gemv_option_refuses_models_it_cannot_serve(monkeypatch) -> None:
+    from model_utils import make_model_executor
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
+    opts = dict(block_size=16, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64, device="cpu",
+                attention_backend="torch", gemv=True)
+    with pytest.raises(ValueError, match="bfloat16 / float16"):
+        make_model_executor(fixture, dtype="float32", **opts)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="CUDA device"):
+        make_model_executor(fixture, dtype="bfloat16", **opts)

@@ -110,6 +110,15 @@ class _Extras:
     prompt_targets: torch.Tensor | None     # int64 (N,): the prompt token that row predicts
 
 
+def _check_gemv(device: torch.device, dtype: torch.dtype) -> None:
+    """``ExecutorConfig.gemv`` needs a 16-bit model, and Triton: CUDA, or the CPU under
+    ``TRITON_INTERPRET=1`` (tests). Raises ValueError otherwise, before the model loads."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gemv=True runs bfloat16 / float16 models; this one runs in {str(dtype)[6:]}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"gemv=True needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {device}")
+
+
 def _gather_logprob_rows(seq_ids: list[int], params: list[SamplingParams]
                          ) -> tuple[LogprobLayout | None, np.ndarray | None]:
     """Layout of the sampling rows that report logprobs, and their rows (None: all of them or none)."""
@@ -210,6 +219,8 @@ class ModelExecutor:
         self.model_config = model_config
         self.config = config
         self.dtype = _resolve_dtype(config.dtype, self.device)
+        if config.gemv:
+            _check_gemv(self.device, self.dtype)
         if self.device.type == "cuda":
             # cuBLAS may otherwise sum split-K partials of bf16 GEMMs in bf16, which at decode
             # batch sizes costs far more accuracy than HF's batch-1 GEMMs lose (issue 7).
