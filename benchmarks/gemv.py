@@ -37,6 +37,9 @@ CANDIDATES = [
     GemvConfig(32, 256, 4, 4), GemvConfig(32, 256, 8, 3), GemvConfig(32, 128, 4, 5),
     GemvConfig(64, 128, 4, 4), GemvConfig(64, 256, 8, 3),
     GemvConfig(16, 256, 4, 4, tma=True), GemvConfig(32, 256, 4, 4, tma=True), GemvConfig(64, 128, 4, 4, tma=True),
+    # Batch 1 on CUDA cores (timed at one row only: above it they are the tensor-core tiles).
+    GemvConfig(16, 256, 4, 4, one_row=True), GemvConfig(16, 512, 4, 3, one_row=True),
+    GemvConfig(32, 256, 8, 4, one_row=True),
 ]
 
 
@@ -64,6 +67,8 @@ def bench_shape(name: str, n: int, k: int, rows: int, configs: list[GemvConfig])
     cublas = time_us(F.linear, weights, x)
     row["cublas_us"], row["cublas_GBs"] = cublas, w0.nbytes / cublas / 1e3
     for config in configs:
+        if config.one_row and rows > 1:
+            continue
         entry = {"config": asdict(config), "default": config == DEFAULT_CONFIG}
         try:
             err = (gemv(x, w0, config=config).float() - ref).abs().max().item()
@@ -80,7 +85,8 @@ def bench_shape(name: str, n: int, k: int, rows: int, configs: list[GemvConfig])
 
 
 def label(c: dict) -> str:
-    return f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}" + (" tma" if c["tma"] else "")
+    return (f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+            + (" tma" if c["tma"] else "") + (" one-row" if c["one_row"] else ""))
 
 
 def print_row(row: dict) -> None:

@@ -58,6 +58,16 @@ def test_tma_path_is_the_pointer_path(n, k) -> None:
     assert torch.equal(gemv(x, w, b, tma), gemv(x, w, b, ANY))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,bias", [(64, 96, False), (50, 130, True)])
+def test_one_row_path_is_f_linear(dtype, n, k, bias) -> None:
+    """Batch 1 on CUDA cores (``one_row``); a second row takes the tensor-core path."""
+    one = GemvConfig(block_k=32, min_programs=1, one_row=True)
+    x, w, b = operands(2, n, k, dtype, bias, seed=k)
+    expect_linear(gemv(x[:1], w, b, one), x[:1], w, b)
+    expect_linear(gemv(x, w, b, one), x, w, b)
+
+
 def test_rows_do_not_change_each_others_results() -> None:
     """Each output is one dot product in a fixed order, whatever M: row i of a batch equals
     the same row alone, bit for bit (a batch-1 decode and a batch-8 one agree)."""

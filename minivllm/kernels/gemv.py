@@ -21,6 +21,11 @@ zero-filled past N and K, so no masks). Accumulation is fp32 and the output is r
 cuBLAS's (with its bf16 split-K reduction off, which the executor sets). Each output
 element is one dot product in a fixed order: deterministic, independent of M.
 
+With ``GemvConfig.one_row`` a single row (batch 1) skips the tensor cores and the padding
+rows: each program keeps a (BLOCK_N, BLOCK_K) fp32 tile of products and sums it at the
+end (W tiles still pipelined by ``cp.async``, through ``tl.range``; less shared memory:
+26 KB at 16 x 256, 4 stages). Its sums run in another order than the tensor-core path's.
+
 There is no split of K: the grid must itself fill the GPU, so the caller uses this
 kernel only where ``cdiv(N, BLOCK_N)`` programs are enough (:func:`gemv_takes`).
 
@@ -59,6 +64,7 @@ class GemvConfig:
     num_stages: int = 4       # W tiles in flight per program
     min_programs: int = 132   # fewer programs than this (an H200 has 132 SMs): cuBLAS instead
     tma: bool = False         # W tiles by tensor-memory copy (Hopper+; the interpreter emulates it)
+    one_row: bool = False     # one row: CUDA-core products, no tensor cores (see the module doc)
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, minimum=16)
@@ -68,8 +74,9 @@ class GemvConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.min_programs < 1:
             raise ValueError(f"min_programs must be >= 1, got {self.min_programs}")
-        if not isinstance(self.tma, bool):
-            raise ValueError(f"tma must be a bool, got {self.tma!r}")
+        for name in ("tma", "one_row"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -88,7 +95,12 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,    # CPU interpreter + bf16: see _launch.upcast_dot
     USE_TMA: tl.constexpr,
+    ONE_ROW: tl.constexpr,       # M == 1 on CUDA cores (GemvConfig.one_row)
+    NUM_STAGES: tl.constexpr,    # ONE_ROW: loads in flight (tl.range pipelining)
 ):
+    if ONE_ROW:
+        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+        return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
     rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
     offs_k = tl.arange(0, BLOCK_K)
@@ -114,6 +126,30 @@ def _gemv_kernel(
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     out = y_ptr + rows[None, :].to(tl.int64) * N + cols[:, None]      # y[m, n] at (n, m)
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+             EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """y[0, cols] for one row of x: fp32 products summed over K at the end."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + offs_k
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+            x = tl.load(x_ptr + k)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = DEFAULT_CONFIG) -> bool:
@@ -153,13 +189,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or n == 0:
         return y
-    use_tma = config.tma and tma_allowed(weight)
+    one_row = config.one_row and x.shape[0] == 1
+    use_tma = config.tma and not one_row and tma_allowed(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, w_desc, bias if bias is not None else weight, y, x.shape[0], n, k, x.stride(0),
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
-        USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 
