@@ -1,0 +1,46 @@
+"""The kernel benchmarks' code paths on the CPU (Triton interpreter, tiny shapes, timing
+stubbed), so that a GPU call is never spent on a Python error in a sweep."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest sets it too)
+
+import pytest  # noqa: E402
+
+from minivllm.kernels.gemv import GemvConfig  # noqa: E402
+from minivllm.kernels.prefill_attention import PrefillConfig  # noqa: E402
+
+
+def test_gemv_sweep_rows_on_the_cpu(monkeypatch, capsys) -> None:
+    import benchmarks.gemv as bench
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 1)
+    monkeypatch.setattr(bench, "graph_us", lambda call, calls: (call(0), 1000.0)[1])
+    configs = [bench.DEFAULT_CONFIG, GemvConfig(16, 32, 4, 2, one_row=True), GemvConfig(32, 32, 4, 2, tma=True)]
+    for rows in (1, 3):
+        row = bench.bench_shape("tiny o", 48, 64, rows, configs)
+        bench.print_row(row)
+        timed = [e for e in row["configs"] if "us" in e]
+        assert not [e for e in row["configs"] if "error" in e], row
+        assert len(timed) == (3 if rows == 1 else 2)  # the one-row config only at one row
+    assert "not taken" in capsys.readouterr().out     # 3 programs < the default's 132
+    assert [name for name, _, _ in bench.decode_gemms("8b-tp2")] == [
+        "8b-tp2 qkv", "8b-tp2 o", "8b-tp2 gate_up", "8b-tp2 down"]
+
+
+@pytest.mark.parametrize("timing", ["graph", "do_bench"])
+def test_prefill_sweep_rows_on_the_cpu(monkeypatch, timing) -> None:
+    import benchmarks.prefill_attention as bench
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "BLOCK_SIZE", 16)
+    monkeypatch.setattr(bench, "TIMING", timing)
+    monkeypatch.setattr(bench, "graph_us", lambda call, calls, replays: (call(0), 1000.0)[1])
+    monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "bench_sdpa", lambda p, shape, ref, quick: [])
+    result = bench.bench_shape(bench.Shape("tiny", (20, 7), prefix=9), [PrefillConfig(16, 16, 4, 1)], True)
+    bench.print_shape(result)
+    assert [r["ms"] for r in result["configs"]] == [1.0], result
