@@ -234,6 +234,9 @@ class StubFastPath:
     def takes(self, x: torch.Tensor) -> bool:
         return x.numel() <= self.limit
 
+    def slot_for(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        return None  # no two-shot buffer: the layer writes its own output
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         out = x.clone()

@@ -9,6 +9,11 @@ import numbers
 
 import torch
 
+try:   # host-side TMA descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
+
 
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     """Raise TypeError unless ``t`` is a tensor of one of the ``allowed`` dtypes."""
@@ -143,3 +148,15 @@ def _check_batch_shapes(q: torch.Tensor, kv_lens: torch.Tensor, block_tables: to
         want = "q (B, H, D)" if cu_seqlens_q is None else "cu_seqlens_q (B+1,)"
         raise ValueError(f"need kv_lens (B,), block_tables (B, W) and {want}; got kv_lens "
                          f"{tuple(kv_lens.shape)}, block_tables {tuple(block_tables.shape)}, {rows}")
+
+
+def tma_rows_allowed(t: torch.Tensor, row_bytes: int) -> bool:
+    """Whether tiles of ``t``, seen as a 2-D array of rows of ``row_bytes``, can come by
+    tensor-memory copy (TMA): host descriptors exist in this triton, the base and the rows
+    are 16-byte aligned, and the device is a Hopper or later GPU, or the CPU interpreter
+    (which emulates descriptors, so CI runs the TMA paths too)."""
+    if TensorDescriptor is None or t.data_ptr() % 16 or row_bytes % 16:
+        return False
+    if t.device.type == "cuda":
+        return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return True

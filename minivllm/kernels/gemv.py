@@ -41,13 +41,10 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, upcast_dot,
+    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device,
+    tma_rows_allowed, upcast_dot,
 )
 
-try:   # host-side TMA descriptors: triton >= 3.4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton: pointer loads only
-    TensorDescriptor = None
 
 MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -203,10 +200,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def tma_allowed(weight: torch.Tensor) -> bool:
-    """Whether W's tiles can come by tensor-memory copy: a 16-byte-aligned contiguous W whose
-    rows are a multiple of 16 bytes, on a Hopper or later GPU or the CPU interpreter."""
-    if TensorDescriptor is None or weight.data_ptr() % 16 or (weight.shape[1] * weight.element_size()) % 16:
-        return False
-    if weight.device.type == "cuda":
-        return torch.cuda.get_device_capability(weight.device)[0] >= 9
-    return True
+    """Whether W's tiles can come by tensor-memory copy (``tma_rows_allowed`` of its rows;
+    ``gemv`` already requires W contiguous)."""
+    return tma_rows_allowed(weight, weight.shape[1] * weight.element_size())

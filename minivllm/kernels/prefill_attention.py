@@ -57,15 +57,10 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    LOG2E, check_attention_args, check_dtype, check_host_int, check_power_of_two, check_same_device, next_pow2,
-    upcast_dot,
+    LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_power_of_two,
+    check_same_device, next_pow2, tma_rows_allowed, upcast_dot,
 )
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
-
-try:   # host-side TMA descriptors: triton >= 3.4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton: the pointer path only
-    TensorDescriptor = None
 
 
 @dataclass(frozen=True)
@@ -402,17 +397,12 @@ def prefill_attention(
 
 def tma_allowed(k_cache: torch.Tensor, block_n: int) -> bool:
     """Whether the unmasked K/V tiles can come by tensor-memory copy (TMA): the cache's
-    blocks hold whole tiles (block_size % block_n == 0), each layer's cache is one
-    contiguous (N, bs, Hkv, D) tensor (so it is a 2-D (N*bs, Hkv*D) array of rows, 16-byte
-    aligned), and the device is a Hopper or later GPU, or the CPU interpreter (which
-    emulates descriptors, so CI runs this path too)."""
-    if TensorDescriptor is None or k_cache.shape[1] % block_n or not k_cache.is_contiguous():
+    blocks hold whole tiles (block_size % block_n == 0), and each layer's cache is one
+    contiguous (N, bs, Hkv, D) tensor, so a 2-D (N*bs, Hkv*D) array of rows that
+    ``tma_rows_allowed`` accepts."""
+    if k_cache.shape[1] % block_n or not k_cache.is_contiguous():
         return False
-    if k_cache.data_ptr() % 16 or (k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()) % 16:
-        return False
-    if k_cache.device.type == "cuda":
-        return torch.cuda.get_device_capability(k_cache.device)[0] >= 9
-    return True
+    return tma_rows_allowed(k_cache, k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size())
 
 
 def _cache_descriptor(cache: torch.Tensor, block_n: int) -> object:

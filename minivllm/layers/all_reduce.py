@@ -186,8 +186,7 @@ def output_slot(shape: tuple[int, ...], dtype: torch.dtype, into_norm: bool = Fa
     fast = _installed
     if fast is None or (into_norm and fast.fuses_norm):
         return None
-    slot_for = getattr(fast, "slot_for", None)
-    return slot_for(shape, dtype) if slot_for is not None else None
+    return fast.slot_for(shape, dtype)
 
 
 def defers_to_norm(x: torch.Tensor) -> bool:
