@@ -8,8 +8,9 @@ timed inside a CUDA graph, as the decode step replays it (``benchmarks.gpu_timin
 cycling over enough copies of the weight that they do not fit in L2 (a decode step reads
 every layer's weights once). GB/s counts the weight bytes. Every config is checked
 against ``F.linear`` in float32 before it is timed; a failing one is reported and
-skipped. The default config (``gemv.DEFAULT_CONFIG``) is marked ``*``, and a shape it
-does not take (``gemv_takes``: too few output columns) is marked ``(not taken)``.
+skipped. The default config for the row count (``gemv.default_config``) is marked ``*``,
+and a shape it does not take (``gemv_takes``: too few output columns) is marked
+``(not taken)``.
 With ``$OUT`` set the rows go to ``$OUT/gemv.json``. Exit status 1 if the default
 config fails its check.
 """
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_us
 from benchmarks.qwen3_shapes import QWEN3_0_6B, QWEN3_8B
-from minivllm.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv, gemv_takes
+from minivllm.kernels.gemv import FEW_ROWS_CONFIG, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes
 
 DEVICE = "cuda"             # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it
 L2_FLUSH_BYTES = 256 << 20  # copies of a weight cycled per timing: more than the H200's 50 MB L2
@@ -69,7 +70,7 @@ def bench_shape(name: str, n: int, k: int, rows: int, configs: list[GemvConfig])
     for config in configs:
         if config.one_row and rows > 1:
             continue
-        entry = {"config": asdict(config), "default": config == DEFAULT_CONFIG}
+        entry = {"config": asdict(config), "default": config == default_config(rows)}
         try:
             err = (gemv(x, w0, config=config).float() - ref).abs().max().item()
             if not err <= TOL * max(1.0, ref.abs().max().item()):
@@ -103,13 +104,14 @@ def print_row(row: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the default config only")
+    ap.add_argument("--quick", action="store_true", help="the default configs only")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--models", default="0.6b,8b,8b-tp2")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gemv needs a CUDA device")
-    configs = [DEFAULT_CONFIG] + ([] if args.quick else [c for c in CANDIDATES if c != DEFAULT_CONFIG])
+    defaults = [ONE_ROW_CONFIG, FEW_ROWS_CONFIG]
+    configs = defaults + ([] if args.quick else [c for c in CANDIDATES if c not in defaults])
     results, default_failed = [], False
     for model in args.models.split(","):
         for name, n, k in decode_gemms(model):

@@ -11,7 +11,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from minivllm.kernels.gemv import MAX_ROWS, GemvConfig, gemv, gemv_takes, tma_allowed  # noqa: E402
+from minivllm.kernels.gemv import (  # noqa: E402
+    FEW_ROWS_CONFIG, MAX_ROWS, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes, tma_allowed,
+)
 from minivllm.layers import linear as linear_mod  # noqa: E402
 from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear, use_gemv  # noqa: E402
 
@@ -75,6 +77,36 @@ def test_rows_do_not_change_each_others_results() -> None:
     batch = gemv(x, w, config=ANY)
     for i in range(x.shape[0]):
         assert torch.equal(gemv(x[i:i + 1], w, config=ANY), batch[i:i + 1])
+
+
+def test_default_tiles_depend_on_the_row_count(monkeypatch) -> None:
+    """No config: one row takes the measured CUDA-core tiles, 2-16 rows the tensor-core
+    ones; both are F.linear (K not a multiple of either step, a partial column block), and
+    each takes a weight only where it gives at least 32 programs."""
+    import minivllm.kernels.gemv as gemv_mod
+
+    assert default_config(1) is ONE_ROW_CONFIG and ONE_ROW_CONFIG.one_row
+    assert all(default_config(m) is FEW_ROWS_CONFIG for m in (2, 7, MAX_ROWS))
+    launches = []
+    real = gemv_mod._gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((kw["ONE_ROW"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_stages"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(gemv_mod, "_gemv_kernel", Spy())
+    for m in (1, 2):
+        x, w, b = operands(m, 40, 600, torch.bfloat16, True, seed=m)
+        expect_linear(gemv(x, w, b), x, w, b)
+    assert launches == [(True, 16, 512, 3), (False, 32, 256, 4)]
+    x1, x2 = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16)
+    assert gemv_takes(x1, torch.zeros(16 * 32, 8, dtype=torch.bfloat16))          # 32 programs of 16 columns
+    assert not gemv_takes(x1, torch.zeros(16 * 31, 8, dtype=torch.bfloat16))
+    assert gemv_takes(x2, torch.zeros(32 * 32, 8, dtype=torch.bfloat16))          # 32 programs of 32 columns
+    assert not gemv_takes(x2, torch.zeros(32 * 31, 8, dtype=torch.bfloat16))
 
 
 def test_strided_rows_of_x() -> None:

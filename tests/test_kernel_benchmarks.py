@@ -19,14 +19,17 @@ def test_gemv_sweep_rows_on_the_cpu(monkeypatch, capsys) -> None:
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 1)
     monkeypatch.setattr(bench, "graph_us", lambda call, calls: (call(0), 1000.0)[1])
-    configs = [bench.DEFAULT_CONFIG, GemvConfig(16, 32, 4, 2, one_row=True), GemvConfig(32, 32, 4, 2, tma=True)]
+    configs = [bench.ONE_ROW_CONFIG, bench.FEW_ROWS_CONFIG, GemvConfig(16, 32, 4, 2, one_row=True),
+               GemvConfig(32, 32, 4, 2, tma=True)]
     for rows in (1, 3):
         row = bench.bench_shape("tiny o", 48, 64, rows, configs)
         bench.print_row(row)
         timed = [e for e in row["configs"] if "us" in e]
         assert not [e for e in row["configs"] if "error" in e], row
-        assert len(timed) == (3 if rows == 1 else 2)  # the one-row config only at one row
-    assert "not taken" in capsys.readouterr().out     # 3 programs < the default's 132
+        assert len(timed) == (4 if rows == 1 else 2)  # the one-row configs only at one row
+        [default] = [e for e in row["configs"] if e["default"]]
+        assert default["config"]["one_row"] == (rows == 1)
+    assert "not taken" in capsys.readouterr().out     # 2-3 programs < the defaults' 32
     assert [name for name, _, _ in bench.decode_gemms("8b-tp2")] == [
         "8b-tp2 qkv", "8b-tp2 o", "8b-tp2 gate_up", "8b-tp2 down"]
 

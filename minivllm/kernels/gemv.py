@@ -26,8 +26,16 @@ rows: each program keeps a (BLOCK_N, BLOCK_K) fp32 tile of products and sums it 
 end (W tiles still pipelined by ``cp.async``, through ``tl.range``; less shared memory:
 26 KB at 16 x 256, 4 stages). Its sums run in another order than the tensor-core path's.
 
-There is no split of K: the grid must itself fill the GPU, so the caller uses this
-kernel only where ``cdiv(N, BLOCK_N)`` programs are enough (:func:`gemv_takes`).
+There is no split of K, so the caller uses this kernel only where ``cdiv(N, BLOCK_N)``
+programs are enough (:func:`gemv_takes`).
+
+Default tiles (:func:`default_config`), from ``python3 -m benchmarks.gemv`` on one H200
+(BENCHMARKS.md, eighth session; L2 flushed, in CUDA graphs; ratios of cuBLAS's time over
+the 12 decode GEMMs of Qwen3-0.6B, Qwen3-8B and 8B at TP=2): one row takes the CUDA-core
+path, 16 x 512, 4 warps, 3 stages (0.31-0.99, all twelve faster); 2-16 rows take 32 x 256,
+4 warps, 4 stages (0.64-1.06; the two slower are gate_up of 0.6B and 8B at TP=1). The
+first default, 16 x 256 tensor-core tiles for every M, was slower than cuBLAS on eleven of
+the twelve at one row (up to 1.32x) and cost 0.6 ms a batch-1 token on 8B.
 
 Torch reference: ``torch.nn.functional.linear``.
 """
@@ -52,14 +60,14 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tile and launch parameters (a tuning knob, not semantics). Not yet timed on a GPU:
-    ``python3 -m benchmarks.gemv`` sweeps them against cuBLAS and prints the best."""
+    """Tile and launch parameters (a tuning knob, not semantics); ``python3 -m
+    benchmarks.gemv`` sweeps them against cuBLAS. The defaults: :func:`default_config`."""
 
     block_n: int = 16         # output columns (W rows) per program; power of two >= 16
     block_k: int = 256        # reduction step; power of two >= 16
     num_warps: int = 4
     num_stages: int = 4       # W tiles in flight per program
-    min_programs: int = 132   # fewer programs than this (an H200 has 132 SMs): cuBLAS instead
+    min_programs: int = 32    # fewer programs than this: cuBLAS instead (N = 1024 at 32 x 256 still won)
     tma: bool = False         # W tiles by tensor-memory copy (Hopper+; the interpreter emulates it)
     one_row: bool = False     # one row: CUDA-core products, no tensor cores (see the module doc)
 
@@ -76,7 +84,13 @@ class GemvConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
-DEFAULT_CONFIG = GemvConfig()
+ONE_ROW_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, one_row=True)
+FEW_ROWS_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+
+
+def default_config(rows: int) -> GemvConfig:
+    """The measured tiles for ``rows`` rows of x (see the module doc)."""
+    return ONE_ROW_CONFIG if rows == 1 else FEW_ROWS_CONFIG
 
 
 @triton.jit
@@ -149,18 +163,23 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, EVEN_N
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = DEFAULT_CONFIG) -> bool:
+def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> bool:
     """Whether :func:`gemv` serves ``F.linear(x, weight)``: x is (M <= 16, K) in bf16/fp16
     with W's dtype, W is (N, K) contiguous, and N is wide enough for ``config.min_programs``
-    programs. Host shapes only (no device read: safe inside CUDA-graph capture)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
+    programs (``config`` None: ``default_config(M)``). Host shapes only (no device read:
+    safe inside CUDA-graph capture)."""
+    if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
-            and x.stride(1) == 1 and triton.cdiv(weight.shape[0], config.block_n) >= config.min_programs)
+            and x.stride(1) == 1):
+        return False
+    config = config or default_config(x.shape[0])
+    return triton.cdiv(weight.shape[0], config.block_n) >= config.min_programs
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x (M, K) with M <= 16: (M, N) in x's dtype.
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x (M, K) with M <= 16: (M, N) in x's dtype, with
+    ``config`` (None: ``default_config(M)``).
 
     Raises:
         TypeError: x, weight (and bias) are not one of bf16 / fp16 together.
@@ -186,6 +205,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or n == 0:
         return y
+    config = config or default_config(x.shape[0])
     one_row = config.one_row and x.shape[0] == 1
     use_tma = config.tma and not one_row and tma_allowed(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
