@@ -204,8 +204,8 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
-              fuse_all_reduce_norm=getattr(args, "fuse_all_reduce_norm", False),
-              gemv=getattr(args, "gemv", False))
+              fuse_all_reduce_norm=getattr(args, "fuse_all_reduce_norm", "on") == "on",
+              gemv={"auto": None, "on": True, "off": False}[getattr(args, "gemv", "auto")])
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
     prefill_graphs = getattr(llm.engine.executor, "captures_prefill_graphs", False)
     print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks "
@@ -464,10 +464,11 @@ def parse_args() -> argparse.Namespace:
                     help="ranks (GPUs) for minivllm; the summary is throughput_tpN.json when N > 1")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="with TP: NCCL for every all-reduce (no one-shot symmetric-memory kernel)")
-    ap.add_argument("--fuse-all-reduce-norm", action="store_true",
+    ap.add_argument("--fuse-all-reduce-norm", choices=("on", "off"), default="on",
                     help="with TP on CUDA: the all-reduce inside the residual add + RMSNorm kernel")
-    ap.add_argument("--gemv", action="store_true",
-                    help="linear layers at batch <= 16 through kernels/gemv.py (ExecutorConfig.gemv)")
+    ap.add_argument("--gemv", choices=("auto", "on", "off"), default="auto",
+                    help="linear layers at batch <= 16 through kernels/gemv.py (ExecutorConfig.gemv; "
+                         "auto: on CUDA in 16 bits)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per KV cache block (default: the LLM's)")
     args = ap.parse_args()

@@ -144,15 +144,15 @@ class ExecutorConfig:
             small messages (``layers/all_reduce.py``; vLLM's option of the same name).
         fuse_all_reduce_norm: with the symmetric-memory path, the all-reduce after
             ``o_proj`` and ``down_proj`` runs inside the residual add + RMSNorm that
-            follows (one kernel, ``kernels/all_reduce_rms_norm.py``). Off by default:
-            correct on two H200s, but its first version was slower than the
-            all-reduce and norm apart (8B TP=2: 12,660 against 13,558 tok/s); its
-            barrier has been rewritten since, not yet timed.
+            follows (one kernel, ``kernels/all_reduce_rms_norm.py``). On by default:
+            Qwen3-8B at TP=2 on two H200s, offline-256 15,578 against 15,249 tok/s and
+            batch-1 4.02 against 4.10 ms (eighth session; BENCHMARKS.md).
         gemv: linear layers given at most 16 rows (decode at small batch, in CUDA graphs
             too) run ``kernels/gemv.py`` instead of cuBLAS where it takes the shape
-            (bf16 / fp16, enough output columns to fill the GPU). Off by default: not yet
-            timed on a GPU (``benchmarks.gemv`` compares it with cuBLAS). On the CPU it
-            needs ``TRITON_INTERPRET=1`` (tests).
+            (bf16 / fp16, enough output columns). None (the default): on for CUDA with
+            a 16-bit model (batch-1 decode of Qwen3-0.6B on one H200: 1.40 -> 1.09
+            ms/token; Qwen3-8B 4.86 -> 4.46), off otherwise. True where it cannot run
+            is a ValueError; on the CPU it needs ``TRITON_INTERPRET=1`` (tests).
     """
 
     device: str = "auto"
@@ -164,8 +164,8 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     prefill_graphs: bool | None = None
     disable_custom_all_reduce: bool = False
-    fuse_all_reduce_norm: bool = False
-    gemv: bool = False
+    fuse_all_reduce_norm: bool = True
+    gemv: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -185,7 +185,8 @@ class ExecutorConfig:
             _check_bool("prefill_graphs", self.prefill_graphs)
         _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
         _check_bool("fuse_all_reduce_norm", self.fuse_all_reduce_norm)
-        _check_bool("gemv", self.gemv)
+        if self.gemv is not None:
+            _check_bool("gemv", self.gemv)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":

@@ -89,7 +89,9 @@ class LLM:
             tensor_parallel_size: N ranks in N processes, one GPU each on CUDA,
             prefill_graphs: CUDA graphs of prefill and mixed steps too, on by default,
             disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce,
-            gemv: our GEMV kernel for linear layers at batch <= 16, off by default).
+            fuse_all_reduce_norm: the TP all-reduce inside the next RMSNorm, on by default,
+            gemv: our GEMV kernel for linear layers at batch <= 16, on by default on CUDA
+            in 16 bits).
 
     Raises:
         TypeError: unknown option. ValueError: a bad option value or model.

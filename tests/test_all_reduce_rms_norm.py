@@ -4,10 +4,10 @@ against its torch reference, on the CPU under TRITON_INTERPRET=1 (conftest).
 The ranks run one after the other in this process: "symmetric buffers" are plain
 tensors whose addresses go in the pointer tables, and a later rank's buffer is filled
 before an earlier rank runs (what that rank's first phase would have written). The
-barriers run only where they can complete in that order: with SYNC on, every flag a
-rank waits for is set beforehand, and the flags and counters each rank leaves behind
-are checked against the protocol (write the call's epoch into the peer's flag to
-signal, wait until one's own flag holds it; each program counts its calls).
+barrier runs only where it can complete in that order: with SYNC on, every flag a rank
+waits for is set beforehand, and the flags and counters each rank leaves behind are
+checked against the protocol (write the call's epoch into the peer's flag to signal,
+wait until one's own flag holds it or a later epoch; each program counts its calls).
 The kernel with real peers runs on two GPUs (tests_gpu/test_tp_gpu.py).
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.kernels.all_reduce_rms_norm import (
-    CHANNELS, MAX_PROGRAMS, all_reduce_add_rms_norm, signal_pad_numel,
-)
+import threading
+
+from minivllm.kernels.all_reduce_rms_norm import MAX_PROGRAMS, all_reduce_add_rms_norm, signal_pad_numel
 from minivllm.kernels.reference import all_reduce_add_rms_norm_reference
 
 
@@ -31,52 +31,76 @@ def ptr_table(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
-def flag(pad: torch.Tensor, channel: int, pid: int, src: int, world: int) -> torch.Tensor:
-    return pad[(channel * MAX_PROGRAMS + pid) * world + src]
+def flag(pad: torch.Tensor, pid: int, src: int, world: int) -> torch.Tensor:
+    return pad[pid * world + src]
 
 
 def counter(pad: torch.Tensor, pid: int, world: int) -> torch.Tensor:
-    return pad[CHANNELS * MAX_PROGRAMS * world + pid]
+    return pad[MAX_PROGRAMS * world + pid]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("world,rows,hidden", [(2, 3, 64), (3, 5, 48), (2, 300, 32)])
-def test_every_rank_gets_the_reference(dtype: torch.dtype, world: int, rows: int, hidden: int) -> None:
+@pytest.mark.parametrize("world,rows,hidden,offset,in_place", [
+    (2, 3, 64, 0, False), (3, 5, 48, 256, False), (2, 300, 32, 0, False), (2, 4, 64, 320, True)])
+def test_every_rank_gets_the_reference(dtype: torch.dtype, world: int, rows: int, hidden: int, offset: int,
+                                       in_place: bool) -> None:
     """Every rank returns the same bits (the sum is taken in rank order everywhere). The
     new residual equals the reference bit for bit in float32 and float16 (same fp32 sum,
     same roundings), the output within an ulp of the norm's statistic; bf16 within one
     bf16 step, as the interpreter truncates fp32 -> bf16 casts where CUDA rounds
-    (tests/test_kernels.py). 300 rows exceed the grid (programs loop over rows)."""
+    (tests/test_kernels.py). 300 rows exceed the grid (programs loop over rows). The rows
+    go at ``offset`` in every buffer and nowhere else; ``in_place``: each rank's x is its
+    buffer there already (a GEMM wrote it), not copied."""
     g = torch.Generator().manual_seed(rows * 10 + world)
     parts = [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(world)]
     residual = torch.randn(rows, hidden, generator=g).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
     want_out, want_res = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
-    bufs = [torch.full((rows * hidden + 7,), float("nan"), dtype=dtype) for _ in range(world)]
+    n = rows * hidden
+    bufs = [torch.full((offset + n + 7,), float("nan"), dtype=dtype) for _ in range(world)]
     for r in range(1, world):  # later ranks "already copied" their partial sums
-        bufs[r][: rows * hidden] = parts[r].reshape(-1)
+        bufs[r][offset:offset + n] = parts[r].reshape(-1)
+    if in_place:
+        bufs[0][offset:offset + n] = parts[0].reshape(-1)
     pads = [torch.zeros(signal_pad_numel(world), dtype=torch.int32) for _ in range(world)]
     exact = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
     close = NORM_TOLERANCE[dtype]
     first = None
     for rank in range(world):
-        out, res = all_reduce_add_rms_norm(parts[rank], residual, weight, 1e-6, ptr_table(bufs),
-                                           ptr_table(pads), rank, world, sync=False)
+        x = bufs[rank][offset:offset + n].view(rows, hidden) if in_place else parts[rank]
+        out, res = all_reduce_add_rms_norm(x, residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads),
+                                           rank, world, sync=False, buf_offset=offset, in_place=in_place)
         torch.testing.assert_close(res, want_res, **exact)
         torch.testing.assert_close(out, want_out, **close)
         if first is None:
             first = (out, res)
         assert torch.equal(out, first[0]) and torch.equal(res, first[1]), f"rank {rank} disagrees with rank 0"
-        assert torch.equal(bufs[rank][: rows * hidden], parts[rank].reshape(-1))  # its copy for the peers
-        assert torch.isnan(bufs[rank][rows * hidden:]).all()  # nothing past its rows
+        assert torch.equal(bufs[rank][offset:offset + n], parts[rank].reshape(-1))  # its copy for the peers
+        assert torch.isnan(bufs[rank][:offset]).all() and torch.isnan(bufs[rank][offset + n:]).all()
     assert all(int(p.count_nonzero()) == 0 for p in pads)  # no barrier without sync
 
 
+def test_in_place_skips_the_copy() -> None:
+    """``in_place`` trusts that x is the buffer: the kernel does not write it (a NaN left in
+    the buffer where x differs stays), and reads its own term from x."""
+    parts = [torch.randn(2, 32) for _ in range(2)]
+    residual, weight = torch.randn(2, 32), torch.ones(32)
+    bufs = [torch.full((64,), float("nan")), parts[1].reshape(-1).clone()]
+    pads = [torch.zeros(signal_pad_numel(2), dtype=torch.int32) for _ in range(2)]
+    want = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
+    got = all_reduce_add_rms_norm(parts[0], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads), 0, 2,
+                                  sync=False, in_place=True)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    assert torch.isnan(bufs[0]).all()
+    all_reduce_add_rms_norm(parts[0], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads), 0, 2, sync=False)
+    assert torch.equal(bufs[0], parts[0].reshape(-1))  # copied when not in place
+
+
 def test_barrier_flags_follow_the_protocol() -> None:
-    """Two ranks, two programs each, two calls, each call run rank 0 then rank 1 with
-    barriers on. Before each call rank 1 has already signalled rank 0 with the call's
-    epoch on both channels; rank 0's waits pass on those, it signals rank 1 with the same
-    epoch, whose waits then pass. Afterwards every flag and counter holds the epoch."""
+    """Two ranks, two programs each, three calls, each call run rank 0 then rank 1 with
+    the barrier on. Before each call rank 1 has already signalled rank 0 with the call's
+    epoch; rank 0's wait passes on it, it signals rank 1 with the same epoch, whose wait
+    then passes. Afterwards every flag and counter holds the epoch."""
     world, rows, hidden = 2, 2, 32
     parts = [torch.randn(rows, hidden) for _ in range(world)]
     residual, weight = torch.randn(rows, hidden), torch.ones(hidden)
@@ -84,22 +108,42 @@ def test_barrier_flags_follow_the_protocol() -> None:
     bufs[1].copy_(parts[1].reshape(-1))
     pads = [torch.zeros(signal_pad_numel(world), dtype=torch.int32) for _ in range(world)]
     want = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
-    for epoch in (1, 2):
-        for channel in range(CHANNELS):
-            for pid in range(rows):
-                flag(pads[0], channel, pid, 1, world).fill_(epoch)  # rank 1's signals, sent earlier
+    for epoch in (1, 2, 3):
+        for pid in range(rows):
+            flag(pads[0], pid, 1, world).fill_(epoch)  # rank 1's signals, sent earlier
         for rank in range(world):
             got = all_reduce_add_rms_norm(parts[rank], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads),
                                           rank, world, sync=True)
             torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
             torch.testing.assert_close(got[0], want[0], **NORM_TOLERANCE[torch.float32])
         for pid in range(rows):
-            for channel in range(CHANNELS):
-                assert int(flag(pads[1], channel, pid, 0, world)) == epoch  # rank 0 signalled rank 1
-                assert int(flag(pads[0], channel, pid, 1, world)) == epoch
+            assert int(flag(pads[1], pid, 0, world)) == epoch  # rank 0 signalled rank 1
+            assert int(flag(pads[0], pid, 1, world)) == epoch
             assert int(counter(pads[0], pid, world)) == epoch and int(counter(pads[1], pid, world)) == epoch
-        # Nothing else touched: per pad, the 2 x rows flags and the rows counters.
-        assert int(pads[0].count_nonzero()) == 3 * rows and int(pads[1].count_nonzero()) == 3 * rows
+        # Nothing else touched: per pad, the rows flags and the rows counters.
+        assert int(pads[0].count_nonzero()) == 2 * rows and int(pads[1].count_nonzero()) == 2 * rows
+
+
+def test_a_peer_one_call_ahead_passes_the_barrier() -> None:
+    """With one barrier a peer may signal call k+1 before this rank has seen call k's
+    signal (module doc): a flag already holding a later epoch lets the wait pass. (Waiting
+    for the exact epoch would spin for ever: the call runs in a thread with a deadline.)"""
+    world, rows, hidden = 2, 2, 32
+    parts = [torch.randn(rows, hidden) for _ in range(world)]
+    bufs = [torch.zeros(rows * hidden), parts[1].reshape(-1).clone()]
+    pads = [torch.zeros(signal_pad_numel(world), dtype=torch.int32) for _ in range(world)]
+    for pid in range(rows):
+        flag(pads[0], pid, 1, world).fill_(2)  # rank 1 already at call 2; rank 0 makes call 1
+    done = threading.Event()
+
+    def call() -> None:
+        all_reduce_add_rms_norm(parts[0], torch.zeros(rows, hidden), torch.ones(hidden), 1e-6, ptr_table(bufs),
+                                ptr_table(pads), 0, world, sync=True)
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    assert done.wait(120), "the barrier waited for its own epoch although the peer was one call ahead"
+    assert [int(counter(pads[0], pid, world)) for pid in range(rows)] == [1, 1]
 
 
 def test_bad_arguments_are_named() -> None:

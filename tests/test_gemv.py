@@ -109,6 +109,23 @@ def test_default_tiles_depend_on_the_row_count(monkeypatch) -> None:
     assert not gemv_takes(x2, torch.zeros(32 * 31, 8, dtype=torch.bfloat16))
 
 
+def test_out_receives_the_result() -> None:
+    """``out`` (a view into a larger buffer, as the all-reduce's symmetric buffer) is
+    written and returned; a wrong shape, dtype or layout is refused by name."""
+    x, w, b = operands(3, 48, 64, torch.bfloat16, True)
+    buf = torch.full((200,), float("nan"), dtype=torch.bfloat16)
+    out = buf[8:8 + 3 * 48].view(3, 48)
+    assert gemv(x, w, b, ANY, out=out) is out
+    expect_linear(out, x, w, b)
+    assert torch.isnan(buf[:8]).all() and torch.isnan(buf[8 + 3 * 48:]).all()
+    with pytest.raises(ValueError, match="out"):
+        gemv(x, w, b, ANY, out=torch.empty(3, 47, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out"):
+        gemv(x, w, b, ANY, out=torch.empty(48, 3, dtype=torch.bfloat16).t())
+    with pytest.raises(TypeError, match="out"):
+        gemv(x, w, b, ANY, out=torch.empty(3, 48))
+
+
 def test_strided_rows_of_x() -> None:
     base, w, _ = operands(4, 32, 64, torch.float16, False)
     wide = torch.zeros(4, 96, dtype=torch.float16)
@@ -148,8 +165,8 @@ def test_layers_take_the_kernel_for_few_rows_only(monkeypatch) -> None:
     layer passes no bias to it (its bias is added after the reduction)."""
     calls: list[tuple[int, bool]] = []
     real = linear_mod.gemv
-    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b: (calls.append((x.shape[0], b is not None)),
-                                                                 real(x, w, b, ANY))[1])
+    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b, out=None: (calls.append((x.shape[0], b is not None)),
+                                                                           real(x, w, b, ANY, out=out))[1])
     monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w: gemv_takes(x, w, ANY))
     torch.manual_seed(0)
     gate_up = MergedColumnParallelLinear(32, [48, 48], bias=False).to(torch.bfloat16)
@@ -179,7 +196,8 @@ def test_executor_config_switches_the_model_s_layers(monkeypatch) -> None:
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
     calls = []
     real = linear_mod.gemv
-    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b: (calls.append(x.shape[0]), real(x, w, b, ANY))[1])
+    monkeypatch.setattr(linear_mod, "gemv",
+                        lambda x, w, b, out=None: (calls.append(x.shape[0]), real(x, w, b, ANY, out=out))[1])
     monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w: gemv_takes(x, w, ANY))
     plan = make_plan([([5, 9, 11], 0, (0,), True), ([7, 3], 0, (1,), True), ([42], 0, (2,), True)], 16)
     logits = {}

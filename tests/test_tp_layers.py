@@ -237,6 +237,9 @@ class StubFastPath:
     def slot_for(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         return None  # no two-shot buffer: the layer writes its own output
 
+    def fused_slot(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        return None  # nor a fused-norm buffer
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         out = x.clone()
@@ -314,18 +317,25 @@ def check_all_reduce_dispatch(rank: int, world: int, c: Case, fail: Fail) -> Non
 class StubTwoShot(StubFastPath):
     """Stands in for the symmetric-memory path whose two-shot kernel reduces in its buffer:
     offers a view of that buffer (``slot_for``) and records whether each message it
-    reduces already lies there (the GEMM wrote it in place: no copy)."""
+    reduces already lies there (the GEMM wrote it in place: no copy); with ``fuses_norm``
+    also a view of the fused kernel's buffer (``fused_slot``)."""
 
     fuses_norm = False
 
     def __init__(self, limit: int, dtype: torch.dtype) -> None:
         super().__init__(limit)
         self.buffer = torch.full((limit,), float("nan"), dtype=dtype)
+        self.fused_buffer = torch.full((limit,), float("nan"), dtype=dtype)
         self.in_place: list[bool] = []
 
     def slot_for(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         n = shape[0] * shape[1]
         return self.buffer[:n].view(shape) if dtype == self.buffer.dtype and n <= self.limit else None
+
+    def fused_slot(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        assert self.fuses_norm, "asked for the fused buffer of a path without it"
+        n = shape[0] * shape[1]
+        return self.fused_buffer[:n].view(shape) if dtype == self.buffer.dtype and n <= self.limit else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.in_place.append(x.data_ptr() == self.buffer.data_ptr())
@@ -334,8 +344,9 @@ class StubTwoShot(StubFastPath):
 
 def check_output_slot(rank: int, world: int, c: Case, fail: Fail) -> None:
     """A row-parallel layer writes its partial output straight into the all-reduce's buffer
-    when the path offers it (the same sum, no copy); one whose output a fused norm may
-    reduce does not take it."""
+    when the path offers it (the same sum, no copy); one whose output the fused norm
+    reduces writes into the fused kernel's buffer instead, except on rank 0, whose bias
+    is added after (a new tensor: the kernel copies it)."""
     out_size, in_size = c["w"].shape
     x = t(c["x"]).chunk(world, dim=-1)[rank]
     for into_norm, fused in ((False, False), (True, False), (True, True)):
@@ -353,6 +364,9 @@ def check_output_slot(rank: int, world: int, c: Case, fail: Fail) -> None:
         if fused:  # the layer left its sum (rank 0's bias in it) to the norm: finish it here
             if y.data_ptr() == stub.buffer.data_ptr():
                 fail("an output left to the fused norm was written into the all-reduce buffer")
+            if (y.data_ptr() == stub.fused_buffer.data_ptr()) != (rank != 0):
+                fail(f"rank {rank}: output in the fused buffer {y.data_ptr() == stub.fused_buffer.data_ptr()}")
+            y = y.clone()
             dist.all_reduce(y)
         expect_close(fail, f"output (into_norm {into_norm}, fused {fused})", y, c["want"])
         want = [] if fused else [True]

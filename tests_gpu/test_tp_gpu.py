@@ -166,8 +166,9 @@ FUSED_SCRIPT = textwrap.dedent("""
 
     def main():
         path, prompts_file, new, pool = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+        fused = sys.argv[5] == "fused"
         prompts = json.load(open(prompts_file))
-        with LLM(path, dtype="float32", tensor_parallel_size=2, fuse_all_reduce_norm=True, **pool) as llm:
+        with LLM(path, dtype="float32", tensor_parallel_size=2, fuse_all_reduce_norm=fused, **pool) as llm:
             print("PATH", llm.engine.executor.all_reduce_path, flush=True)
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new), use_tqdm=False)
             print("REPLAYS", llm.engine.executor.graph_runner.num_replays, flush=True)
@@ -178,22 +179,26 @@ FUSED_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_fp32_tp2_fused_all_reduce_norm_equals_hf(reference, tmp_path) -> None:
-    """``fuse_all_reduce_norm``: o_proj's and down_proj's sums taken inside the residual
-    add + RMSNorm kernel (kernels/all_reduce_rms_norm.py), CUDA graphs on; float32
-    greedy tokens identical to HF's. In a subprocess: the symmetric-memory path is set
-    up by the first tensor-parallel engine of a process only."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_fp32_tp2_all_reduce_norm_equals_hf(reference, tmp_path, fused: bool) -> None:
+    """``fuse_all_reduce_norm`` on (the default): o_proj's and down_proj's sums taken
+    inside the residual add + RMSNorm kernel (kernels/all_reduce_rms_norm.py); off:
+    torch's one-/two-shot kernels, then the norm. CUDA graphs on; float32 greedy tokens
+    identical to HF's. In a subprocess: the symmetric-memory path is set up by the first
+    tensor-parallel engine of a process only."""
     import json
 
     path, prompts, expected, _ = reference
     script, prompts_file = tmp_path / "fused.py", tmp_path / "prompts.json"
     script.write_text(FUSED_SCRIPT)
     prompts_file.write_text(json.dumps(prompts))
-    proc = subprocess.run([sys.executable, str(script), path, str(prompts_file), str(NEW), json.dumps(POOL)],
+    proc = subprocess.run([sys.executable, str(script), path, str(prompts_file), str(NEW), json.dumps(POOL),
+                           "fused" if fused else "unfused"],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           timeout=240)
     out = proc.stdout
-    assert proc.returncode == 0 and "PATH one-shot" in out and "fused" in out, out + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "PATH one-shot" in out, out + proc.stderr[-3000:]
+    assert ("fused with" in out) == fused, out
     assert "REPLAYS 0" not in out, "TP=2 ran no CUDA graph"
     tokens = json.loads(out.split("TOKENS ", 1)[1])
     assert tokens == expected

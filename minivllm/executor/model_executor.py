@@ -221,6 +221,9 @@ class ModelExecutor:
         self.dtype = _resolve_dtype(config.dtype, self.device)
         if config.gemv:
             _check_gemv(self.device, self.dtype)
+        # The GEMV kernel for decode-sized GEMMs: asked for, or by default on CUDA in 16 bits.
+        self.use_gemv = config.gemv if config.gemv is not None else (
+            self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16))
         if self.device.type == "cuda":
             # cuBLAS may otherwise sum split-K partials of bf16 GEMMs in bf16, which at decode
             # batch sizes costs far more accuracy than HF's batch-1 GEMMs lose (issue 7).
@@ -304,7 +307,7 @@ class ModelExecutor:
             model = build_model(self.model_config, attention_backend=backend,
                                 tp_rank=self.tp_rank, tp_size=self.tp_size)
         load_weights(model, model_path)
-        if self.config.gemv:  # before any CUDA graph is captured: graphs keep the kernels
+        if self.use_gemv:  # before any CUDA graph is captured: graphs keep the kernels
             use_gemv(model)
         return model.eval()
 

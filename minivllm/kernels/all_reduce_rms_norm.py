@@ -6,31 +6,42 @@ that is two kernels and two passes (the all-reduce, then ``rms_norm`` with its
 residual); here one kernel over symmetric memory (every rank's buffer mapped into
 every rank's address space over NVLink)::
 
-    copy x_rank into this rank's symmetric buffer      (rows of this program)
-    barrier 1: every rank's copy of these rows is done
+    copy x_rank into this rank's symmetric buffer      (rows of this program; skipped
+                                                        when the GEMM wrote x there)
+    barrier: every rank's copy of these rows is done
     s   = x_0 + x_1 + ... + x_{W-1}     rank order on every rank (so they agree bit
                                         for bit), fp32, rounded to x's dtype: what
                                         the all-reduce would return
     s   = s + residual                  rounded: the new residual stream
     out = w * (s / sqrt(mean(s^2) + eps))   ``rms_norm.weighted_rms_norm_row``
-    barrier 2: every rank has read these rows (a peer may overwrite its buffer next)
 
 Barriers are per program: program p of each rank handles the same rows (the grid
 depends only on the row count) and meets program p of every peer on one flag per
-(channel, program, peer) in a symmetric int32 signal pad. Each program counts its
-calls in its own slot of the pad (the epoch: every rank makes the same calls with the
-same row counts, so program p's epochs agree across ranks). Signalling a peer writes
-the epoch into the peer's flag (one remote exchange, release, system scope); waiting
-spins on one's *own* flag (acquire) until it holds the epoch, so no program spins
-over NVLink and no flag needs resetting. A flag a rank waits on holds the previous
-epoch or the current one, never the next: a peer reaches barrier c of call k+1 only
-after this rank has passed barrier c of call k. (The first version swapped flags
-0 -> 1 -> 0 with compare-and-swap loops, the signalling one spinning on the peer's
-memory; at 256 rows it took 59 us against 22 unfused, and 7.5 us at 1 row.) Each
-rank's own term comes from ``x`` itself; only peers' buffers are read over NVLink.
+(program, peer) in a symmetric int32 signal pad. Each program counts its calls in its
+own slot of the pad (the epoch: every rank makes the same calls with the same row
+counts, so program p's epochs agree across ranks). Signalling a peer writes the epoch
+into the peer's flag (one remote exchange, release, system scope); waiting spins on
+one's *own* flag (acquire) until it holds the epoch or a later one, so no program spins
+over NVLink and no flag needs resetting.
 
-``SYNC=False`` skips both barriers: tests on the CPU (``TRITON_INTERPRET=1``) run
-the ranks one after the other in one process, with the buffers filled beforehand.
+**One barrier, two buffers.** A rank may not overwrite its buffer while a peer still
+reads it. Instead of a second barrier after the reads, consecutive calls use the two
+halves of the buffer in turn (``buf_offset``, chosen by the caller), and that is
+enough: when a rank starts anything after call k+1, its call k+1 kernel has finished,
+so every program of it passed the barrier, so every peer had started call k+1, so
+every peer's call k (the last reader of the half that call k+2 writes) had finished
+(kernels of one stream run in order). Without the second barrier a peer can signal
+call k+1 before this rank has seen call k's signal, hence "the epoch or a later one"
+(wrap-safe: the int32 difference); it cannot get further, as its call k+2 waits for
+this rank. (Measured history: the first version swapped flags 0 -> 1 -> 0 with
+compare-and-swap loops, the signalling one spinning on the peer's memory: 59 us at
+256 rows against 22 unfused. The epoch version with two barriers took 1,430 us per
+batch-256 decode step of Qwen3-8B at TP=2 against 1,394 + 233 for the two-shot
+all-reduce and the norm apart; BENCHMARKS.md, eighth session.) Each rank's own term
+comes from ``x`` itself; only peers' buffers are read over NVLink.
+
+``SYNC=False`` skips the barrier: tests on the CPU (``TRITON_INTERPRET=1``) run the
+ranks one after the other in one process, with the buffers filled beforehand.
 
 Torch reference: :func:`minivllm.kernels.reference.all_reduce_add_rms_norm_reference`.
 """
@@ -44,37 +55,36 @@ import triton.language as tl
 from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2
 from minivllm.kernels.rms_norm import MAX_HIDDEN, weighted_rms_norm_row
 
-MAX_PROGRAMS = 256  # flags per channel and peer; the grid is at most this many programs
-CHANNELS = 2        # barrier 1 and barrier 2
+MAX_PROGRAMS = 256  # flags per peer; the grid is at most this many programs
 
 
 def signal_pad_numel(world_size: int) -> int:
     """int32 slots a rank's signal pad needs (zeroed before first use): the flags, then
     one epoch counter per program."""
-    return CHANNELS * MAX_PROGRAMS * world_size + MAX_PROGRAMS
+    return MAX_PROGRAMS * world_size + MAX_PROGRAMS
 
 
 @triton.jit
-def _flag(pad_ptrs, owner, channel, pid, src, WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
-    """Address of flag (channel, pid, src) in rank ``owner``'s signal pad."""
+def _flag(pad_ptrs, owner, pid, src, WORLD: tl.constexpr):
+    """Address of flag (pid, src) in rank ``owner``'s signal pad."""
     pad = tl.load(pad_ptrs + owner).to(tl.pointer_type(tl.int32))
-    return pad + (channel * MAX_PROGRAMS + pid) * WORLD + src
+    return pad + pid * WORLD + src
 
 
 @triton.jit
-def _barrier(pad_ptrs, channel, pid, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+def _barrier(pad_ptrs, pid, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
     """Meet program ``pid`` of every other rank at this call's ``epoch``. Writes before it
     (by any thread of this program) are visible to the peers after it, and theirs to
     this program."""
     tl.debug_barrier()  # every thread's stores precede the release below
     for peer in tl.static_range(WORLD):
         if peer != RANK:
-            tl.atomic_xchg(_flag(pad_ptrs, peer, channel, pid, RANK, WORLD, MAX_PROGRAMS), epoch,
-                           sem="release", scope="sys")
+            tl.atomic_xchg(_flag(pad_ptrs, peer, pid, RANK, WORLD), epoch, sem="release", scope="sys")
     for peer in tl.static_range(WORLD):
         if peer != RANK:
-            flag = _flag(pad_ptrs, RANK, channel, pid, peer, WORLD, MAX_PROGRAMS)
-            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") != epoch:  # a local read
+            flag = _flag(pad_ptrs, RANK, pid, peer, WORLD)
+            # A local read; the peer may already have signalled the next call (module doc).
+            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
                 pass
     tl.debug_barrier()  # every thread's loads follow the acquire above
 
@@ -82,28 +92,31 @@ def _barrier(pad_ptrs, channel, pid, epoch, RANK: tl.constexpr, WORLD: tl.conste
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr,                                # (T, N) this rank's partial sums, contiguous
-    buf_ptrs,                             # (WORLD,) int64: each rank's symmetric buffer (>= T*N)
+    buf_ptrs,                             # (WORLD,) int64: each rank's symmetric buffer
+    buf_offset,                           # this call's rows start here (elements)
     pad_ptrs,                             # (WORLD,) int64: each rank's int32 signal pad
     residual_ptr, weight_ptr,             # (T, N) contiguous, (N,)
     out_ptr, residual_out_ptr,            # (T, N) contiguous
     T, eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-    MAX_PROGRAMS: tl.constexpr, SYNC: tl.constexpr, CHANNELS: tl.constexpr,
+    MAX_PROGRAMS: tl.constexpr, SYNC: tl.constexpr,
+    COPY: tl.constexpr,                   # False: x already is this rank's buffer at buf_offset
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
     dtype = x_ptr.dtype.element_ty
-    mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(dtype))
+    mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(dtype)) + buf_offset
+    if COPY:
+        for row in range(pid, T, nprog):
+            at = row * N + offs  # < the buffer's numel: int32 is enough
+            tl.store(mine + at, tl.load(x_ptr + at, mask=mask), mask=mask)
     if SYNC:  # this program's call count; only this program touches the slot
-        counter = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.int32)) + CHANNELS * MAX_PROGRAMS * WORLD + pid
+        counter = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.int32)) + MAX_PROGRAMS * WORLD + pid
         epoch = tl.load(counter) + 1
-    for row in range(pid, T, nprog):
-        at = row * N + offs  # < the buffer's numel: int32 is enough
-        tl.store(mine + at, tl.load(x_ptr + at, mask=mask), mask=mask)
-    if SYNC:
-        _barrier(pad_ptrs, 0, pid, epoch, RANK, WORLD, MAX_PROGRAMS)
+        tl.store(counter, epoch)
+        _barrier(pad_ptrs, pid, epoch, RANK, WORLD)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, T, nprog):
         at = row * N + offs  # < the buffer's numel: int32 is enough
@@ -112,7 +125,7 @@ def _all_reduce_add_rms_norm_kernel(
             if r == RANK:
                 part = tl.load(x_ptr + at, mask=mask, other=0.0)
             else:
-                peer = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype))
+                peer = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype)) + buf_offset
                 # ".cv": fetch again rather than trust a cached line, as a plain (vectorisable)
                 # load. The first version read with volatile=True and barriered by spinning
                 # compare-and-swap; together they took 59 us at 256 rows against 22 unfused,
@@ -124,18 +137,17 @@ def _all_reduce_add_rms_norm_kernel(
         s = (s.to(tl.float32) + res.to(tl.float32)).to(dtype)       # one rounding, as torch's add
         tl.store(residual_out_ptr + at, s, mask=mask)
         tl.store(out_ptr + at, weighted_rms_norm_row(s, w, eps, N).to(out_ptr.dtype.element_ty), mask=mask)
-    if SYNC:
-        _barrier(pad_ptrs, 1, pid, epoch, RANK, WORLD, MAX_PROGRAMS)
-        tl.store(counter, epoch)
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                             buf_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, world_size: int,
-                            sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                            sync: bool = True, buf_offset: int = 0,
+                            in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(sum_r x_r + residual), sum_r x_r + residual)`` over the ranks.
 
-    Every rank calls it with the same shapes (each with its own ``x``), in the same
-    order relative to its other collectives.
+    Every rank calls it with the same shapes (each with its own ``x``) and offsets, in the
+    same order relative to its other collectives, and consecutive calls alternate between
+    two offsets whose ``T * N`` regions do not overlap (module doc).
 
     Args:
         x: (T, N) this rank's partial sums, contiguous.
@@ -143,15 +155,18 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         weight: (N,).
         eps: added to the mean square.
         buf_ptrs: (world_size,) int64 on x's device: every rank's symmetric buffer,
-            each at least ``T * N`` elements of x's dtype.
+            each at least ``buf_offset + T * N`` elements of x's dtype.
         pad_ptrs: (world_size,) int64: every rank's signal pad, ``signal_pad_numel``
             int32 slots, zero before the first call (then flags and counters hold epochs).
         rank, world_size: this rank and the group's size.
         sync: False only for single-process tests (no barriers; see module doc).
+        buf_offset: where in every buffer this call's rows go (elements).
+        in_place: ``x`` already is this rank's buffer at ``buf_offset`` (a row-parallel
+            GEMM wrote it there: ``SymmMemAllReduce.fused_slot``), so it is not copied.
 
     Raises:
         TypeError: non-float tensors, or int64 pointer tables of another dtype.
-        ValueError: shapes that disagree, non-contiguous tensors, a bad rank.
+        ValueError: shapes that disagree, non-contiguous tensors, a bad rank or offset.
     """
     check_dtype("x", x, (torch.bfloat16, torch.float16, torch.float32))
     check_dtype("residual", residual, (x.dtype,))
@@ -166,6 +181,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if not 0 <= rank < world_size or buf_ptrs.shape != (world_size,) or pad_ptrs.shape != (world_size,):
         raise ValueError(f"rank {rank} of {world_size} with pointer tables {tuple(buf_ptrs.shape)}, "
                          f"{tuple(pad_ptrs.shape)}")
+    if isinstance(buf_offset, bool) or not isinstance(buf_offset, int) or buf_offset < 0:
+        raise ValueError(f"buf_offset must be an int >= 0, got {buf_offset!r}")
     check_same_device(x=x, residual=residual, weight=weight, buf_ptrs=buf_ptrs, pad_ptrs=pad_ptrs)
     t, n = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -173,9 +190,9 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if t:
         block = next_pow2(n)
         _all_reduce_add_rms_norm_kernel[(min(t, MAX_PROGRAMS),)](
-            x, buf_ptrs, pad_ptrs, residual, weight, out, res_out, t, float(eps),
+            x, buf_ptrs, buf_offset, pad_ptrs, residual, weight, out, res_out, t, float(eps),
             N=n, BLOCK_N=block, RANK=rank, WORLD=world_size, MAX_PROGRAMS=MAX_PROGRAMS, SYNC=sync,
-            CHANNELS=CHANNELS,
+            COPY=not in_place,
             num_warps=max(1, min(16, block // 256)),
         )
     return out, res_out

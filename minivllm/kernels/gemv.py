@@ -177,14 +177,16 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None 
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x (M, K) with M <= 16: (M, N) in x's dtype, with
-    ``config`` (None: ``default_config(M)``).
+    ``config`` (None: ``default_config(M)``), written into ``out`` if given (a contiguous
+    (M, N) of x's dtype; returned).
 
     Raises:
         TypeError: x, weight (and bias) are not one of bf16 / fp16 together.
         ValueError: more than 16 rows, mismatched K, a strided last dimension, a
-            non-contiguous weight, a bias not (N,), or tensors on different devices.
+            non-contiguous weight, a bias not (N,), an ``out`` not a contiguous (M, N),
+            or tensors on different devices.
     """
     check_dtype("x", x, _DTYPES)
     check_dtype("weight", weight, (x.dtype,))
@@ -201,8 +203,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if bias.shape != (n,) or (n > 1 and bias.stride(0) != 1):
             raise ValueError(f"bias must be a contiguous ({n},), got shape {tuple(bias.shape)}")
         tensors["bias"] = bias
+    if out is not None:
+        check_dtype("out", out, (x.dtype,))
+        if out.shape != (x.shape[0], n) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous ({x.shape[0]}, {n}), got shape {tuple(out.shape)}")
+        tensors["out"] = out
     check_same_device(**tensors)
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) if out is None else out
     if x.shape[0] == 0 or n == 0:
         return y
     config = config or default_config(x.shape[0])

@@ -87,16 +87,23 @@ class SymmMemAllReduce:
             self._set_up_fused_norm(group, device, symm_mem)
 
     def _set_up_fused_norm(self, group: dist.ProcessGroup, device: torch.device, symm_mem: object) -> None:
-        """The fused all-reduce + residual add + RMSNorm kernel's tables: every rank's
-        buffer and every rank's signal pad (zeroed on every rank before any is used)."""
+        """The fused all-reduce + residual add + RMSNorm kernel's own symmetric buffer (two
+        halves, used by consecutive calls in turn), its tables of every rank's buffer and
+        signal pad (the pads zeroed on every rank before any is used)."""
         from minivllm.kernels.all_reduce_rms_norm import signal_pad_numel
 
         self.rank = dist.get_rank(group)
+        # Apart from ``self.buffer``: torch's one- and two-shot kernels (the embedding's
+        # all-reduce) must not share the halves' no-second-barrier protocol.
+        self.fused_buffer = symm_mem.empty(2 * self.max_numel, dtype=self.dtype,  # type: ignore[attr-defined]
+                                           device=device)
+        self._fused_handle = symm_mem.rendezvous(self.fused_buffer, self.group_name)  # type: ignore[attr-defined]
+        self._half = 0  # the half the next fused call uses
         self.pad = symm_mem.empty(signal_pad_numel(self.world_size), dtype=torch.int32,  # type: ignore[attr-defined]
                                   device=device)
         self.pad.zero_()
         pad_handle = symm_mem.rendezvous(self.pad, self.group_name)  # type: ignore[attr-defined]
-        self.buf_ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.buf_ptrs = torch.tensor(list(self._fused_handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.pad_ptrs = torch.tensor(list(pad_handle.buffer_ptrs), dtype=torch.int64, device=device)
         self._pad_handle = pad_handle
         torch.cuda.synchronize(device)
@@ -105,11 +112,25 @@ class SymmMemAllReduce:
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``add_rms_norm(all_reduce(x), residual)`` in one kernel (``x`` as ``takes`` allows)."""
+        """``add_rms_norm(all_reduce(x), residual)`` in one kernel (``x`` as ``takes`` allows),
+        through the next half of the fused buffer; ``x`` is not copied if it is that half
+        already (``fused_slot``)."""
         from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm as kernel
 
+        offset = self._half * self.max_numel
+        in_place = x.data_ptr() == self.fused_buffer.data_ptr() + offset * x.element_size()
+        self._half ^= 1  # every rank makes the same calls: the halves agree
         return kernel(x, residual.contiguous(), weight, eps, self.buf_ptrs, self.pad_ptrs,
-                      self.rank, self.world_size)
+                      self.rank, self.world_size, buf_offset=offset, in_place=in_place)
+
+    def fused_slot(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The view of the fused buffer's next half that a ``shape`` partial sum would be
+        copied into by the next ``add_rms_norm`` (a GEMM may write it there instead), or
+        None where this path does not take such a tensor."""
+        numel = math.prod(shape)
+        if not self.fuses_norm or len(shape) != 2 or not self._takes(numel, dtype):
+            return None
+        return self.fused_buffer.narrow(0, self._half * self.max_numel, numel).view(shape)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes this way: the dtype, contiguous, 16-byte sized, small enough."""
@@ -181,11 +202,13 @@ def output_slot(shape: tuple[int, ...], dtype: torch.dtype, into_norm: bool = Fa
     the all-reduce finds it already in the symmetric buffer: the buffer's view when the
     installed path sends such a tensor through the two-shot kernel, which would otherwise
     copy it there first (119 us per batch-256 decode step of Qwen3-8B at TP=2, fifth
-    session). None otherwise, and for an output feeding a norm that the fused kernel may
-    reduce (``into_norm``: that kernel copies into the buffer itself)."""
+    session). For an output feeding a norm that the fused kernel reduces (``into_norm``),
+    the half of the fused buffer that the kernel would copy it into. None otherwise."""
     fast = _installed
-    if fast is None or (into_norm and fast.fuses_norm):
+    if fast is None:
         return None
+    if into_norm and fast.fuses_norm:
+        return fast.fused_slot(shape, dtype)
     return fast.slot_for(shape, dtype)
 
 

@@ -222,11 +222,15 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out_local)
         return self._linear(x, self.bias)
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T (+ bias)``: the GEMV kernel where enabled and it takes the shape, else cuBLAS."""
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T (+ bias)``: the GEMV kernel where enabled and it takes the shape, else
+        cuBLAS; into ``out`` (2-D x, no bias) when given."""
         if self.use_gemv and gemv_takes(x, self.weight):
-            return gemv(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+            return gemv(x, self.weight, bias, out=out)
+        if out is None:
+            return F.linear(x, self.weight, bias)
+        assert bias is None
+        return torch.matmul(x, self.weight.t(), out=out)
 
 
 def use_gemv(model: nn.Module, enabled: bool = True) -> int:
@@ -409,7 +413,7 @@ class RowParallelLinear(LinearBase):
         if self.tp_size > 1 and self.reduce_results and x.dim() == 2:
             # Large decode steps: the GEMM writes straight into the all-reduce's buffer.
             slot = output_slot((x.shape[0], self.weight.shape[0]), x.dtype, into_norm=self.reduce_in_next_norm)
-        y = self._linear(x, None) if slot is None else torch.matmul(x, self.weight.t(), out=slot)
+        y = self._linear(x, None, out=slot)
         reduced = self.reduce_results and not (self.reduce_in_next_norm and defers_to_norm(y))
         if self.tp_size > 1 and reduced:
             y = all_reduce(y)
