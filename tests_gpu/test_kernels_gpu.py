@@ -398,8 +398,9 @@ def test_rms_norm_and_silu_and_mul(rows: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("n,k,bias", [(3072, 4096, False), (4096, 2048, True), (1000, 3072, False)])
 def test_gemv_against_f_linear_in_a_cuda_graph(rows: int, n: int, k: int, bias: bool) -> None:
     """The decode GEMMs of Qwen3-8B at TP=2 (qkv, o with a bias) and a partial last column
-    block, bf16: eager and replayed in a graph, within one bf16 rounding of float32; row i
-    alone gives row i of the batch bit for bit."""
+    block, bf16, with the default tiles of the row count: eager and replayed in a graph,
+    within one bf16 rounding of float32; rows are independent (two rows of the batch
+    alone give the same bits; one row alone takes the CUDA-core path, another order)."""
     from minivllm.kernels.gemv import gemv
 
     gen = torch.Generator(device=DEVICE).manual_seed(rows + n)
@@ -409,7 +410,8 @@ def test_gemv_against_f_linear_in_a_cuda_graph(rows: int, n: int, k: int, bias: 
     ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     eager = gemv(x, w, b)
     torch.testing.assert_close(eager.float(), ref, rtol=2 ** -8, atol=2 ** -8 * ref.abs().max().item())
-    assert torch.equal(gemv(x[-1:], w, b), eager[-1:])
+    if rows > 1:
+        assert torch.equal(gemv(x[-2:], w, b), eager[-2:])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gemv(x, w, b)

@@ -19,7 +19,8 @@ The K loop is one ``tl.dot`` per step, so Triton software-pipelines the W loads
 ``GemvConfig.tma``, fetches each W tile as one tensor-memory-copy box (the box is
 zero-filled past N and K, so no masks). Accumulation is fp32 and the output is rounded once, as
 cuBLAS's (with its bf16 split-K reduction off, which the executor sets). Each output
-element is one dot product in a fixed order: deterministic, independent of M.
+element is one dot product in a fixed order: deterministic, and the same for any M of
+one config (so for 2-16 rows under the defaults).
 
 With ``GemvConfig.one_row`` a single row (batch 1) skips the tensor cores and the padding
 rows: each program keeps a (BLOCK_N, BLOCK_K) fp32 tile of products and sums it at the
