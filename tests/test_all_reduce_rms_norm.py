@@ -157,3 +157,39 @@ def test_bad_arguments_are_named() -> None:
         all_reduce_add_rms_norm(x, x, torch.ones(4), 1e-6, ptrs, ptrs, 0, 2)
     with pytest.raises(ValueError, match="contiguous"):
         all_reduce_add_rms_norm(x.t(), x.t(), torch.ones(2), 1e-6, ptrs, ptrs, 0, 2)
+
+
+def test_the_path_alternates_halves_and_knows_a_gemm_wrote_in_place(monkeypatch) -> None:
+    """``SymmMemAllReduce``'s fused calls (its buffer and tables faked on the CPU, the
+    kernel recorded): consecutive calls use the two halves in turn, ``fused_slot`` offers
+    the half the next call uses, and x written there is passed as in place (no copy);
+    shapes the kernel cannot take (3-D, wider than the norm kernel, another dtype, more
+    than a half) are not offered and not deferred."""
+    import minivllm.kernels.all_reduce_rms_norm as kernel_mod
+    from minivllm.kernels.rms_norm import MAX_HIDDEN
+    from minivllm.layers import all_reduce as ar
+
+    calls = []
+    monkeypatch.setattr(kernel_mod, "all_reduce_add_rms_norm",
+                        lambda x, *args, buf_offset, in_place: calls.append((buf_offset, in_place)) or (x, x))
+    path = object.__new__(ar.SymmMemAllReduce)
+    half = 1 << 16
+    path.dtype, path.max_numel, path.fuses_norm, path._half = torch.bfloat16, half, True, 0
+    path.fused_buffer = torch.zeros(2 * half, dtype=torch.bfloat16)
+    path.buf_ptrs = path.pad_ptrs = None
+    path.rank, path.world_size = 0, 2
+    weight = torch.ones(8, dtype=torch.bfloat16)
+    for i in range(4):
+        slot = path.fused_slot((4, 8), torch.bfloat16)
+        assert slot.data_ptr() == path.fused_buffer[(i % 2) * half:].data_ptr()
+        x = slot if i < 2 else torch.zeros(4, 8, dtype=torch.bfloat16)
+        path.add_rms_norm(x, x, weight, 1e-6)
+    assert calls == [(0, True), (half, True), (0, False), (half, False)]
+    monkeypatch.setattr(ar, "_installed", path)
+    assert ar.defers_to_norm(torch.zeros(8, 8, dtype=torch.bfloat16))
+    assert ar.output_slot((8, 8), torch.bfloat16, into_norm=True) is not None
+    for shape, dtype in [((2, 4, 8), torch.bfloat16), ((1, MAX_HIDDEN * 2), torch.bfloat16),
+                         ((4, 8), torch.float16), ((half // 8 + 2, 8), torch.bfloat16)]:
+        assert path.fused_slot(shape, dtype) is None, (shape, dtype)
+        assert not ar.defers_to_norm(torch.zeros(shape, dtype=dtype)), (shape, dtype)
+    assert not ar.defers_to_norm(torch.zeros(8, 4, dtype=torch.bfloat16).t())  # not contiguous

@@ -228,11 +228,16 @@ class StubFastPath:
     """Stands in for the one-shot symmetric-memory all-reduce (CUDA only): takes tensors of
     at most ``limit`` elements, returns their sum as a new tensor, counts its calls."""
 
+    fuses_norm = False
+
     def __init__(self, limit: int) -> None:
         self.limit, self.calls = limit, 0
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.numel() <= self.limit
+
+    def fuses(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        return self.fuses_norm and len(shape) == 2 and shape[0] * shape[1] <= self.limit
 
     def slot_for(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         return None  # no two-shot buffer: the layer writes its own output
