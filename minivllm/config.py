@@ -145,8 +145,9 @@ class ExecutorConfig:
         fuse_all_reduce_norm: with the symmetric-memory path, the all-reduce after
             ``o_proj`` and ``down_proj`` runs inside the residual add + RMSNorm that
             follows (one kernel, ``kernels/all_reduce_rms_norm.py``). On by default:
-            Qwen3-8B at TP=2 on two H200s, offline-256 15,578 against 15,249 tok/s and
-            batch-1 4.02 against 4.10 ms (eighth session; BENCHMARKS.md).
+            Qwen3-8B at TP=2 on two H200s, 1,028 us of a batch-256 decode step where
+            the two-shot all-reduce and the norm apart took 1,394 + 233 (eighth
+            session, BENCHMARKS.md).
         gemv: linear layers given at most 16 rows (decode at small batch, in CUDA graphs
             too) run ``kernels/gemv.py`` instead of cuBLAS where it takes the shape
             (bf16 / fp16, enough output columns). None (the default): on for CUDA with
