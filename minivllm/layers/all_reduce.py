@@ -119,7 +119,9 @@ class SymmMemAllReduce:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``add_rms_norm(all_reduce(x), residual)`` in one kernel (``x`` as ``takes`` allows),
         through the next half of the fused buffer; ``x`` is not copied if it is that half
-        already (``fused_slot``)."""
+        already (``fused_slot``). A decoder's forward makes an even number of these calls
+        (two a layer), so every forward starts on the first half, and CUDA graphs captured
+        at different times, replayed in any order, still alternate the halves."""
         from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm as kernel
 
         offset = self._half * self.max_numel
