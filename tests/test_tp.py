@@ -173,10 +173,14 @@ def test_killed_worker_is_named_in_the_error(random_model: str) -> None:
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from minivllm import LLM, SamplingParams
 
     def main():
+        # Ctrl-C as in a terminal. Started from a background job (``make test &``, some CI
+        # runners) this process inherits SIGINT ignored, which Python keeps: the interrupt
+        # would never arrive (seen: the test hung on such a run).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         llm = LLM(sys.argv[1], device="cpu", attention_backend="torch", skip_tokenizer_init=True,
                   block_size=4, max_model_len=96, num_blocks=40, tensor_parallel_size=2)
         print("PIDS", *[p.pid for p in llm.engine.executor.workers], flush=True)
