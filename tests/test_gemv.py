@@ -3,6 +3,7 @@ rules of when the linear layers take it, and a model whose layers take it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest sets it too)
@@ -124,6 +125,35 @@ def test_out_receives_the_result() -> None:
         gemv(x, w, b, ANY, out=torch.empty(48, 3, dtype=torch.bfloat16).t())
     with pytest.raises(TypeError, match="out"):
         gemv(x, w, b, ANY, out=torch.empty(3, 48))
+
+
+@pytest.mark.parametrize("one_row,tma", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("k", [24, 64, 100])
+def test_prefetch_gives_the_same_bits(one_row: bool, tma: bool, k: int) -> None:
+    """``prefetch`` (the first W tile loaded before the wait for the previous kernel, with
+    programmatic dependent launch on a GPU) sums in the same order: the same bits, for K
+    inside one step (only the prefetched tile), a whole number of steps, and a tail."""
+    x, w, b = operands(1 if one_row else 5, 48, k, torch.bfloat16, True, seed=k)
+    plain = GemvConfig(block_k=32, min_programs=1, one_row=one_row, tma=tma)
+    fetched = GemvConfig(block_k=32, min_programs=1, one_row=one_row, tma=tma, prefetch=True)
+    y = gemv(x, w, b, fetched)
+    expect_linear(y, x, w, b)
+    assert torch.equal(y, gemv(x, w, b, plain))
+
+
+def test_pdl_is_opt_in_and_gpu_only(monkeypatch) -> None:
+    """``MINIVLLM_PDL=1`` switches the default tiles to their prefetching variant; the
+    launch itself stays plain off Hopper GPUs (here: the CPU)."""
+    from minivllm.kernels._launch import PDL_ENV, pdl
+
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    assert not default_config(1).prefetch and not default_config(4).prefetch
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert default_config(1) == dataclasses.replace(ONE_ROW_CONFIG, prefetch=True)
+    assert default_config(4) == dataclasses.replace(FEW_ROWS_CONFIG, prefetch=True)
+    assert not pdl(torch.zeros(1))
+    x, w, b = operands(1, 16 * 32, 64, torch.bfloat16, False)
+    expect_linear(gemv(x, w), x, w, None)  # the prefetching default, launched plainly
 
 
 def test_strided_rows_of_x() -> None:

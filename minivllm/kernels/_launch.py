@@ -4,8 +4,10 @@ the paged-attention arguments, and the interpreter's bf16 workaround."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import os
 
 import torch
 
@@ -13,6 +15,32 @@ try:   # host-side TMA descriptors: triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
+
+
+PDL_ENV = "MINIVLLM_PDL"  # "1": programmatic dependent launch where it is possible (opt-in, untimed)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_possible(device_index: int) -> bool:
+    if os.environ.get(PDL_ENV) != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - a triton without the CUDA backend
+        return False
+    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+            and torch.cuda.get_device_capability(device_index)[0] >= 9)
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and
+    later, a triton with ``launch_pdl``, and ``MINIVLLM_PDL=1``: opt-in until timed).
+    Then a kernel that only feeds others calls ``griddepcontrol.launch_dependents`` at
+    its start, and a kernel launched with ``launch_pdl`` may start before its
+    predecessor ends: it reads only what no kernel writes (weights) before its
+    ``griddepcontrol.wait``, which waits for the predecessor's completion and memory.
+    Decided once per device (the environment is read once)."""
+    return t.is_cuda and _pdl_possible(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2
+from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, pdl
 from minivllm.kernels.rms_norm import MAX_HIDDEN, weighted_rms_norm_row
 
 MAX_PROGRAMS = 256  # flags per peer; the grid is at most this many programs
@@ -101,7 +101,10 @@ def _all_reduce_add_rms_norm_kernel(
     N: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     MAX_PROGRAMS: tl.constexpr, SYNC: tl.constexpr,
     COPY: tl.constexpr,                   # False: x already is this rank's buffer at buf_offset
+    SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch (_launch.pdl): let the next kernel start
 ):
+    if SIGNAL_NEXT:  # the next GEMV may stream its weights while this one waits on its peers
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
@@ -192,7 +195,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         _all_reduce_add_rms_norm_kernel[(min(t, MAX_PROGRAMS),)](
             x, buf_ptrs, buf_offset, pad_ptrs, residual, weight, out, res_out, t, float(eps),
             N=n, BLOCK_N=block, RANK=rank, WORLD=world_size, MAX_PROGRAMS=MAX_PROGRAMS, SYNC=sync,
-            COPY=not in_place,
+            COPY=not in_place, SIGNAL_NEXT=pdl(x),
             num_warps=max(1, min(16, block // 256)),
         )
     return out, res_out

@@ -30,6 +30,14 @@ end (W tiles still pipelined by ``cp.async``, through ``tl.range``; less shared 
 There is no split of K, so the caller uses this kernel only where ``cdiv(N, BLOCK_N)``
 programs are enough (:func:`gemv_takes`).
 
+With ``GemvConfig.prefetch`` each program loads its first W tile before anything that a
+previous kernel writes (the same sums, in the same order). That pays with programmatic
+dependent launch (``_launch.pdl``: Hopper, ``MINIVLLM_PDL=1``; opt-in, not yet timed):
+the kernel is then launched with ``launch_pdl``, may start while the kernel before it
+(an RMSNorm, the attention merge, SiLU-and-mul, which signal early) still runs, streams
+its first tile meanwhile, and waits (``griddepcontrol.wait``) before reading x or
+writing y. A batch-1 GEMV of a few MB spends about as long ramping up as streaming.
+
 Default tiles (:func:`default_config`), from ``python3 -m benchmarks.gemv`` on one H200
 (BENCHMARKS.md, eighth session; L2 flushed, in CUDA graphs; ratios of cuBLAS's time over
 the 12 decode GEMMs of Qwen3-0.6B, Qwen3-8B and 8B at TP=2): one row takes the CUDA-core
@@ -43,6 +51,8 @@ Torch reference: ``torch.nn.functional.linear``.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +60,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device,
+    PDL_ENV, TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, pdl,
     tma_rows_allowed, upcast_dot,
 )
 
@@ -71,6 +81,7 @@ class GemvConfig:
     min_programs: int = 32    # fewer programs than this: cuBLAS instead (N = 1024 at 32 x 256 still won)
     tma: bool = False         # W tiles by tensor-memory copy (Hopper+; the interpreter emulates it)
     one_row: bool = False     # one row: CUDA-core products, no tensor cores (see the module doc)
+    prefetch: bool = False    # first W tile before the wait for the previous kernel (module doc: PDL)
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, minimum=16)
@@ -80,18 +91,21 @@ class GemvConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.min_programs < 1:
             raise ValueError(f"min_programs must be >= 1, got {self.min_programs}")
-        for name in ("tma", "one_row"):
+        for name in ("tma", "one_row", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 ONE_ROW_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, one_row=True)
 FEW_ROWS_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+_PREFETCHING = {c: dataclasses.replace(c, prefetch=True) for c in (ONE_ROW_CONFIG, FEW_ROWS_CONFIG)}
 
 
 def default_config(rows: int) -> GemvConfig:
-    """The measured tiles for ``rows`` rows of x (see the module doc)."""
-    return ONE_ROW_CONFIG if rows == 1 else FEW_ROWS_CONFIG
+    """The measured tiles for ``rows`` rows of x (see the module doc); with
+    ``MINIVLLM_PDL=1``, their ``prefetch`` variant (untimed)."""
+    config = ONE_ROW_CONFIG if rows == 1 else FEW_ROWS_CONFIG
+    return _PREFETCHING[config] if os.environ.get(PDL_ENV) == "1" else config
 
 
 @triton.jit
@@ -109,9 +123,12 @@ def _gemv_kernel(
     USE_TMA: tl.constexpr,
     ONE_ROW: tl.constexpr,       # M == 1 on CUDA cores (GemvConfig.one_row)
     NUM_STAGES: tl.constexpr,    # ONE_ROW: loads in flight (tl.range pipelining)
+    PREFETCH: tl.constexpr,      # the first W tile is loaded before anything else (GemvConfig.prefetch)
+    PDL: tl.constexpr,           # launched with launch_pdl: wait for the previous kernel after that load
 ):
     if ONE_ROW:
-        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
+                 PREFETCH, PDL)
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
     rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
@@ -121,19 +138,16 @@ def _gemv_kernel(
     col_ok = cols < N
     row_ok = rows < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        if USE_TMA:
-            w = w_desc.load([tl.program_id(0) * BLOCK_N, k0])        # (BLOCK_N, BLOCK_K)
-        elif EVEN_N and EVEN_K:
-            w = tl.load(w_rows + k[None, :])                          # (BLOCK_N, BLOCK_K)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        if UPCAST_DOT:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc)                             # (BLOCK_N, BLOCK_M)
+    k_start = 0
+    if PREFETCH:  # W does not depend on the previous kernel: its first tile is read before the wait
+        w = _w_tile(w_rows, w_desc, 0, offs_k, col_ok, K, USE_TMA, EVEN_N, EVEN_K, BLOCK_N)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        acc = _tile_dot(w, x_rows, offs_k, row_ok, K, acc, UPCAST_DOT)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        w = _w_tile(w_rows, w_desc, k0, k0 + offs_k, col_ok, K, USE_TMA, EVEN_N, EVEN_K, BLOCK_N)
+        acc = _tile_dot(w, x_rows, k0 + offs_k, row_ok, K, acc, UPCAST_DOT)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     out = y_ptr + rows[None, :].to(tl.int64) * N + cols[:, None]      # y[m, n] at (n, m)
@@ -141,27 +155,62 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _w_tile(w_rows, w_desc, k0, k, col_ok, K, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """This program's (BLOCK_N, BLOCK_K) tile of W at columns ``k`` (starting at ``k0``)."""
+    if USE_TMA:
+        w = w_desc.load([tl.program_id(0) * BLOCK_N, k0])
+    elif EVEN_N and EVEN_K:
+        w = tl.load(w_rows + k[None, :])
+    else:
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _tile_dot(w, x_rows, k, row_ok, K, acc, UPCAST_DOT: tl.constexpr):
+    """``acc + w @ x[:, k]^T`` for x's (padded) rows at columns ``k``."""
+    x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+    if UPCAST_DOT:
+        w = w.to(tl.float32)
+        x = x.to(tl.float32)
+    return tl.dot(w, tl.trans(x), acc)                                # (BLOCK_N, BLOCK_M)
+
+
+@triton.jit
 def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+             EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+             PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """y[0, cols] for one row of x: fp32 products summed over K at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
     col_ok = cols < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + offs_k
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_rows + k[None, :])
-            x = tl.load(x_ptr + k)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    k_start = 0
+    if PREFETCH:  # as in _gemv_kernel
+        w = _w_tile(w_rows, w_rows, 0, offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        acc = _row_product(w, x_ptr, offs_k, K, acc, EVEN_K)
+        k_start = BLOCK_K
+    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
+        w = _w_tile(w_rows, w_rows, k0, k0 + offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
+        acc = _row_product(w, x_ptr, k0 + offs_k, K, acc, EVEN_K)
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _row_product(w, x_ptr, k, K, acc, EVEN_K: tl.constexpr):
+    """``acc + w * x[k]`` (fp32 products, summed over K by the caller at the end)."""
+    if EVEN_K:
+        x = tl.load(x_ptr + k)
+    else:
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> bool:
@@ -217,12 +266,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     one_row = config.one_row and x.shape[0] == 1
     use_tma = config.tma and not one_row and tma_allowed(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
+    use_pdl = config.prefetch and pdl(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, w_desc, bias if bias is not None else weight, y, x.shape[0], n, k, x.stride(0),
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
-        USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages, PREFETCH=config.prefetch, PDL=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 

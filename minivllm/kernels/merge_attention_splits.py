@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2,
+    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2, pdl,
 )
 
 
@@ -57,7 +57,10 @@ def _merge_splits_kernel(
     num_splits,
     stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    SIGNAL_NEXT: tl.constexpr,    # programmatic dependent launch (_launch.pdl): let the next kernel start
 ):
+    if SIGNAL_NEXT:
+        tl.extra.cuda.gdc_launch_dependents()
     head = tl.program_id(0)
     seq = tl.program_id(1)
     merge_head_splits(part_out_ptr, part_lse_ptr, out_ptr + seq * stride_ob + head * stride_oh,
@@ -95,7 +98,7 @@ def merge_attention_splits(
         return
     _merge_splits_kernel[(num_heads, batch)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=next_pow2(num_splits),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=next_pow2(num_splits), SIGNAL_NEXT=pdl(out),
         num_warps=4 if num_splits * head_dim >= 2048 else 2,
     )
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2
+from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, pdl
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384
@@ -50,7 +50,10 @@ def _rms_norm_kernel(
     stride_x, stride_r,                   # row strides of x and residual (last dim contiguous)
     eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch (_launch.pdl): let the next kernel start
 ):
+    if SIGNAL_NEXT:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -88,7 +91,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         block = next_pow2(n)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight, out, res_out, rows.stride(0), res_rows.stride(0), float(eps),
-            N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None,
+            N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None, SIGNAL_NEXT=pdl(x),
             num_warps=max(1, min(16, block // 256)),
         )
     return out if residual is None else (out, res_out)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, next_pow2
+from minivllm.kernels._launch import check_dtype, next_pow2, pdl
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -29,7 +29,10 @@ def _silu_and_mul_kernel(
     out_ptr,                              # (T, I) contiguous
     stride_x,
     I: tl.constexpr, BLOCK: tl.constexpr,
+    SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch (_launch.pdl): let the next kernel start
 ):
+    if SIGNAL_NEXT:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -56,5 +59,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] and inner:
         block = min(1024, next_pow2(inner))
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inner, block))](
-            rows, out, rows.stride(0), I=inner, BLOCK=block, num_warps=4 if block >= 512 else 1)
+            rows, out, rows.stride(0), I=inner, BLOCK=block, SIGNAL_NEXT=pdl(x), num_warps=4 if block >= 512 else 1)
     return out
