@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: test sim demo test-gpu bench serve-deps-offline clean
+.PHONY: test sim demo test-gpu bench bench-tp serve-deps-offline clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -74,6 +74,14 @@ bench: serve-deps-offline
 	if [ -f benchmarks/sampler.py ]; then run benchmarks.sampler; fi; \
 	run benchmarks.gemv $(if $(BENCH_QUICK),--quick); \
 	exit $$rc
+
+# Needs two CUDA devices: Qwen3-8B shapes (random bf16 weights, written once to $(CK8)),
+# TP=1 and TP=2 in alternating pairs, one process per run (benchmarks/tp_scaling.py):
+# issue 8's throughput and batch-1 ratios beside their goals.
+CK8 ?= /tmp/minivllm-qwen3-8b
+bench-tp:
+	PYTHONPATH=. python3 -c 'from benchmarks.qwen3_shapes import write_random_checkpoint as w; w("$(CK8)", "qwen3-8b")'
+	PYTHONPATH=. python3 -m benchmarks.tp_scaling --pairs $(or $(TP_PAIRS),2) --shapes qwen3-8b --model-dir $(CK8)
 
 # The GPU machine has no network: install the server's packages from wheels carried in
 # .wheels/ (downloaded where there is network; README "Serving"). A no-op when present.
