@@ -108,6 +108,10 @@ class PrefillConfig:
 # Short chunks keep pointer loads: the one short-chunk shape timed with TMA and blocks of
 # 64 (32 chunks of 64 tokens over 960 cached) ran at 155 TFLOP/s, where pointer loads and
 # blocks of 16 had run it at 267; which of the two changes cost it is not yet measured.
+# Eighth session, timed from CUDA-graph replays (`--timing graph`, now the default), the
+# defaults as above: 16 x 1024 290 TFLOP/s (65% of SDPA, as under do_bench: the gap is in
+# the kernel), 4 x 4096 476 (81%), 32 x 64 over 960 cached (pointer loads) 220 (155%;
+# 173 under do_bench: the launch's host time was that shape's loss).
 CONFIG_TABLE: tuple[tuple[bool, int, int, PrefillConfig], ...] = (
     (False, 128, 128, PrefillConfig(64, 64, num_warps=4, num_stages=3)),
     (False, 128, 0, PrefillConfig(64, 64, num_warps=4, num_stages=3, tma=False)),
