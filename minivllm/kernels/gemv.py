@@ -35,8 +35,11 @@ previous kernel writes (the same sums, in the same order). That pays with progra
 dependent launch (``_launch.pdl``: Hopper, ``MINIVLLM_PDL=1``; opt-in, not yet timed):
 the kernel is then launched with ``launch_pdl``, may start while the kernel before it
 (an RMSNorm, the attention merge, SiLU-and-mul, which signal early) still runs, streams
-its first tile meanwhile, and waits (``griddepcontrol.wait``) before reading x or
-writing y. A batch-1 GEMV of a few MB spends about as long ramping up as streaming.
+its first tile meanwhile (and asks L2 for up to ``L2_PREFETCH_BYTES`` of W, from
+column 0), and waits (``griddepcontrol.wait``) before reading x or writing y. A batch-1
+GEMV of a few MB spends about as long ramping up as streaming, and under tensor
+parallelism the kernel before the qkv and gate_up GEMVs is the all-reduce, which waits
+several microseconds on its peers.
 
 Default tiles (:func:`default_config`), from ``python3 -m benchmarks.gemv`` on one H200
 (BENCHMARKS.md, eighth session; L2 flushed, in CUDA graphs; ratios of cuBLAS's time over
@@ -66,6 +69,10 @@ from minivllm.kernels._launch import (
 
 
 MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
+# With PDL, how much of W the programs ask L2 for before the previous kernel ends: half
+# the H200's 50 MB L2 (a larger W has its first columns prefetched, which all programs
+# read first).
+L2_PREFETCH_BYTES = 24 << 20
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -117,6 +124,7 @@ def _gemv_kernel(
     y_ptr,                       # (M, N) contiguous
     M, N, K,
     stride_xm,
+    l2_end,                      # PDL: W columns [0, l2_end) of this program's rows are prefetched into L2
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,    # CPU interpreter + bf16: see _launch.upcast_dot
@@ -127,8 +135,8 @@ def _gemv_kernel(
     PDL: tl.constexpr,           # launched with launch_pdl: wait for the previous kernel after that load
 ):
     if ONE_ROW:
-        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
-                 PREFETCH, PDL)
+        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
+                 NUM_STAGES, PREFETCH, PDL)
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
     rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
@@ -139,7 +147,9 @@ def _gemv_kernel(
     row_ok = rows < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_start = 0
-    if PREFETCH:  # W does not depend on the previous kernel: its first tile is read before the wait
+    if PREFETCH:  # W does not depend on the previous kernel: read it before the wait
+        if PDL:
+            _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N)
         w = _w_tile(w_rows, w_desc, 0, offs_k, col_ok, K, USE_TMA, EVEN_N, EVEN_K, BLOCK_N)
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -178,7 +188,22 @@ def _tile_dot(w, x_rows, k, row_ok, K, acc, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+def _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N: tl.constexpr):
+    """Ask L2 for columns [0, l2_end) of this program's W rows, one ``prefetch`` per
+    128-byte line (64 16-bit values), kept with evict_last. A GPU-only hint (inline PTX):
+    it reads no value and changes no result; rows and columns are clamped inside W."""
+    LINES: tl.constexpr = 16
+    rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+    lines = tl.arange(0, LINES) * 64
+    for k0 in range(0, l2_end, LINES * 64):
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [w_rows + tl.minimum(k0 + lines, K - 1)[None, :]],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
              EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
              PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """y[0, cols] for one row of x: fp32 products summed over K at the end."""
@@ -189,6 +214,8 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, EVEN_N
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     k_start = 0
     if PREFETCH:  # as in _gemv_kernel
+        if PDL:
+            _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N)
         w = _w_tile(w_rows, w_rows, 0, offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -269,6 +296,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     use_pdl = config.prefetch and pdl(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, w_desc, bias if bias is not None else weight, y, x.shape[0], n, k, x.stride(0),
+        min(k, max(64, L2_PREFETCH_BYTES // (n * weight.element_size()))) if use_pdl else 0,
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
         USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages, PREFETCH=config.prefetch, PDL=use_pdl,
