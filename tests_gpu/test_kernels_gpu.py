@@ -418,3 +418,50 @@ def test_gemv_against_f_linear_in_a_cuda_graph(rows: int, n: int, k: int, bias: 
     x.copy_(torch.randn(rows, k, generator=gen, device=DEVICE).bfloat16())
     graph.replay()
     torch.testing.assert_close(out, gemv(x, w, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) -> None:
+    """``MINIVLLM_PDL=1``: RMSNorm (signalling early) -> GEMV (launched with launch_pdl,
+    streaming W before its wait) -> SiLU-and-mul -> GEMV, captured in a CUDA graph and
+    replayed on new inputs, gives exactly the bits of the plain launches (the same sums;
+    a GEMV reading x before RMSNorm finished would not). Skipped where PDL is not
+    possible (pre-Hopper, or a triton without launch_pdl)."""
+    from minivllm.kernels import _launch
+    from minivllm.kernels.gemv import gemv
+    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.kernels.silu_and_mul import silu_and_mul
+
+    gen = torch.Generator(device=DEVICE).manual_seed(rows)
+    h, inter = 1024, 3072
+    x = torch.randn(rows, h, generator=gen, device=DEVICE).bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(h, generator=gen, device=DEVICE)).bfloat16()
+    w_up = (torch.randn(2 * inter, h, generator=gen, device=DEVICE) / h ** 0.5).bfloat16()
+    w_down = (torch.randn(h, inter, generator=gen, device=DEVICE) / inter ** 0.5).bfloat16()
+
+    def chain(inp: torch.Tensor) -> torch.Tensor:
+        return gemv(silu_and_mul(gemv(rms_norm(inp, norm_w, 1e-6), w_up)), w_down)
+
+    monkeypatch.delenv(_launch.PDL_ENV, raising=False)
+    _launch._pdl_possible.cache_clear()
+    plain_first = chain(x)
+    x2 = torch.randn(rows, h, generator=gen, device=DEVICE).bfloat16()
+    plain_second = chain(x2)
+    monkeypatch.setenv(_launch.PDL_ENV, "1")
+    _launch._pdl_possible.cache_clear()
+    try:
+        if not _launch.pdl(x):
+            pytest.skip("programmatic dependent launch is not possible here")
+        assert torch.equal(chain(x), plain_first)  # eager, with PDL
+        static = x.clone()
+        chain(static)  # compile every variant before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static)
+        static.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain_second)
+    finally:
+        monkeypatch.delenv(_launch.PDL_ENV, raising=False)
+        _launch._pdl_possible.cache_clear()
