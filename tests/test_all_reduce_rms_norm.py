@@ -193,3 +193,32 @@ def test_the_path_alternates_halves_and_knows_a_gemm_wrote_in_place(monkeypatch)
         assert path.fused_slot(shape, dtype) is None, (shape, dtype)
         assert not ar.defers_to_norm(torch.zeros(shape, dtype=dtype)), (shape, dtype)
     assert not ar.defers_to_norm(torch.zeros(8, 4, dtype=torch.bfloat16).t())  # not contiguous
+
+
+def test_a_forward_refuses_halves_out_of_step(monkeypatch) -> None:
+    """Every model forward starts by checking that the fused path is on its first half
+    (an even number of fused calls a forward); on the second it raises instead of racing.
+    The check runs in the decoder's forward (the tiny fixture model, one step)."""
+    from minivllm.layers import all_reduce as ar
+
+    path = object.__new__(ar.SymmMemAllReduce)
+    path.fuses_norm, path._half = True, 1
+    monkeypatch.setattr(ar, "_installed", path)
+    with pytest.raises(RuntimeError, match="out of step"):
+        ar.check_forward_start()
+    path._half = 0
+    ar.check_forward_start()
+    monkeypatch.setattr(ar, "_installed", None)
+
+    import os
+
+    from model_utils import make_model_executor, make_plan
+
+    calls = []
+    real = ar.check_forward_start
+    monkeypatch.setattr(ar, "check_forward_start", lambda: (calls.append(1), real())[1])
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
+    ex = make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             device="cpu", attention_backend="torch")
+    ex.compute_logits(make_plan([([5, 9, 11], 0, (0,), True)], 16))
+    assert calls == [1]

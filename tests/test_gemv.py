@@ -144,16 +144,22 @@ def test_prefetch_gives_the_same_bits(one_row: bool, tma: bool, k: int) -> None:
 def test_pdl_is_opt_in_and_gpu_only(monkeypatch) -> None:
     """``MINIVLLM_PDL=1`` switches the default tiles to their prefetching variant; the
     launch itself stays plain off Hopper GPUs (here: the CPU)."""
-    from minivllm.kernels._launch import PDL_ENV, pdl
+    from minivllm.kernels._launch import PDL_ENV, pdl, pdl_requested
 
     monkeypatch.delenv(PDL_ENV, raising=False)
+    pdl_requested.cache_clear()
     assert not default_config(1).prefetch and not default_config(4).prefetch
     monkeypatch.setenv(PDL_ENV, "1")
+    pdl_requested.cache_clear()
     assert default_config(1) == dataclasses.replace(ONE_ROW_CONFIG, prefetch=True)
     assert default_config(4) == dataclasses.replace(FEW_ROWS_CONFIG, prefetch=True)
     assert not pdl(torch.zeros(1))
     x, w, b = operands(1, 16 * 32, 64, torch.bfloat16, False)
-    expect_linear(gemv(x, w), x, w, None)  # the prefetching default, launched plainly
+    try:
+        expect_linear(gemv(x, w), x, w, None)  # the prefetching default, launched plainly
+    finally:
+        monkeypatch.delenv(PDL_ENV)
+        pdl_requested.cache_clear()
 
 
 def test_strided_rows_of_x() -> None:

@@ -443,11 +443,13 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) 
         return gemv(silu_and_mul(gemv(rms_norm(inp, norm_w, 1e-6), w_up)), w_down)
 
     monkeypatch.delenv(_launch.PDL_ENV, raising=False)
+    _launch.pdl_requested.cache_clear()
     _launch._pdl_possible.cache_clear()
     plain_first = chain(x)
     x2 = torch.randn(rows, h, generator=gen, device=DEVICE).bfloat16()
     plain_second = chain(x2)
     monkeypatch.setenv(_launch.PDL_ENV, "1")
+    _launch.pdl_requested.cache_clear()
     _launch._pdl_possible.cache_clear()
     try:
         if not _launch.pdl(x):
@@ -464,4 +466,5 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) 
         assert torch.equal(out, plain_second)
     finally:
         monkeypatch.delenv(_launch.PDL_ENV, raising=False)
+        _launch.pdl_requested.cache_clear()
         _launch._pdl_possible.cache_clear()

@@ -21,8 +21,14 @@ PDL_ENV = "MINIVLLM_PDL"  # "1": programmatic dependent launch where it is possi
 
 
 @functools.lru_cache(maxsize=None)
+def pdl_requested() -> bool:
+    """``MINIVLLM_PDL=1`` (read once; tests clear the cache)."""
+    return os.environ.get(PDL_ENV) == "1"
+
+
+@functools.lru_cache(maxsize=None)
 def _pdl_possible(device_index: int) -> bool:
-    if os.environ.get(PDL_ENV) != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not pdl_requested() or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -39,6 +45,9 @@ def pdl(t: torch.Tensor) -> bool:
     its start, and a kernel launched with ``launch_pdl`` may start before its
     predecessor ends: it reads only what no kernel writes (weights) before its
     ``griddepcontrol.wait``, which waits for the predecessor's completion and memory.
+    The contract: weights are never written by the kernel just before such a launch (they
+    are loaded before any step, with synchronisations between), and a kernel whose
+    correctness rests on stream order (the fused all-reduce) is never launched this way.
     Decided once per device (the environment is read once)."""
     return t.is_cuda and _pdl_possible(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

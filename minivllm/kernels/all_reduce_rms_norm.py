@@ -30,7 +30,9 @@ halves of the buffer in turn (``buf_offset``, chosen by the caller), and that is
 enough: when a rank starts anything after call k+1, its call k+1 kernel has finished,
 so every program of it passed the barrier, so every peer had started call k+1, so
 every peer's call k (the last reader of the half that call k+2 writes) had finished
-(kernels of one stream run in order). Without the second barrier a peer can signal
+(kernels of one stream run in order: so this kernel must never be launched with
+programmatic dependent launch, which would let call k+1 start before call k ends; it
+only lets the kernel after it start early, ``SIGNAL_NEXT``). Without the second barrier a peer can signal
 call k+1 before this rank has seen call k's signal, hence "the epoch or a later one"
 (wrap-safe: the int32 difference); it cannot get further, as its call k+2 waits for
 this rank. (Measured history: the first version swapped flags 0 -> 1 -> 0 with

@@ -55,7 +55,6 @@ Torch reference: ``torch.nn.functional.linear``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +62,8 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    PDL_ENV, TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, pdl,
-    tma_rows_allowed, upcast_dot,
+    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, pdl,
+    pdl_requested, tma_rows_allowed, upcast_dot,
 )
 
 
@@ -112,7 +111,7 @@ def default_config(rows: int) -> GemvConfig:
     """The measured tiles for ``rows`` rows of x (see the module doc); with
     ``MINIVLLM_PDL=1``, their ``prefetch`` variant (untimed)."""
     config = ONE_ROW_CONFIG if rows == 1 else FEW_ROWS_CONFIG
-    return _PREFETCHING[config] if os.environ.get(PDL_ENV) == "1" else config
+    return _PREFETCHING[config] if pdl_requested() else config
 
 
 @triton.jit
@@ -191,14 +190,15 @@ def _tile_dot(w, x_rows, k, row_ok, K, acc, UPCAST_DOT: tl.constexpr):
 def _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N: tl.constexpr):
     """Ask L2 for columns [0, l2_end) of this program's W rows, one ``prefetch`` per
     128-byte line (64 16-bit values), kept with evict_last. A GPU-only hint (inline PTX):
-    it reads no value and changes no result; rows and columns are clamped inside W."""
+    it reads no value and changes no result. Rows are clamped inside W, columns inside
+    [0, l2_end) (the caller keeps l2_end <= K), so the last step asks for no more."""
     LINES: tl.constexpr = 16
     rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     lines = tl.arange(0, LINES) * 64
     for k0 in range(0, l2_end, LINES * 64):
         tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [w_rows + tl.minimum(k0 + lines, K - 1)[None, :]],
+                                  [w_rows + tl.minimum(k0 + lines, l2_end - 1)[None, :]],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 

@@ -226,6 +226,24 @@ def output_slot(shape: tuple[int, ...], dtype: torch.dtype, into_norm: bool = Fa
     return fast.slot_for(shape, dtype)
 
 
+def check_forward_start() -> None:
+    """Called as every model forward starts (eager, or captured into a CUDA graph): the
+    fused path must be on the first of its buffer halves, which holds while every forward
+    makes an even number of fused calls (two a decoder layer). Graphs captured at
+    different parities could otherwise run one half twice in a row, a silent race
+    (``SymmMemAllReduce.add_rms_norm``).
+
+    Raises:
+        RuntimeError: the halves are out of step (an earlier forward stopped part-way, or
+            made an odd number of fused calls).
+    """
+    fast = _installed
+    if fast is not None and fast.fuses_norm and fast._half != 0:
+        raise RuntimeError("the fused all-reduce's buffer halves are out of step at the start of a forward "
+                           "(an earlier forward stopped part-way, or made an odd number of fused calls); "
+                           "the tensor-parallel engine must be restarted")
+
+
 def defers_to_norm(x: torch.Tensor) -> bool:
     """Whether a row-parallel output ``x`` that feeds a residual add + RMSNorm leaves its
     all-reduce to that norm (the fused kernel is installed and takes ``x``). The layer

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
+from minivllm.layers import all_reduce
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention, AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -214,6 +215,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
+        all_reduce.check_forward_start()
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
