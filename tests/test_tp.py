@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -62,6 +63,27 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "State:\tZ" not in state
+
+
+def wait_for_exits(pids: list[int], timeout_s: float) -> None:
+    """Wait until every process in ``pids`` has ended or ``timeout_s`` passes: each one's
+    pidfd becomes readable when it terminates (an event, also for a process that is not
+    our child)."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:  # already gone
+            pass
+    deadline = time.monotonic() + timeout_s
+    try:
+        pending = list(fds)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(pending, [], [], left)
+            pending = [fd for fd in pending if fd not in ready]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def worker_pids(llm: LLM) -> list[int]:
@@ -216,9 +238,7 @@ def test_no_worker_outlives_the_driver(random_model: str, tmp_path: Path, ending
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 10  # the driver has exited; its workers are being ended
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)  # no event to wait on for another process's exit: poll with a deadline
+    wait_for_exits(pids, 10)  # the driver has exited; its workers are being ended
     assert not any(alive(p) for p in pids), f"worker(s) left behind after {ending}"
 
 

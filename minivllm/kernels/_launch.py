@@ -88,6 +88,20 @@ def check_power_of_two(name: str, value: int, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
 
 
+def check_tile_config(config: object, tiles: tuple[str, ...], flags: tuple[str, ...] = ()) -> None:
+    """The rules every kernel config shares (ValueError naming the field): each of ``tiles``
+    a power of two >= 16 (``tl.dot``'s minimum), ``num_warps`` a power of two,
+    ``num_stages`` >= 1, each of ``flags`` a bool."""
+    for name in tiles:
+        check_power_of_two(name, getattr(config, name), minimum=16)
+    check_power_of_two("num_warps", getattr(config, "num_warps"))
+    if getattr(config, "num_stages") < 1:
+        raise ValueError(f"num_stages must be >= 1, got {getattr(config, 'num_stages')}")
+    for name in flags:
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(config, name)!r}")
+
+
 def upcast_dot(q: torch.Tensor) -> bool:
     """Whether a kernel must feed ``tl.dot`` fp32 operands instead of q's dtype.
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    LOG2E, check_attention_args, check_host_int, check_power_of_two, next_pow2, upcast_dot,
+    LOG2E, check_attention_args, check_host_int, check_tile_config, next_pow2, upcast_dot,
 )
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
 from minivllm.kernels.merge_attention_splits import merge_attention_splits, merge_head_splits
@@ -62,12 +62,7 @@ class DecodeConfig:
     fused_merge: bool = False
 
     def __post_init__(self) -> None:
-        check_power_of_two("block_n", self.block_n, minimum=16)
-        check_power_of_two("num_warps", self.num_warps)
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        if not isinstance(self.fused_merge, bool):
-            raise ValueError(f"fused_merge must be a bool, got {self.fused_merge!r}")
+        check_tile_config(self, ("block_n",), ("fused_merge",))
 
 
 @triton.jit

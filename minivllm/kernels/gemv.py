@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, pdl,
+    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config, pdl,
     pdl_requested, tma_rows_allowed, upcast_dot,
 )
 
@@ -90,16 +90,9 @@ class GemvConfig:
     prefetch: bool = False    # first W tile before the wait for the previous kernel (module doc: PDL)
 
     def __post_init__(self) -> None:
-        check_power_of_two("block_n", self.block_n, minimum=16)
-        check_power_of_two("block_k", self.block_k, minimum=16)
-        check_power_of_two("num_warps", self.num_warps)
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        check_tile_config(self, ("block_n", "block_k"), ("tma", "one_row", "prefetch"))
         if self.min_programs < 1:
             raise ValueError(f"min_programs must be >= 1, got {self.min_programs}")
-        for name in ("tma", "one_row", "prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 ONE_ROW_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, one_row=True)

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_power_of_two,
+    LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_tile_config,
     check_same_device, next_pow2, tma_rows_allowed, upcast_dot,
 )
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
@@ -75,14 +75,7 @@ class PrefillConfig:
     tma: bool = True          # unmasked K/V tiles by tensor-memory copy where allowed (see tma_allowed)
 
     def __post_init__(self) -> None:
-        check_power_of_two("block_m", self.block_m, minimum=16)
-        check_power_of_two("block_n", self.block_n, minimum=16)
-        check_power_of_two("num_warps", self.num_warps)
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        for name in ("heavy_first", "tma"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_tile_config(self, ("block_m", "block_n"), ("heavy_first", "tma"))
 
 
 # Default configs, first matching row wins: (fp32?, head_dim <=, max_q_len >=, config).
