@@ -141,6 +141,29 @@ def test_prefetch_gives_the_same_bits(one_row: bool, tma: bool, k: int) -> None:
     assert torch.equal(y, gemv(x, w, b, plain))
 
 
+@pytest.mark.parametrize("m,one_row,tma", [(1, True, False), (1, False, False), (5, False, False), (5, False, True)])
+@pytest.mark.parametrize("k", [64, 100])
+def test_gated_input_is_the_silu_and_mul_kernel_s_output(m: int, one_row: bool, tma: bool, k: int) -> None:
+    """``gated``: x = [gate | up] and the input silu(gate) * up, computed inside: the same bits
+    as the SiLU-and-mul kernel followed by the plain GEMV (each path, K a whole number of
+    steps and with a tail, the padding rows of the tensor-core path included)."""
+    from minivllm.kernels.silu_and_mul import silu_and_mul
+
+    gen = torch.Generator().manual_seed(k + m)
+    x = (2 * torch.randn(m, 2 * k, generator=gen)).to(torch.bfloat16)
+    _, w, b = operands(m, 48, k, torch.bfloat16, True, seed=k)
+    config = GemvConfig(block_k=32, min_programs=1, one_row=one_row, tma=tma)
+    y = gemv(x, w, b, config, gated=True)
+    assert torch.equal(y, gemv(silu_and_mul(x), w, b, config))
+    expect_linear(y, silu_and_mul(x), w, b)
+    assert gemv_takes(x, w, config, gated=True) and not gemv_takes(x, w, config)
+    assert not gemv_takes(x[:, :k], w, config, gated=True)
+    with pytest.raises(ValueError, match="odd width"):
+        gemv(x[:, :2 * k - 1], w, config=config, gated=True)
+    with pytest.raises(ValueError, match="weight"):
+        gemv(x[:, :k], w, config=config, gated=True)
+
+
 def test_pdl_is_opt_in_and_gpu_only(monkeypatch) -> None:
     """``MINIVLLM_PDL=1`` switches the default tiles to their prefetching variant; the
     launch itself stays plain off Hopper GPUs (here: the CPU)."""
@@ -201,9 +224,9 @@ def test_layers_take_the_kernel_for_few_rows_only(monkeypatch) -> None:
     layer passes no bias to it (its bias is added after the reduction)."""
     calls: list[tuple[int, bool]] = []
     real = linear_mod.gemv
-    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b, out=None: (calls.append((x.shape[0], b is not None)),
-                                                                           real(x, w, b, ANY, out=out))[1])
-    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w: gemv_takes(x, w, ANY))
+    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b, out=None, gated=False: (
+        calls.append((x.shape[0], b is not None)), real(x, w, b, ANY, out=out, gated=gated))[1])
+    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False: gemv_takes(x, w, ANY, gated=gated))
     torch.manual_seed(0)
     gate_up = MergedColumnParallelLinear(32, [48, 48], bias=False).to(torch.bfloat16)
     down = RowParallelLinear(48, 32, bias=True).to(torch.bfloat16)
@@ -232,17 +255,17 @@ def test_executor_config_switches_the_model_s_layers(monkeypatch) -> None:
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
     calls = []
     real = linear_mod.gemv
-    monkeypatch.setattr(linear_mod, "gemv",
-                        lambda x, w, b, out=None: (calls.append(x.shape[0]), real(x, w, b, ANY, out=out))[1])
-    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w: gemv_takes(x, w, ANY))
+    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b, out=None, gated=False: (
+        calls.append((x.shape[0], gated)), real(x, w, b, ANY, out=out, gated=gated))[1])
+    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False: gemv_takes(x, w, ANY, gated=gated))
     plan = make_plan([([5, 9, 11], 0, (0,), True), ([7, 3], 0, (1,), True), ([42], 0, (2,), True)], 16)
     logits = {}
     for on in (False, True):
         ex = make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64,
                                  device="cpu", dtype="bfloat16", attention_backend="torch", gemv=on)
         logits[on] = ex.compute_logits(plan).float()
-    assert calls and set(calls) == {6}  # 3 layers x (qkv, o, gate_up, down), 6 tokens each
-    assert len(calls) == 3 * 4
+    # 3 layers x (qkv, o, gate_up, down), 6 tokens each; down takes [gate | up] (gated)
+    assert calls == [(6, False), (6, False), (6, False), (6, True)] * 3
     rel = (logits[True] - logits[False]).norm() / logits[False].norm()
     assert rel < 2e-2, rel
 

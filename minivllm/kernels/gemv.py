@@ -27,6 +27,10 @@ rows: each program keeps a (BLOCK_N, BLOCK_K) fp32 tile of products and sums it 
 end (W tiles still pipelined by ``cp.async``, through ``tl.range``; less shared memory:
 26 KB at 16 x 256, 4 stages). Its sums run in another order than the tensor-core path's.
 
+With ``gated`` the input is ``silu(gate) * up`` of x = [gate | up], computed from x as the W
+tiles stream (the SiLU-and-mul kernel's ``gated_silu``, so the same bits): the MLP's down
+projection at batch <= 16 runs without a launch for its activation.
+
 There is no split of K, so the caller uses this kernel only where ``cdiv(N, BLOCK_N)``
 programs are enough (:func:`gemv_takes`).
 
@@ -65,6 +69,7 @@ from minivllm.kernels._launch import (
     TensorDescriptor, check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config, pdl,
     pdl_requested, tma_rows_allowed, upcast_dot,
 )
+from minivllm.kernels.silu_and_mul import gated_silu
 
 
 MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
@@ -109,7 +114,7 @@ def default_config(rows: int) -> GemvConfig:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,                       # (M, K), last dim contiguous
+    x_ptr,                       # (M, K), last dim contiguous; GATED: (M, 2K) = [gate | up]
     w_ptr,                       # (N, K) contiguous
     w_desc,                      # USE_TMA: descriptor of W with (BLOCK_N, BLOCK_K) boxes; else unread
     bias_ptr,                    # (N,) (read only if HAS_BIAS)
@@ -125,10 +130,11 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,    # ONE_ROW: loads in flight (tl.range pipelining)
     PREFETCH: tl.constexpr,      # the first W tile is loaded before anything else (GemvConfig.prefetch)
     PDL: tl.constexpr,           # launched with launch_pdl: wait for the previous kernel after that load
+    GATED: tl.constexpr,         # the input is silu(gate) * up of x = [gate | up] (see gemv's ``gated``)
 ):
     if ONE_ROW:
         _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
-                 NUM_STAGES, PREFETCH, PDL)
+                 NUM_STAGES, PREFETCH, PDL, GATED)
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
     rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
@@ -145,11 +151,11 @@ def _gemv_kernel(
         w = _w_tile(w_rows, w_desc, 0, offs_k, col_ok, K, USE_TMA, EVEN_N, EVEN_K, BLOCK_N)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        acc = _tile_dot(w, x_rows, offs_k, row_ok, K, acc, UPCAST_DOT)
+        acc = _tile_dot(w, x_rows, offs_k, row_ok, K, acc, UPCAST_DOT, GATED)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         w = _w_tile(w_rows, w_desc, k0, k0 + offs_k, col_ok, K, USE_TMA, EVEN_N, EVEN_K, BLOCK_N)
-        acc = _tile_dot(w, x_rows, k0 + offs_k, row_ok, K, acc, UPCAST_DOT)
+        acc = _tile_dot(w, x_rows, k0 + offs_k, row_ok, K, acc, UPCAST_DOT, GATED)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     out = y_ptr + rows[None, :].to(tl.int64) * N + cols[:, None]      # y[m, n] at (n, m)
@@ -170,9 +176,27 @@ def _w_tile(w_rows, w_desc, k0, k, col_ok, K, USE_TMA: tl.constexpr, EVEN_N: tl.
 
 
 @triton.jit
-def _tile_dot(w, x_rows, k, row_ok, K, acc, UPCAST_DOT: tl.constexpr):
+def _x_cols(x_ptrs, k, mask, K, GATED: tl.constexpr):
+    """x at columns ``k`` (0 where masked off); GATED: silu(gate) * up of x = [gate | up], gate
+    at columns ``k`` and up K columns to the right, rounded as the SiLU-and-mul kernel rounds."""
+    x = _masked_load(x_ptrs + k, mask)
+    if GATED:
+        x = gated_silu(x, _masked_load(x_ptrs + K + k, mask), x.dtype)
+    return x
+
+
+@triton.jit
+def _masked_load(ptrs, mask):
+    """``ptrs``' values, 0 where ``mask`` is False (``mask`` None: every one)."""
+    if mask is None:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile_dot(w, x_rows, k, row_ok, K, acc, UPCAST_DOT: tl.constexpr, GATED: tl.constexpr):
     """``acc + w @ x[:, k]^T`` for x's (padded) rows at columns ``k``."""
-    x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+    x = _x_cols(x_rows, k[None, :], row_ok[:, None] & (k < K)[None, :], K, GATED)
     if UPCAST_DOT:
         w = w.to(tl.float32)
         x = x.to(tl.float32)
@@ -198,7 +222,7 @@ def _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N: tl.constexpr):
 @triton.jit
 def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
              EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-             PREFETCH: tl.constexpr, PDL: tl.constexpr):
+             PREFETCH: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr):
     """y[0, cols] for one row of x: fp32 products summed over K at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -212,11 +236,11 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS: tl.constexpr
         w = _w_tile(w_rows, w_rows, 0, offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        acc = _row_product(w, x_ptr, offs_k, K, acc, EVEN_K)
+        acc = _row_product(w, x_ptr, offs_k, K, acc, EVEN_K, GATED)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _w_tile(w_rows, w_rows, k0, k0 + offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
-        acc = _row_product(w, x_ptr, k0 + offs_k, K, acc, EVEN_K)
+        acc = _row_product(w, x_ptr, k0 + offs_k, K, acc, EVEN_K, GATED)
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -224,37 +248,43 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS: tl.constexpr
 
 
 @triton.jit
-def _row_product(w, x_ptr, k, K, acc, EVEN_K: tl.constexpr):
+def _row_product(w, x_ptr, k, K, acc, EVEN_K: tl.constexpr, GATED: tl.constexpr):
     """``acc + w * x[k]`` (fp32 products, summed over K by the caller at the end)."""
     if EVEN_K:
-        x = tl.load(x_ptr + k)
+        x = _x_cols(x_ptr, k, None, K, GATED)
     else:
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        x = _x_cols(x_ptr, k, k < K, K, GATED)
     return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
-def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> bool:
-    """Whether :func:`gemv` serves ``F.linear(x, weight)``: x is (M <= 16, K) in bf16/fp16
-    with W's dtype, W is (N, K) contiguous, and N is wide enough for ``config.min_programs``
-    programs (``config`` None: ``default_config(M)``). Host shapes only (no device read:
-    safe inside CUDA-graph capture)."""
+def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
+               gated: bool = False) -> bool:
+    """Whether :func:`gemv` serves ``F.linear(x, weight)`` (``gated``: ``F.linear(silu_and_mul(x),
+    weight)``): x is (M <= 16, K) (gated: (M, 2K)) in bf16/fp16 with W's dtype, W is (N, K)
+    contiguous, and N is wide enough for ``config.min_programs`` programs (``config`` None:
+    ``default_config(M)``). Host shapes only (no device read: safe inside CUDA-graph capture)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
-            and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
-            and x.stride(1) == 1):
+            and weight.dim() == 2 and x.shape[1] == weight.shape[1] * (2 if gated else 1)
+            and weight.is_contiguous() and x.stride(1) == 1):
         return False
     config = config or default_config(x.shape[0])
     return triton.cdiv(weight.shape[0], config.block_n) >= config.min_programs
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, out: torch.Tensor | None = None, *, gated: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x (M, K) with M <= 16: (M, N) in x's dtype, with
     ``config`` (None: ``default_config(M)``), written into ``out`` if given (a contiguous
     (M, N) of x's dtype; returned).
 
+    ``gated``: x is (M, 2K) = [gate | up] and the input is ``silu(gate) * up``, computed
+    as the W tiles stream (the SiLU-and-mul kernel's rounding, so the same bits as
+    ``gemv(silu_and_mul(x), ...)``): the MLP's down projection without a kernel for
+    the activation.
+
     Raises:
         TypeError: x, weight (and bias) are not one of bf16 / fp16 together.
-        ValueError: more than 16 rows, mismatched K, a strided last dimension, a
+        ValueError: more than 16 rows, mismatched K (2K when gated), a strided last dimension, a
             non-contiguous weight, a bias not (N,), an ``out`` not a contiguous (M, N),
             or tensors on different devices.
     """
@@ -262,8 +292,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_dtype("weight", weight, (x.dtype,))
     if x.dim() != 2 or x.shape[0] > MAX_ROWS:
         raise ValueError(f"x must be (M <= {MAX_ROWS}, K), got shape {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous (N, {x.shape[1]}), got shape {tuple(weight.shape)} "
+    in_features = x.shape[1] // 2 if gated else x.shape[1]
+    if gated and x.shape[1] % 2:
+        raise ValueError(f"gated x must be (M, 2K) = [gate | up], got an odd width {x.shape[1]}")
+    if weight.dim() != 2 or weight.shape[1] != in_features or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous (N, {in_features}), got shape {tuple(weight.shape)} "
                          f"strides {weight.stride()}")
     check_last_dim_contiguous("x", x)
     tensors = {"x": x, "weight": weight}
@@ -293,6 +326,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
         USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages, PREFETCH=config.prefetch, PDL=use_pdl,
+        GATED=gated,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y

@@ -24,6 +24,15 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def gated_silu(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` rounded to ``dtype`` as this module's doc says (shared with the GEMV
+    kernel, which applies it to its input: the same bits as this kernel's output)."""
+    gate = gate.to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,                                # (T, 2I), last dim contiguous
     out_ptr,                              # (T, I) contiguous
@@ -36,10 +45,9 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * I + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * I + cols, gated_silu(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

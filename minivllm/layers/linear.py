@@ -222,9 +222,20 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out_local)
         return self._linear(x, self.bias)
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def takes_gated(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x, gated=True)`` can run: the GEMV kernel is on and takes x =
+        [gate | up] (at most 16 rows), applying ``silu(gate) * up`` itself."""
+        return self.use_gemv and gemv_takes(x, self.weight, gated=True)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
+                gated: bool = False) -> torch.Tensor:
         """``x W^T (+ bias)``: the GEMV kernel where enabled and it takes the shape, else
-        cuBLAS; into ``out`` (2-D x, no bias) when given."""
+        cuBLAS; into ``out`` (2-D x, no bias) when given. ``gated`` (only where
+        :meth:`takes_gated`): the input is ``silu(gate) * up`` of x = [gate | up]."""
+        if gated:
+            if not self.takes_gated(x):
+                raise ValueError(f"gated input needs the GEMV kernel to take x {tuple(x.shape)} (takes_gated)")
+            return gemv(x, self.weight, bias, out=out, gated=True)
         if self.use_gemv and gemv_takes(x, self.weight):
             return gemv(x, self.weight, bias, out=out)
         if out is None:
@@ -408,12 +419,14 @@ class RowParallelLinear(LinearBase):
         """
         load_unpacked(self, param, loaded, shard_id, dim=1, full=self.input_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:  # (..., in_local) -> (..., out)
+        """``gated``: x is [gate | up] (2 x in_local wide) and the input is ``silu(gate) * up``,
+        applied inside the GEMV kernel (only where :meth:`takes_gated`)."""
         slot = None
         if self.tp_size > 1 and self.reduce_results and x.dim() == 2:
             # Large decode steps: the GEMM writes straight into the all-reduce's buffer.
             slot = output_slot((x.shape[0], self.weight.shape[0]), x.dtype, into_norm=self.reduce_in_next_norm)
-        y = self._linear(x, None, out=slot)
+        y = self._linear(x, None, out=slot, gated=gated)
         reduced = self.reduce_results and not (self.reduce_in_next_norm and defers_to_norm(y))
         if self.tp_size > 1 and reduced:
             y = all_reduce(y)

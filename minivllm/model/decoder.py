@@ -166,7 +166,10 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.down_proj.takes_gated(h):  # few rows on the GEMV kernel: it applies SiLU-and-mul itself
+            return self.down_proj(h, gated=True)
+        return self.down_proj(self.act_fn(h))
 
 
 class DecoderLayer(nn.Module):
