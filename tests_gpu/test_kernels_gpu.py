@@ -420,6 +420,20 @@ def test_gemv_against_f_linear_in_a_cuda_graph(rows: int, n: int, k: int, bias: 
     torch.testing.assert_close(out, gemv(x, w, b), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("n,k", [(4096, 6144), (1024, 3072)])
+def test_gated_gemv_is_silu_and_mul_then_gemv(rows: int, n: int, k: int) -> None:
+    """The down projections of Qwen3-8B at TP=2 and of 0.6B, fed [gate | up]: the same bits
+    as the SiLU-and-mul kernel then the GEMV, compiled for this GPU (exp included)."""
+    from minivllm.kernels.gemv import gemv
+    from minivllm.kernels.silu_and_mul import silu_and_mul
+
+    gen = torch.Generator(device=DEVICE).manual_seed(rows + n)
+    x = (2 * torch.randn(rows, 2 * k, generator=gen, device=DEVICE)).bfloat16()
+    w = (torch.randn(n, k, generator=gen, device=DEVICE) / k ** 0.5).bfloat16()
+    assert torch.equal(gemv(x, w, gated=True), gemv(silu_and_mul(x), w))
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) -> None:
     """``MINIVLLM_PDL=1``: RMSNorm (signalling early) -> GEMV (launched with launch_pdl,
