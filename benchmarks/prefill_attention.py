@@ -94,28 +94,28 @@ SHAPES = [
 ]
 
 # m = block_m rows (tokens x GQA group 2), n = block_n keys, w = warps, s = stages. All
-# compile for sm_90a without register spills (triton 3.9); 128 x 128 x 3 stages needs
-# 224 KB of shared memory, at the edge of the 227 KB a program may use.
+# compile for sm_90a without register spills (triton 3.9). ``io`` in a label: the Q tile
+# and whole output tiles by tensor-memory copy (PrefillConfig.tma_io); ``perhead``: the q
+# tiles of one (sequence, KV head) run side by side (their K/V shared in L2; heavy_first
+# off), where ``heavy`` runs every sequence's longest tiles first.
 CANDIDATES = [
-    PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 64, 8, 4),
-    PrefillConfig(128, 64, 8, 3, heavy_first=False),
-    PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 128, 8, 3),
-    PrefillConfig(128, 32, 8, 3), PrefillConfig(128, 32, 8, 4),
-    PrefillConfig(256, 32, 8, 3),
-    PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 4), PrefillConfig(64, 32, 4, 4),
-    PrefillConfig(64, 64, 4, 2, heavy_first=False),   # the previous kernel's tiles and grid axes
+    PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 3, tma_io=False),
+    PrefillConfig(64, 64, 4, 3, heavy_first=False), PrefillConfig(64, 64, 4, 3, heavy_first=False, tma_io=False),
+    PrefillConfig(64, 64, 4, 4), PrefillConfig(64, 64, 4, 2, heavy_first=False),
+    PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 3, heavy_first=False),
+    PrefillConfig(128, 64, 8, 3, heavy_first=False, tma_io=False), PrefillConfig(128, 128, 8, 2, heavy_first=False),
     # The pointer path where the TMA path would run (block_size a multiple of block_n):
-    PrefillConfig(128, 64, 8, 3, tma=False), PrefillConfig(128, 128, 8, 2, tma=False),
-    PrefillConfig(64, 64, 4, 3, tma=False),
+    PrefillConfig(64, 64, 4, 3, tma=False, tma_io=False), PrefillConfig(64, 64, 4, 3, tma=False),
 ]
 
 
 def label(c: PrefillConfig) -> str:
-    """Short name of a config, e.g. ``m128 n64 w8 s3 heavy tma``: ``tma`` where its unmasked
-    tiles come by tensor-memory copy at this block size (``tma_allowed``), else ``ptr``."""
+    """Short name of a config, e.g. ``m64 n64 w4 s3 heavy tma io``: ``tma`` where its K/V
+    tiles come by tensor-memory copy at this block size (``tma_allowed``), else ``ptr``;
+    ``io`` where its Q and output tiles do (``tma_io``)."""
     tma = c.tma and BLOCK_SIZE % c.block_n == 0 and TensorDescriptor is not None
     return (f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} {'heavy' if c.heavy_first else 'perhead'}"
-            f" {'tma' if tma else 'ptr'}")
+            f" {'tma' if tma else 'ptr'}{' io' if c.tma_io and TensorDescriptor is not None else ''}")
 
 
 @dataclass(frozen=True)

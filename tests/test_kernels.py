@@ -320,9 +320,30 @@ def test_prefill_attention_tma_path_matches_reference_and_pointer_path(case) -> 
     q = torch.randn(int(cu[-1]), h, d, generator=gen).to(dtype)
     args = (q, k_cache, v_cache, cu, kv_lens, tables, d ** -0.5, max(ql for ql, _ in seqs))
     with_tma = prefill_attention(*args, config=config)
-    without = prefill_attention(*args, config=dataclasses.replace(config, tma=False))
+    without = prefill_attention(*args, config=dataclasses.replace(config, tma=False, tma_io=False))
     assert_close(with_tma, reference_fp32(*args[:7]), dtype)
     assert torch.equal(with_tma, without)
+
+
+def test_prefill_attention_q_as_a_view_of_qkv() -> None:
+    """q as the model passes it, the first H heads of each token's packed (H + 2 Hkv) qkv row:
+    its tile comes as one box of that strided view (``tma_io``), with the same bits as a
+    contiguous copy; a q whose rows are not 16-byte aligned takes pointer loads."""
+    from minivllm.kernels.prefill_attention import tma_io_allowed
+    gen = torch.Generator().manual_seed(3)
+    seqs = [(20, 20), (9, 41)]
+    k_cache, v_cache, tables = make_paged_kv([kl for _, kl in seqs], 32, 2, 16, torch.bfloat16, gen)
+    cu = torch.tensor([0, 20, 29], dtype=torch.int32)
+    kv_lens = torch.tensor([kl for _, kl in seqs], dtype=torch.int32)
+    qkv = torch.randn(29, 4 + 2 * 2, 16, generator=gen).to(torch.bfloat16)
+    q = qkv[:, :4]
+    assert not q.is_contiguous() and tma_io_allowed(q)
+    config = PrefillConfig(32, 16, 4, 2)
+    args = (k_cache, v_cache, cu, kv_lens, tables, 16 ** -0.5, 20)
+    out = prefill_attention(q, *args, config=config)
+    assert torch.equal(out, prefill_attention(q.contiguous(), *args, config=config))
+    assert_close(out, reference_fp32(q, *args[:6]), torch.bfloat16)
+    assert not tma_io_allowed(torch.zeros(29 * 4 * 16 + 1, dtype=torch.bfloat16)[1:].view(29, 4, 16))
 
 
 def test_prefill_attention_tma_allowed_only_where_a_box_fits() -> None:

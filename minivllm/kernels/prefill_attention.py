@@ -26,9 +26,15 @@ TMA path (``PrefillConfig.tma``, where :func:`tma_allowed`): when a cache block 
 whole key tiles (block_size a multiple of BLOCK_N; the engine's CUDA default of 64
 does), an unmasked tile is one (BLOCK_N, D) box of the cache seen as a 2-D array of
 (N * block_size) rows of Hkv * D, fetched by the tensor-memory copy engine from one
-block id, instead of BLOCK_N x D pointers. The masked tiles keep pointer loads: a box
-cannot be masked, and slots past a sequence's last key may hold anything. Rows are
-int32 coordinates: a pool of under 2**31 token slots.
+block id, instead of BLOCK_N x D pointers. The diagonal's tiles come as boxes too where
+all their keys exist (below kv_len; the causal mask hides the later ones); a sequence's
+partial last tile keeps masked pointer loads, as slots past its last key may hold
+anything. Rows are int32 coordinates: a pool of under 2**31 token slots. With
+``PrefillConfig.tma_io`` the Q tile is one (BLOCK_Q, G, D) box of q seen as (T, H, D),
+whose row-major order is the tile's row order (token r // G, head r % G), and a tile
+whose rows are all real is stored as one box of the output (Nsight Compute, sixth
+session's kernel at 16 x 1024: the pointer arithmetic of these loads and stores made
+it execute 1.4x the instructions per FLOP of 4 x 4096).
 
 Grid: one program per (KV head, sequence, q tile) plus one extra "sequence" B
 whose programs zero the output rows that belong to no sequence (before
@@ -72,10 +78,11 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 3       # software-pipelining depth of the K/V loads
     heavy_first: bool = True  # q tiles on the slowest grid axis, longest first (see module doc)
-    tma: bool = True          # unmasked K/V tiles by tensor-memory copy where allowed (see tma_allowed)
+    tma: bool = True          # K/V tiles by tensor-memory copy where allowed (see tma_allowed)
+    tma_io: bool = True       # the Q tile and whole output tiles too, where allowed (see tma_io_allowed)
 
     def __post_init__(self) -> None:
-        check_tile_config(self, ("block_m", "block_n"), ("heavy_first", "tma"))
+        check_tile_config(self, ("block_m", "block_n"), ("heavy_first", "tma", "tma_io"))
 
 
 # Default configs, first matching row wins: (fp32?, head_dim <=, max_q_len >=, config).
@@ -131,7 +138,7 @@ def _attend_kv_range(
     k_ptr, v_ptr,                         # caches, already offset to this KV head
     k_desc, v_desc, desc_col,             # USE_TMA: (N*bs, Hkv*D) descriptors, this KV head's column
     table_row,                            # this sequence's block-table row
-    start, end, scale_log2, stride_cn, stride_cb,
+    start, end, kv_len, scale_log2, stride_cn, stride_cb,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,                 # False: every key in [start, end) is visible to every row
     USE_TMA: tl.constexpr,                # unmasked tiles come by tensor-memory copy (BLOCK_SIZE % BLOCK_N == 0)
@@ -140,7 +147,30 @@ def _attend_kv_range(
     """Fold the keys [start, end) into the online softmax; returns (m_i, l_i, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if USE_TMA and not MASKED:
+    if USE_TMA and MASKED:
+        # The diagonal (one or two tiles: not worth pipelining). A tile whose keys all exist
+        # (below kv_len: the chunk's later tokens are stored too) comes as one box, the
+        # causal mask hiding the keys past each row; only a sequence's partial last tile,
+        # whose slots past kv_len may hold anything, takes masked pointer loads.
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            if n0 + BLOCK_N <= kv_len:
+                row = tl.load(table_row + n0 // BLOCK_SIZE) * BLOCK_SIZE + n0 % BLOCK_SIZE
+                k = k_desc.load([row, desc_col])
+                v = v_desc.load([row, desc_col])
+            else:
+                in_range = pos < end
+                block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
+                kv_off = (block.to(tl.int64) * stride_cn + (pos % BLOCK_SIZE) * stride_cb)[:, None] + offs_d[None, :]
+                k = tl.load(k_ptr + kv_off, mask=in_range[:, None], other=0.0)
+                v = tl.load(v_ptr + kv_off, mask=in_range[:, None], other=0.0)
+            if UPCAST_DOT:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+        return m_i, l_i, acc
+    if USE_TMA:
         # A tile lies inside one cache block: one block id per tile, and the tile is a
         # (BLOCK_N, D) box of the cache seen as (N*bs, Hkv*D) rows. Unmasked tiles only:
         # a box cannot be masked, and the diagonal's keys past `end` may hold anything.
@@ -183,12 +213,12 @@ def _attend_kv_range(
 
 @triton.jit
 def _attend_q_tile(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, table_row, cu_seqlens_q_ptr, kv_lens_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, q_desc, o_desc, out_ptr, table_row, cu_seqlens_q_ptr, kv_lens_ptr,
     seq, kv_head, q_tile, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr, TMA_IO: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Attention of one q tile (BLOCK_Q tokens x GROUP heads) of one sequence; writes its rows."""
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -200,8 +230,15 @@ def _attend_q_tile(
         token = q_tile * BLOCK_Q + offs_m // GROUP                     # (BLOCK_M,) index in the chunk
         head = kv_head * GROUP + offs_m % GROUP
         row_ok = (offs_m < BLOCK_Q * GROUP) & (token < q_len)
-        q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
-                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
+        first_row = q_start + q_tile * BLOCK_Q
+        if TMA_IO:
+            # One (BLOCK_Q, GROUP, D) box of q as (T, H, D); row r of the tile is token r // G,
+            # head r % G, which is the box's row-major order. Tokens past q_len (another
+            # sequence's, or zeros past T) fill rows whose output is never stored.
+            q = tl.reshape(q_desc.load([first_row, kv_head * GROUP, 0]), (BLOCK_M, HEAD_DIM))
+        else:
+            q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+                        + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
         if UPCAST_DOT:
             q = q.to(tl.float32)
         prefix = kv_len - q_len                                        # cached tokens before the chunk
@@ -217,14 +254,17 @@ def _attend_q_tile(
         # The first tile holds key 0, visible to every row (q_pos >= 0): m_i is finite after it.
         desc_col = kv_head * HEAD_DIM
         m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, desc_col,
-                                         table_row, 0, full_end, scale_log2, stride_cn, stride_cb,
+                                         table_row, 0, full_end, kv_len, scale_log2, stride_cn, stride_cb,
                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_TMA, DOT_PRECISION, UPCAST_DOT)
         m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, desc_col,
-                                         table_row, full_end, kv_end, scale_log2, stride_cn, stride_cb,
+                                         table_row, full_end, kv_end, kv_len, scale_log2, stride_cn, stride_cb,
                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_TMA, DOT_PRECISION, UPCAST_DOT)
-        out = normalize_rows(acc, l_i)                                 # kv_len 0: zeros
-        tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        out = normalize_rows(acc, l_i).to(out_ptr.dtype.element_ty)   # kv_len 0: zeros
+        if TMA_IO and (q_tile + 1) * BLOCK_Q <= q_len:                 # every row real: one box
+            o_desc.store([first_row, kv_head * GROUP, 0], tl.reshape(out, (BLOCK_Q, GROUP, HEAD_DIM)))
+        else:
+            tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+                     + offs_d[None, :], out, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -252,6 +292,7 @@ def _prefill_kernel(
     q_ptr,                                # (T, H, D)
     k_cache_ptr, v_cache_ptr,             # (N, bs, Hkv, D), same strides
     k_desc, v_desc,                       # USE_TMA: descriptors of the caches as (N*bs, Hkv*D); else unread
+    q_desc, o_desc,                       # TMA_IO: descriptors of q and out as (T, H, D); else unread
     out_ptr,                              # (T, H, D)
     cu_seqlens_q_ptr,                     # (B+1,) int32
     kv_lens_ptr,                          # (B,) int32
@@ -267,7 +308,8 @@ def _prefill_kernel(
     HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
     USE_MAP: tl.constexpr,                # grid (capacity, Hkv): each program reads its tile from the map
-    USE_TMA: tl.constexpr,                # unmasked K/V tiles by tensor-memory copy (see PrefillConfig.tma)
+    USE_TMA: tl.constexpr,                # K/V tiles by tensor-memory copy (see PrefillConfig.tma)
+    TMA_IO: tl.constexpr,                 # the Q tile and whole output tiles too (PrefillConfig.tma_io)
 ):
     if USE_MAP:
         entry = tl.program_id(0)
@@ -275,11 +317,12 @@ def _prefill_kernel(
         seq = tl.load(tile_map_ptr + 2 * entry)
         if seq >= 0:
             _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
-                           k_desc, v_desc, out_ptr,
+                           k_desc, v_desc, q_desc, o_desc, out_ptr,
                            block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
                            seq, kv_head, tl.load(tile_map_ptr + 2 * entry + 1), scale_log2,
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
-                           GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, DOT_PRECISION, UPCAST_DOT)
+                           GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, TMA_IO, DOT_PRECISION,
+                       UPCAST_DOT)
         return
     # Grid (Hkv, B+1, tiles) when HEAVY_FIRST, else (tiles, Hkv, B+1); q tiles reversed either way.
     if HEAVY_FIRST:
@@ -301,11 +344,12 @@ def _prefill_kernel(
                    stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
     else:
         _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
-                       k_desc, v_desc, out_ptr,
+                       k_desc, v_desc, q_desc, o_desc, out_ptr,
                        block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
                        seq, kv_head, q_tile, scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
-                       GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, DOT_PRECISION, UPCAST_DOT)
+                       GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, TMA_IO, DOT_PRECISION,
+                       UPCAST_DOT)
 
 
 def prefill_attention(
@@ -366,6 +410,11 @@ def prefill_attention(
     k_desc, v_desc = k_cache, v_cache                  # unread without TMA
     if use_tma:
         k_desc, v_desc = _cache_descriptor(k_cache, config.block_n), _cache_descriptor(v_cache, config.block_n)
+    tma_io = config.tma_io and block_q * group == block_m and tma_io_allowed(q) and tma_io_allowed(out)
+    q_desc, o_desc = q, out                            # unread without TMA_IO
+    if tma_io:
+        q_desc, o_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [block_q, group, head_dim])
+                          for t in (q, out))
     if tile_map is not None:
         grid: tuple[int, ...] = (max(1, tile_map.shape[0]), num_kv_heads)
     else:
@@ -376,7 +425,7 @@ def prefill_attention(
         heavy_first = heavy_first and tiles <= _MAX_GRID_YZ
         grid = (num_kv_heads, seqs, tiles) if heavy_first else (tiles, num_kv_heads, seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_desc, v_desc, out, cu_seqlens_q, kv_lens, block_tables,
+        q, k_cache, v_cache, k_desc, v_desc, q_desc, o_desc, out, cu_seqlens_q, kv_lens, block_tables,
         tile_map if tile_map is not None else cu_seqlens_q,  # unread without the map
         scale * LOG2E, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -386,7 +435,7 @@ def prefill_attention(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         HEAVY_FIRST=heavy_first,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=upcast_dot(q), USE_MAP=tile_map is not None, USE_TMA=use_tma,
+        UPCAST_DOT=upcast_dot(q), USE_MAP=tile_map is not None, USE_TMA=use_tma, TMA_IO=tma_io,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -400,6 +449,13 @@ def tma_allowed(k_cache: torch.Tensor, block_n: int) -> bool:
     if k_cache.shape[1] % block_n or not k_cache.is_contiguous():
         return False
     return tma_rows_allowed(k_cache, k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size())
+
+
+def tma_io_allowed(t: torch.Tensor) -> bool:
+    """Whether (BLOCK_Q, G, D) boxes of q or out, (T, H, D) with contiguous rows of D, can
+    come or go by tensor-memory copy: aligned base and strides (``tma_rows_allowed``)."""
+    return (t.stride(2) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and tma_rows_allowed(t, t.stride(1) * t.element_size()))
 
 
 def _cache_descriptor(cache: torch.Tensor, block_n: int) -> object:
