@@ -32,9 +32,9 @@ partial last tile keeps masked pointer loads, as slots past its last key may hol
 anything. Rows are int32 coordinates: a pool of under 2**31 token slots. With
 ``PrefillConfig.tma_io`` the Q tile is one (BLOCK_Q, G, D) box of q seen as (T, H, D),
 whose row-major order is the tile's row order (token r // G, head r % G), and a tile
-whose rows are all real is stored as one box of the output (Nsight Compute, sixth
-session's kernel at 16 x 1024: the pointer arithmetic of these loads and stores made
-it execute 1.4x the instructions per FLOP of 4 x 4096).
+whose rows are all real is stored as one box of the output. (Nsight Compute, ninth
+session, before these boxes: at 16 x 1024 the kernel executed 1.4x the instructions per
+FLOP that it did at 4 x 4096, and waited on its pointer loads most.)
 
 Grid: one program per (KV head, sequence, q tile) plus one extra "sequence" B
 whose programs zero the output rows that belong to no sequence (before
