@@ -189,8 +189,10 @@ def _x_cols(x_ptrs, k, mask, K, GATED: tl.constexpr):
 def _masked_load(ptrs, mask):
     """``ptrs``' values, 0 where ``mask`` is False (``mask`` None: every one)."""
     if mask is None:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=mask, other=0.0)
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
