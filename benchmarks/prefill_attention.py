@@ -26,7 +26,9 @@ backends are listed too. Every candidate ``PrefillConfig`` is checked against th
 fp32 torch reference on the same data before it is timed; a failing config (wrong
 result, or too much shared memory) is reported and skipped. Times are medians.
 
-The output marks with ``*`` the config that ``default_config`` picks for the shape
+Each shape also times its default config launched through a tile map (``... map``), as
+the engine's prefill graphs launch it (``executor/prefill_graph.py``). The output marks
+with ``*`` the config that ``default_config`` picks for the shape
 and ends with the best config per shape; with ``$OUT`` set, the same goes to
 ``$OUT/prefill_attention_bs<block size>.json``. Exit status 1 if a default config fails
 its check.
@@ -49,7 +51,7 @@ import triton
 
 from benchmarks.gpu_timing import graph_us
 from minivllm.kernels.prefill_attention import (
-    CONFIG_TABLE, PrefillConfig, TensorDescriptor, default_config, prefill_attention,
+    CONFIG_TABLE, PrefillConfig, TensorDescriptor, build_tile_map, default_config, prefill_attention, tile_rows,
 )
 from minivllm.kernels.reference import paged_attention_reference
 from minivllm.llm import CUDA_BLOCK_SIZE
@@ -233,13 +235,20 @@ def bench_sdpa(p: Problem, shape: Shape, ref: torch.Tensor, quick: bool) -> list
     return rows
 
 
-def bench_config(p: Problem, ref: torch.Tensor, config: PrefillConfig, quick: bool) -> dict:
-    """Check one config against the reference, then time it; errors are recorded, not raised."""
-    row: dict = {"name": label(config), "config": asdict(config)}
+def bench_config(p: Problem, ref: torch.Tensor, config: PrefillConfig, quick: bool, map_mode: bool = False) -> dict:
+    """Check one config against the reference, then time it; errors are recorded, not raised.
+    ``map_mode``: launched as the engine's prefill graphs launch it, through a tile map
+    (``build_tile_map``, sized to the batch's tiles) instead of the grid."""
+    row: dict = {"name": label(config) + (" map" if map_mode else ""), "config": asdict(config), "map": map_mode}
+    tile_map = None
+    if map_mode:
+        q_lens = (p.cu_seqlens_q[1:] - p.cu_seqlens_q[:-1]).cpu().numpy()
+        block_q = tile_rows(config, NUM_HEADS, NUM_KV_HEADS)
+        tile_map = torch.from_numpy(build_tile_map(q_lens, block_q, int(-(-q_lens // block_q).sum()))).to(DEVICE)
 
     def fn() -> torch.Tensor:
         return prefill_attention(p.q, p.k_cache, p.v_cache, p.cu_seqlens_q, p.kv_lens, p.block_tables,
-                                 SCALE, p.max_q_len, config=config)
+                                 SCALE, p.max_q_len, config=config, tile_map=tile_map)
     try:
         row["max_err"] = max_error(fn(), ref)
         row["ms"] = time_ms(fn, quick)
@@ -255,13 +264,13 @@ def bench_shape(shape: Shape, configs: list[PrefillConfig], quick: bool) -> dict
                                     p.kv_lens, p.block_tables, SCALE)
     default = default_config(DTYPE, HEAD_DIM, p.max_q_len)
     sdpa = bench_sdpa(p, shape, ref, quick) if p.sdpa_q is not None else []
-    rows = [bench_config(p, ref, c, quick) for c in configs]
+    rows = [bench_config(p, ref, c, quick) for c in configs] + [bench_config(p, ref, default, quick, map_mode=True)]
     base = sdpa[0].get("ms") if sdpa else None
     for row in sdpa + rows:
         if "ms" in row:
             row["tflops"] = shape.flops / (row["ms"] * 1e-3) / 1e12
             row["pct_sdpa"] = 100 * base / row["ms"] if base else None
-        row["default"] = row.get("config") == asdict(default)
+        row["default"] = row.get("config") == asdict(default) and not row.get("map")
     timed = [r for r in rows if "ms" in r]
     best = min(timed, key=lambda r: r["ms"]) if timed else None
     return {"shape": shape.name, "q_lens": list(shape.q_lens), "prefix": shape.prefix, "flops": shape.flops,

@@ -46,4 +46,6 @@ def test_prefill_sweep_rows_on_the_cpu(monkeypatch, timing) -> None:
     monkeypatch.setattr(bench, "bench_sdpa", lambda p, shape, ref, quick: [])
     result = bench.bench_shape(bench.Shape("tiny", (20, 7), prefix=9), [PrefillConfig(16, 16, 4, 1)], True)
     bench.print_shape(result)
-    assert [r["ms"] for r in result["configs"]] == [1.0], result
+    # the config given, then the shape's default launched through a tile map (the engine's graphs)
+    assert [r["ms"] for r in result["configs"]] == [1.0, 1.0], result
+    assert [r["map"] for r in result["configs"]] == [False, True]

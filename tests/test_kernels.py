@@ -418,9 +418,9 @@ def test_build_tile_map() -> None:
 def test_prefill_default_configs() -> None:
     # The GPU shapes: 64 x 64 tiles, 4 warps for bf16/fp16 chunks of any length (measured best
     # on the TMA path, equal on the pointer path).
-    assert default_config(torch.bfloat16, 128, 1024) == PrefillConfig(64, 64, 4, 3)
-    assert default_config(torch.float16, 128, 4096) == PrefillConfig(64, 64, 4, 3)
-    assert default_config(torch.bfloat16, 128, 16) == PrefillConfig(64, 64, 4, 3, tma=False)  # short chunks
+    per_head = PrefillConfig(64, 64, 4, 3, heavy_first=False)     # chunks under 2,048 tokens
+    assert default_config(torch.bfloat16, 128, 1024) == per_head == default_config(torch.bfloat16, 128, 16)
+    assert default_config(torch.float16, 128, 4096) == PrefillConfig(64, 64, 4, 3)  # heavy first
     assert default_config(torch.float32, 128, 4096).block_m <= 32   # fp32: FMA dots, small tiles
     for dtype in DTYPES:
         for head_dim in (16, 64, 128, 256, 512):

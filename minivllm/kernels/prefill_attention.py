@@ -86,35 +86,22 @@ class PrefillConfig:
 
 
 # Default configs, first matching row wins: (fp32?, head_dim <=, max_q_len >=, config).
-# Not yet timed with this kernel: the 16-bit rows are chosen by reasoning about an H200
-# (132 SMs, 227 KB shared memory per block, 64K registers per SM, wgmma over warpgroups
-# of 4 warps x 64 rows) and checked by compiling for sm_90a (triton 3.9, ptxas -v):
-#   bf16 D128 128 x 64, 8 warps, 3 stages: 128 KB shared memory (q 32 KB + 3 buffers of
-#     K and V, loads 2 tiles ahead), 182 registers, no spills: one program per SM with
-#     two warpgroups; 64 tokens x G 2 per tile = 2048 programs at 16 x 1024.
-#   bf16 D128 64 x 64, 4 warps, 3 stages: 112 KB, 186 registers (two programs per SM);
-#     for short chunks (max_q_len < 128), where 128-row tiles would be mostly empty.
-#   Spilled, so not used: 128 x 64 with 4 warps, 256 x 64 with 8, 64 x 128 with 4.
-# `python -m benchmarks.prefill_attention` times these against alternatives and prints
-# the best per shape. The previous kernel (64 x 64 tiles, 4 warps, 2 stages, K/V loads
-# chained to a same-iteration table load so barely pipelined, memset output) measured
-# 214 TFLOP/s vs SDPA's 426 at 16 x 1024. fp32 (exactness, not speed: tl.dot "ieee" runs
-# on FMA units) uses the spill-free tiles found by the same compile.
-#
-# Measured since (sixth session, one H200, `--block-size 64`, the TMA path): 64 x 64 tiles
-# with 4 warps and 3 stages beat 128 x 64 with 8 at 16 x 1024 (284 vs 280 TFLOP/s) and at
-# 4 x 4096 (472 vs 436, 81% of SDPA); with blocks of 16 (pointer loads) the two are within
-# 2% of each other. So one tile shape serves every 16-bit chunk length up to head_dim 128.
-# Short chunks keep pointer loads: the one short-chunk shape timed with TMA and blocks of
-# 64 (32 chunks of 64 tokens over 960 cached) ran at 155 TFLOP/s, where pointer loads and
-# blocks of 16 had run it at 267; which of the two changes cost it is not yet measured.
-# Eighth session, timed from CUDA-graph replays (`--timing graph`, now the default), the
-# defaults as above: 16 x 1024 290 TFLOP/s (65% of SDPA, as under do_bench: the gap is in
-# the kernel), 4 x 4096 476 (81%), 32 x 64 over 960 cached (pointer loads) 220 (155%;
-# 173 under do_bench: the launch's host time was that shape's loss).
+# The 16-bit rows are measured (`python -m benchmarks.prefill_attention`, one H200, blocks
+# of 64, CUDA-graph timing; BENCHMARKS.md, ninth session), tiles of 64 rows (32 tokens x
+# G 2) x 64 keys, 4 warps, 3 stages (98 KB of shared memory, 222 registers: two programs
+# per SM), every tile by TMA (K/V and Q/output, ``tma_io``), in one of two grid orders:
+#   chunks under 2,048 tokens: per head (heavy_first off), the tiles of one (sequence, KV
+#     head) side by side, sharing its K/V in L2. 16 x 1024: 364 TFLOP/s, 82% of SDPA
+#     (67% heavy first: Nsight Compute showed half the K/V traffic missing L2, the whole
+#     batch's K/V (67 MB) in flight at once); 32 x 64 over 960 cached 335 (253%); varlen 277.
+#   longer chunks: heavy first. 4 x 4096 484 (85%; per head 80%), 1 x 8192 519 (95%).
+# The 2,048 boundary lies between the measured 1,024 and 4,096. 128-row tiles with 8 warps,
+# 4 stages, 128-key tiles and pointer loads each lost on every shape. fp32 (exactness, not
+# speed: tl.dot "ieee" runs on FMA units) uses the spill-free tiles of a compile for
+# sm_90a (triton 3.9, ptxas -v).
 CONFIG_TABLE: tuple[tuple[bool, int, int, PrefillConfig], ...] = (
-    (False, 128, 128, PrefillConfig(64, 64, num_warps=4, num_stages=3)),
-    (False, 128, 0, PrefillConfig(64, 64, num_warps=4, num_stages=3, tma=False)),
+    (False, 128, 2048, PrefillConfig(64, 64, num_warps=4, num_stages=3)),
+    (False, 128, 0, PrefillConfig(64, 64, num_warps=4, num_stages=3, heavy_first=False)),
     (False, 256, 0, PrefillConfig(64, 32, num_warps=4, num_stages=2)),
     (True, 64, 0, PrefillConfig(64, 32, num_warps=8, num_stages=2)),
     (True, 256, 0, PrefillConfig(16, 32, num_warps=8, num_stages=2)),
