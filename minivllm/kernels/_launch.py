@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
 
-PDL_ENV = "MINIVLLM_PDL"  # "1": programmatic dependent launch where it is possible (opt-in, untimed)
+PDL_ENV = "MINIVLLM_PDL"  # "1": programmatic dependent launch where possible (opt-in; measured slower: gemv.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +40,7 @@ def _pdl_possible(device_index: int) -> bool:
 
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and
-    later, a triton with ``launch_pdl``, and ``MINIVLLM_PDL=1``: opt-in until timed).
+    later, a triton with ``launch_pdl``, and ``MINIVLLM_PDL=1``: opt-in, measured slower in gemv.py's doc).
     Then a kernel that only feeds others calls ``griddepcontrol.launch_dependents`` at
     its start, and a kernel launched with ``launch_pdl`` may start before its
     predecessor ends: it reads only what no kernel writes (weights) before its

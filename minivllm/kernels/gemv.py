@@ -36,14 +36,18 @@ programs are enough (:func:`gemv_takes`).
 
 With ``GemvConfig.prefetch`` each program loads its first W tile before anything that a
 previous kernel writes (the same sums, in the same order). That pays with programmatic
-dependent launch (``_launch.pdl``: Hopper, ``MINIVLLM_PDL=1``; opt-in, not yet timed):
+dependent launch (``_launch.pdl``: Hopper, ``MINIVLLM_PDL=1``; opt-in, and measured slower,
+below):
 the kernel is then launched with ``launch_pdl``, may start while the kernel before it
 (an RMSNorm, the attention merge, SiLU-and-mul, which signal early) still runs, streams
 its first tile meanwhile (and asks L2 for up to ``L2_PREFETCH_BYTES`` of W, from
 column 0), and waits (``griddepcontrol.wait``) before reading x or writing y. A batch-1
 GEMV of a few MB spends about as long ramping up as streaming, and under tensor
 parallelism the kernel before the qkv and gate_up GEMVs is the all-reduce, which waits
-several microseconds on its peers.
+several microseconds on its peers. Timed on one H200 (ninth session, Qwen3-0.6B batch 1):
+the GEMVs' kernel time per step rose from 486 to 540 us and the replayed graph step from
+1.16 to 1.64 ms, so it stays off. Not yet separated: the early start itself against the
+L2 prefetch (evict_last lines of up to 24 MB per call).
 
 Default tiles (:func:`default_config`), from ``python3 -m benchmarks.gemv`` on one H200
 (BENCHMARKS.md, eighth session; L2 flushed, in CUDA graphs; ratios of cuBLAS's time over
@@ -107,7 +111,7 @@ _PREFETCHING = {c: dataclasses.replace(c, prefetch=True) for c in (ONE_ROW_CONFI
 
 def default_config(rows: int) -> GemvConfig:
     """The measured tiles for ``rows`` rows of x (see the module doc); with
-    ``MINIVLLM_PDL=1``, their ``prefetch`` variant (untimed)."""
+    ``MINIVLLM_PDL=1``, their ``prefetch`` variant (measured slower: module doc)."""
     config = ONE_ROW_CONFIG if rows == 1 else FEW_ROWS_CONFIG
     return _PREFETCHING[config] if pdl_requested() else config
 
