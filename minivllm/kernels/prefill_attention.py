@@ -128,7 +128,7 @@ def _attend_kv_range(
     start, end, kv_len, scale_log2, stride_cn, stride_cb,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,                 # False: every key in [start, end) is visible to every row
-    USE_TMA: tl.constexpr,                # unmasked tiles come by tensor-memory copy (BLOCK_SIZE % BLOCK_N == 0)
+    USE_TMA: tl.constexpr,                # tiles come by tensor-memory copy (BLOCK_SIZE % BLOCK_N == 0)
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Fold the keys [start, end) into the online softmax; returns (m_i, l_i, acc)."""
@@ -159,8 +159,8 @@ def _attend_kv_range(
         return m_i, l_i, acc
     if USE_TMA:
         # A tile lies inside one cache block: one block id per tile, and the tile is a
-        # (BLOCK_N, D) box of the cache seen as (N*bs, Hkv*D) rows. Unmasked tiles only:
-        # a box cannot be masked, and the diagonal's keys past `end` may hold anything.
+        # (BLOCK_N, D) box of the cache seen as (N*bs, Hkv*D) rows (every key of the
+        # unmasked range exists, so no tile needs the pointer fallback above).
         block = tl.load(table_row + start // BLOCK_SIZE, mask=start < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
