@@ -185,6 +185,24 @@ def test_pdl_is_opt_in_and_gpu_only(monkeypatch) -> None:
         pdl_requested.cache_clear()
 
 
+def test_l2_prefetch_is_opt_in_and_bounded(monkeypatch) -> None:
+    """PDL's L2 prefetch asks for ``MINIVLLM_PDL_L2_MB`` of W (none unless set), at least 64
+    columns and at most all K; a value that is not a size is refused by name."""
+    from minivllm.kernels.gemv import L2_PREFETCH_ENV, l2_prefetch_columns
+
+    monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
+    assert l2_prefetch_columns(4096, 4096, 2) == 0
+    monkeypatch.setenv(L2_PREFETCH_ENV, "24")
+    assert l2_prefetch_columns(4096, 4096, 2) == 3072          # 24 MB in columns of 4096 x 2 bytes
+    assert l2_prefetch_columns(1024, 1024, 2) == 1024          # the whole of a small W
+    assert l2_prefetch_columns(151936, 4096, 2) == 82
+    assert l2_prefetch_columns(10 ** 6, 4096, 2) == 64         # at least 64 columns
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv(L2_PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match=L2_PREFETCH_ENV):
+            l2_prefetch_columns(64, 64, 2)
+
+
 def test_strided_rows_of_x() -> None:
     base, w, _ = operands(4, 32, 64, torch.float16, False)
     wide = torch.zeros(4, 96, dtype=torch.float16)

@@ -40,14 +40,15 @@ dependent launch (``_launch.pdl``: Hopper, ``MINIVLLM_PDL=1``; opt-in, and measu
 below):
 the kernel is then launched with ``launch_pdl``, may start while the kernel before it
 (an RMSNorm, the attention merge, SiLU-and-mul, which signal early) still runs, streams
-its first tile meanwhile (and asks L2 for up to ``L2_PREFETCH_BYTES`` of W, from
-column 0), and waits (``griddepcontrol.wait``) before reading x or writing y. A batch-1
+its first tile meanwhile (and, with ``MINIVLLM_PDL_L2_MB``, asks L2 for that much of W,
+from column 0), and waits (``griddepcontrol.wait``) before reading x or writing y. A batch-1
 GEMV of a few MB spends about as long ramping up as streaming, and under tensor
 parallelism the kernel before the qkv and gate_up GEMVs is the all-reduce, which waits
 several microseconds on its peers. Timed on one H200 (ninth session, Qwen3-0.6B batch 1):
 the GEMVs' kernel time per step rose from 486 to 540 us and the replayed graph step from
-1.16 to 1.64 ms, so it stays off. Not yet separated: the early start itself against the
-L2 prefetch (evict_last lines of up to 24 MB per call).
+1.16 to 1.64 ms, so it stays off. That run asked L2 for 24 MB of W per call (evict_last
+lines); the prefetch is now off unless ``MINIVLLM_PDL_L2_MB`` is set, so that the early
+start alone can be timed against it.
 
 Default tiles (:func:`default_config`), from ``python3 -m benchmarks.gemv`` on one H200
 (BENCHMARKS.md, eighth session; L2 flushed, in CUDA graphs; ratios of cuBLAS's time over
@@ -63,6 +64,7 @@ Torch reference: ``torch.nn.functional.linear``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +79,11 @@ from minivllm.kernels.silu_and_mul import gated_silu
 
 
 MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
-# With PDL, how much of W the programs ask L2 for before the previous kernel ends: half
-# the H200's 50 MB L2 (a larger W has its first columns prefetched, which all programs
-# read first).
-L2_PREFETCH_BYTES = 24 << 20
+# With PDL, how many MB of W the programs ask L2 for before the previous kernel ends
+# (a larger W has its first columns prefetched, which all programs read first). Default 0:
+# none. PDL was timed (ninth session) with 24, half the H200's 50 MB L2, and was slower;
+# whether the prefetch or the early start cost it is the next A/B.
+L2_PREFETCH_ENV = "MINIVLLM_PDL_L2_MB"
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -328,7 +331,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     use_pdl = config.prefetch and pdl(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, w_desc, bias if bias is not None else weight, y, x.shape[0], n, k, x.stride(0),
-        min(k, max(64, L2_PREFETCH_BYTES // (n * weight.element_size()))) if use_pdl else 0,
+        l2_prefetch_columns(n, k, weight.element_size()) if use_pdl else 0,
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
         USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages, PREFETCH=config.prefetch, PDL=use_pdl,
@@ -336,6 +339,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
+
+
+def l2_prefetch_columns(n: int, k: int, element_size: int) -> int:
+    """How many leading columns of an (n, k) W a PDL-launched GEMV asks L2 for:
+    ``MINIVLLM_PDL_L2_MB`` worth (at least 64, at most k); 0 where unset or 0.
+
+    Raises:
+        ValueError: the variable is not a number >= 0.
+    """
+    raw = os.environ.get(L2_PREFETCH_ENV, "0")
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"{L2_PREFETCH_ENV} must be a number of MB >= 0, got {raw!r}")
+    if mb == 0:
+        return 0
+    return min(k, max(64, int(mb * (1 << 20)) // (n * element_size)))
 
 
 def tma_allowed(weight: torch.Tensor) -> bool:
