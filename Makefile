@@ -12,16 +12,21 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# --no-compile: pip would byte-compile every installed module (torch's alone took 26 of
-# its 35 s here); Python compiles the few that the tests import, once, on first import.
+# --no-compile, then compileall on every core: pip byte-compiles on one core (torch's
+# install took 35 s with it, 9 without); the cache must exist before the tests, as with
+# PYTHONDONTWRITEBYTECODE=1 (set on these machines) every process would compile torch's
+# and transformers' sources again on import (3 s each). Some packages ship files for newer
+# Pythons that do not compile (pip's own step skips them too): hence "|| true".
 # Engine + simulator only: numpy and xxhash, no torch.
 $(VENV)/.core: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-compile -e .
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
 $(VENV)/.full: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-compile $(TORCH_CPU)
 	$(BIN)/pip install -q --no-compile -e '.[model,dev,serve,plot]'
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@ $(VENV)/.core
 
 # Coverage is measured where it is enforced (the engine and the simulator), by the tests
