@@ -120,6 +120,38 @@ def default_config(dtype: torch.dtype, head_dim: int, max_q_len: int) -> Prefill
 
 
 @triton.jit
+def _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The K and V rows of positions ``pos`` (in cache blocks ``block``) by pointer loads;
+    MASKED: zeros at positions from ``end`` on."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    # int64: the pool can exceed 2**31 elements.
+    kv_off = (block.to(tl.int64) * stride_cn + (pos % BLOCK_SIZE) * stride_cb)[:, None] + offs_d[None, :]
+    if MASKED:
+        in_range = pos < end
+        k = tl.load(k_ptr + kv_off, mask=in_range[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + kv_off)
+        v = tl.load(v_ptr + kv_off)
+    return k, v
+
+
+@triton.jit
+def _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2,
+               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """One K/V tile (keys at ``pos``) into the online softmax; MASKED: each row sees only
+    keys at or before its position. Returns (m_i, l_i, acc)."""
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # (M, BLOCK_N), unscaled
+    if MASKED:
+        # A real row's q_pos < end, so this also hides the keys past `end` (loaded as 0).
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    return online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+
+
+@triton.jit
 def _attend_kv_range(
     q, q_pos, m_i, l_i, acc,              # (M, D) queries, (M,) positions, softmax state
     k_ptr, v_ptr,                         # caches, already offset to this KV head
@@ -133,7 +165,6 @@ def _attend_kv_range(
 ):
     """Fold the keys [start, end) into the online softmax; returns (m_i, l_i, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     if USE_TMA and MASKED:
         # The diagonal (one or two tiles: not worth pipelining). A tile whose keys all exist
         # (below kv_len: the chunk's later tokens are stored too) comes as one box, the
@@ -146,16 +177,10 @@ def _attend_kv_range(
                 k = k_desc.load([row, desc_col])
                 v = v_desc.load([row, desc_col])
             else:
-                in_range = pos < end
-                block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
-                kv_off = (block.to(tl.int64) * stride_cn + (pos % BLOCK_SIZE) * stride_cb)[:, None] + offs_d[None, :]
-                k = tl.load(k_ptr + kv_off, mask=in_range[:, None], other=0.0)
-                v = tl.load(v_ptr + kv_off, mask=in_range[:, None], other=0.0)
-            if UPCAST_DOT:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+                block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos < end, other=0)
+                k, v = _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, True)
+            m_i, l_i, acc = _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2, True, DOT_PRECISION,
+                                       UPCAST_DOT)
         return m_i, l_i, acc
     if USE_TMA:
         # A tile lies inside one cache block: one block id per tile, and the tile is a
@@ -167,10 +192,8 @@ def _attend_kv_range(
             k = k_desc.load([row, desc_col])
             v = v_desc.load([row, desc_col])
             block = tl.load(table_row + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end, other=0)
-            if UPCAST_DOT:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (M, BLOCK_N), unscaled
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+            m_i, l_i, acc = _fold_tile(q, k, v, n0 + offs_n, q_pos, m_i, l_i, acc, scale_log2, False,
+                                       DOT_PRECISION, UPCAST_DOT)
         return m_i, l_i, acc
     # Block ids are looked up one tile ahead (loop-carried): the K/V loads' addresses then do
     # not wait on a load of the same iteration, so the pipeliner can issue them stages ahead.
@@ -178,23 +201,10 @@ def _attend_kv_range(
     block = tl.load(table_row + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n                                              # (BLOCK_N,)
-        # int64: the pool can exceed 2**31 elements.
-        kv_off = (block.to(tl.int64) * stride_cn + (pos % BLOCK_SIZE) * stride_cb)[:, None] + offs_d[None, :]
-        if MASKED:
-            in_range = pos < end
-            k = tl.load(k_ptr + kv_off, mask=in_range[:, None], other=0.0)
-            v = tl.load(v_ptr + kv_off, mask=in_range[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptr + kv_off)
-            v = tl.load(v_ptr + kv_off)
+        k, v = _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, MASKED)
         block = tl.load(table_row + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end, other=0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)      # (M, BLOCK_N), unscaled
-        if MASKED:
-            # A real row's q_pos < end, so this also hides the keys past `end` (loaded as 0).
-            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+        m_i, l_i, acc = _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2, MASKED, DOT_PRECISION,
+                                   UPCAST_DOT)
     return m_i, l_i, acc
 
 
