@@ -22,6 +22,31 @@ from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 # ulp, 2**-7 relative, where CUDA rounds to half an ulp).
 RTOL = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
 ANY = GemvConfig(block_k=32, min_programs=1)
+ANY_ONE_ROW = GemvConfig(block_k=32, min_programs=1, one_row=True)
+
+
+def any_config(x: torch.Tensor) -> GemvConfig:
+    """Small tiles for the interpreter, on the path the defaults take for x's row count."""
+    return ANY_ONE_ROW if x.shape[0] == 1 else ANY
+
+
+def small_tiles(monkeypatch, calls: list) -> None:
+    """Route the linear layers' kernels through :func:`any_config`'s tiles, recording
+    (rows, kind) per call: kind "gemv", "gated" or "normed"."""
+    real_gemv, real_normed = linear_mod.gemv, linear_mod.rms_norm_gemv
+
+    def gemv_(x, w, b, out=None, gated=False):
+        calls.append((x.shape[0], "gated" if gated else "gemv"))
+        return real_gemv(x, w, b, any_config(x), out=out, gated=gated)
+
+    def normed_(x, residual, norm_weight, eps, w, b):
+        calls.append((x.shape[0], "normed"))
+        return real_normed(x, residual, norm_weight, eps, w, b, any_config(x))
+
+    monkeypatch.setattr(linear_mod, "gemv", gemv_)
+    monkeypatch.setattr(linear_mod, "rms_norm_gemv", normed_)
+    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False, norm_weight=None: gemv_takes(
+        x, w, any_config(x), gated=gated, norm_weight=norm_weight))
 
 
 def operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
@@ -164,6 +189,103 @@ def test_gated_input_is_the_silu_and_mul_kernel_s_output(m: int, one_row: bool, 
         gemv(x[:, :k], w, config=config, gated=True)
 
 
+@pytest.mark.parametrize("k,norm_block", [(64, 2048), (100, 2048), (100, 32), (96, 32)])
+@pytest.mark.parametrize("residual,bias,prefetch", [(True, True, False), (False, False, False), (True, False, True)])
+def test_normed_input_is_the_rms_norm_kernel_s_output(monkeypatch, k: int, norm_block: int, residual: bool,
+                                                      bias: bool, prefetch: bool) -> None:
+    """``rms_norm_gemv``: the residual add + RMSNorm inside the one-row GEMV gives the RMSNorm
+    kernel's new residual bit for bit and, here (the interpreter sums in numpy's order), the
+    same bits as that kernel followed by the plain GEMV: K a whole number of steps or not, the
+    statistics pass in one step or several, with and without residual, bias and prefetch."""
+    import minivllm.kernels.gemv as gemv_mod
+    from minivllm.kernels.gemv import rms_norm_gemv
+    from minivllm.kernels.rms_norm import rms_norm
+
+    monkeypatch.setattr(gemv_mod, "NORM_BLOCK_MAX", norm_block)
+    gen = torch.Generator().manual_seed(k)
+    x = (3 * torch.randn(1, k, generator=gen)).to(torch.bfloat16)
+    r = torch.randn(1, k, generator=gen).to(torch.bfloat16) if residual else None
+    nw = (1 + 0.2 * torch.randn(k, generator=gen)).to(torch.bfloat16)
+    _, w, b = operands(1, 48, k, torch.bfloat16, bias, seed=k)
+    config = dataclasses.replace(ANY_ONE_ROW, prefetch=prefetch)
+    y, s = rms_norm_gemv(x, r, nw, 1e-6, w, b, config)
+    h, s_ref = rms_norm(x, nw, 1e-6, residual=r) if residual else (rms_norm(x, nw, 1e-6), x)
+    assert torch.equal(s, s_ref) and (s is x) == (not residual)
+    assert torch.equal(y, gemv(h, w, b, ANY_ONE_ROW))
+    expect_linear(y, h, w, b)
+
+
+def test_normed_input_takes_one_row_on_the_one_row_path_only() -> None:
+    from minivllm.kernels.gemv import rms_norm_gemv
+
+    x, w, _ = operands(1, 48, 64, torch.bfloat16, False)
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    assert gemv_takes(x, w, ANY_ONE_ROW, norm_weight=nw)
+    assert gemv_takes(x, w, ANY_ONE_ROW)
+    for args, kwargs in [((x, w, ANY), {}),                                   # tensor-core path
+                         ((torch.cat([x, x]), w, ANY_ONE_ROW), {}),           # two rows
+                         ((x, w, ANY_ONE_ROW), {"gated": True}),
+                         ((x, w, ANY_ONE_ROW), {"norm_weight": nw.float()}),  # norm weight of another dtype
+                         ((x, w, ANY_ONE_ROW), {"norm_weight": nw[:32]})]:
+        kwargs = {"norm_weight": nw, **kwargs}
+        assert not gemv_takes(*args, **kwargs), (args[0].shape, args[2], kwargs)
+    with pytest.raises(ValueError, match="one row on the one-row path"):
+        rms_norm_gemv(torch.cat([x, x]), None, nw, 1e-6, w, config=ANY_ONE_ROW)
+    with pytest.raises(ValueError, match="one row on the one-row path"):
+        rms_norm_gemv(x, None, nw, 1e-6, w, config=ANY)
+    with pytest.raises(ValueError, match="norm_weight"):
+        rms_norm_gemv(x, None, nw[:32], 1e-6, w, config=ANY_ONE_ROW)
+    with pytest.raises(TypeError, match="norm_weight"):
+        rms_norm_gemv(x, None, nw.float(), 1e-6, w, config=ANY_ONE_ROW)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_gemv(x, x[:, :32], nw, 1e-6, w, config=ANY_ONE_ROW)
+    with pytest.raises(TypeError, match="residual"):
+        rms_norm_gemv(x, x.half(), nw, 1e-6, w, config=ANY_ONE_ROW)
+
+
+def test_row_parallel_layers_never_take_the_norm() -> None:
+    """A norm before a row-parallel layer would come before its sum over ranks: refused."""
+    down = RowParallelLinear(64, 48).to(torch.bfloat16)
+    use_gemv(down)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    assert not down.takes_normed(x, torch.ones(64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="takes_normed"):
+        down.normed(x, None, torch.ones(64, dtype=torch.bfloat16), 1e-6)
+
+
+def test_norm_goes_into_the_projection_unless_it_reduces_ranks(monkeypatch) -> None:
+    """``RMSNorm.into``: at one row with the kernel on, one ``rms_norm_gemv`` call; where x holds
+    ranks' partial sums for the norm to reduce (``defers_to_norm``), the fused all-reduce +
+    norm, then the layer; off, the norm module then the layer. The same results each way."""
+    from minivllm.layers import norm as norm_mod
+    from minivllm.layers.norm import RMSNorm
+
+    calls: list[tuple[int, str]] = []
+    small_tiles(monkeypatch, calls)
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6, reduces_input=True).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+    qkv = MergedColumnParallelLinear(64, [48, 48]).to(torch.bfloat16)
+    torch.nn.init.normal_(qkv.weight, std=0.1)
+    x, r = torch.randn(1, 64).to(torch.bfloat16), torch.randn(1, 64).to(torch.bfloat16)
+    plain_y, plain_s = norm.into(qkv, x, r)                     # kernel off: norm, then cuBLAS
+    assert calls == [] and torch.equal(plain_s, x + r)
+    use_gemv(qkv)
+    y, s = norm.into(qkv, x, r)
+    assert calls == [(1, "normed")]
+    # (the interpreter truncates bf16 casts where torch rounds: one ulp apart at most)
+    torch.testing.assert_close(s.float(), plain_s.float(), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(y.float(), plain_y.float(), rtol=2 ** -6, atol=2 ** -6)
+    y0, s0 = norm.into(qkv, x, None)
+    assert calls[-1] == (1, "normed") and s0 is x
+    reduced: list[int] = []
+    monkeypatch.setattr(norm_mod, "defers_to_norm", lambda t: True)
+    monkeypatch.setattr(norm_mod, "all_reduce_add_rms_norm", lambda t, res, w, eps: (
+        reduced.append(1), norm_mod.add_rms_norm(t, res, w, eps))[1])
+    y2, s2 = norm.into(qkv, x, r)
+    assert reduced == [1] and calls[-1] == (1, "gemv") and torch.equal(s2, plain_s)
+
+
 def test_pdl_is_opt_in_and_gpu_only(monkeypatch) -> None:
     """``MINIVLLM_PDL=1`` switches the default tiles to their prefetching variant; the
     launch itself stays plain off Hopper GPUs (here: the CPU)."""
@@ -244,7 +366,8 @@ def test_layers_take_the_kernel_for_few_rows_only(monkeypatch) -> None:
     real = linear_mod.gemv
     monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b, out=None, gated=False: (
         calls.append((x.shape[0], b is not None)), real(x, w, b, ANY, out=out, gated=gated))[1])
-    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False: gemv_takes(x, w, ANY, gated=gated))
+    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False, norm_weight=None: gemv_takes(
+        x, w, ANY, gated=gated, norm_weight=norm_weight))
     torch.manual_seed(0)
     gate_up = MergedColumnParallelLinear(32, [48, 48], bias=False).to(torch.bfloat16)
     down = RowParallelLinear(48, 32, bias=True).to(torch.bfloat16)
@@ -271,21 +394,24 @@ def test_executor_config_switches_the_model_s_layers(monkeypatch) -> None:
     from model_utils import make_model_executor, make_plan
 
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
-    calls = []
-    real = linear_mod.gemv
-    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b, out=None, gated=False: (
-        calls.append((x.shape[0], gated)), real(x, w, b, ANY, out=out, gated=gated))[1])
-    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False: gemv_takes(x, w, ANY, gated=gated))
-    plan = make_plan([([5, 9, 11], 0, (0,), True), ([7, 3], 0, (1,), True), ([42], 0, (2,), True)], 16)
-    logits = {}
-    for on in (False, True):
-        ex = make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64,
-                                 device="cpu", dtype="bfloat16", attention_backend="torch", gemv=on)
-        logits[on] = ex.compute_logits(plan).float()
-    # 3 layers x (qkv, o, gate_up, down), 6 tokens each; down takes [gate | up] (gated)
-    assert calls == [(6, False), (6, False), (6, False), (6, True)] * 3
-    rel = (logits[True] - logits[False]).norm() / logits[False].norm()
-    assert rel < 2e-2, rel
+    calls: list[tuple[int, str]] = []
+    small_tiles(monkeypatch, calls)
+    three = make_plan([([5, 9, 11], 0, (0,), True), ([7, 3], 0, (1,), True), ([42], 0, (2,), True)], 16)
+    one = make_plan([([42], 0, (0,), True)], 16)
+    for plan, per_layer in ((three, [(6, "gemv"), (6, "gemv"), (6, "gemv"), (6, "gated")]),
+                            # one row: each norm inside the projection after it
+                            (one, [(1, "normed"), (1, "gemv"), (1, "normed"), (1, "gated")])):
+        logits = {}
+        for on in (False, True):
+            calls.clear()
+            ex = make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4,
+                                     max_num_batched_tokens=64, device="cpu", dtype="bfloat16",
+                                     attention_backend="torch", gemv=on)
+            logits[on] = ex.compute_logits(plan).float()
+        # 3 layers x (qkv, o, gate_up, down); down takes [gate | up] (gated)
+        assert calls == per_layer * 3
+        rel = (logits[True] - logits[False]).norm() / logits[False].norm()
+        assert rel < 2e-2, rel
 
 
 def test_gemv_option_refuses_models_it_cannot_serve(monkeypatch) -> None:

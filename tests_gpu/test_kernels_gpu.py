@@ -434,15 +434,40 @@ def test_gated_gemv_is_silu_and_mul_then_gemv(rows: int, n: int, k: int) -> None
     assert torch.equal(gemv(x, w, gated=True), gemv(silu_and_mul(x), w))
 
 
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (6144, 4096), (24576, 4096)])
+def test_normed_gemv_is_rms_norm_then_gemv(residual: bool, n: int, k: int) -> None:
+    """The qkv and gate_up projections of Qwen3-0.6B and 8B at batch 1 with their residual add +
+    RMSNorm inside (``rms_norm_gemv``), compiled for this GPU: the new residual is the RMSNorm
+    kernel's bit for bit; the output is the RMSNorm kernel then the GEMV's, up to the row's
+    mean square summed in another order (an input element may round one ulp apart)."""
+    from minivllm.kernels.gemv import gemv, rms_norm_gemv
+    from minivllm.kernels.rms_norm import rms_norm
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    x = (3 * torch.randn(1, k, generator=gen, device=DEVICE)).bfloat16()
+    r = torch.randn(1, k, generator=gen, device=DEVICE).bfloat16() if residual else None
+    nw = (1 + 0.2 * torch.randn(k, generator=gen, device=DEVICE)).bfloat16()
+    w = (torch.randn(n, k, generator=gen, device=DEVICE) / k ** 0.5).bfloat16()
+    y, s = rms_norm_gemv(x, r, nw, 1e-6, w)
+    h, s_ref = rms_norm(x, nw, 1e-6, residual=r) if residual else (rms_norm(x, nw, 1e-6), x)
+    assert torch.equal(s, s_ref)
+    ref = gemv(h, w)
+    same = (y == ref).float().mean().item()
+    assert same > 0.9, same
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) -> None:
     """``MINIVLLM_PDL=1``: RMSNorm (signalling early) -> GEMV (launched with launch_pdl,
     streaming W before its wait) -> SiLU-and-mul -> GEMV, captured in a CUDA graph and
     replayed on new inputs, gives exactly the bits of the plain launches (the same sums;
-    a GEMV reading x before RMSNorm finished would not). Skipped where PDL is not
-    possible (pre-Hopper, or a triton without launch_pdl)."""
+    a GEMV reading x before RMSNorm finished would not); at one row the chain starts with the
+    norm inside the GEMV (``rms_norm_gemv``). Skipped where PDL is not possible (pre-Hopper,
+    or a triton without launch_pdl)."""
     from minivllm.kernels import _launch
-    from minivllm.kernels.gemv import gemv
+    from minivllm.kernels.gemv import gemv, rms_norm_gemv
     from minivllm.kernels.rms_norm import rms_norm
     from minivllm.kernels.silu_and_mul import silu_and_mul
 
@@ -454,6 +479,8 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) 
     w_down = (torch.randn(h, inter, generator=gen, device=DEVICE) / inter ** 0.5).bfloat16()
 
     def chain(inp: torch.Tensor) -> torch.Tensor:
+        if rows == 1:  # the decode step's shape: the norm inside the GEMV, which waits before its statistics
+            return gemv(silu_and_mul(rms_norm_gemv(inp, None, norm_w, 1e-6, w_up)[0]), w_down)
         return gemv(silu_and_mul(gemv(rms_norm(inp, norm_w, 1e-6), w_up)), w_down)
 
     monkeypatch.delenv(_launch.PDL_ENV, raising=False)

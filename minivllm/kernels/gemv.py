@@ -31,6 +31,15 @@ With ``gated`` the input is ``silu(gate) * up`` of x = [gate | up], computed fro
 tiles stream (the SiLU-and-mul kernel's ``gated_silu``, so the same bits): the MLP's down
 projection at batch <= 16 runs without a launch for its activation.
 
+With an input norm (:func:`rms_norm_gemv`, one row on the one-row path) the input is
+RMSNorm(x + residual): each program sums the row's squares first (x and the residual are 2-8
+KB, from L2; the first W tile is already in flight), program 0 writes x + residual as the
+new residual stream, and the main loop normalises each x tile as it streams W (the RMSNorm
+kernel's ``normalise`` and ``add_residual``, so its rounding). The decode layer's two norms
+then need no launch of their own at batch 1 (``RMSNorm.into``). Only the order of the
+mean-square sum differs from the RMSNorm kernel's, so an input element may round one ulp
+apart.
+
 There is no split of K, so the caller uses this kernel only where ``cdiv(N, BLOCK_N)``
 programs are enough (:func:`gemv_takes`).
 
@@ -72,13 +81,15 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config, pdl,
-    pdl_requested, tma_rows_allowed, upcast_dot,
+    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config, next_pow2,
+    pdl, pdl_requested, tma_rows_allowed, upcast_dot,
 )
+from minivllm.kernels.rms_norm import add_residual, normalise
 from minivllm.kernels.silu_and_mul import gated_silu
 
 
 MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
+NORM_BLOCK_MAX = 2048  # columns per step of rms_norm_gemv's statistics pass (fp32 registers per program)
 # With PDL, how many MB of W the programs ask L2 for before the previous kernel ends
 # (a larger W has its first columns prefetched, which all programs read first). Default 0:
 # none. PDL was timed (ninth session) with 24, half the H200's 50 MB L2, and was slower;
@@ -126,9 +137,13 @@ def _gemv_kernel(
     w_desc,                      # USE_TMA: descriptor of W with (BLOCK_N, BLOCK_K) boxes; else unread
     bias_ptr,                    # (N,) (read only if HAS_BIAS)
     y_ptr,                       # (M, N) contiguous
+    r_ptr,                       # NORM + HAS_RESIDUAL: the residual stream (1, K) added to x; else unread
+    r_out_ptr,                   # NORM + HAS_RESIDUAL: (1, K) receives x + residual (program 0); else unwritten
+    nw_ptr,                      # NORM: the RMSNorm weight (K,); else unread
     M, N, K,
     stride_xm,
     l2_end,                      # PDL: W columns [0, l2_end) of this program's rows are prefetched into L2
+    eps,                         # NORM: the RMSNorm epsilon
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,    # CPU interpreter + bf16: see _launch.upcast_dot
@@ -138,10 +153,14 @@ def _gemv_kernel(
     PREFETCH: tl.constexpr,      # the first W tile is loaded before anything else (GemvConfig.prefetch)
     PDL: tl.constexpr,           # launched with launch_pdl: wait for the previous kernel after that load
     GATED: tl.constexpr,         # the input is silu(gate) * up of x = [gate | up] (see gemv's ``gated``)
+    NORM: tl.constexpr,          # the input is RMSNorm(x [+ residual]) (ONE_ROW only; see rms_norm_gemv)
+    HAS_RESIDUAL: tl.constexpr,  # NORM: add the residual first, and write the sum to r_out
+    NORM_BLOCK: tl.constexpr,    # NORM: columns per step of the statistics pass
 ):
+    tl.static_assert(ONE_ROW or not NORM, "the input norm is on the one-row path only")
     if ONE_ROW:
-        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
-                 NUM_STAGES, PREFETCH, PDL, GATED)
+        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, N, K, l2_end, eps, HAS_BIAS, EVEN_N,
+                 EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, PDL, GATED, NORM, HAS_RESIDUAL, NORM_BLOCK)
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
     rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
@@ -229,27 +248,32 @@ def _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-             PREFETCH: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr):
+def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, N, K, l2_end, eps, HAS_BIAS: tl.constexpr,
+             EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
+             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """y[0, cols] for one row of x: fp32 products summed over K at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
     col_ok = cols < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    rstd = 0.0
     k_start = 0
-    if PREFETCH:  # as in _gemv_kernel
+    if PREFETCH or NORM:  # as in _gemv_kernel; NORM: the first W tile streams during the statistics pass
         if PDL:
             _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N)
         w = _w_tile(w_rows, w_rows, 0, offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        acc = _row_product(w, x_ptr, offs_k, K, acc, EVEN_K, GATED)
+        if NORM:
+            rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK)
+        acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, offs_k, K, acc, EVEN_K, GATED, NORM, HAS_RESIDUAL)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _w_tile(w_rows, w_rows, k0, k0 + offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
-        acc = _row_product(w, x_ptr, k0 + offs_k, K, acc, EVEN_K, GATED)
+        acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k0 + offs_k, K, acc, EVEN_K, GATED, NORM,
+                           HAS_RESIDUAL)
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -257,26 +281,73 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, l2_end, HAS_BIAS: tl.constexpr
 
 
 @triton.jit
-def _row_product(w, x_ptr, k, K, acc, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """``acc + w * x[k]`` (fp32 products, summed over K by the caller at the end)."""
+def _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k, K, acc, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """``acc + w * x[k]`` (fp32 products, summed over K by the caller at the end); NORM: x[k]
+    is the normalised ``x + residual`` (residual at ``r_ptr``, norm weight at ``nw_ptr``)."""
     if EVEN_K:
-        x = _x_cols(x_ptr, k, None, K, GATED)
+        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, None, K, GATED, NORM, HAS_RESIDUAL)
     else:
-        x = _x_cols(x_ptr, k, k < K, K, GATED)
+        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, k < K, K, GATED, NORM, HAS_RESIDUAL)
     return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
+@triton.jit
+def _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED: tl.constexpr, NORM: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr):
+    """The input row at columns ``k``: x, silu(gate) * up (GATED), or NORM: the RMSNorm kernel's
+    output for ``x + residual`` given its ``rstd`` (the same rounding: ``rms_norm.normalise``)."""
+    if NORM:
+        s = _residual_sum(x_ptr + k, r_ptr + k, mask, HAS_RESIDUAL)
+        x = normalise(s, _masked_load(nw_ptr + k, mask).to(tl.float32), rstd).to(s.dtype)
+    else:
+        x = _x_cols(x_ptr, k, mask, K, GATED)
+    return x
+
+
+@triton.jit
+def _residual_sum(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
+    """x, or ``x + residual`` rounded as the RMSNorm kernel rounds it (``rms_norm.add_residual``)."""
+    x = _masked_load(x_ptrs, mask)
+    if HAS_RESIDUAL:
+        x = add_residual(x, _masked_load(r_ptrs, mask))
+    return x
+
+
+@triton.jit
+def _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """``1 / sqrt(mean(s^2) + eps)`` of the row s = x [+ residual] (fp32 sums, BLOCK columns a
+    step; every program computes it, from L2). HAS_RESIDUAL: program 0 also writes s to r_out,
+    a buffer no program reads (the new residual stream)."""
+    sq = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        s = _residual_sum(x_ptr + k, r_ptr + k, k < K, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            if tl.program_id(0) == 0:
+                tl.store(r_out_ptr + k, s, mask=k < K)
+        s32 = s.to(tl.float32)
+        sq += s32 * s32
+    return tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
-               gated: bool = False) -> bool:
+               gated: bool = False, norm_weight: torch.Tensor | None = None) -> bool:
     """Whether :func:`gemv` serves ``F.linear(x, weight)`` (``gated``: ``F.linear(silu_and_mul(x),
     weight)``): x is (M <= 16, K) (gated: (M, 2K)) in bf16/fp16 with W's dtype, W is (N, K)
     contiguous, and N is wide enough for ``config.min_programs`` programs (``config`` None:
-    ``default_config(M)``). Host shapes only (no device read: safe inside CUDA-graph capture)."""
+    ``default_config(M)``). With ``norm_weight``: whether :func:`rms_norm_gemv` serves it
+    (also one row on the one-row path, and a (K,) norm weight of x's dtype). Host shapes
+    only (no device read: safe inside CUDA-graph capture)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
             and weight.dim() == 2 and x.shape[1] == weight.shape[1] * (2 if gated else 1)
             and weight.is_contiguous() and x.stride(1) == 1):
         return False
     config = config or default_config(x.shape[0])
+    if norm_weight is not None and not (
+            x.shape[0] == 1 and config.one_row and not gated and norm_weight.dtype == x.dtype
+            and norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()):
+        return False
     return triton.cdiv(weight.shape[0], config.block_n) >= config.min_programs
 
 
@@ -297,6 +368,58 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             non-contiguous weight, a bias not (N,), an ``out`` not a contiguous (M, N),
             or tensors on different devices.
     """
+    tensors = _check(x, weight, bias, gated)
+    if out is not None:
+        check_dtype("out", out, (x.dtype,))
+        if out.shape != (x.shape[0], weight.shape[0]) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous ({x.shape[0]}, {weight.shape[0]}), "
+                             f"got shape {tuple(out.shape)}")
+        tensors["out"] = out
+    check_same_device(**tensors)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if out is None else out
+    config = config or default_config(x.shape[0])
+    _launch(x, weight, bias, y, config, gated=gated)
+    return y
+
+
+def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(rms_norm(s), weight, bias), s)`` for one row x (1, K) and s = x + residual
+    (residual None: s = x), in one kernel: the RMSNorm kernel's rounding (``rms_norm.normalise``
+    and ``add_residual``), with the row's statistics summed in the kernel's own order; s is a new
+    tensor (x itself when residual is None). A decode layer's residual add + RMSNorm without a
+    launch of its own, at batch 1 on the one-row path (``config`` None: ``default_config(1)``).
+
+    Raises:
+        TypeError: x, residual, the weights (and bias) are not one of bf16 / fp16 together.
+        ValueError: anything :func:`gemv` refuses, more than one row, a config without
+            ``one_row``, a residual not like x, or a norm weight not a contiguous (K,).
+    """
+    tensors = _check(x, weight, bias, False)
+    config = config or default_config(1)
+    if x.shape[0] != 1 or not config.one_row:
+        raise ValueError(f"rms_norm_gemv takes one row on the one-row path, got {x.shape[0]} rows "
+                         f"and one_row={config.one_row}")
+    check_dtype("norm_weight", norm_weight, (x.dtype,))
+    if norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous ({x.shape[1]},), got shape {tuple(norm_weight.shape)}")
+    tensors["norm_weight"] = norm_weight
+    if residual is not None:
+        check_dtype("residual", residual, (x.dtype,))
+        if residual.shape != x.shape or residual.stride(1) != 1:
+            raise ValueError(f"residual must be like x {tuple(x.shape)}, got shape {tuple(residual.shape)} "
+                             f"strides {residual.stride()}")
+        tensors["residual"] = residual
+    check_same_device(**tensors)
+    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    _launch(x, weight, bias, y, config, norm=(norm_weight, float(eps), residual, s))
+    return y, s
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> dict[str, torch.Tensor]:
+    """Validate x, weight and bias of a GEMV (raises as :func:`gemv` says); returns them by name."""
     check_dtype("x", x, _DTYPES)
     check_dtype("weight", weight, (x.dtype,))
     if x.dim() != 2 or x.shape[0] > MAX_ROWS:
@@ -309,36 +432,40 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"strides {weight.stride()}")
     check_last_dim_contiguous("x", x)
     tensors = {"x": x, "weight": weight}
-    n, k = weight.shape
     if bias is not None:
+        n = weight.shape[0]
         check_dtype("bias", bias, (x.dtype,))
         if bias.shape != (n,) or (n > 1 and bias.stride(0) != 1):
             raise ValueError(f"bias must be a contiguous ({n},), got shape {tuple(bias.shape)}")
         tensors["bias"] = bias
-    if out is not None:
-        check_dtype("out", out, (x.dtype,))
-        if out.shape != (x.shape[0], n) or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous ({x.shape[0]}, {n}), got shape {tuple(out.shape)}")
-        tensors["out"] = out
-    check_same_device(**tensors)
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) if out is None else out
+    return tensors
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+            config: GemvConfig, *, gated: bool = False,
+            norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None = None) -> None:
+    """Launch the kernel on checked arguments; ``norm``: (norm weight, eps, residual or None,
+    the buffer for x + residual)."""
+    n, k = weight.shape
     if x.shape[0] == 0 or n == 0:
-        return y
-    config = config or default_config(x.shape[0])
+        return
     one_row = config.one_row and x.shape[0] == 1
     use_tma = config.tma and not one_row and tma_allowed(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
     use_pdl = config.prefetch and pdl(x)
+    norm_weight, eps, residual, res_out = norm if norm is not None else (weight, 0.0, None, weight)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, w_desc, bias if bias is not None else weight, y, x.shape[0], n, k, x.stride(0),
-        l2_prefetch_columns(n, k, weight.element_size()) if use_pdl else 0,
+        x, weight, w_desc, bias if bias is not None else weight, y,
+        residual if residual is not None else weight, res_out, norm_weight,
+        x.shape[0], n, k, x.stride(0),
+        l2_prefetch_columns(n, k, weight.element_size()) if use_pdl else 0, eps,
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
         USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages, PREFETCH=config.prefetch, PDL=use_pdl,
-        GATED=gated,
+        GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX),
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-    return y
 
 
 def l2_prefetch_columns(n: int, k: int, element_size: int) -> int:

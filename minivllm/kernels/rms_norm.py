@@ -38,8 +38,22 @@ def weighted_rms_norm_row(x, w, eps, N: tl.constexpr):
     zeros past N), ``w`` in fp32: statistics in fp32, the normalised value rounded to
     x's dtype before the weight multiply. Returns fp32 (the caller casts once)."""
     x32 = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
-    return w * (x32 * rstd).to(x.dtype).to(tl.float32)
+    return normalise(x, w, tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps))
+
+
+@triton.jit
+def normalise(x, w, rstd):
+    """``w * (x * rstd)`` for x in its own dtype, w and rstd in fp32: the normalised value
+    rounded to x's dtype before the weight multiply (the rounding of Hugging Face's
+    Qwen3RMSNorm). Returns fp32. Shared with the GEMV kernel's input norm."""
+    return w * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def add_residual(x, r):
+    """``x + r`` rounded once to x's dtype, as torch's add in that dtype (the new residual
+    stream). Shared with the GEMV kernel's input norm."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit
@@ -60,7 +74,7 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # one rounding, as torch's add
+        x = add_residual(x, r)
         tl.store(residual_out_ptr + row * N + offs, x, mask=mask)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + offs, weighted_rms_norm_row(x, w, eps, N).to(out_ptr.dtype.element_ty), mask=mask)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.kernels.gemv import gemv, gemv_takes
+from minivllm.kernels.gemv import gemv, gemv_takes, rms_norm_gemv
 from minivllm.layers.all_reduce import all_reduce, defers_to_norm, output_slot
 
 if TYPE_CHECKING:
@@ -226,6 +226,23 @@ class LinearBase(nn.Module):
         """Whether ``forward(x, gated=True)`` can run: the GEMV kernel is on and takes x =
         [gate | up] (at most 16 rows), applying ``silu(gate) * up`` itself."""
         return self.use_gemv and gemv_takes(x, self.weight, gated=True)
+
+    def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+        """Whether :meth:`normed` can run: the GEMV kernel is on and takes one row x with the
+        RMSNorm weight ``norm_weight`` (``gemv_takes(..., norm_weight=...)``)."""
+        return self.use_gemv and gemv_takes(x, self.weight, norm_weight=norm_weight)
+
+    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(rms_norm(x + residual)), x + residual)`` in one GEMV kernel (residual None:
+        ``(forward(rms_norm(x)), x)``); only where :meth:`takes_normed`.
+
+        Raises:
+            ValueError: the kernel does not take x (see :meth:`takes_normed`).
+        """
+        if not self.takes_normed(x, norm_weight):
+            raise ValueError(f"a normed input needs the GEMV kernel to take x {tuple(x.shape)} (takes_normed)")
+        return rms_norm_gemv(x, residual, norm_weight, eps, self.weight, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
                 gated: bool = False) -> torch.Tensor:
@@ -418,6 +435,10 @@ class RowParallelLinear(LinearBase):
             ValueError: a shard id was given, or the checkpoint shape is wrong.
         """
         load_unpacked(self, param, loaded, shard_id, dim=1, full=self.input_size)
+
+    def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+        """Never: the norm would come before the sum over ranks and the bias rule of :meth:`forward`."""
+        return False
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:  # (..., in_local) -> (..., out)
         """``gated``: x is [gate | up] (2 x in_local wide) and the input is ``silu(gate) * up``,

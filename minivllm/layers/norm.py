@@ -7,7 +7,7 @@ from torch import nn
 
 from minivllm.layers import fuse
 from minivllm.layers.all_reduce import all_reduce_add_rms_norm, defers_to_norm
-from minivllm.layers.linear import default_weight_loader, set_weight_loader
+from minivllm.layers.linear import LinearBase, default_weight_loader, set_weight_loader
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,3 +80,20 @@ class RMSNorm(nn.Module):
         if self.reduces_input and defers_to_norm(x):
             return all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def into(self, linear: LinearBase, x: torch.Tensor,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(norm(x + residual)), x + residual)``; residual None: ``(linear(norm(x)), x)``.
+
+        One GEMV kernel where the layer takes the norm in (``linear.takes_normed``: a decode
+        step at batch 1 on CUDA), so the norm costs no launch of its own; else this module,
+        then the layer. Where ``x`` holds ranks' partial sums for this norm to reduce
+        (``reduces_input``), the fused all-reduce + norm kernel keeps it.
+        """
+        reduces_here = residual is not None and self.reduces_input and defers_to_norm(x)
+        if not reduces_here and linear.takes_normed(x, self.weight):
+            return linear.normed(x, residual, self.weight, self.eps)
+        if residual is None:
+            return linear(self(x)), x
+        h, residual = self(x, residual)
+        return linear(h), residual

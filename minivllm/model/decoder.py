@@ -5,12 +5,13 @@ into one (T, ...) batch; the attention metadata says which sequence each
 belongs to. Per layer::
 
     h, res = input_layernorm(h, res)            # fused residual add
-    qkv = qkv_proj(h)                           # (T, (H + 2 Hkv) D) one matmul (+ bias: Qwen2)
+    qkv = qkv_proj(h)                           # (T, (H + 2 Hkv) D) one matmul (+ bias: Qwen2);
+                                                # at batch 1 one kernel with the norm (RMSNorm.into)
     q, k = q_norm(q), k_norm(k)                 # RMSNorm per head, before RoPE (Qwen3 only)
     q, k = rope(positions, q, k)                # llama3 frequency scaling lives in the table
     o = attn(q, k, v)                           # writes K/V to the paged cache
     h = o_proj(o)
-    h, res = post_attention_layernorm(h, res)
+    h, res = post_attention_layernorm(h, res)   # (into gate_up_proj, as above)
     h = down_proj(silu(gate) * up)              # gate_up_proj packed
 
 Positions come from the caller (the plan), never from cu_seqlens, so chunked
@@ -126,9 +127,12 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) positions, (T, hidden) -> (T, hidden)."""
-        t, d = hidden.shape[0], self.head_dim
+        return self.from_qkv(positions, self.qkv_proj(hidden), meta)
+
+    def from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The block after its QKV projection: (T,) positions, (T, (H + 2 Hkv) D) -> (T, hidden)."""
+        t, d = qkv.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        qkv = self.qkv_proj(hidden)                            # (T, (H + 2 Hkv) D)
         self.rotary_emb.check_positions(positions)
         backend = self.attn.backend
         if backend.fuses_qk_norm_rope(qkv.device):
@@ -166,7 +170,10 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        h = self.gate_up_proj(x)
+        return self.from_gate_up(self.gate_up_proj(x))
+
+    def from_gate_up(self, h: torch.Tensor) -> torch.Tensor:  # (T, 2 intermediate) -> (T, hidden)
+        """The block after its gate/up projection."""
         if self.down_proj.takes_gated(h):  # few rows on the GEMV kernel: it applies SiLU-and-mul itself
             return self.down_proj(h, gated=True)
         return self.down_proj(self.act_fn(h))
@@ -189,14 +196,11 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream before it)``, both (T, hidden); the
         next layer's input norm adds them."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each norm goes into the projection after it (one kernel at batch 1: RMSNorm.into).
+        qkv, residual = self.input_layernorm.into(self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn.from_qkv(positions, qkv, meta)
+        gate_up, residual = self.post_attention_layernorm.into(self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp.from_gate_up(gate_up), residual
 
 
 class DecoderModel(nn.Module):
