@@ -27,7 +27,9 @@ import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_us
 from benchmarks.qwen3_shapes import QWEN3_0_6B, QWEN3_8B
-from minivllm.kernels.gemv import FEW_ROWS_CONFIG, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes
+from minivllm.kernels.gemv import (
+    FEW_ROWS_CONFIG, ONE_ROW_CONFIG, ONE_ROW_NARROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes,
+)
 
 DEVICE = "cuda"             # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it
 L2_FLUSH_BYTES = 256 << 20  # copies of a weight cycled per timing: more than the H200's 50 MB L2
@@ -41,6 +43,8 @@ CANDIDATES = [
     # Batch 1 on CUDA cores (timed at one row only: above it they are the tensor-core tiles).
     GemvConfig(16, 256, 4, 4, one_row=True), GemvConfig(16, 512, 4, 3, one_row=True),
     GemvConfig(32, 256, 8, 4, one_row=True),
+    GemvConfig(8, 1024, 4, 3, one_row=True),
+    GemvConfig(8, 512, 2, 4, one_row=True), GemvConfig(4, 1024, 4, 3, one_row=True),
 ]
 
 
@@ -70,7 +74,7 @@ def bench_shape(name: str, n: int, k: int, rows: int, configs: list[GemvConfig])
     for config in configs:
         if config.one_row and rows > 1:
             continue
-        entry = {"config": asdict(config), "default": config == default_config(rows)}
+        entry = {"config": asdict(config), "default": config == default_config(rows, n)}
         try:
             err = (gemv(x, w0, config=config).float() - ref).abs().max().item()
             if not err <= TOL * max(1.0, ref.abs().max().item()):
@@ -110,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gemv needs a CUDA device")
-    defaults = [ONE_ROW_CONFIG, FEW_ROWS_CONFIG]
+    defaults = [ONE_ROW_CONFIG, ONE_ROW_NARROW_CONFIG, FEW_ROWS_CONFIG]
     configs = defaults + ([] if args.quick else [c for c in CANDIDATES if c not in defaults])
     results, default_failed = [], False
     for model in args.models.split(","):

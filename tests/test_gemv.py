@@ -113,6 +113,12 @@ def test_default_tiles_depend_on_the_row_count(monkeypatch) -> None:
 
     assert default_config(1) is ONE_ROW_CONFIG and ONE_ROW_CONFIG.one_row
     assert all(default_config(m) is FEW_ROWS_CONFIG for m in (2, 7, MAX_ROWS))
+    narrow = gemv_mod.NARROW_N
+    if narrow:  # a W of at most NARROW_N rows takes narrower column blocks at one row only
+        assert default_config(1, narrow) is gemv_mod.ONE_ROW_NARROW_CONFIG
+        assert default_config(4, narrow) is FEW_ROWS_CONFIG
+    assert default_config(1, narrow + 1) is ONE_ROW_CONFIG
+    assert gemv_mod.ONE_ROW_NARROW_CONFIG.one_row
     launches = []
     real = gemv_mod._gemv_kernel
 
@@ -284,6 +290,23 @@ def test_norm_goes_into_the_projection_unless_it_reduces_ranks(monkeypatch) -> N
         reduced.append(1), norm_mod.add_rms_norm(t, res, w, eps))[1])
     y2, s2 = norm.into(qkv, x, r)
     assert reduced == [1] and calls[-1] == (1, "gemv") and torch.equal(s2, plain_s)
+
+
+@pytest.mark.parametrize("block_n", [8, 4])
+def test_narrow_column_blocks_serve_one_row_only(block_n: int) -> None:
+    """Below 16 columns a program (more programs for a narrow W) is the one-row path's: it
+    gives F.linear, and a config of it refuses more rows, as do non-one-row configs."""
+    config = GemvConfig(block_n=block_n, block_k=32, min_programs=1, one_row=True)
+    x, w, b = operands(1, 50, 100, torch.bfloat16, True, seed=block_n)
+    expect_linear(gemv(x, w, b, config), x, w, b)
+    two = torch.cat([x, x])
+    assert gemv_takes(x, w, config) and not gemv_takes(two, w, config)
+    with pytest.raises(ValueError, match="one row only"):
+        gemv(two, w, b, config)
+    with pytest.raises(ValueError, match="block_n"):
+        GemvConfig(block_n=block_n)
+    with pytest.raises(ValueError, match="block_n"):
+        GemvConfig(block_n=12, one_row=True)
 
 
 def test_pdl_is_opt_in_and_gpu_only(monkeypatch) -> None:

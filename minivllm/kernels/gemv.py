@@ -81,14 +81,15 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config, next_pow2,
-    pdl, pdl_requested, tma_rows_allowed, upcast_dot,
+    TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device,
+    check_tile_config, next_pow2, pdl, pdl_requested, tma_rows_allowed, upcast_dot,
 )
 from minivllm.kernels.rms_norm import add_residual, normalise
 from minivllm.kernels.silu_and_mul import gated_silu
 
 
 MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
+MIN_DOT_BLOCK = 16  # tl.dot's smallest tile side: block_n below it serves one row only
 NORM_BLOCK_MAX = 2048  # columns per step of rms_norm_gemv's statistics pass (fp32 registers per program)
 # With PDL, how many MB of W the programs ask L2 for before the previous kernel ends
 # (a larger W has its first columns prefetched, which all programs read first). Default 0:
@@ -103,7 +104,7 @@ class GemvConfig:
     """Tile and launch parameters (a tuning knob, not semantics); ``python3 -m
     benchmarks.gemv`` sweeps them against cuBLAS. The defaults: :func:`default_config`."""
 
-    block_n: int = 16         # output columns (W rows) per program; power of two >= 16
+    block_n: int = 16         # output columns (W rows) per program; power of two >= 16 (one_row: >= 1)
     block_k: int = 256        # reduction step; power of two >= 16
     num_warps: int = 4
     num_stages: int = 4       # W tiles in flight per program
@@ -113,20 +114,31 @@ class GemvConfig:
     prefetch: bool = False    # first W tile before the wait for the previous kernel (module doc: PDL)
 
     def __post_init__(self) -> None:
-        check_tile_config(self, ("block_n", "block_k"), ("tma", "one_row", "prefetch"))
+        # one_row: no tl.dot at one row, so narrower column blocks (more programs) are allowed;
+        # such a config serves one row only (gemv_takes, gemv).
+        check_power_of_two("block_n", self.block_n, minimum=1 if self.one_row else MIN_DOT_BLOCK)
+        check_tile_config(self, ("block_k",), ("tma", "one_row", "prefetch"))
         if self.min_programs < 1:
             raise ValueError(f"min_programs must be >= 1, got {self.min_programs}")
 
 
 ONE_ROW_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, one_row=True)
+# One row of a W with at most NARROW_N rows: half the columns per program, twice the programs.
+ONE_ROW_NARROW_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, one_row=True)
+NARROW_N = 0
 FEW_ROWS_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
-_PREFETCHING = {c: dataclasses.replace(c, prefetch=True) for c in (ONE_ROW_CONFIG, FEW_ROWS_CONFIG)}
+_PREFETCHING = {c: dataclasses.replace(c, prefetch=True)
+                for c in (ONE_ROW_CONFIG, ONE_ROW_NARROW_CONFIG, FEW_ROWS_CONFIG)}
 
 
-def default_config(rows: int) -> GemvConfig:
-    """The measured tiles for ``rows`` rows of x (see the module doc); with
-    ``MINIVLLM_PDL=1``, their ``prefetch`` variant (measured slower: module doc)."""
-    config = ONE_ROW_CONFIG if rows == 1 else FEW_ROWS_CONFIG
+def default_config(rows: int, n: int | None = None) -> GemvConfig:
+    """The measured tiles for ``rows`` rows of x and a W of ``n`` rows (None: a wide one; see
+    the module doc); with ``MINIVLLM_PDL=1``, their ``prefetch`` variant (measured slower:
+    module doc)."""
+    if rows == 1:
+        config = ONE_ROW_NARROW_CONFIG if n is not None and n <= NARROW_N else ONE_ROW_CONFIG
+    else:
+        config = FEW_ROWS_CONFIG
     return _PREFETCHING[config] if pdl_requested() else config
 
 
@@ -336,14 +348,16 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None 
     """Whether :func:`gemv` serves ``F.linear(x, weight)`` (``gated``: ``F.linear(silu_and_mul(x),
     weight)``): x is (M <= 16, K) (gated: (M, 2K)) in bf16/fp16 with W's dtype, W is (N, K)
     contiguous, and N is wide enough for ``config.min_programs`` programs (``config`` None:
-    ``default_config(M)``). With ``norm_weight``: whether :func:`rms_norm_gemv` serves it
+    ``default_config(M, N)``). With ``norm_weight``: whether :func:`rms_norm_gemv` serves it
     (also one row on the one-row path, and a (K,) norm weight of x's dtype). Host shapes
     only (no device read: safe inside CUDA-graph capture)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
             and weight.dim() == 2 and x.shape[1] == weight.shape[1] * (2 if gated else 1)
             and weight.is_contiguous() and x.stride(1) == 1):
         return False
-    config = config or default_config(x.shape[0])
+    config = config or default_config(x.shape[0], weight.shape[0])
+    if config.block_n < MIN_DOT_BLOCK and not (config.one_row and x.shape[0] == 1):
+        return False
     if norm_weight is not None and not (
             x.shape[0] == 1 and config.one_row and not gated and norm_weight.dtype == x.dtype
             and norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()):
@@ -354,7 +368,7 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, out: torch.Tensor | None = None, *, gated: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x (M, K) with M <= 16: (M, N) in x's dtype, with
-    ``config`` (None: ``default_config(M)``), written into ``out`` if given (a contiguous
+    ``config`` (None: ``default_config(M, N)``), written into ``out`` if given (a contiguous
     (M, N) of x's dtype; returned).
 
     ``gated``: x is (M, 2K) = [gate | up] and the input is ``silu(gate) * up``, computed
@@ -377,7 +391,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         tensors["out"] = out
     check_same_device(**tensors)
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if out is None else out
-    config = config or default_config(x.shape[0])
+    config = config or default_config(x.shape[0], weight.shape[0])
     _launch(x, weight, bias, y, config, gated=gated)
     return y
 
@@ -389,7 +403,7 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     (residual None: s = x), in one kernel: the RMSNorm kernel's rounding (``rms_norm.normalise``
     and ``add_residual``), with the row's statistics summed in the kernel's own order; s is a new
     tensor (x itself when residual is None). A decode layer's residual add + RMSNorm without a
-    launch of its own, at batch 1 on the one-row path (``config`` None: ``default_config(1)``).
+    launch of its own, at batch 1 on the one-row path (``config`` None: ``default_config(1, N)``).
 
     Raises:
         TypeError: x, residual, the weights (and bias) are not one of bf16 / fp16 together.
@@ -397,7 +411,7 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
             ``one_row``, a residual not like x, or a norm weight not a contiguous (K,).
     """
     tensors = _check(x, weight, bias, False)
-    config = config or default_config(1)
+    config = config or default_config(1, weight.shape[0])
     if x.shape[0] != 1 or not config.one_row:
         raise ValueError(f"rms_norm_gemv takes one row on the one-row path, got {x.shape[0]} rows "
                          f"and one_row={config.one_row}")
@@ -450,6 +464,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     if x.shape[0] == 0 or n == 0:
         return
     one_row = config.one_row and x.shape[0] == 1
+    if config.block_n < MIN_DOT_BLOCK and not one_row:
+        raise ValueError(f"block_n {config.block_n} < {MIN_DOT_BLOCK} serves one row only (one_row), "
+                         f"got {x.shape[0]} rows")
     use_tma = config.tma and not one_row and tma_allowed(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
     use_pdl = config.prefetch and pdl(x)
