@@ -133,10 +133,12 @@ def test_default_tiles_depend_on_the_row_count(monkeypatch) -> None:
     for m in (1, 2):
         x, w, b = operands(m, 40, 600, torch.bfloat16, True, seed=m)
         expect_linear(gemv(x, w, b), x, w, b)
-    assert launches == [(True, 16, 512, 3), (False, 32, 256, 4)]
+    one = default_config(1, 40)
+    assert launches == [(True, one.block_n, one.block_k, one.num_stages), (False, 32, 256, 4)]
     x1, x2 = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16)
-    assert gemv_takes(x1, torch.zeros(16 * 32, 8, dtype=torch.bfloat16))          # 32 programs of 16 columns
-    assert not gemv_takes(x1, torch.zeros(16 * 31, 8, dtype=torch.bfloat16))
+    wide = ONE_ROW_CONFIG
+    assert gemv_takes(x1, torch.zeros(16 * 32, 8, dtype=torch.bfloat16), wide)    # 32 programs of 16 columns
+    assert not gemv_takes(x1, torch.zeros(16 * 31, 8, dtype=torch.bfloat16), wide)
     assert gemv_takes(x2, torch.zeros(32 * 32, 8, dtype=torch.bfloat16))          # 32 programs of 32 columns
     assert not gemv_takes(x2, torch.zeros(32 * 31, 8, dtype=torch.bfloat16))
 
