@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from benchmarks.gpu_timing import graph_us
 from benchmarks.qwen3_shapes import QWEN3_0_6B, QWEN3_8B
 from minivllm.kernels.gemv import (
-    FEW_ROWS_CONFIG, ONE_ROW_CONFIG, ONE_ROW_NARROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes,
+    FEW_ROWS_CONFIG, ONE_ROW_BY_SHAPE, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes,
 )
 
 DEVICE = "cuda"             # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it
@@ -74,7 +74,7 @@ def bench_shape(name: str, n: int, k: int, rows: int, configs: list[GemvConfig])
     for config in configs:
         if config.one_row and rows > 1:
             continue
-        entry = {"config": asdict(config), "default": config == default_config(rows, n)}
+        entry = {"config": asdict(config), "default": config == default_config(rows, n, k)}
         try:
             err = (gemv(x, w0, config=config).float() - ref).abs().max().item()
             if not err <= TOL * max(1.0, ref.abs().max().item()):
@@ -114,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gemv needs a CUDA device")
-    defaults = [ONE_ROW_CONFIG, ONE_ROW_NARROW_CONFIG, FEW_ROWS_CONFIG]
+    defaults = [ONE_ROW_CONFIG, *(c for _, _, c in ONE_ROW_BY_SHAPE), FEW_ROWS_CONFIG]
     configs = defaults + ([] if args.quick else [c for c in CANDIDATES if c not in defaults])
     results, default_failed = [], False
     for model in args.models.split(","):

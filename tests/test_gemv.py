@@ -113,12 +113,14 @@ def test_default_tiles_depend_on_the_row_count(monkeypatch) -> None:
 
     assert default_config(1) is ONE_ROW_CONFIG and ONE_ROW_CONFIG.one_row
     assert all(default_config(m) is FEW_ROWS_CONFIG for m in (2, 7, MAX_ROWS))
-    narrow = gemv_mod.NARROW_N
-    if narrow:  # a W of at most NARROW_N rows takes narrower column blocks at one row only
-        assert default_config(1, narrow) is gemv_mod.ONE_ROW_NARROW_CONFIG
-        assert default_config(4, narrow) is FEW_ROWS_CONFIG
-    assert default_config(1, narrow + 1) is ONE_ROW_CONFIG
-    assert gemv_mod.ONE_ROW_NARROW_CONFIG.one_row
+    # One row by W's shape: the first matching entry of the table, else the general tiles.
+    table = gemv_mod.ONE_ROW_BY_SHAPE
+    assert all(c.one_row for _, _, c in table)
+    assert default_config(1, 1024, 2048) is table[0][2] and default_config(1, 1024, 3072) is table[0][2]
+    assert default_config(1, 3072, 4096) is table[1][2]
+    assert default_config(1, 4096, 1024) is table[2][2] and default_config(1, 6144, 1024) is table[2][2]
+    assert default_config(1, 4096, 4096) is ONE_ROW_CONFIG and default_config(1, 24576, 4096) is ONE_ROW_CONFIG
+    assert default_config(4, 1024, 2048) is FEW_ROWS_CONFIG
     launches = []
     real = gemv_mod._gemv_kernel
 
@@ -133,7 +135,7 @@ def test_default_tiles_depend_on_the_row_count(monkeypatch) -> None:
     for m in (1, 2):
         x, w, b = operands(m, 40, 600, torch.bfloat16, True, seed=m)
         expect_linear(gemv(x, w, b), x, w, b)
-    one = default_config(1, 40)
+    one = default_config(1, 40, 600)
     assert launches == [(True, one.block_n, one.block_k, one.num_stages), (False, 32, 256, 4)]
     x1, x2 = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16)
     wide = ONE_ROW_CONFIG

@@ -65,7 +65,10 @@ the 12 decode GEMMs of Qwen3-0.6B, Qwen3-8B and 8B at TP=2): one row takes the C
 path, 16 x 512, 4 warps, 3 stages (0.31-0.99, all twelve faster); 2-16 rows take 32 x 256,
 4 warps, 4 stages (0.64-1.06; the two slower are gate_up of 0.6B and 8B at TP=1). The
 first default, 16 x 256 tensor-core tiles for every M, was slower than cuBLAS on eleven of
-the twelve at one row (up to 1.32x) and cost 0.6 ms a batch-1 token on 8B.
+the twelve at one row (up to 1.32x) and cost 0.6 ms a batch-1 token on 8B. At one row the
+tiles now also follow W's shape (``ONE_ROW_BY_SHAPE``, tenth session): a narrow W (N <= 2048,
+Qwen3-0.6B's o and down projections) takes programs of 4 columns, 256 programs instead of 64,
+which the CUDA-core path allows (it has no ``tl.dot`` and its 16-column minimum).
 
 Torch reference: ``torch.nn.functional.linear``.
 """
@@ -123,23 +126,28 @@ class GemvConfig:
 
 
 ONE_ROW_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, one_row=True)
-# One row of a W with at most NARROW_N rows: half the columns per program, twice the programs.
-ONE_ROW_NARROW_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, one_row=True)
-NARROW_N = 0
+# One row, by W's shape (N, K): the first entry with N <= max_n and K <= max_k (None: any).
+# Narrow W wants more, narrower programs (N = 1024: 64 programs of 16 columns on 132 SMs).
+# From ``python3 -m benchmarks.gemv --rows 1`` (tenth session, one H200, us in CUDA graphs,
+# L2 flushed; ONE_ROW_CONFIG's time in brackets): 0.6B o 3.41 (3.94), down 4.00 (4.91);
+# 8B TP=2 qkv 8.86 (9.09); 0.6B qkv 4.33 (4.67), gate_up 5.32 (5.75).
+ONE_ROW_BY_SHAPE: tuple[tuple[int | None, int | None, GemvConfig], ...] = (
+    (2048, None, GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, one_row=True)),
+    (3072, None, GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, one_row=True)),
+    (None, 1024, GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4, one_row=True)),
+)
 FEW_ROWS_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
-_PREFETCHING = {c: dataclasses.replace(c, prefetch=True)
-                for c in (ONE_ROW_CONFIG, ONE_ROW_NARROW_CONFIG, FEW_ROWS_CONFIG)}
 
 
-def default_config(rows: int, n: int | None = None) -> GemvConfig:
-    """The measured tiles for ``rows`` rows of x and a W of ``n`` rows (None: a wide one; see
-    the module doc); with ``MINIVLLM_PDL=1``, their ``prefetch`` variant (measured slower:
-    module doc)."""
-    if rows == 1:
-        config = ONE_ROW_NARROW_CONFIG if n is not None and n <= NARROW_N else ONE_ROW_CONFIG
-    else:
-        config = FEW_ROWS_CONFIG
-    return _PREFETCHING[config] if pdl_requested() else config
+def default_config(rows: int, n: int | None = None, k: int | None = None) -> GemvConfig:
+    """The measured tiles for ``rows`` rows of x and a W of shape (``n``, ``k``) (None: not
+    known, the general one-row tiles; see the module doc); with ``MINIVLLM_PDL=1``, their
+    ``prefetch`` variant (measured slower: module doc)."""
+    config = FEW_ROWS_CONFIG if rows > 1 else ONE_ROW_CONFIG
+    if rows == 1 and n is not None and k is not None:
+        config = next((c for max_n, max_k, c in ONE_ROW_BY_SHAPE
+                       if (max_n is None or n <= max_n) and (max_k is None or k <= max_k)), config)
+    return dataclasses.replace(config, prefetch=True) if pdl_requested() else config
 
 
 @triton.jit
@@ -348,14 +356,14 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None 
     """Whether :func:`gemv` serves ``F.linear(x, weight)`` (``gated``: ``F.linear(silu_and_mul(x),
     weight)``): x is (M <= 16, K) (gated: (M, 2K)) in bf16/fp16 with W's dtype, W is (N, K)
     contiguous, and N is wide enough for ``config.min_programs`` programs (``config`` None:
-    ``default_config(M, N)``). With ``norm_weight``: whether :func:`rms_norm_gemv` serves it
+    ``default_config(M, N, K)``). With ``norm_weight``: whether :func:`rms_norm_gemv` serves it
     (also one row on the one-row path, and a (K,) norm weight of x's dtype). Host shapes
     only (no device read: safe inside CUDA-graph capture)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
             and weight.dim() == 2 and x.shape[1] == weight.shape[1] * (2 if gated else 1)
             and weight.is_contiguous() and x.stride(1) == 1):
         return False
-    config = config or default_config(x.shape[0], weight.shape[0])
+    config = config or default_config(x.shape[0], *weight.shape)
     if config.block_n < MIN_DOT_BLOCK and not (config.one_row and x.shape[0] == 1):
         return False
     if norm_weight is not None and not (
@@ -368,7 +376,7 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, out: torch.Tensor | None = None, *, gated: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x (M, K) with M <= 16: (M, N) in x's dtype, with
-    ``config`` (None: ``default_config(M, N)``), written into ``out`` if given (a contiguous
+    ``config`` (None: ``default_config(M, N, K)``), written into ``out`` if given (a contiguous
     (M, N) of x's dtype; returned).
 
     ``gated``: x is (M, 2K) = [gate | up] and the input is ``silu(gate) * up``, computed
@@ -391,7 +399,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         tensors["out"] = out
     check_same_device(**tensors)
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if out is None else out
-    config = config or default_config(x.shape[0], weight.shape[0])
+    config = config or default_config(x.shape[0], *weight.shape)
     _launch(x, weight, bias, y, config, gated=gated)
     return y
 
@@ -403,7 +411,7 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     (residual None: s = x), in one kernel: the RMSNorm kernel's rounding (``rms_norm.normalise``
     and ``add_residual``), with the row's statistics summed in the kernel's own order; s is a new
     tensor (x itself when residual is None). A decode layer's residual add + RMSNorm without a
-    launch of its own, at batch 1 on the one-row path (``config`` None: ``default_config(1, N)``).
+    launch of its own, at batch 1 on the one-row path (``config`` None: ``default_config(1, N, K)``).
 
     Raises:
         TypeError: x, residual, the weights (and bias) are not one of bf16 / fp16 together.
@@ -411,7 +419,7 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
             ``one_row``, a residual not like x, or a norm weight not a contiguous (K,).
     """
     tensors = _check(x, weight, bias, False)
-    config = config or default_config(1, weight.shape[0])
+    config = config or default_config(1, *weight.shape)
     if x.shape[0] != 1 or not config.one_row:
         raise ValueError(f"rms_norm_gemv takes one row on the one-row path, got {x.shape[0]} rows "
                          f"and one_row={config.one_row}")
