@@ -56,8 +56,10 @@ parallelism the kernel before the qkv and gate_up GEMVs is the all-reduce, which
 several microseconds on its peers. Timed on one H200 (ninth session, Qwen3-0.6B batch 1):
 the GEMVs' kernel time per step rose from 486 to 540 us and the replayed graph step from
 1.16 to 1.64 ms, so it stays off. That run asked L2 for 24 MB of W per call (evict_last
-lines); the prefetch is now off unless ``MINIVLLM_PDL_L2_MB`` is set, so that the early
-start alone can be timed against it.
+lines); the prefetch is now off unless ``MINIVLLM_PDL_L2_MB`` is set. Timed apart (tenth
+session): the prefetch never helped (24 MB: 1.10 ms against 1.07 without; 8 MB: 1.26), and
+the early start alone gained 2-7% on the replayed step but between +1% and -7% end to end
+(batch-1 ms/token, median of five, two runs each), so PDL stays opt-in.
 
 Default tiles (:func:`default_config`), from ``python3 -m benchmarks.gemv`` on one H200
 (BENCHMARKS.md, eighth session; L2 flushed, in CUDA graphs; ratios of cuBLAS's time over
@@ -96,8 +98,8 @@ MIN_DOT_BLOCK = 16  # tl.dot's smallest tile side: block_n below it serves one r
 NORM_BLOCK_MAX = 2048  # columns per step of rms_norm_gemv's statistics pass (fp32 registers per program)
 # With PDL, how many MB of W the programs ask L2 for before the previous kernel ends
 # (a larger W has its first columns prefetched, which all programs read first). Default 0:
-# none. PDL was timed (ninth session) with 24, half the H200's 50 MB L2, and was slower;
-# whether the prefetch or the early start cost it is the next A/B.
+# none. Timed with 24 (half the H200's 50 MB L2) and 8 MB: slower than PDL without it
+# (module doc).
 L2_PREFETCH_ENV = "MINIVLLM_PDL_L2_MB"
 _DTYPES = (torch.bfloat16, torch.float16)
 
