@@ -25,28 +25,28 @@ ANY = GemvConfig(block_k=32, min_programs=1)
 ANY_ONE_ROW = GemvConfig(block_k=32, min_programs=1, one_row=True)
 
 
-def any_config(x: torch.Tensor) -> GemvConfig:
-    """Small tiles for the interpreter, on the path the defaults take for x's row count."""
-    return ANY_ONE_ROW if x.shape[0] == 1 else ANY
-
-
-def small_tiles(monkeypatch, calls: list) -> None:
-    """Route the linear layers' kernels through :func:`any_config`'s tiles, recording
-    (rows, kind) per call: kind "gemv", "gated" or "normed"."""
+def small_tiles(monkeypatch, calls: list, block_n: int = 16, block_k: int = 32) -> None:
+    """Route the linear layers' kernels through small tiles (``min_programs`` 1) on the path the
+    defaults take for x's row count, recording (rows, kind) per call: "gemv", "gated" or "normed"."""
     real_gemv, real_normed = linear_mod.gemv, linear_mod.rms_norm_gemv
+    few = GemvConfig(block_n=block_n, block_k=block_k, min_programs=1)
+    one = dataclasses.replace(few, one_row=True)
+
+    def config(x):
+        return one if x.shape[0] == 1 else few
 
     def gemv_(x, w, b, out=None, gated=False):
         calls.append((x.shape[0], "gated" if gated else "gemv"))
-        return real_gemv(x, w, b, any_config(x), out=out, gated=gated)
+        return real_gemv(x, w, b, config(x), out=out, gated=gated)
 
     def normed_(x, residual, norm_weight, eps, w, b):
         calls.append((x.shape[0], "normed"))
-        return real_normed(x, residual, norm_weight, eps, w, b, any_config(x))
+        return real_normed(x, residual, norm_weight, eps, w, b, config(x))
 
     monkeypatch.setattr(linear_mod, "gemv", gemv_)
     monkeypatch.setattr(linear_mod, "rms_norm_gemv", normed_)
-    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False, norm_weight=None: gemv_takes(
-        x, w, any_config(x), gated=gated, norm_weight=norm_weight))
+    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False, norm_weight=None, residual=None: (
+        gemv_takes(x, w, config(x), gated=gated, norm_weight=norm_weight, residual=residual)))
 
 
 def operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
@@ -230,13 +230,15 @@ def test_normed_input_takes_one_row_on_the_one_row_path_only() -> None:
 
     x, w, _ = operands(1, 48, 64, torch.bfloat16, False)
     nw = torch.ones(64, dtype=torch.bfloat16)
-    assert gemv_takes(x, w, ANY_ONE_ROW, norm_weight=nw)
+    assert gemv_takes(x, w, ANY_ONE_ROW, norm_weight=nw) and gemv_takes(x, w, ANY_ONE_ROW, norm_weight=nw, residual=x)
     assert gemv_takes(x, w, ANY_ONE_ROW)
     for args, kwargs in [((x, w, ANY), {}),                                   # tensor-core path
                          ((torch.cat([x, x]), w, ANY_ONE_ROW), {}),           # two rows
                          ((x, w, ANY_ONE_ROW), {"gated": True}),
                          ((x, w, ANY_ONE_ROW), {"norm_weight": nw.float()}),  # norm weight of another dtype
-                         ((x, w, ANY_ONE_ROW), {"norm_weight": nw[:32]})]:
+                         ((x, w, ANY_ONE_ROW), {"norm_weight": nw[:32]}),
+                         ((x, w, ANY_ONE_ROW), {"residual": x.half()}),        # residual unlike x
+                         ((x, w, ANY_ONE_ROW), {"residual": torch.zeros(64, 2, dtype=x.dtype).t()[:1]})]:
         kwargs = {"norm_weight": nw, **kwargs}
         assert not gemv_takes(*args, **kwargs), (args[0].shape, args[2], kwargs)
     with pytest.raises(ValueError, match="one row on the one-row path"):
@@ -288,6 +290,10 @@ def test_norm_goes_into_the_projection_unless_it_reduces_ranks(monkeypatch) -> N
     torch.testing.assert_close(y.float(), plain_y.float(), rtol=2 ** -6, atol=2 ** -6)
     y0, s0 = norm.into(qkv, x, None)
     assert calls[-1] == (1, "normed") and s0 is x
+    strided = torch.zeros(64, 2, dtype=x.dtype).t()[:1]
+    strided.copy_(r)
+    _, s1 = norm.into(qkv, x, strided)                          # a residual the kernel does not take
+    assert calls[-1] == (1, "gemv") and torch.equal(s1, plain_s)
     reduced: list[int] = []
     monkeypatch.setattr(norm_mod, "defers_to_norm", lambda t: True)
     monkeypatch.setattr(norm_mod, "all_reduce_add_rms_norm", lambda t, res, w, eps: (
@@ -393,8 +399,8 @@ def test_layers_take_the_kernel_for_few_rows_only(monkeypatch) -> None:
     real = linear_mod.gemv
     monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b, out=None, gated=False: (
         calls.append((x.shape[0], b is not None)), real(x, w, b, ANY, out=out, gated=gated))[1])
-    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False, norm_weight=None: gemv_takes(
-        x, w, ANY, gated=gated, norm_weight=norm_weight))
+    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False, norm_weight=None, residual=None: (
+        gemv_takes(x, w, ANY, gated=gated, norm_weight=norm_weight, residual=residual)))
     torch.manual_seed(0)
     gate_up = MergedColumnParallelLinear(32, [48, 48], bias=False).to(torch.bfloat16)
     down = RowParallelLinear(48, 32, bias=True).to(torch.bfloat16)
@@ -422,18 +428,18 @@ def test_executor_config_switches_the_model_s_layers(monkeypatch) -> None:
 
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
     calls: list[tuple[int, str]] = []
-    small_tiles(monkeypatch, calls)
+    small_tiles(monkeypatch, calls, block_n=64, block_k=128)  # few programs: the interpreter runs them one by one
     three = make_plan([([5, 9, 11], 0, (0,), True), ([7, 3], 0, (1,), True), ([42], 0, (2,), True)], 16)
     one = make_plan([([42], 0, (0,), True)], 16)
+    executors = {on: make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4,
+                                         max_num_batched_tokens=64, device="cpu", dtype="bfloat16",
+                                         attention_backend="torch", gemv=on) for on in (False, True)}
     for plan, per_layer in ((three, [(6, "gemv"), (6, "gemv"), (6, "gemv"), (6, "gated")]),
                             # one row: each norm inside the projection after it
                             (one, [(1, "normed"), (1, "gemv"), (1, "normed"), (1, "gated")])):
         logits = {}
-        for on in (False, True):
+        for on, ex in executors.items():
             calls.clear()
-            ex = make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4,
-                                     max_num_batched_tokens=64, device="cpu", dtype="bfloat16",
-                                     attention_backend="torch", gemv=on)
             logits[on] = ex.compute_logits(plan).float()
         # 3 layers x (qkv, o, gate_up, down); down takes [gate | up] (gated)
         assert calls == per_layer * 3

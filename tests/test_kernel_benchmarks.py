@@ -19,7 +19,7 @@ def test_gemv_sweep_rows_on_the_cpu(monkeypatch, capsys) -> None:
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 1)
     monkeypatch.setattr(bench, "graph_us", lambda call, calls: (call(0), 1000.0)[1])
-    configs = [bench.ONE_ROW_CONFIG, bench.FEW_ROWS_CONFIG, GemvConfig(16, 32, 4, 2, one_row=True),
+    configs = [bench.default_config(1, 48, 64), bench.FEW_ROWS_CONFIG, GemvConfig(16, 32, 4, 2, one_row=True),
                GemvConfig(32, 32, 4, 2, tma=True)]
     for rows in (1, 3):
         row = bench.bench_shape("tiny o", 48, 64, rows, configs)

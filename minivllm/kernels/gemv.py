@@ -354,13 +354,14 @@ def _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL: tl.constexpr, BLO
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
-               gated: bool = False, norm_weight: torch.Tensor | None = None) -> bool:
+               gated: bool = False, norm_weight: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> bool:
     """Whether :func:`gemv` serves ``F.linear(x, weight)`` (``gated``: ``F.linear(silu_and_mul(x),
     weight)``): x is (M <= 16, K) (gated: (M, 2K)) in bf16/fp16 with W's dtype, W is (N, K)
     contiguous, and N is wide enough for ``config.min_programs`` programs (``config`` None:
     ``default_config(M, N, K)``). With ``norm_weight``: whether :func:`rms_norm_gemv` serves it
-    (also one row on the one-row path, and a (K,) norm weight of x's dtype). Host shapes
-    only (no device read: safe inside CUDA-graph capture)."""
+    (also one row on the one-row path, a (K,) norm weight of x's dtype, and ``residual``
+    None or like x). Host shapes only (no device read: safe inside CUDA-graph capture)."""
     if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
             and weight.dim() == 2 and x.shape[1] == weight.shape[1] * (2 if gated else 1)
             and weight.is_contiguous() and x.stride(1) == 1):
@@ -370,7 +371,9 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None 
         return False
     if norm_weight is not None and not (
             x.shape[0] == 1 and config.one_row and not gated and norm_weight.dtype == x.dtype
-            and norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()):
+            and norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(1) == 1))):
         return False
     return triton.cdiv(weight.shape[0], config.block_n) >= config.min_programs
 

@@ -227,10 +227,10 @@ class LinearBase(nn.Module):
         [gate | up] (at most 16 rows), applying ``silu(gate) * up`` itself."""
         return self.use_gemv and gemv_takes(x, self.weight, gated=True)
 
-    def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         """Whether :meth:`normed` can run: the GEMV kernel is on and takes one row x with the
-        RMSNorm weight ``norm_weight`` (``gemv_takes(..., norm_weight=...)``)."""
-        return self.use_gemv and gemv_takes(x, self.weight, norm_weight=norm_weight)
+        RMSNorm weight ``norm_weight`` and ``residual`` (``gemv_takes(..., norm_weight=...)``)."""
+        return self.use_gemv and gemv_takes(x, self.weight, norm_weight=norm_weight, residual=residual)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +240,7 @@ class LinearBase(nn.Module):
         Raises:
             ValueError: the kernel does not take x (see :meth:`takes_normed`).
         """
-        if not self.takes_normed(x, norm_weight):
+        if not self.takes_normed(x, norm_weight, residual):
             raise ValueError(f"a normed input needs the GEMV kernel to take x {tuple(x.shape)} (takes_normed)")
         return rms_norm_gemv(x, residual, norm_weight, eps, self.weight, self.bias)
 
@@ -436,7 +436,7 @@ class RowParallelLinear(LinearBase):
         """
         load_unpacked(self, param, loaded, shard_id, dim=1, full=self.input_size)
 
-    def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         """Never: the norm would come before the sum over ranks and the bias rule of :meth:`forward`."""
         return False
 

@@ -91,7 +91,7 @@ class RMSNorm(nn.Module):
         (``reduces_input``), the fused all-reduce + norm kernel keeps it.
         """
         reduces_here = residual is not None and self.reduces_input and defers_to_norm(x)
-        if not reduces_here and linear.takes_normed(x, self.weight):
+        if not reduces_here and linear.takes_normed(x, self.weight, residual):
             return linear.normed(x, residual, self.weight, self.eps)
         if residual is None:
             return linear(self(x)), x
