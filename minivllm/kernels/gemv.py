@@ -78,6 +78,7 @@ Torch reference: ``torch.nn.functional.linear``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -149,7 +150,13 @@ def default_config(rows: int, n: int | None = None, k: int | None = None) -> Gem
     if rows == 1 and n is not None and k is not None:
         config = next((c for max_n, max_k, c in ONE_ROW_BY_SHAPE
                        if (max_n is None or n <= max_n) and (max_k is None or k <= max_k)), config)
-    return dataclasses.replace(config, prefetch=True) if pdl_requested() else config
+    return _prefetching(config) if pdl_requested() else config
+
+
+@functools.lru_cache(maxsize=None)
+def _prefetching(config: GemvConfig) -> GemvConfig:
+    """``config``'s prefetch variant, built once (default_config runs on every eager call)."""
+    return dataclasses.replace(config, prefetch=True)
 
 
 @triton.jit

@@ -125,12 +125,9 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, layer_idx, backend)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """(T,) positions, (T, hidden) -> (T, hidden)."""
-        return self.from_qkv(positions, self.qkv_proj(hidden), meta)
-
-    def from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The block after its QKV projection: (T,) positions, (T, (H + 2 Hkv) D) -> (T, hidden)."""
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The block after its QKV projection, which the layer runs together with the norm before
+        it (``RMSNorm.into``): (T,) positions, (T, (H + 2 Hkv) D) -> (T, hidden)."""
         t, d = qkv.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         self.rotary_emb.check_positions(positions)
@@ -169,11 +166,9 @@ class DecoderMLP(nn.Module):
                                            reduce_in_next_norm=True)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        return self.from_gate_up(self.gate_up_proj(x))
-
-    def from_gate_up(self, h: torch.Tensor) -> torch.Tensor:  # (T, 2 intermediate) -> (T, hidden)
-        """The block after its gate/up projection."""
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (T, 2 intermediate) -> (T, hidden)
+        """The block after its gate/up projection, which the layer runs together with the norm
+        before it (``RMSNorm.into``)."""
         if self.down_proj.takes_gated(h):  # few rows on the GEMV kernel: it applies SiLU-and-mul itself
             return self.down_proj(h, gated=True)
         return self.down_proj(self.act_fn(h))
@@ -198,9 +193,9 @@ class DecoderLayer(nn.Module):
         next layer's input norm adds them."""
         # Each norm goes into the projection after it (one kernel at batch 1: RMSNorm.into).
         qkv, residual = self.input_layernorm.into(self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn.from_qkv(positions, qkv, meta)
+        hidden = self.self_attn(positions, qkv, meta)
         gate_up, residual = self.post_attention_layernorm.into(self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp.from_gate_up(gate_up), residual
+        return self.mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):
