@@ -148,6 +148,11 @@ class ExecutorConfig:
             Qwen3-8B at TP=2 on two H200s, 1,028 us of a batch-256 decode step where
             the two-shot all-reduce and the norm apart took 1,394 + 233 (eighth
             session, BENCHMARKS.md).
+        push_all_reduce: with ``fuse_all_reduce_norm``, at one row (batch-1 decode) the
+            row-parallel GEMV pushes its partial sums into every rank's buffer as it
+            computes them, and the kernel after it (the next GEMV with its norm, or the
+            fused norm kernel) sums them once they arrive: no all-reduce kernel and no
+            barrier (``kernels/_push_all_reduce.py``).
         gemv: linear layers given at most 16 rows (decode at small batch, in CUDA graphs
             too) run ``kernels/gemv.py`` instead of cuBLAS where it takes the shape
             (bf16 / fp16, enough output columns). None (the default): on for CUDA with
@@ -166,6 +171,7 @@ class ExecutorConfig:
     prefill_graphs: bool | None = None
     disable_custom_all_reduce: bool = False
     fuse_all_reduce_norm: bool = True
+    push_all_reduce: bool = True
     gemv: bool | None = None
 
     def __post_init__(self) -> None:
@@ -186,6 +192,7 @@ class ExecutorConfig:
             _check_bool("prefill_graphs", self.prefill_graphs)
         _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
         _check_bool("fuse_all_reduce_norm", self.fuse_all_reduce_norm)
+        _check_bool("push_all_reduce", self.push_all_reduce)
         if self.gemv is not None:
             _check_bool("gemv", self.gemv)
 

@@ -174,7 +174,7 @@ def test_the_path_alternates_halves_and_knows_a_gemm_wrote_in_place(monkeypatch)
                         lambda x, *args, buf_offset, in_place: calls.append((buf_offset, in_place)) or (x, x))
     path = object.__new__(ar.SymmMemAllReduce)
     half = 1 << 16
-    path.dtype, path.max_numel, path.fuses_norm, path._half = torch.bfloat16, half, True, 0
+    path.dtype, path.max_numel, path.fuses_norm, path.pushes, path._half = torch.bfloat16, half, True, False, 0
     path.fused_buffer = torch.zeros(2 * half, dtype=torch.bfloat16)
     path.buf_ptrs = path.pad_ptrs = None
     path.rank, path.world_size = 0, 2

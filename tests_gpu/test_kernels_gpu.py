@@ -509,3 +509,67 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) 
         monkeypatch.delenv(_launch.PDL_ENV, raising=False)
         _launch.pdl_requested.cache_clear()
         _launch._pdl_possible.cache_clear()
+
+
+@pytest.mark.parametrize("n_out", [12288, 3072], ids=["gate_up", "qkv"])
+def test_pushed_all_reduce_ranks_in_turn_in_a_cuda_graph(n_out: int) -> None:
+    """The one-row pushed all-reduce (``kernels/_push_all_reduce.py``) at Qwen3-8B TP=2
+    shapes, both "ranks" on this GPU, their kernels in turn on one stream (both producers
+    before the consumers, so every wait passes): each rank's ``o_proj`` GEMV (K 2048 ->
+    4096) pushes, then each rank's normed GEMV sums the slots. Captured once per half into
+    a CUDA graph and replayed with new inputs: every replay equals, bit for bit, the plain
+    GEMVs, the rank-order sum and ``rms_norm_gemv``; the fused norm kernel over the same
+    slots equals the barrier kernel's bits. (Two GPUs: tests_gpu/test_tp_gpu.py.)"""
+    from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm, pushed_add_rms_norm
+    from minivllm.kernels.gemv import gemv, rms_norm_gemv
+    from tests.test_push_all_reduce import fake_paths
+
+    world, k, n, dtype, eps = 2, 2048, 4096, torch.bfloat16, 1e-6
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    rand = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen, device=DEVICE)).to(dtype)  # noqa: E731
+    ws = [rand(n, k, scale=0.02) for _ in range(world)]
+    w2, nw = rand(n_out, n, scale=0.02), 1 + rand(n, scale=0.1)
+    xs = [rand(1, k) for _ in range(world)]
+    residual = rand(1, n)
+    paths = fake_paths(world, max_numel=1 << 16, dtype=dtype, device=DEVICE)
+    outs = []
+
+    def step() -> None:  # one call: the producers, then the consumers
+        rows = [path.push_target((1, n), dtype) for path in paths]
+        for rank, row in enumerate(rows):
+            gemv(xs[rank], ws[rank], out=row.out, push=row.channel)
+        outs.append([rms_norm_gemv(row.slots, residual, nw, eps, w2, reduce=row.channel) for row in rows])
+
+    step(), step()  # compile, and both halves once eagerly
+    torch.cuda.synchronize()
+    outs.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(), step()
+    for replay in range(10):
+        for x in xs:
+            x.copy_(rand(1, k))
+        residual.copy_(rand(1, n))
+        graph.replay()
+        torch.cuda.synchronize()
+        parts = [gemv(xs[r], ws[r]) for r in range(world)]
+        total = (parts[0].float() + parts[1].float()).to(dtype)
+        want_y, want_s = rms_norm_gemv(total, residual, nw, eps, w2)
+        for call in outs:
+            for rank, (y, s) in enumerate(call):
+                assert torch.equal(s, want_s) and torch.equal(y, want_y), f"replay {replay}, rank {rank}"
+    # per half: one eager call and one per replay, N from the one peer each
+    for path in paths:
+        assert path.pad[path.pad_at:].tolist() == [n * (1 + 10)] * 4  # capture runs nothing
+    rows = [path.push_target((1, n), dtype) for path in paths]
+    for rank, row in enumerate(rows):
+        gemv(xs[rank], ws[rank], out=row.out, push=row.channel)
+    parts = [gemv(xs[r], ws[r]) for r in range(world)]
+    bufs = [p.reshape(-1).clone() for p in parts]
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+    pads = torch.zeros(2, 1024, dtype=torch.int32, device=DEVICE)
+    pad_ptrs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=DEVICE)
+    for rank, row in enumerate(rows):
+        got = pushed_add_rms_norm(row.slots, residual, nw, eps, row.channel)
+        want = all_reduce_add_rms_norm(parts[rank], residual, nw, eps, ptrs, pad_ptrs, rank, world, sync=False)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"rank {rank}"

@@ -109,6 +109,12 @@ def test_fp32_tp2_temperature_sampling_from_vocab_shards_equals_tp1(reference) -
 def test_bf16_tp2_top5_against_hf(reference) -> None:
     path, prompts, _, hf16 = reference
     ours, _ = generate(path, prompts, "bfloat16", 2)
+    assert_in_hf_top5(hf16, prompts, ours, "TP=2 bf16")
+
+
+def assert_in_hf_top5(hf16, prompts: list[list[int]], ours: list[list[int]], what: str) -> None:
+    """Each of our greedy streams, at its first difference from HF bf16's, picks a token in
+    HF's top-5 there."""
     theirs = [hf_greedy(hf16, p, NEW) for p in prompts]
     for prompt, a, b in zip(prompts, ours, theirs):
         k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -117,7 +123,7 @@ def test_bf16_tp2_top5_against_hf(reference) -> None:
         with torch.no_grad():
             ctx = torch.tensor([prompt + b[:k]], device="cuda")
             top5 = hf16(ctx).logits[0, -1].float().topk(5).indices.tolist()
-        assert a[k] in top5, f"TP=2 bf16 token {a[k]} at {k} not in HF's top-5 {top5}"
+        assert a[k] in top5, f"{what} token {a[k]} at {k} not in HF's top-5 {top5}"
 
 
 FAULT_SCRIPT = textwrap.dedent("""
@@ -202,3 +208,142 @@ def test_fp32_tp2_all_reduce_norm_equals_hf(reference, tmp_path, fused: bool) ->
     assert "REPLAYS 0" not in out, "TP=2 ran no CUDA graph"
     tokens = json.loads(out.split("TOKENS ", 1)[1])
     assert tokens == expected
+
+
+PUSH_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def rank_main(rank, port, iters):
+        from minivllm.kernels.gemv import gemv, rms_norm_gemv
+        from minivllm.layers import all_reduce
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+        dev, dtype, k, n, n2, eps = torch.device("cuda", rank), torch.bfloat16, 2048, 4096, 3072, 1e-6
+        why = all_reduce.install_symm_mem_all_reduce(dev, dtype, fuse_norm=True, push=True)
+        assert why is None, why
+        path = all_reduce.installed()
+        gen = torch.Generator(device=dev).manual_seed(1)  # the same draws on both ranks
+        rand = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, device=dev)).to(dtype)
+        ws = [rand(n, k, scale=0.02) for _ in range(2)]
+        w2, nw = rand(n2, n, scale=0.02), 1 + rand(n, scale=0.1)
+        x, residual = rand(1, k), rand(1, n)
+        outs = []
+
+        def call(standalone):
+            row = path.push_target((1, n), dtype)
+            gemv(x, ws[rank], out=row.out, push=row.channel)
+            if standalone:
+                outs.append(path.add_rms_norm(row.out, residual, nw, eps))
+            else:
+                outs.append(rms_norm_gemv(row.slots, residual, nw, eps, w2, reduce=row.channel))
+
+        bad = 0
+        xs_all = [rand(1, k) for _ in range(2)]  # drawn on both ranks alike; this rank's x is xs_all[rank]
+        for it in range(iters):  # eager: the consumer alternates between the GEMV and the norm kernel
+            x.copy_(xs_all[rank])
+            outs.clear()
+            call(standalone=it % 3 == 2)
+            torch.cuda.synchronize()
+            parts = [gemv(xs_all[r], ws[r]) for r in range(2)]
+            total = (parts[0].float() + parts[1].float()).to(dtype)
+            want = rms_norm_gemv(total, residual, nw, eps, w2)
+            if it % 3 == 2:
+                s = (total.float() + residual.float()).to(dtype)
+                ok = torch.equal(outs[0][1], s)
+            else:
+                ok = torch.equal(outs[0][0], want[0]) and torch.equal(outs[0][1], want[1])
+            bad += not ok
+            xs_all = [rand(1, k) for _ in range(2)]
+        outs.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(False), call(False)
+        for it in range(iters):  # replayed: two calls, one per half
+            x.copy_(xs_all[rank])
+            graph.replay()
+            torch.cuda.synchronize()
+            parts = [gemv(xs_all[r], ws[r]) for r in range(2)]
+            total = (parts[0].float() + parts[1].float()).to(dtype)
+            want = rms_norm_gemv(total, residual, nw, eps, w2)
+            bad += sum(not (torch.equal(y, want[0]) and torch.equal(s, want[1])) for y, s in outs)
+            xs_all = [rand(1, k) for _ in range(2)]
+        counts = path.pad[path.pad_at:].tolist()
+        print(f"RANK {rank} BAD {bad} COUNTS {counts}", flush=True)
+        dist.barrier()
+        all_reduce.uninstall()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        from minivllm.executor.distributed import free_port
+        mp.spawn(rank_main, args=(free_port(), int(sys.argv[1])), nprocs=2)
+""")
+
+
+def test_pushed_all_reduce_between_two_gpus(tmp_path) -> None:
+    """The one-row pushed all-reduce (``kernels/_push_all_reduce.py``) over real symmetric
+    memory on two GPUs: each rank's GEMV (Qwen3-8B TP=2 ``o_proj``: 2048 -> 4096) pushes
+    its partial sum into both inboxes, the normed qkv GEMV (or, every third call, the fused
+    norm kernel) on each rank sums them. 300 eager calls, then 300 replays of a CUDA graph
+    of two calls: every result equals, bit for bit, the plain GEMVs' rank-order sum through
+    ``rms_norm_gemv`` (computed on each rank from both ranks' weights, drawn alike), and the
+    counters end at N per call and half."""
+    script = tmp_path / "push.py"
+    script.write_text(PUSH_SCRIPT)
+    iters = 300
+    proc = subprocess.run([sys.executable, str(script), str(iters)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    calls_per_half = iters // 2 + iters  # eager calls alternate halves; each replay makes one call per half
+    for rank in (0, 1):
+        assert f"RANK {rank} BAD 0 COUNTS {[4096 * calls_per_half] * 4}" in out, out
+
+
+BATCH1_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from minivllm import LLM, SamplingParams
+    from minivllm.layers import all_reduce
+
+    def main():
+        path, prompts, new, pool, push = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5] == "on"
+        with LLM(path, dtype="bfloat16", tensor_parallel_size=2, push_all_reduce=push, **pool) as llm:
+            print("PATH", llm.engine.executor.all_reduce_path, flush=True)
+            params = SamplingParams(temperature=0, max_tokens=new)
+            tokens = [list(llm.generate([p], params, use_tqdm=False)[0].token_ids) for p in prompts]  # batch 1
+            print("REPLAYS", llm.engine.executor.graph_runner.num_replays, flush=True)
+            fast = all_reduce.installed()
+            print("PUSHED", sum(fast.pad[fast.pad_at:fast.pad_at + 2].tolist()), flush=True)
+        print("TOKENS", json.dumps(tokens), flush=True)
+
+    if __name__ == "__main__":  # spawned workers import this module
+        main()
+""")
+
+
+@pytest.mark.parametrize("push", ["on", "off"])
+def test_bf16_tp2_batch1_with_and_without_the_push_stays_in_hf_top5(reference, tmp_path, push: str) -> None:
+    """bf16 TP=2, prompts one at a time (batch-1 decode steps, CUDA graphs): with
+    ``push_all_reduce`` (the default) the row-parallel GEMVs push their sums and the next
+    GEMV or norm collects them (rank 0's arrived counters move); off, the fused all-reduce +
+    norm kernel takes them (the counters stay 0). Each token stream stays in HF bf16's
+    top-5 at its first difference."""
+    import json
+
+    path, prompts, _, hf16 = reference
+    prompts = prompts[:4]
+    script = tmp_path / "batch1.py"
+    script.write_text(BATCH1_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), path, json.dumps(prompts), str(NEW), json.dumps(POOL), push],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0 and "PATH one-shot" in out, out + proc.stderr[-3000:]
+    assert ("pushed by the GEMV" in out) == (push == "on"), out
+    assert "REPLAYS 0" not in out, "TP=2 ran no CUDA graph"
+    pushed = int(out.split("PUSHED ", 1)[1].split()[0])
+    assert (pushed > 0) == (push == "on"), out
+    ours = json.loads(out.split("TOKENS ", 1)[1])
+    assert_in_hf_top5(hf16, prompts, ours, f"TP=2 bf16 batch 1 (push {push})")

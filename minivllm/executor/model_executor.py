@@ -242,11 +242,12 @@ class ModelExecutor:
         if self.tp_size > 1:
             self.all_reduce_path = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda" and not config.disable_custom_all_reduce:
-                why_not = all_reduce.install_symm_mem_all_reduce(self.device, self.dtype,
-                                                                 fuse_norm=config.fuse_all_reduce_norm)
+                fuse, push = config.fuse_all_reduce_norm, config.fuse_all_reduce_norm and config.push_all_reduce
+                why_not = all_reduce.install_symm_mem_all_reduce(self.device, self.dtype, fuse_norm=fuse, push=push)
                 self.all_reduce_path = f"nccl ({why_not})" if why_not is not None else \
                     "one-shot / two-shot (symmetric memory) + nccl" + \
-                    (", fused with the residual add + RMSNorm" if config.fuse_all_reduce_norm else "")
+                    (", fused with the residual add + RMSNorm" if fuse else "") + \
+                    (", pushed by the GEMV at one row" if push else "")
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         num_blocks = cache_config.num_blocks

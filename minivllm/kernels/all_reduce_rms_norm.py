@@ -42,6 +42,11 @@ batch-256 decode step of Qwen3-8B at TP=2 against 1,394 + 233 for the two-shot
 all-reduce and the norm apart; BENCHMARKS.md, eighth session.) Each rank's own term
 comes from ``x`` itself; only peers' buffers are read over NVLink.
 
+With ``PUSHED`` (one row, :func:`pushed_add_rms_norm`) the ranks' GEMVs have already pushed
+their partial sums into this rank's inbox (``_push_all_reduce.py``): no copy and no
+barrier, only the wait for the peers' rows, then the same sum and norm. The model's final
+norm at batch 1 takes that way (the LM head after it does not take the norm in).
+
 ``SYNC=False`` skips the barrier: tests on the CPU (``TRITON_INTERPRET=1``) run the
 ranks one after the other in one process, with the buffers filled beforehand.
 
@@ -55,6 +60,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, pdl
+from minivllm.kernels._push_all_reduce import PushChannel, pushed_sum, wait_pushed
 from minivllm.kernels.rms_norm import MAX_HIDDEN, weighted_rms_norm_row
 
 MAX_PROGRAMS = 256  # flags per peer; the grid is at most this many programs
@@ -92,6 +98,26 @@ def _barrier(pad_ptrs, pid, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
 
 
 @triton.jit
+def _rank_order_sum(x_ptr, buf_ptrs, buf_offset, at, mask, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """The all-reduce's output at ``at``: x_0 + ... + x_{WORLD-1} in rank order, fp32, rounded
+    to x's dtype; this rank's term from x, the peers' from their buffers."""
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros(at.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            part = tl.load(x_ptr + at, mask=mask, other=0.0)
+        else:
+            peer = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype)) + buf_offset
+            # ".cv": fetch again rather than trust a cached line, as a plain (vectorisable)
+            # load. The first version read with volatile=True and barriered by spinning
+            # compare-and-swap; together they took 59 us at 256 rows against 22 unfused,
+            # which of the two cost it is not measured.
+            part = tl.load(peer + at, mask=mask, other=0.0, cache_modifier=".cv")
+        acc += part.to(tl.float32)
+    return acc.to(dtype)
+
+
+@triton.jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr,                                # (T, N) this rank's partial sums, contiguous
     buf_ptrs,                             # (WORLD,) int64: each rank's symmetric buffer
@@ -100,10 +126,13 @@ def _all_reduce_add_rms_norm_kernel(
     residual_ptr, weight_ptr,             # (T, N) contiguous, (N,)
     out_ptr, residual_out_ptr,            # (T, N) contiguous
     T, eps,
+    pad_at, half,                         # PUSHED: the push counters in the pads, and this call's pair
     N: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     MAX_PROGRAMS: tl.constexpr, SYNC: tl.constexpr,
     COPY: tl.constexpr,                   # False: x already is this rank's buffer at buf_offset
     SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch (_launch.pdl): let the next kernel start
+    PUSHED: tl.constexpr,                 # x is a push inbox's (WORLD, N) slots of one row, pushed by the
+                                          # ranks' GEMVs (_push_all_reduce); no copy, no barrier
 ):
     if SIGNAL_NEXT:  # the next GEMV may stream its weights while this one waits on its peers
         tl.extra.cuda.gdc_launch_dependents()
@@ -113,11 +142,13 @@ def _all_reduce_add_rms_norm_kernel(
     mask = offs < N
     dtype = x_ptr.dtype.element_ty
     mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(dtype)) + buf_offset
-    if COPY:
+    if PUSHED:
+        wait_pushed(pad_ptrs, pad_at, half, RANK)
+    elif COPY:
         for row in range(pid, T, nprog):
             at = row * N + offs  # < the buffer's numel: int32 is enough
             tl.store(mine + at, tl.load(x_ptr + at, mask=mask), mask=mask)
-    if SYNC:  # this program's call count; only this program touches the slot
+    if SYNC and not PUSHED:  # this program's call count; only this program touches the slot
         counter = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.int32)) + MAX_PROGRAMS * WORLD + pid
         epoch = tl.load(counter) + 1
         tl.store(counter, epoch)
@@ -125,19 +156,10 @@ def _all_reduce_add_rms_norm_kernel(
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, T, nprog):
         at = row * N + offs  # < the buffer's numel: int32 is enough
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            if r == RANK:
-                part = tl.load(x_ptr + at, mask=mask, other=0.0)
-            else:
-                peer = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype)) + buf_offset
-                # ".cv": fetch again rather than trust a cached line, as a plain (vectorisable)
-                # load. The first version read with volatile=True and barriered by spinning
-                # compare-and-swap; together they took 59 us at 256 rows against 22 unfused,
-                # which of the two cost it is not measured.
-                part = tl.load(peer + at, mask=mask, other=0.0, cache_modifier=".cv")
-            acc += part.to(tl.float32)
-        s = acc.to(dtype)                                            # the all-reduce's output
+        if PUSHED:  # one row (T = 1): the slots are in this rank's inbox
+            s = pushed_sum(x_ptr, offs, mask, N, WORLD)
+        else:
+            s = _rank_order_sum(x_ptr, buf_ptrs, buf_offset, at, mask, RANK, WORLD)
         res = tl.load(residual_ptr + at, mask=mask, other=0.0)
         s = (s.to(tl.float32) + res.to(tl.float32)).to(dtype)       # one rounding, as torch's add
         tl.store(residual_out_ptr + at, s, mask=mask)
@@ -189,15 +211,58 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if isinstance(buf_offset, bool) or not isinstance(buf_offset, int) or buf_offset < 0:
         raise ValueError(f"buf_offset must be an int >= 0, got {buf_offset!r}")
     check_same_device(x=x, residual=residual, weight=weight, buf_ptrs=buf_ptrs, pad_ptrs=pad_ptrs)
-    t, n = x.shape
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    res_out = torch.empty_like(x)
-    if t:
+    return _launch(x, x.shape[0], residual, weight, eps, buf_ptrs, buf_offset, pad_ptrs, rank, world_size,
+                   sync=sync, copy=not in_place)
+
+
+def pushed_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        channel: PushChannel) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(sum + residual), sum + residual)`` of one row whose ranks' partial sums
+    the ranks' GEMVs pushed into this rank's inbox (``_push_all_reduce``): waits for the
+    peers' slots, sums in rank order as :func:`all_reduce_add_rms_norm` does (the same bits).
+    Where the layer after the norm is not a GEMV that takes the norm in (the model's final norm).
+
+    Args:
+        slots: (world_size, N) contiguous, this call's slots of this rank's inbox.
+        residual: (1, N) contiguous.
+        weight: (N,).
+        eps: added to the mean square.
+        channel: the call's push channel (its counters).
+
+    Raises:
+        TypeError: non-float tensors.
+        ValueError: shapes that disagree, or non-contiguous tensors.
+    """
+    check_dtype("slots", slots, (torch.bfloat16, torch.float16, torch.float32))
+    check_dtype("residual", residual, (slots.dtype,))
+    check_dtype("weight", weight, (torch.bfloat16, torch.float16, torch.float32))
+    n = slots.shape[-1]
+    if (slots.shape != (channel.world_size, n) or not slots.is_contiguous() or residual.shape != (1, n)
+            or not residual.is_contiguous()):
+        raise ValueError(f"slots must be a contiguous ({channel.world_size}, N) and residual a contiguous (1, N), "
+                         f"got {tuple(slots.shape)} and {tuple(residual.shape)}")
+    if weight.shape != (n,) or n > MAX_HIDDEN:
+        raise ValueError(f"weight must be ({n},) with N <= {MAX_HIDDEN}, got {tuple(weight.shape)}")
+    check_same_device(slots=slots, residual=residual, weight=weight, pad_ptrs=channel.pad_ptrs)
+    return _launch(slots, 1, residual, weight, eps, channel.inbox_ptrs, 0, channel.pad_ptrs, channel.rank,
+                   channel.world_size, pushed=channel)
+
+
+def _launch(x: torch.Tensor, rows: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+            buf_ptrs: torch.Tensor, buf_offset: int, pad_ptrs: torch.Tensor, rank: int, world_size: int,
+            sync: bool = True, copy: bool = True,
+            pushed: PushChannel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel on checked arguments: ``rows`` rows of width ``x.shape[-1]``."""
+    n = x.shape[-1]
+    out = torch.empty(rows, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
         block = next_pow2(n)
-        _all_reduce_add_rms_norm_kernel[(min(t, MAX_PROGRAMS),)](
-            x, buf_ptrs, buf_offset, pad_ptrs, residual, weight, out, res_out, t, float(eps),
+        _all_reduce_add_rms_norm_kernel[(min(rows, MAX_PROGRAMS),)](
+            x, buf_ptrs, buf_offset, pad_ptrs, residual, weight, out, res_out, rows, float(eps),
+            pushed.pad_at if pushed else 0, pushed.half if pushed else 0,
             N=n, BLOCK_N=block, RANK=rank, WORLD=world_size, MAX_PROGRAMS=MAX_PROGRAMS, SYNC=sync,
-            COPY=not in_place, SIGNAL_NEXT=pdl(x),
+            COPY=copy, SIGNAL_NEXT=pdl(x), PUSHED=pushed is not None,
             num_warps=max(1, min(16, block // 256)),
         )
     return out, res_out

@@ -40,6 +40,12 @@ then need no launch of their own at batch 1 (``RMSNorm.into``). Only the order o
 mean-square sum differs from the RMSNorm kernel's, so an input element may round one ulp
 apart.
 
+Under tensor parallelism at batch 1 the same kernel carries the all-reduce between a
+row-parallel layer and the norm after it (``kernels/_push_all_reduce.py``): with ``push``
+each program also stores its output tile into every peer's inbox and counts it there; with
+``reduce`` the normed GEMV's input is the sum of the ranks' rows in its inbox, which each
+program waits for after its first W tile is in flight. No all-reduce kernel, no barrier.
+
 There is no split of K, so the caller uses this kernel only where ``cdiv(N, BLOCK_N)``
 programs are enough (:func:`gemv_takes`).
 
@@ -90,6 +96,7 @@ from minivllm.kernels._launch import (
     TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device,
     check_tile_config, next_pow2, pdl, pdl_requested, tma_rows_allowed, upcast_dot,
 )
+from minivllm.kernels._push_all_reduce import PushChannel, push_tile, pushed_sum, wait_pushed
 from minivllm.kernels.rms_norm import add_residual, normalise
 from minivllm.kernels.silu_and_mul import gated_silu
 
@@ -169,6 +176,10 @@ def _gemv_kernel(
     r_ptr,                       # NORM + HAS_RESIDUAL: the residual stream (1, K) added to x; else unread
     r_out_ptr,                   # NORM + HAS_RESIDUAL: (1, K) receives x + residual (program 0); else unwritten
     nw_ptr,                      # NORM: the RMSNorm weight (K,); else unread
+    inbox_ptrs,                  # PUSH: (WORLD,) int64, every rank's inbox; else unread
+    pad_ptrs,                    # PUSH or REDUCE: (WORLD,) int64, every rank's int32 signal pad; else unread
+    slot_offset,                 # PUSH: this rank's slot in every inbox (elements)
+    pad_at, half,                # PUSH or REDUCE: the push counters in the pads, and this call's pair
     M, N, K,
     stride_xm,
     l2_end,                      # PDL: W columns [0, l2_end) of this program's rows are prefetched into L2
@@ -185,11 +196,15 @@ def _gemv_kernel(
     NORM: tl.constexpr,          # the input is RMSNorm(x [+ residual]) (ONE_ROW only; see rms_norm_gemv)
     HAS_RESIDUAL: tl.constexpr,  # NORM: add the residual first, and write the sum to r_out
     NORM_BLOCK: tl.constexpr,    # NORM: columns per step of the statistics pass
+    PUSH: tl.constexpr,          # ONE_ROW: y is this rank's partial sum, pushed to every peer (_push_all_reduce)
+    REDUCE: tl.constexpr,        # NORM: x is WORLD pushed partial rows (WORLD, K); the input is their sum
+    RANK: tl.constexpr, WORLD: tl.constexpr,  # PUSH or REDUCE: this rank, the group's size
 ):
-    tl.static_assert(ONE_ROW or not NORM, "the input norm is on the one-row path only")
+    tl.static_assert(ONE_ROW or not (NORM or PUSH), "the input norm and the push are on the one-row path only")
     if ONE_ROW:
-        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, N, K, l2_end, eps, HAS_BIAS, EVEN_N,
-                 EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, PDL, GATED, NORM, HAS_RESIDUAL, NORM_BLOCK)
+        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs, pad_ptrs, slot_offset,
+                 pad_at, half, N, K, l2_end, eps, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
+                 PREFETCH, PDL, GATED, NORM, HAS_RESIDUAL, NORM_BLOCK, PUSH, REDUCE, RANK, WORLD)
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
     rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
@@ -277,10 +292,12 @@ def _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, N, K, l2_end, eps, HAS_BIAS: tl.constexpr,
-             EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
-             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr):
+def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs, pad_ptrs, slot_offset, pad_at,
+             half, N, K, l2_end, eps, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+             PDL: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+             NORM_BLOCK: tl.constexpr, PUSH: tl.constexpr, REDUCE: tl.constexpr, RANK: tl.constexpr,
+             WORLD: tl.constexpr):
     """y[0, cols] for one row of x: fp32 products summed over K at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -295,39 +312,45 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, N, K, l2_e
         w = _w_tile(w_rows, w_rows, 0, offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
         if PDL:
             tl.extra.cuda.gdc_wait()
+        if REDUCE:  # ... and while the peers' partial rows arrive
+            wait_pushed(pad_ptrs, pad_at, half, RANK)
         if NORM:
-            rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK)
-        acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, offs_k, K, acc, EVEN_K, GATED, NORM, HAS_RESIDUAL)
+            rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK, REDUCE, WORLD)
+        acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, offs_k, K, acc, EVEN_K, GATED, NORM, HAS_RESIDUAL,
+                           REDUCE, WORLD)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _w_tile(w_rows, w_rows, k0, k0 + offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
         acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k0 + offs_k, K, acc, EVEN_K, GATED, NORM,
-                           HAS_RESIDUAL)
+                           HAS_RESIDUAL, REDUCE, WORLD)
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + cols, y, mask=col_ok)
+    if PUSH:
+        push_tile(y, cols, col_ok, inbox_ptrs, slot_offset, pad_ptrs, pad_at, half, N, RANK, WORLD)
 
 
 @triton.jit
 def _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k, K, acc, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, REDUCE: tl.constexpr, WORLD: tl.constexpr):
     """``acc + w * x[k]`` (fp32 products, summed over K by the caller at the end); NORM: x[k]
     is the normalised ``x + residual`` (residual at ``r_ptr``, norm weight at ``nw_ptr``)."""
     if EVEN_K:
-        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, None, K, GATED, NORM, HAS_RESIDUAL)
+        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, None, K, GATED, NORM, HAS_RESIDUAL, REDUCE, WORLD)
     else:
-        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, k < K, K, GATED, NORM, HAS_RESIDUAL)
+        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, k < K, K, GATED, NORM, HAS_RESIDUAL, REDUCE, WORLD)
     return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
 def _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED: tl.constexpr, NORM: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr):
+                   HAS_RESIDUAL: tl.constexpr, REDUCE: tl.constexpr, WORLD: tl.constexpr):
     """The input row at columns ``k``: x, silu(gate) * up (GATED), or NORM: the RMSNorm kernel's
     output for ``x + residual`` given its ``rstd`` (the same rounding: ``rms_norm.normalise``)."""
     if NORM:
-        s = _residual_sum(x_ptr + k, r_ptr + k, mask, HAS_RESIDUAL)
+        s = _residual_sum(x_ptr, r_ptr, k, mask, K, HAS_RESIDUAL, REDUCE, WORLD)
         x = normalise(s, _masked_load(nw_ptr + k, mask).to(tl.float32), rstd).to(s.dtype)
     else:
         x = _x_cols(x_ptr, k, mask, K, GATED)
@@ -335,23 +358,28 @@ def _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED: tl.constexpr, 
 
 
 @triton.jit
-def _residual_sum(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
-    """x, or ``x + residual`` rounded as the RMSNorm kernel rounds it (``rms_norm.add_residual``)."""
-    x = _masked_load(x_ptrs, mask)
+def _residual_sum(x_ptr, r_ptr, k, mask, K, HAS_RESIDUAL: tl.constexpr, REDUCE: tl.constexpr, WORLD: tl.constexpr):
+    """x at columns ``k`` (REDUCE: the sum of the WORLD pushed rows, as the all-reduce rounds it),
+    or ``x + residual`` rounded as the RMSNorm kernel rounds it (``rms_norm.add_residual``)."""
+    if REDUCE:
+        x = pushed_sum(x_ptr, k, mask, K, WORLD)
+    else:
+        x = _masked_load(x_ptr + k, mask)
     if HAS_RESIDUAL:
-        x = add_residual(x, _masked_load(r_ptrs, mask))
+        x = add_residual(x, _masked_load(r_ptr + k, mask))
     return x
 
 
 @triton.jit
-def _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                REDUCE: tl.constexpr, WORLD: tl.constexpr):
     """``1 / sqrt(mean(s^2) + eps)`` of the row s = x [+ residual] (fp32 sums, BLOCK columns a
     step; every program computes it, from L2). HAS_RESIDUAL: program 0 also writes s to r_out,
     a buffer no program reads (the new residual stream)."""
     sq = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
-        s = _residual_sum(x_ptr + k, r_ptr + k, k < K, HAS_RESIDUAL)
+        s = _residual_sum(x_ptr, r_ptr, k, k < K, K, HAS_RESIDUAL, REDUCE, WORLD)
         if HAS_RESIDUAL:
             if tl.program_id(0) == 0:
                 tl.store(r_out_ptr + k, s, mask=k < K)
@@ -386,7 +414,8 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None 
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, out: torch.Tensor | None = None, *, gated: bool = False) -> torch.Tensor:
+         config: GemvConfig | None = None, out: torch.Tensor | None = None, *, gated: bool = False,
+         push: PushChannel | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x (M, K) with M <= 16: (M, N) in x's dtype, with
     ``config`` (None: ``default_config(M, N, K)``), written into ``out`` if given (a contiguous
     (M, N) of x's dtype; returned).
@@ -396,11 +425,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``gemv(silu_and_mul(x), ...)``): the MLP's down projection without a kernel for
     the activation.
 
+    ``push``: y is this rank's partial sum of a row-parallel layer, one row on the one-row path;
+    ``out`` is this rank's slot of the push inbox, and every tile also goes to the peers' inboxes
+    (``_push_all_reduce``: the all-reduce without a kernel of its own).
+
     Raises:
         TypeError: x, weight (and bias) are not one of bf16 / fp16 together.
         ValueError: more than 16 rows, mismatched K (2K when gated), a strided last dimension, a
             non-contiguous weight, a bias not (N,), an ``out`` not a contiguous (M, N),
-            or tensors on different devices.
+            tensors on different devices, or a push without ``out``, of more than one row or
+            off the one-row path.
     """
     tensors = _check(x, weight, bias, gated)
     if out is not None:
@@ -409,46 +443,67 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             raise ValueError(f"out must be a contiguous ({x.shape[0]}, {weight.shape[0]}), "
                              f"got shape {tuple(out.shape)}")
         tensors["out"] = out
+    config = config or default_config(x.shape[0], *weight.shape)
+    if push is not None:
+        if out is None or x.shape[0] != 1 or not config.one_row:
+            raise ValueError(f"a pushed GEMV writes one row into its inbox slot (out) on the one-row path, got "
+                             f"{x.shape[0]} rows, out {'given' if out is not None else 'None'}, "
+                             f"one_row={config.one_row}")
+        tensors.update(inbox_ptrs=push.inbox_ptrs, pad_ptrs=push.pad_ptrs)
     check_same_device(**tensors)
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if out is None else out
-    config = config or default_config(x.shape[0], *weight.shape)
-    _launch(x, weight, bias, y, config, gated=gated)
+    _launch(x, weight, bias, y, config, gated=gated, push=push)
     return y
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: GemvConfig | None = None, *,
+                  reduce: PushChannel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(rms_norm(s), weight, bias), s)`` for one row x (1, K) and s = x + residual
     (residual None: s = x), in one kernel: the RMSNorm kernel's rounding (``rms_norm.normalise``
     and ``add_residual``), with the row's statistics summed in the kernel's own order; s is a new
     tensor (x itself when residual is None). A decode layer's residual add + RMSNorm without a
     launch of its own, at batch 1 on the one-row path (``config`` None: ``default_config(1, N, K)``).
 
+    ``reduce``: x is a push inbox's (world_size, K) slots, which the ranks' pushed GEMVs fill,
+    and the row is their sum (``_push_all_reduce``: the kernel waits for the peers' slots, and
+    rounds the sum as the all-reduce does); ``residual`` is then required.
+
     Raises:
         TypeError: x, residual, the weights (and bias) are not one of bf16 / fp16 together.
         ValueError: anything :func:`gemv` refuses, more than one row, a config without
-            ``one_row``, a residual not like x, or a norm weight not a contiguous (K,).
+            ``one_row``, a residual not like x, a norm weight not a contiguous (K,), or with
+            ``reduce``: x not a contiguous (world_size, K), or no residual.
     """
-    tensors = _check(x, weight, bias, False)
+    row = x
+    if reduce is not None:
+        if x.dim() != 2 or x.shape[0] != reduce.world_size or not x.is_contiguous() or residual is None:
+            raise ValueError(f"a reducing rms_norm_gemv takes the contiguous ({reduce.world_size}, K) slots and a "
+                             f"residual, got x {tuple(x.shape)} strides {x.stride()}, residual "
+                             f"{'given' if residual is not None else 'None'}")
+        row = x[:1]
+    tensors = _check(row, weight, bias, False)
     config = config or default_config(1, *weight.shape)
-    if x.shape[0] != 1 or not config.one_row:
-        raise ValueError(f"rms_norm_gemv takes one row on the one-row path, got {x.shape[0]} rows "
+    if row.shape[0] != 1 or not config.one_row:
+        raise ValueError(f"rms_norm_gemv takes one row on the one-row path, got {row.shape[0]} rows "
                          f"and one_row={config.one_row}")
     check_dtype("norm_weight", norm_weight, (x.dtype,))
-    if norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous():
-        raise ValueError(f"norm_weight must be a contiguous ({x.shape[1]},), got shape {tuple(norm_weight.shape)}")
+    if norm_weight.shape != (row.shape[1],) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous ({row.shape[1]},), got shape {tuple(norm_weight.shape)}")
     tensors["norm_weight"] = norm_weight
     if residual is not None:
         check_dtype("residual", residual, (x.dtype,))
-        if residual.shape != x.shape or residual.stride(1) != 1:
-            raise ValueError(f"residual must be like x {tuple(x.shape)}, got shape {tuple(residual.shape)} "
+        if residual.shape != row.shape or residual.stride(1) != 1:
+            raise ValueError(f"residual must be like x {tuple(row.shape)}, got shape {tuple(residual.shape)} "
                              f"strides {residual.stride()}")
         tensors["residual"] = residual
+    if reduce is not None:
+        tensors["pad_ptrs"] = reduce.pad_ptrs
     check_same_device(**tensors)
     y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-    s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
-    _launch(x, weight, bias, y, config, norm=(norm_weight, float(eps), residual, s))
+    s = torch.empty_like(row, memory_format=torch.contiguous_format) if residual is not None else x
+    _launch(x, weight, bias, y, config, norm=(norm_weight, float(eps), residual, s), reduce=reduce)
     return y, s
 
 
@@ -477,30 +532,37 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gat
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
             config: GemvConfig, *, gated: bool = False,
-            norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None = None) -> None:
+            norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None = None,
+            push: PushChannel | None = None, reduce: PushChannel | None = None) -> None:
     """Launch the kernel on checked arguments; ``norm``: (norm weight, eps, residual or None,
-    the buffer for x + residual)."""
+    the buffer for x + residual); ``push`` / ``reduce``: the channel y goes out on / x came in on
+    (x then is the (world_size, K) slots, one row)."""
     n, k = weight.shape
-    if x.shape[0] == 0 or n == 0:
+    rows = 1 if reduce is not None else x.shape[0]
+    if rows == 0 or n == 0:
         return
-    one_row = config.one_row and x.shape[0] == 1
+    one_row = config.one_row and rows == 1
     if config.block_n < MIN_DOT_BLOCK and not one_row:
         raise ValueError(f"block_n {config.block_n} < {MIN_DOT_BLOCK} serves one row only (one_row), "
-                         f"got {x.shape[0]} rows")
+                         f"got {rows} rows")
     use_tma = config.tma and not one_row and tma_allowed(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
     use_pdl = config.prefetch and pdl(x)
     norm_weight, eps, residual, res_out = norm if norm is not None else (weight, 0.0, None, weight)
+    channel = push or reduce
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, w_desc, bias if bias is not None else weight, y,
         residual if residual is not None else weight, res_out, norm_weight,
-        x.shape[0], n, k, x.stride(0),
+        channel.inbox_ptrs if channel else weight, channel.pad_ptrs if channel else weight,
+        channel.slot_offset if channel else 0, channel.pad_at if channel else 0, channel.half if channel else 0,
+        rows, n, k, x.stride(0),
         l2_prefetch_columns(n, k, weight.element_size()) if use_pdl else 0, eps,
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
         USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages, PREFETCH=config.prefetch, PDL=use_pdl,
         GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-        NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX),
+        NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX), PUSH=push is not None, REDUCE=reduce is not None,
+        RANK=channel.rank if channel else 0, WORLD=channel.world_size if channel else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
 

@@ -36,8 +36,12 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+from minivllm.kernels._push_all_reduce import PUSH_PAD_SLOTS, PushChannel
 
 # Largest message the symmetric-memory paths take; larger ones go to NCCL. The one-shot
 # kernel has every rank read every peer's whole message (one barrier); the two-shot
@@ -57,6 +61,16 @@ DEFAULT_MAX_BYTES = 8 << 20
 TWO_SHOT_MIN_BYTES = 1 << 20
 
 
+@dataclass(frozen=True, eq=False)  # tensors inside: compared by identity
+class PushedRow:
+    """A one-row partial sum that a row-parallel GEMV pushes to every rank
+    (``kernels/_push_all_reduce.py``) and the norm after it collects."""
+
+    out: torch.Tensor       # (1, N): this rank's slot, where its GEMV writes
+    slots: torch.Tensor     # (world_size, N): every rank's slot in this rank's inbox
+    channel: PushChannel    # the call's pointer tables, counters and half
+
+
 class SymmMemAllReduce:
     """The one-shot all-reduce over a symmetric buffer of ``max_bytes``.
 
@@ -72,7 +86,7 @@ class SymmMemAllReduce:
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                 max_bytes: int = DEFAULT_MAX_BYTES, fuse_norm: bool = False) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, fuse_norm: bool = False, push: bool = False) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.group_name = group.group_name
@@ -88,8 +102,10 @@ class SymmMemAllReduce:
         # Absent from older torch builds: then the one-shot kernel takes every size.
         self._two_shot = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
         self.fuses_norm = False
+        self.pushes = False
         if fuse_norm:
             self._set_up_fused_norm(group, device, symm_mem)
+            self.pushes = push
 
     def _set_up_fused_norm(self, group: dist.ProcessGroup, device: torch.device, symm_mem: object) -> None:
         """The fused all-reduce + residual add + RMSNorm kernel's own symmetric buffer (two
@@ -104,7 +120,8 @@ class SymmMemAllReduce:
                                            device=device)
         self._fused_handle = symm_mem.rendezvous(self.fused_buffer, self.group_name)  # type: ignore[attr-defined]
         self._half = 0  # the half the next fused call uses
-        self.pad = symm_mem.empty(signal_pad_numel(self.world_size), dtype=torch.int32,  # type: ignore[attr-defined]
+        self.pad_at = signal_pad_numel(self.world_size)  # the push counters follow the fused kernel's slots
+        self.pad = symm_mem.empty(self.pad_at + PUSH_PAD_SLOTS, dtype=torch.int32,  # type: ignore[attr-defined]
                                   device=device)
         self.pad.zero_()
         pad_handle = symm_mem.rendezvous(self.pad, self.group_name)  # type: ignore[attr-defined]
@@ -123,12 +140,48 @@ class SymmMemAllReduce:
         (two a layer), so every forward starts on the first half, and CUDA graphs captured
         at different times, replayed in any order, still alternate the halves."""
         from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm as kernel
+        from minivllm.kernels.all_reduce_rms_norm import pushed_add_rms_norm
 
+        row = self.pushed(x)
+        if row is not None:  # its producer used the half up
+            return pushed_add_rms_norm(row.slots, residual.contiguous(), weight, eps, row.channel)
         offset = self._half * self.max_numel
         in_place = x.data_ptr() == self.fused_buffer.data_ptr() + offset * x.element_size()
         self._half ^= 1  # every rank makes the same calls: the halves agree
         return kernel(x, residual.contiguous(), weight, eps, self.buf_ptrs, self.pad_ptrs,
                       self.rank, self.world_size, buf_offset=offset, in_place=in_place)
+
+    def push_target(self, shape: tuple[int, ...], dtype: torch.dtype) -> PushedRow | None:
+        """Where a row-parallel GEMV's one-row partial sum (``shape``) goes when it pushes it
+        (``_push_all_reduce``): this rank's slot of the next half, and the channel; None where
+        the push does not take it (then ``fused_slot``). Uses up the half, as ``add_rms_norm``
+        does (one call: the consumer finds the half from the slot's address, ``pushed``)."""
+        if not (self.pushes and len(shape) == 2 and shape[0] == 1 and self.fuses(shape, dtype)
+                and (self.world_size + 1) * shape[1] <= self.max_numel):
+            return None
+        row = self._pushed_row(self._half, shape[1])
+        self._half ^= 1
+        return row
+
+    def pushed(self, x: torch.Tensor) -> PushedRow | None:
+        """The pushed row whose slot ``x`` is (a ``push_target``'s ``out``), or None."""
+        if not (self.pushes and x.dim() == 2 and x.shape[0] == 1 and x.dtype == self.dtype):
+            return None
+        for half in (0, 1):
+            row = self._pushed_row(half, x.shape[1])
+            if x.data_ptr() == row.out.data_ptr():
+                return row
+        return None
+
+    def _pushed_row(self, half: int, n: int) -> PushedRow:
+        """Half ``half``'s push slots of rows n wide. They start one row into the half, so no
+        pushed row shares an address with the fused kernel's rows (which start at the half,
+        where ``add_rms_norm`` takes a row as written in place)."""
+        start = half * self.max_numel + n
+        slots = self.fused_buffer.narrow(0, start, self.world_size * n).view(self.world_size, n)
+        channel = PushChannel(self.buf_ptrs, self.pad_ptrs, self.pad_at, half, start + self.rank * n,
+                              self.rank, self.world_size)
+        return PushedRow(slots[self.rank:self.rank + 1], slots, channel)
 
     def fused_slot(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The view of the fused buffer's next half that a ``shape`` partial sum would be
@@ -226,6 +279,20 @@ def output_slot(shape: tuple[int, ...], dtype: torch.dtype, into_norm: bool = Fa
     return fast.slot_for(shape, dtype)
 
 
+def push_target(shape: tuple[int, ...], dtype: torch.dtype) -> PushedRow | None:
+    """Where a row-parallel GEMV whose one-row output (``shape``) feeds a reducing norm pushes
+    its partial sum (``SymmMemAllReduce.push_target``), or None: the layer then writes it as
+    ``output_slot`` says. Only the layer's GEMV may write there (it pushes as it writes)."""
+    fast = _installed
+    return fast.push_target(shape, dtype) if fast is not None else None
+
+
+def pushed_row(x: torch.Tensor) -> PushedRow | None:
+    """The pushed row ``x`` is the slot of (the norm after the layer collects it), or None."""
+    fast = _installed
+    return fast.pushed(x) if fast is not None else None
+
+
 def check_forward_start() -> None:
     """Called as every model forward starts (eager, or captured into a CUDA graph): the
     fused path must be on the first of its buffer halves, which holds while every forward
@@ -261,13 +328,16 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
 
 
 def install_symm_mem_all_reduce(device: torch.device, dtype: torch.dtype,
-                                max_bytes: int = DEFAULT_MAX_BYTES, fuse_norm: bool = False) -> str | None:
+                                max_bytes: int = DEFAULT_MAX_BYTES, fuse_norm: bool = False,
+                                push: bool = False) -> str | None:
     """Route small all-reduces through the symmetric-memory kernels from now on; with
     ``fuse_norm``, also let row-parallel layers leave their all-reduce to the residual
     add + RMSNorm after them (``kernels/all_reduce_rms_norm.py``;
     ``ExecutorConfig.fuse_all_reduce_norm``, on by default: on two H200s it took 1,028
     us per batch-256 decode step of Qwen3-8B where the two-shot all-reduce and the norm
-    apart took 1,394 + 233).
+    apart took 1,394 + 233). With ``push`` too, a one-row partial sum (batch-1 decode) is
+    pushed by the GEMV that computes it into every rank's buffer and summed by the kernel
+    that needs it (``kernels/_push_all_reduce.py``; ``ExecutorConfig.push_all_reduce``).
 
     Every rank must call it (the buffer's rendezvous is a collective). Returns None when
     installed, else why not (the caller reports it; NCCL then takes every message).
@@ -279,7 +349,7 @@ def install_symm_mem_all_reduce(device: torch.device, dtype: torch.dtype,
         return "an earlier process group of this process set it up (once per process)"
     _used_in_this_process = True
     try:
-        _installed = SymmMemAllReduce(dist.group.WORLD, device, dtype, max_bytes, fuse_norm)
+        _installed = SymmMemAllReduce(dist.group.WORLD, device, dtype, max_bytes, fuse_norm, push)
     except (RuntimeError, AttributeError, ImportError) as e:
         _installed = None
         return f"symmetric memory unavailable: {type(e).__name__}: {e}"

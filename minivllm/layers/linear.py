@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.kernels.gemv import gemv, gemv_takes, rms_norm_gemv
-from minivllm.layers.all_reduce import all_reduce, defers_to_norm, output_slot
+from minivllm.layers.all_reduce import PushedRow, all_reduce, defers_to_norm, output_slot, push_target
 
 if TYPE_CHECKING:
     from minivllm.config import ModelConfig
@@ -222,10 +222,14 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out_local)
         return self._linear(x, self.bias)
 
+    def _gemv_takes(self, x: torch.Tensor, gated: bool = False) -> bool:
+        """Whether :meth:`_linear` runs x (``gated``: as [gate | up]) through the GEMV kernel."""
+        return self.use_gemv and gemv_takes(x, self.weight, gated=gated)
+
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x, gated=True)`` can run: the GEMV kernel is on and takes x =
         [gate | up] (at most 16 rows), applying ``silu(gate) * up`` itself."""
-        return self.use_gemv and gemv_takes(x, self.weight, gated=True)
+        return self._gemv_takes(x, gated=True)
 
     def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         """Whether :meth:`normed` can run: the GEMV kernel is on and takes one row x with the
@@ -233,15 +237,20 @@ class LinearBase(nn.Module):
         return self.use_gemv and gemv_takes(x, self.weight, norm_weight=norm_weight, residual=residual)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+               eps: float, pushed: PushedRow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(forward(rms_norm(x + residual)), x + residual)`` in one GEMV kernel (residual None:
-        ``(forward(rms_norm(x)), x)``); only where :meth:`takes_normed`.
+        ``(forward(rms_norm(x)), x)``); only where :meth:`takes_normed`. ``pushed``: x is this
+        rank's slot of a row the ranks' GEMVs pushed, and the kernel sums the slots first
+        (``all_reduce.pushed_row``).
 
         Raises:
             ValueError: the kernel does not take x (see :meth:`takes_normed`).
         """
         if not self.takes_normed(x, norm_weight, residual):
             raise ValueError(f"a normed input needs the GEMV kernel to take x {tuple(x.shape)} (takes_normed)")
+        if pushed is not None:
+            return rms_norm_gemv(pushed.slots, residual, norm_weight, eps, self.weight, self.bias,
+                                 reduce=pushed.channel)
         return rms_norm_gemv(x, residual, norm_weight, eps, self.weight, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
@@ -253,7 +262,7 @@ class LinearBase(nn.Module):
             if not self.takes_gated(x):
                 raise ValueError(f"gated input needs the GEMV kernel to take x {tuple(x.shape)} (takes_gated)")
             return gemv(x, self.weight, bias, out=out, gated=True)
-        if self.use_gemv and gemv_takes(x, self.weight):
+        if self._gemv_takes(x):
             return gemv(x, self.weight, bias, out=out)
         if out is None:
             return F.linear(x, self.weight, bias)
@@ -445,8 +454,13 @@ class RowParallelLinear(LinearBase):
         applied inside the GEMV kernel (only where :meth:`takes_gated`)."""
         slot = None
         if self.tp_size > 1 and self.reduce_results and x.dim() == 2:
+            shape = (x.shape[0], self.weight.shape[0])
+            target = push_target(shape, x.dtype) if self.reduce_in_next_norm and self._gemv_takes(x, gated) else None
+            if target is not None:  # batch 1: the GEMV pushes its tiles to every rank, the norm sums them
+                bias = self.bias if self.tp_rank == 0 else None  # counted once in the sum
+                return gemv(x, self.weight, bias, out=target.out, gated=gated, push=target.channel)
             # Large decode steps: the GEMM writes straight into the all-reduce's buffer.
-            slot = output_slot((x.shape[0], self.weight.shape[0]), x.dtype, into_norm=self.reduce_in_next_norm)
+            slot = output_slot(shape, x.dtype, into_norm=self.reduce_in_next_norm)
         y = self._linear(x, None, out=slot, gated=gated)
         reduced = self.reduce_results and not (self.reduce_in_next_norm and defers_to_norm(y))
         if self.tp_size > 1 and reduced:

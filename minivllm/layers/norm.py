@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from minivllm.layers import fuse
-from minivllm.layers.all_reduce import all_reduce_add_rms_norm, defers_to_norm
+from minivllm.layers.all_reduce import all_reduce_add_rms_norm, defers_to_norm, pushed_row
 from minivllm.layers.linear import LinearBase, default_weight_loader, set_weight_loader
 
 
@@ -88,11 +88,14 @@ class RMSNorm(nn.Module):
         One GEMV kernel where the layer takes the norm in (``linear.takes_normed``: a decode
         step at batch 1 on CUDA), so the norm costs no launch of its own; else this module,
         then the layer. Where ``x`` holds ranks' partial sums for this norm to reduce
-        (``reduces_input``), the fused all-reduce + norm kernel keeps it.
+        (``reduces_input``), the GEMV kernel sums them too if the layer before pushed them
+        (``all_reduce.pushed_row``: batch 1), else the fused all-reduce + norm kernel keeps it.
         """
         reduces_here = residual is not None and self.reduces_input and defers_to_norm(x)
-        if not reduces_here and linear.takes_normed(x, self.weight, residual):
-            return linear.normed(x, residual, self.weight, self.eps)
+        if linear.takes_normed(x, self.weight, residual):
+            pushed = pushed_row(x) if reduces_here else None
+            if not reduces_here or pushed is not None:  # a pushed row: the GEMV sums the ranks' slots
+                return linear.normed(x, residual, self.weight, self.eps, pushed=pushed)
         if residual is None:
             return linear(self(x)), x
         h, residual = self(x, residual)
