@@ -44,9 +44,9 @@ ENGINE_TESTS := $(addprefix tests/test_,async_engine.py block_manager.py config.
 # non-engine tests, once each in one clone: 143 s with it, 153 s without).
 test: $(VENV)/.full
 	$(BIN)/python -m compileall -q -j 0 minivllm sim benchmarks tests > /dev/null
-	$(BIN)/python -m pytest -n 2 -q --cov=minivllm/engine --cov=sim --cov-report=term-missing:skip-covered $(ENGINE_TESTS)
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q --cov=minivllm/engine --cov=sim --cov-report=term-missing:skip-covered $(ENGINE_TESTS)
 	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --skip-covered --fail-under=90
-	$(BIN)/python -m pytest -n 2 -q tests $(addprefix --ignore=,$(ENGINE_TESTS))
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q tests $(addprefix --ignore=,$(ENGINE_TESTS))
 
 sim: $(VENV)/.core
 	$(BIN)/python -m sim run --traces 10000 --seed 0
