@@ -12,14 +12,14 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# --no-compile, then compileall on every core for the packages every test process
-# imports: pip byte-compiles all of site-packages on one core (torch's install took 35 s
-# with it, 9 without; the four below compile in 18 s on 2 cores, everything in 33). The
-# byte-code must exist before the tests: with PYTHONDONTWRITEBYTECODE=1 (set on these
-# machines) every process would otherwise compile torch's and transformers' sources again
-# on import (3 s each). Some packages ship files for newer Pythons that do not compile
-# (pip's own step skips them too): hence "|| true".
-COMPILE_PKGS := torch transformers triton sympy
+# --no-compile: pip byte-compiles all of site-packages on one core (torch's install took
+# 35 s with it, 9 without). Each module is compiled instead when a process first imports
+# it, and its byte-code kept for the next: these machines set PYTHONDONTWRITEBYTECODE=1,
+# with which every one of the many test processes (TP ranks, engine processes, servers)
+# would compile torch's and transformers' imports again (3 s each), so the targets run
+# with it unset. Measured: the imports the tests make compile in 10 s, once; compileall
+# of torch, transformers, triton and sympy (the previous setup) took 24 s on 2 cores.
+export PYTHONDONTWRITEBYTECODE :=
 
 # Engine + simulator only: numpy and xxhash, no torch.
 $(VENV)/.core: pyproject.toml | $(BIN)/python
@@ -29,8 +29,6 @@ $(VENV)/.core: pyproject.toml | $(BIN)/python
 $(VENV)/.full: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-compile $(TORCH_CPU)
 	$(BIN)/pip install -q --no-compile -e '.[model,dev,serve,plot]'
-	$(BIN)/python -m compileall -q -j 0 $(foreach p,$(COMPILE_PKGS),$(VENV)/lib/python3*/site-packages/$(p)) \
-		> /dev/null || true
 	touch $@ $(VENV)/.core
 
 # Coverage is measured where it is enforced (the engine and the simulator), by the tests
@@ -39,11 +37,7 @@ $(VENV)/.full: pyproject.toml | $(BIN)/python
 ENGINE_TESTS := $(addprefix tests/test_,async_engine.py block_manager.py config.py differential.py \
 	engine.py engine_host_path.py fake_executor.py golden_traces.py inputs.py no_torch.py \
 	parallel_samples.py plots.py record_trace.py sim.py sim_oracle.py sim_traces.py)
-# The project's own byte-code too, for the same reason: the TP, engine-process and server
-# tests start many Python processes, each of which would compile minivllm again (the
-# non-engine tests, once each in one clone: 143 s with it, 153 s without).
 test: $(VENV)/.full
-	$(BIN)/python -m compileall -q -j 0 minivllm sim benchmarks tests > /dev/null
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q --cov=minivllm/engine --cov=sim --cov-report=term-missing:skip-covered $(ENGINE_TESTS)
 	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --skip-covered --fail-under=90
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q tests $(addprefix --ignore=,$(ENGINE_TESTS))

@@ -294,10 +294,17 @@ def test_pushed_all_reduce_between_two_gpus(tmp_path) -> None:
     script = tmp_path / "push.py"
     script.write_text(PUSH_SCRIPT)
     iters = 300
-    proc = subprocess.run([sys.executable, str(script), str(iters)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    # Its own session: a rank stuck in a wait (a broken protocol) is killed with the rest.
+    proc = subprocess.Popen([sys.executable, str(script), str(iters)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail("the ranks did not finish in 300 s (a wait that never ended?):\n" + out + err[-3000:])
+    assert proc.returncode == 0, out + err[-3000:]
     calls_per_half = iters // 2 + iters  # eager calls alternate halves; each replay makes one call per half
     for rank in (0, 1):
         assert f"RANK {rank} BAD 0 COUNTS {[4096 * calls_per_half] * 4}" in out, out
