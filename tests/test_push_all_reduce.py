@@ -18,39 +18,14 @@ import threading
 import pytest
 import torch
 
-from minivllm.kernels._push_all_reduce import PUSH_PAD_SLOTS, PushChannel
-from minivllm.kernels.all_reduce_rms_norm import pushed_add_rms_norm, signal_pad_numel
+from minivllm.kernels._push_all_reduce import PushChannel
+from minivllm.kernels.all_reduce_rms_norm import pushed_add_rms_norm
 from minivllm.kernels.gemv import gemv, rms_norm_gemv
 from minivllm.kernels.reference import all_reduce_add_rms_norm_reference
 from minivllm.layers import all_reduce as ar
 
 DTYPE = torch.float16  # the interpreter truncates bf16 casts where torch rounds: fp16 compares exactly
 EPS = 1e-6
-
-
-def ptr_table(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-
-
-def fake_paths(world: int, max_numel: int = 1024, dtype: torch.dtype = DTYPE,
-               device: str = "cpu") -> list[ar.SymmMemAllReduce]:
-    """One ``SymmMemAllReduce`` per rank with the fused norm and the push on, over plain
-    tensors of one device (no symmetric memory): NaN-filled buffers, zeroed pads, shared
-    tables. (Also the GPU suite's ranks-in-turn test, tests_gpu/test_kernels_gpu.py.)"""
-    paths = []
-    for rank in range(world):
-        path = object.__new__(ar.SymmMemAllReduce)
-        path.dtype, path.max_numel, path.fuses_norm, path.pushes, path._half = dtype, max_numel, True, True, 0
-        path.rank, path.world_size = rank, world
-        path.fused_buffer = torch.full((2 * max_numel,), float("nan"), dtype=dtype, device=device)
-        path.pad_at = signal_pad_numel(world)
-        path.pad = torch.zeros(path.pad_at + PUSH_PAD_SLOTS, dtype=torch.int32, device=device)
-        paths.append(path)
-    buf_ptrs = ptr_table([p.fused_buffer for p in paths]).to(device)
-    pad_ptrs = ptr_table([p.pad for p in paths]).to(device)
-    for path in paths:
-        path.buf_ptrs, path.pad_ptrs = buf_ptrs, pad_ptrs
-    return paths
 
 
 def push_counters(path: ar.SymmMemAllReduce) -> list[int]:
@@ -83,7 +58,7 @@ def test_pushed_rows_reach_every_rank_and_both_consumers_sum_them(world: int, k:
     w2 = (0.1 * torch.randn(24, n, generator=g)).to(DTYPE)
     nw = (1 + 0.1 * torch.randn(n, generator=g)).to(DTYPE)
     residual = torch.randn(1, n, generator=g).to(DTYPE)
-    paths = fake_paths(world)
+    paths = ar.ranks_in_one_process(world, DTYPE)
     rows = [path.push_target((1, n), DTYPE) for path in paths]
     for rank, row in enumerate(rows):
         y = gemv(xs[rank], ws[rank], b if rank == 0 else None, out=row.out, gated=gated, push=row.channel)
@@ -116,7 +91,7 @@ def test_calls_alternate_halves_and_the_consumer_finds_the_half_from_the_slot(mo
     monkeypatch.setattr(kernel_mod, "all_reduce_add_rms_norm",
                         lambda *a, **kw: real(*a, **{**kw, "sync": False}))
     world, n = 2, 32
-    paths = fake_paths(world)
+    paths = ar.ranks_in_one_process(world, DTYPE)
     g = torch.Generator().manual_seed(7)
     nw, residual = torch.ones(n, dtype=DTYPE), torch.randn(1, n, generator=g).to(DTYPE)
     for call, kind in enumerate(["push", "push", "fused", "push", "push"]):
@@ -157,7 +132,7 @@ def test_a_consumer_waits_for_the_peers_rows() -> None:
     (The wait has no event to watch from outside the kernel: it is given time to finish
     wrongly.)"""
     world, n = 2, 32
-    paths = fake_paths(world)
+    paths = ar.ranks_in_one_process(world, DTYPE)
     g = torch.Generator().manual_seed(3)
     parts = [torch.randn(1, n, generator=g).to(DTYPE) for _ in range(world)]
     residual, nw = torch.randn(1, n, generator=g).to(DTYPE), torch.ones(n, dtype=DTYPE)
@@ -185,7 +160,7 @@ def test_push_refuses_what_it_cannot_take() -> None:
     or a half holds, another dtype, or with the push off; the kernels name bad arguments."""
     from minivllm.kernels.rms_norm import MAX_HIDDEN
 
-    path = fake_paths(2, max_numel=96)[0]
+    path = ar.ranks_in_one_process(2, DTYPE, max_numel=96)[0]
     for shape, dtype in [((2, 32), DTYPE), ((1, MAX_HIDDEN * 2), DTYPE), ((1, 32), torch.bfloat16), ((1, 48), DTYPE)]:
         assert path.push_target(shape, dtype) is None, (shape, dtype)
     path.pushes = False
@@ -227,7 +202,7 @@ def test_layers_push_at_one_row_and_the_next_norm_collects(monkeypatch, consumer
     w_o, b_o = (0.1 * torch.randn(n, k, generator=g)).to(DTYPE), torch.randn(n, generator=g).to(DTYPE)
     w_gu = (0.1 * torch.randn(m, n, generator=g)).to(DTYPE)
     nw, residual = (1 + 0.1 * torch.randn(n, generator=g)).to(DTYPE), torch.randn(1, n, generator=g).to(DTYPE)
-    paths = fake_paths(world)
+    paths = ar.ranks_in_one_process(world, DTYPE)
     if not consumer_takes_norm:
         monkeypatch.setattr(LinearBase, "takes_normed", lambda *a, **kw: False)
     import minivllm.kernels.all_reduce_rms_norm as kernel_mod

@@ -522,7 +522,7 @@ def test_pushed_all_reduce_ranks_in_turn_in_a_cuda_graph(n_out: int) -> None:
     slots equals the barrier kernel's bits. (Two GPUs: tests_gpu/test_tp_gpu.py.)"""
     from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm, pushed_add_rms_norm
     from minivllm.kernels.gemv import gemv, rms_norm_gemv
-    from tests.test_push_all_reduce import fake_paths
+    from minivllm.layers.all_reduce import ranks_in_one_process
 
     world, k, n, dtype, eps = 2, 2048, 4096, torch.bfloat16, 1e-6
     gen = torch.Generator(device=DEVICE).manual_seed(5)
@@ -531,7 +531,7 @@ def test_pushed_all_reduce_ranks_in_turn_in_a_cuda_graph(n_out: int) -> None:
     w2, nw = rand(n_out, n, scale=0.02), 1 + rand(n, scale=0.1)
     xs = [rand(1, k) for _ in range(world)]
     residual = rand(1, n)
-    paths = fake_paths(world, max_numel=1 << 16, dtype=dtype, device=DEVICE)
+    paths = ranks_in_one_process(world, dtype, DEVICE, max_numel=1 << 16)
     outs = []
 
     def step() -> None:  # one call: the producers, then the consumers

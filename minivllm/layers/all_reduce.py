@@ -242,6 +242,31 @@ class SymmMemAllReduce:
         return self._two_shot(slot, "sum", self.group_name, torch.empty_like(x))
 
 
+def ranks_in_one_process(world_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                         max_numel: int = 1024) -> list[SymmMemAllReduce]:
+    """Every rank's fused path with the push on, in this process, over plain tensors of one
+    device (no symmetric memory, no process group): NaN-filled buffers, zeroed pads, tables
+    shared by all. For running the ranks' kernels one after the other, a call's producers
+    before its consumers (whose waits then pass at once): the CPU tests, the one-GPU test
+    and ``benchmarks.push_all_reduce``."""
+    from minivllm.kernels.all_reduce_rms_norm import signal_pad_numel
+
+    paths = []
+    for rank in range(world_size):
+        path = object.__new__(SymmMemAllReduce)
+        path.dtype, path.max_numel, path.fuses_norm, path.pushes, path._half = dtype, max_numel, True, True, 0
+        path.rank, path.world_size = rank, world_size
+        path.fused_buffer = torch.full((2 * max_numel,), float("nan"), dtype=dtype, device=device)
+        path.pad_at = signal_pad_numel(world_size)
+        path.pad = torch.zeros(path.pad_at + PUSH_PAD_SLOTS, dtype=torch.int32, device=device)
+        paths.append(path)
+    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)  # noqa: E731
+    buf_ptrs, pad_ptrs = table([p.fused_buffer for p in paths]), table([p.pad for p in paths])
+    for path in paths:
+        path.buf_ptrs, path.pad_ptrs = buf_ptrs, pad_ptrs
+    return paths
+
+
 _installed: SymmMemAllReduce | None = None
 # Whether this process has set the path up before. torch keeps symmetric memory's group
 # state by group name, and a later process group reuses the name ("0") with a new store:
