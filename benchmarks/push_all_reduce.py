@@ -9,9 +9,9 @@ graphs of the whole step, timed by replaying them in turn:
 
 - plain: each rank's GEMVs on its own partial sums (no sum over ranks: what the step's GEMVs
   cost with the collective taken away);
-- pushed: the same GEMVs with ``push`` and ``reduce``: the producers also store their tiles,
-  tagged, into the "peers'" inboxes (here on this GPU), the consumers check the tags (already
-  there: the ranks run in turn) and sum the ranks' rows.
+- pushed: the same GEMVs with ``push`` and ``reduce``: the producers also store their tiles
+  into the "peers'" inboxes (here on this GPU) and count them, the consumers wait (the count
+  is already there: the ranks run in turn) and sum the ranks' rows.
 
 The difference is the protocol's own work per call, without the NVLink latency that only two
 GPUs have (``benchmarks.tp_scaling`` measures the step end to end there). The layers cycle
@@ -64,7 +64,7 @@ def step(layers: list[list[dict]], paths: list, acts: dict, push: bool, num_laye
             for rank in range(tp):
                 nw = acts["norm_weight"]
                 if push:
-                    rms_norm_gemv(rows[rank].out, acts["residual"], nw, 1e-6, ws[rank][consumer],
+                    rms_norm_gemv(rows[rank].slots, acts["residual"], nw, 1e-6, ws[rank][consumer],
                                   reduce=rows[rank].channel)
                 else:
                     rms_norm_gemv(outs[rank], acts["residual"], nw, 1e-6, ws[rank][consumer])

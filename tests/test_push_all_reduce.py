@@ -4,8 +4,9 @@ the producer (``gemv(..., push=)``), both consumers (``rms_norm_gemv(..., reduce
 that use it, on the CPU under TRITON_INTERPRET=1 (conftest).
 
 The ranks run one after the other in this process, as in test_all_reduce_rms_norm.py: each
-rank's "symmetric" buffer is a plain tensor whose address goes in the pointer table, so a
-producer's stores into a peer's inbox really land there. Every producer of a call runs before the call's consumers (whose wait then
+rank's "symmetric" inbox and signal pad are plain tensors whose addresses go in the pointer
+tables, so a producer's stores into a peer's inbox and its counts into the peer's pad really
+land there. Every producer of a call runs before the call's consumers (whose wait then
 passes), except in the test of the wait itself. Real peers run on two GPUs
 (tests_gpu/test_tp_gpu.py).
 """
@@ -27,20 +28,9 @@ DTYPE = torch.float16  # the interpreter truncates bf16 casts where torch rounds
 EPS = 1e-6
 
 
-def tags(path: ar.SymmMemAllReduce, n: int) -> list[set[int]]:
-    """The rank's push counts of columns 0..n-1, per half (a set: one value if all agree)."""
-    return [set(path.push_tags[half, :n].tolist()) for half in (0, 1)]
-
-
-def inbox(path: ar.SymmMemAllReduce, row: ar.PushedRow, n: int) -> torch.Tensor:
-    """The rank's inbox for ``row``'s call: (world_size, n) int32 words."""
-    off = row.channel.inbox_offset
-    return path.fused_buffer.view(torch.int32)[off:off + path.world_size * n].view(path.world_size, n)
-
-
-def word(tag: int, values: torch.Tensor) -> torch.Tensor:
-    """Pushed words: the tag over the values' 16 bits."""
-    return (tag << 16) | values.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF)
+def push_counters(path: ar.SymmMemAllReduce) -> list[int]:
+    """arrived[0], arrived[1], expected[0], expected[1] of the rank's pad."""
+    return path.pad[path.pad_at:].tolist()
 
 
 def summed(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -55,12 +45,12 @@ def summed(parts: list[torch.Tensor]) -> torch.Tensor:
                                                   (2, 96, 56, True, False)])
 def test_pushed_rows_reach_every_rank_and_both_consumers_sum_them(world: int, k: int, n: int, gated: bool,
                                                                   bias: bool) -> None:
-    """Each rank's GEMV writes its partial sum (rank 0's with the bias) into its ``out`` and,
-    tagged 1 (its first push of each column), into its row of every peer's inbox: the same
-    bits as the plain GEMV. Then on every rank the normed GEMV equals ``rms_norm_gemv`` of
-    the rank-order sum (bit for bit: one arithmetic), and ``pushed_add_rms_norm`` equals the
-    all-reduce + norm reference (the residual exactly). Only the call's half is counted; a
-    rank's own row of its inbox is never written."""
+    """Each rank's GEMV writes its partial sum (rank 0's with the bias) into its slot of every
+    rank's inbox: the same bits as the plain GEMV. Then on every rank the normed GEMV over the
+    slots equals ``rms_norm_gemv`` of the rank-order sum (bit for bit: one arithmetic), and
+    ``pushed_add_rms_norm`` equals the all-reduce + norm reference (the residual exactly).
+    The counters: N per peer arrived and expected, in the call's half only; the other half's
+    slots are never written."""
     g = torch.Generator().manual_seed(world * 100 + k)
     xs = [torch.randn(1, 2 * k if gated else k, generator=g).to(DTYPE) for _ in range(world)]
     ws = [(0.1 * torch.randn(n, k, generator=g)).to(DTYPE) for _ in range(world)]
@@ -77,24 +67,23 @@ def test_pushed_rows_reach_every_rank_and_both_consumers_sum_them(world: int, k:
     want_y, want_s = rms_norm_gemv(summed(parts), residual, nw, EPS, w2)
     want_out, want_res = all_reduce_add_rms_norm_reference(parts, residual, nw, EPS)
     for rank, (path, row) in enumerate(zip(paths, rows)):
-        assert torch.equal(row.out, parts[rank]) and tags(path, n) == [{1}, {0}]
-        got = inbox(path, row, n)
-        for r in range(world):
-            assert torch.equal(got[r], word(1, parts[r][0]) if r != rank else torch.zeros(n, dtype=torch.int32)), r
-        y, s = rms_norm_gemv(row.out, residual, nw, EPS, w2, reduce=row.channel)
+        assert row.channel.half == 0 and torch.equal(row.slots, torch.cat(parts))
+        assert push_counters(path) == [n * (world - 1), 0, n * (world - 1), 0]
+        assert torch.isnan(path.fused_buffer[path.max_numel:]).all()
+        y, s = rms_norm_gemv(row.slots, residual, nw, EPS, w2, reduce=row.channel)
         assert torch.equal(s, want_s) and torch.equal(y, want_y), f"rank {rank}"
-        out, res = pushed_add_rms_norm(row.out, residual, nw, EPS, row.channel)
+        out, res = pushed_add_rms_norm(row.slots, residual, nw, EPS, row.channel)
         torch.testing.assert_close(res, want_res, rtol=0, atol=0)
         torch.testing.assert_close(out, want_out, rtol=1e-3, atol=1e-6)
 
 
 def test_calls_alternate_halves_and_the_consumer_finds_the_half_from_the_slot(monkeypatch) -> None:
-    """Through the path, five calls, two ranks: ``push_target`` hands out the halves in turn
-    (using one up, as a fused call does), each rank's row is one row into the half (never
+    """Through the path, four calls, two ranks: ``push_target`` hands out the halves in turn
+    (using one up, as a fused call does), each rank's slot is one row into the half (never
     where the fused kernel takes a row as written in place), ``pushed`` finds the call's half
-    from the row alone, and ``add_rms_norm`` sums a pushed row without touching the halves.
-    A fused call between pushed ones takes the next half. Each pushed call counts its
-    columns once more in its half; every call's result equals the reference."""
+    from the slot alone, and ``add_rms_norm`` sums a pushed row without touching the halves.
+    A fused call between pushed ones takes the next half. Counters grow by N per call and
+    half; every call's result equals the reference."""
     import minivllm.kernels.all_reduce_rms_norm as kernel_mod
 
     real = kernel_mod.all_reduce_add_rms_norm
@@ -112,13 +101,11 @@ def test_calls_alternate_halves_and_the_consumer_finds_the_half_from_the_slot(mo
         if kind == "push":
             rows = [path.push_target((1, n), DTYPE) for path in paths]
             for rank, row in enumerate(rows):
-                assert row.out.data_ptr() != paths[rank].fused_slot((1, n), DTYPE).data_ptr()
+                assert row.channel.half == half and row.out.data_ptr() != paths[rank].fused_slot((1, n), DTYPE).data_ptr()
                 gemv(parts[rank], torch.eye(n, dtype=DTYPE), out=row.out, push=row.channel)  # pushes x itself
             for rank, (path, row) in enumerate(zip(paths, rows)):
                 found = path.pushed(row.out)
-                assert found.channel.inbox_offset == row.channel.inbox_offset
-                assert found.out.data_ptr() == row.out.data_ptr()
-                assert found.channel.tags.data_ptr() == path.push_tags[half].data_ptr()
+                assert found.channel.half == half and found.out.data_ptr() == row.out.data_ptr()
                 assert path.pushed(row.out.clone()) is None
                 out, res = path.add_rms_norm(row.out, residual, nw, EPS)
                 assert path._half == (half + 1) % 2  # the producer moved it on; the consumer did not
@@ -134,16 +121,16 @@ def test_calls_alternate_halves_and_the_consumer_finds_the_half_from_the_slot(mo
                 torch.testing.assert_close(res, want_res, rtol=0, atol=0)
     for path in paths:
         assert path._half == 1  # five calls
-        assert tags(path, n) == [{2}, {2}]  # pushed calls 0, 1, 3, 4: halves 0, 1, 1, 0
+        assert push_counters(path) == [2 * n, 2 * n, 2 * n, 2 * n]  # pushed calls 0, 1, 3, 4: halves 0, 1, 1, 0
 
 
 def test_a_consumer_waits_for_the_peers_rows() -> None:
-    """Rank 0's normed GEMV starts before rank 1 has pushed: it must not finish until rank
-    1's words carry this call's tag, though the inbox already holds a word of the right value
-    with the previous call's tag and other words with the right tag; then it returns the
-    sum's result. Rank 1's push is written here by torch (the interpreter runs one kernel at
-    a time: its program ids are process-wide). (The wait has no event to watch from outside
-    the kernel: it is given time to finish wrongly.)"""
+    """Rank 0's normed GEMV starts before rank 1 has pushed (rank 1's slot still NaN): it
+    must not finish until the row and its count arrive; then it returns the sum's result.
+    Rank 1's push is written here by torch (the interpreter runs one kernel at a time: its
+    program ids are process-wide), the slot first, then the count, as the kernel orders them.
+    (The wait has no event to watch from outside the kernel: it is given time to finish
+    wrongly.)"""
     world, n = 2, 32
     paths = ar.ranks_in_one_process(world, DTYPE)
     g = torch.Generator().manual_seed(3)
@@ -156,15 +143,13 @@ def test_a_consumer_waits_for_the_peers_rows() -> None:
     done = threading.Event()
 
     def consume() -> None:
-        result.append(rms_norm_gemv(rows[0].out, residual, nw, EPS, w2, reduce=rows[0].channel))
+        result.append(rms_norm_gemv(rows[0].slots, residual, nw, EPS, w2, reduce=rows[0].channel))
         done.set()
 
-    peer_row = inbox(paths[0], rows[0], n)[1]
-    peer_row.copy_(word(1, parts[1][0]))
-    peer_row[3] = word(0, parts[1][0, 3:4])[0]  # one word still the previous call's
     threading.Thread(target=consume, daemon=True).start()
-    assert not done.wait(1.5), "the consumer finished before its peer's last word came"
-    peer_row[3] = word(1, parts[1][0, 3:4])[0]
+    assert not done.wait(1.5), "the consumer finished before its peer pushed"
+    rows[0].slots[1].copy_(parts[1][0])
+    paths[0].pad[paths[0].pad_at] += n  # arrived[0]
     assert done.wait(120), "the consumer did not see the peer's push"
     want = rms_norm_gemv(summed(parts), residual, nw, EPS, w2)
     assert torch.equal(result[0][0], want[0]) and torch.equal(result[0][1], want[1])
@@ -175,7 +160,7 @@ def test_push_refuses_what_it_cannot_take() -> None:
     or a half holds, another dtype, or with the push off; the kernels name bad arguments."""
     from minivllm.kernels.rms_norm import MAX_HIDDEN
 
-    path = ar.ranks_in_one_process(2, DTYPE, max_numel=192)[0]  # a half holds 6 rows of 32 at two ranks
+    path = ar.ranks_in_one_process(2, DTYPE, max_numel=96)[0]
     for shape, dtype in [((2, 32), DTYPE), ((1, MAX_HIDDEN * 2), DTYPE), ((1, 32), torch.bfloat16), ((1, 48), DTYPE)]:
         assert path.push_target(shape, dtype) is None, (shape, dtype)
     path.pushes = False
@@ -184,22 +169,19 @@ def test_push_refuses_what_it_cannot_take() -> None:
     row = path.push_target((1, 32), DTYPE)
     assert row is not None and path._half == 1
     x, w = torch.zeros(2, 8, dtype=DTYPE), torch.zeros(32, 8, dtype=DTYPE)
-    with pytest.raises(ValueError, match="one row into out"):
+    with pytest.raises(ValueError, match="one row into its inbox slot"):
         gemv(x, w, out=torch.zeros(2, 32, dtype=DTYPE), push=row.channel)
-    with pytest.raises(ValueError, match="one row into out"):
+    with pytest.raises(ValueError, match="one row into its inbox slot"):
         gemv(x[:1], w, push=row.channel)
-    with pytest.raises(ValueError, match="needs a residual"):
-        rms_norm_gemv(row.out, None, torch.ones(32, dtype=DTYPE), EPS, torch.zeros(8, 32, dtype=DTYPE),
+    with pytest.raises(ValueError, match="slots and a residual"):
+        rms_norm_gemv(row.slots, None, torch.ones(32, dtype=DTYPE), EPS, torch.zeros(8, 32, dtype=DTYPE),
                       reduce=row.channel)
-    with pytest.raises(ValueError, match="contiguous \\(1, N\\)"):
-        pushed_add_rms_norm(torch.zeros(2, 32, dtype=DTYPE), torch.zeros(1, 32, dtype=DTYPE),
-                            torch.ones(32, dtype=DTYPE), EPS, row.channel)
-    with pytest.raises(ValueError, match="rank"):
-        PushChannel(path.buf_ptrs, 0, path.push_tags[0], 2, 2)
-    with pytest.raises(ValueError, match="inbox_ptrs"):
-        PushChannel(path.buf_ptrs[:1], 0, path.push_tags[0], 0, 2)
-    with pytest.raises(ValueError, match="tags"):
-        PushChannel(path.buf_ptrs, 0, path.push_tags[0].long(), 0, 2)
+    with pytest.raises(ValueError, match="slots must be a contiguous"):
+        pushed_add_rms_norm(row.out, torch.zeros(1, 32, dtype=DTYPE), torch.ones(32, dtype=DTYPE), EPS, row.channel)
+    with pytest.raises(ValueError, match="half 0 or 1"):
+        PushChannel(path.buf_ptrs, path.pad_ptrs, path.pad_at, 2, 0, 0, 2)
+    with pytest.raises(ValueError, match="pad_ptrs"):
+        PushChannel(path.buf_ptrs, path.pad_ptrs[:1], path.pad_at, 0, 0, 0, 2)
 
 
 @pytest.mark.parametrize("consumer_takes_norm", [True, False])
@@ -263,7 +245,7 @@ def test_layers_push_at_one_row_and_the_next_norm_collects(monkeypatch, consumer
         torch.testing.assert_close(res, want_res, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(gu_out, want_gu[:, rank * m // world:(rank + 1) * m // world], rtol=1e-2, atol=1e-2)
         assert torch.equal(res, results[0][1])
-        assert tags(paths[rank], n) == [{1}, {0}]
+        assert push_counters(paths[rank]) == [n, 0, n, 0]
 
 
 def test_the_option_is_a_checked_bool() -> None:

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, pdl
-from minivllm.kernels._push_all_reduce import PushChannel, pushed_sum
+from minivllm.kernels._push_all_reduce import PushChannel, pushed_sum, wait_pushed
 from minivllm.kernels.rms_norm import MAX_HIDDEN, weighted_rms_norm_row
 
 MAX_PROGRAMS = 256  # flags per peer; the grid is at most this many programs
@@ -126,14 +126,13 @@ def _all_reduce_add_rms_norm_kernel(
     residual_ptr, weight_ptr,             # (T, N) contiguous, (N,)
     out_ptr, residual_out_ptr,            # (T, N) contiguous
     T, eps,
-    tags_ptr, inbox_offset,               # PUSHED: this rank's push counts per column; this call's inbox
+    pad_at, half,                         # PUSHED: the push counters in the pads, and this call's pair
     N: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     MAX_PROGRAMS: tl.constexpr, SYNC: tl.constexpr,
     COPY: tl.constexpr,                   # False: x already is this rank's buffer at buf_offset
     SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch (_launch.pdl): let the next kernel start
-    PUSHED: tl.constexpr,                 # one row x, which this rank's GEMV pushed to the peers as theirs
-                                          # pushed to it (_push_all_reduce; buf_ptrs: the inboxes): no
-                                          # copy, no barrier
+    PUSHED: tl.constexpr,                 # x is a push inbox's (WORLD, N) slots of one row, pushed by the
+                                          # ranks' GEMVs (_push_all_reduce); no copy, no barrier
 ):
     if SIGNAL_NEXT:  # the next GEMV may stream its weights while this one waits on its peers
         tl.extra.cuda.gdc_launch_dependents()
@@ -143,7 +142,9 @@ def _all_reduce_add_rms_norm_kernel(
     mask = offs < N
     dtype = x_ptr.dtype.element_ty
     mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(dtype)) + buf_offset
-    if COPY and not PUSHED:
+    if PUSHED:
+        wait_pushed(pad_ptrs, pad_at, half, RANK)
+    elif COPY:
         for row in range(pid, T, nprog):
             at = row * N + offs  # < the buffer's numel: int32 is enough
             tl.store(mine + at, tl.load(x_ptr + at, mask=mask), mask=mask)
@@ -155,8 +156,8 @@ def _all_reduce_add_rms_norm_kernel(
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, T, nprog):
         at = row * N + offs  # < the buffer's numel: int32 is enough
-        if PUSHED:  # one row (T = 1), the peers' terms in this rank's inbox
-            s = pushed_sum(x_ptr, buf_ptrs, inbox_offset, tags_ptr, offs, mask, N, RANK, WORLD, True)
+        if PUSHED:  # one row (T = 1): the slots are in this rank's inbox
+            s = pushed_sum(x_ptr, offs, mask, N, WORLD)
         else:
             s = _rank_order_sum(x_ptr, buf_ptrs, buf_offset, at, mask, RANK, WORLD)
         res = tl.load(residual_ptr + at, mask=mask, other=0.0)
@@ -214,36 +215,36 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
                    sync=sync, copy=not in_place)
 
 
-def pushed_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+def pushed_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         channel: PushChannel) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(sum + residual), sum + residual)`` of one row whose partial sums the ranks'
-    GEMVs pushed (``_push_all_reduce``): ``x`` is this rank's (its GEMV's ``out``), the peers'
-    are waited for in this rank's inbox; summed in rank order as :func:`all_reduce_add_rms_norm`
-    sums (the same bits). Where the layer after the norm does not take the norm in (the
-    model's final norm).
+    """``(rms_norm(sum + residual), sum + residual)`` of one row whose ranks' partial sums
+    the ranks' GEMVs pushed into this rank's inbox (``_push_all_reduce``): waits for the
+    peers' slots, sums in rank order as :func:`all_reduce_add_rms_norm` does (the same bits).
+    Where the layer after the norm is not a GEMV that takes the norm in (the model's final norm).
 
     Args:
-        x: (1, N) contiguous, bf16 or fp16 (the pushed words carry 16-bit values).
-        residual: like x.
+        slots: (world_size, N) contiguous, this call's slots of this rank's inbox.
+        residual: (1, N) contiguous.
         weight: (N,).
         eps: added to the mean square.
-        channel: the call's push channel.
+        channel: the call's push channel (its counters).
 
     Raises:
-        TypeError: tensors of other dtypes.
-        ValueError: shapes that disagree, non-contiguous tensors, or fewer tags than columns.
+        TypeError: non-float tensors.
+        ValueError: shapes that disagree, or non-contiguous tensors.
     """
-    check_dtype("x", x, (torch.bfloat16, torch.float16))
-    check_dtype("residual", residual, (x.dtype,))
+    check_dtype("slots", slots, (torch.bfloat16, torch.float16, torch.float32))
+    check_dtype("residual", residual, (slots.dtype,))
     check_dtype("weight", weight, (torch.bfloat16, torch.float16, torch.float32))
-    n = x.shape[-1]
-    if x.shape != (1, n) or not x.is_contiguous() or residual.shape != (1, n) or not residual.is_contiguous():
-        raise ValueError(f"x and residual must be contiguous (1, N), got {tuple(x.shape)} and {tuple(residual.shape)}")
-    if weight.shape != (n,) or n > MAX_HIDDEN or channel.tags.numel() < n:
-        raise ValueError(f"weight must be ({n},) with N <= {MAX_HIDDEN} and a tag per column, got "
-                         f"{tuple(weight.shape)} and {channel.tags.numel()} tags")
-    check_same_device(x=x, residual=residual, weight=weight, inbox_ptrs=channel.inbox_ptrs, tags=channel.tags)
-    return _launch(x, 1, residual, weight, eps, channel.inbox_ptrs, 0, channel.inbox_ptrs, channel.rank,
+    n = slots.shape[-1]
+    if (slots.shape != (channel.world_size, n) or not slots.is_contiguous() or residual.shape != (1, n)
+            or not residual.is_contiguous()):
+        raise ValueError(f"slots must be a contiguous ({channel.world_size}, N) and residual a contiguous (1, N), "
+                         f"got {tuple(slots.shape)} and {tuple(residual.shape)}")
+    if weight.shape != (n,) or n > MAX_HIDDEN:
+        raise ValueError(f"weight must be ({n},) with N <= {MAX_HIDDEN}, got {tuple(weight.shape)}")
+    check_same_device(slots=slots, residual=residual, weight=weight, pad_ptrs=channel.pad_ptrs)
+    return _launch(slots, 1, residual, weight, eps, channel.inbox_ptrs, 0, channel.pad_ptrs, channel.rank,
                    channel.world_size, pushed=channel)
 
 
@@ -259,7 +260,7 @@ def _launch(x: torch.Tensor, rows: int, residual: torch.Tensor, weight: torch.Te
         block = next_pow2(n)
         _all_reduce_add_rms_norm_kernel[(min(rows, MAX_PROGRAMS),)](
             x, buf_ptrs, buf_offset, pad_ptrs, residual, weight, out, res_out, rows, float(eps),
-            pushed.tags if pushed else pad_ptrs, pushed.inbox_offset if pushed else 0,
+            pushed.pad_at if pushed else 0, pushed.half if pushed else 0,
             N=n, BLOCK_N=block, RANK=rank, WORLD=world_size, MAX_PROGRAMS=MAX_PROGRAMS, SYNC=sync,
             COPY=copy, SIGNAL_NEXT=pdl(x), PUSHED=pushed is not None,
             num_warps=max(1, min(16, block // 256)),

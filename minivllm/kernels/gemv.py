@@ -96,7 +96,7 @@ from minivllm.kernels._launch import (
     TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device,
     check_tile_config, next_pow2, pdl, pdl_requested, tma_rows_allowed, upcast_dot,
 )
-from minivllm.kernels._push_all_reduce import PushChannel, push_tile, pushed_sum
+from minivllm.kernels._push_all_reduce import PushChannel, push_tile, pushed_sum, wait_pushed
 from minivllm.kernels.rms_norm import add_residual, normalise
 from minivllm.kernels.silu_and_mul import gated_silu
 
@@ -176,9 +176,10 @@ def _gemv_kernel(
     r_ptr,                       # NORM + HAS_RESIDUAL: the residual stream (1, K) added to x; else unread
     r_out_ptr,                   # NORM + HAS_RESIDUAL: (1, K) receives x + residual (program 0); else unwritten
     nw_ptr,                      # NORM: the RMSNorm weight (K,); else unread
-    inbox_ptrs,                  # PUSH or REDUCE: (WORLD,) int64, every rank's inbox buffer; else unread
-    tags_ptr,                    # PUSH or REDUCE: this rank's int32 push count per column; else unread
-    inbox_offset,                # PUSH or REDUCE: this call's inbox in every buffer (int32 words)
+    inbox_ptrs,                  # PUSH: (WORLD,) int64, every rank's inbox; else unread
+    pad_ptrs,                    # PUSH or REDUCE: (WORLD,) int64, every rank's int32 signal pad; else unread
+    slot_offset,                 # PUSH: this rank's slot in every inbox (elements)
+    pad_at, half,                # PUSH or REDUCE: the push counters in the pads, and this call's pair
     M, N, K,
     stride_xm,
     l2_end,                      # PDL: W columns [0, l2_end) of this program's rows are prefetched into L2
@@ -196,13 +197,13 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,  # NORM: add the residual first, and write the sum to r_out
     NORM_BLOCK: tl.constexpr,    # NORM: columns per step of the statistics pass
     PUSH: tl.constexpr,          # ONE_ROW: y is this rank's partial sum, pushed to every peer (_push_all_reduce)
-    REDUCE: tl.constexpr,        # NORM: x is this rank's partial row; the input is the sum over the ranks
+    REDUCE: tl.constexpr,        # NORM: x is WORLD pushed partial rows (WORLD, K); the input is their sum
     RANK: tl.constexpr, WORLD: tl.constexpr,  # PUSH or REDUCE: this rank, the group's size
 ):
     tl.static_assert(ONE_ROW or not (NORM or PUSH), "the input norm and the push are on the one-row path only")
     if ONE_ROW:
-        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs, tags_ptr, inbox_offset,
-                 N, K, l2_end, eps, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
+        _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs, pad_ptrs, slot_offset,
+                 pad_at, half, N, K, l2_end, eps, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
                  PREFETCH, PDL, GATED, NORM, HAS_RESIDUAL, NORM_BLOCK, PUSH, REDUCE, RANK, WORLD)
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
@@ -291,8 +292,8 @@ def _prefetch_l2(w_ptr, N, K, l2_end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs, tags_ptr, inbox_offset,
-             N, K, l2_end, eps, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs, pad_ptrs, slot_offset, pad_at,
+             half, N, K, l2_end, eps, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
              PDL: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
              NORM_BLOCK: tl.constexpr, PUSH: tl.constexpr, REDUCE: tl.constexpr, RANK: tl.constexpr,
@@ -311,49 +312,57 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs
         w = _w_tile(w_rows, w_rows, 0, offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        if NORM:  # REDUCE: and while the peers' rows arrive (the statistics pass waits for them)
-            rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, inbox_ptrs, tags_ptr, inbox_offset, K, eps, HAS_RESIDUAL,
-                               NORM_BLOCK, REDUCE, RANK, WORLD)
-        acc = _row_product(w, x_ptr, r_ptr, nw_ptr, inbox_ptrs, tags_ptr, inbox_offset, rstd, offs_k, K, acc,
-                           EVEN_K, GATED, NORM, HAS_RESIDUAL, REDUCE, RANK, WORLD)
+        if REDUCE:  # ... and while the peers' partial rows arrive
+            wait_pushed(pad_ptrs, pad_at, half, RANK)
+        if NORM:
+            rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK, REDUCE, WORLD)
+        acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, offs_k, K, acc, EVEN_K, GATED, NORM, HAS_RESIDUAL,
+                           REDUCE, WORLD)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _w_tile(w_rows, w_rows, k0, k0 + offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
-        acc = _row_product(w, x_ptr, r_ptr, nw_ptr, inbox_ptrs, tags_ptr, inbox_offset, rstd, k0 + offs_k, K, acc,
-                           EVEN_K, GATED, NORM, HAS_RESIDUAL, REDUCE, RANK, WORLD)
+        acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k0 + offs_k, K, acc, EVEN_K, GATED, NORM,
+                           HAS_RESIDUAL, REDUCE, WORLD)
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + cols, y, mask=col_ok)
     if PUSH:
-        push_tile(y, cols, col_ok, inbox_ptrs, inbox_offset, tags_ptr, N, RANK, WORLD)
+        push_tile(y, cols, col_ok, inbox_ptrs, slot_offset, pad_ptrs, pad_at, half, N, RANK, WORLD)
 
 
 @triton.jit
-def _row_product(w, x_ptr, r_ptr, nw_ptr, inbox_ptrs, tags_ptr, inbox_offset, rstd, k, K, acc, EVEN_K: tl.constexpr,
-                 GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, REDUCE: tl.constexpr,
-                 RANK: tl.constexpr, WORLD: tl.constexpr):
+def _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k, K, acc, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, REDUCE: tl.constexpr, WORLD: tl.constexpr):
     """``acc + w * x[k]`` (fp32 products, summed over K by the caller at the end); NORM: x[k]
     is the normalised ``x + residual`` (residual at ``r_ptr``, norm weight at ``nw_ptr``)."""
-    mask = None if EVEN_K else k < K
-    if NORM:
-        s = _residual_sum(x_ptr, r_ptr, inbox_ptrs, tags_ptr, inbox_offset, k, mask, K, HAS_RESIDUAL, REDUCE, RANK,
-                          WORLD, False)
-        x = normalise(s, _masked_load(nw_ptr + k, mask).to(tl.float32), rstd).to(s.dtype)
+    if EVEN_K:
+        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, None, K, GATED, NORM, HAS_RESIDUAL, REDUCE, WORLD)
     else:
-        x = _x_cols(x_ptr, k, mask, K, GATED)
+        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, k < K, K, GATED, NORM, HAS_RESIDUAL, REDUCE, WORLD)
     return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
-def _residual_sum(x_ptr, r_ptr, inbox_ptrs, tags_ptr, inbox_offset, k, mask, K, HAS_RESIDUAL: tl.constexpr,
-                  REDUCE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, WAIT: tl.constexpr):
-    """x at columns ``k`` (REDUCE: the sum over the ranks of the pushed row, as the all-reduce
-    rounds it; WAIT: the first look, which waits for the peers' words), or ``x + residual``
-    rounded as the RMSNorm kernel rounds it (``rms_norm.add_residual``)."""
+def _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED: tl.constexpr, NORM: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, REDUCE: tl.constexpr, WORLD: tl.constexpr):
+    """The input row at columns ``k``: x, silu(gate) * up (GATED), or NORM: the RMSNorm kernel's
+    output for ``x + residual`` given its ``rstd`` (the same rounding: ``rms_norm.normalise``)."""
+    if NORM:
+        s = _residual_sum(x_ptr, r_ptr, k, mask, K, HAS_RESIDUAL, REDUCE, WORLD)
+        x = normalise(s, _masked_load(nw_ptr + k, mask).to(tl.float32), rstd).to(s.dtype)
+    else:
+        x = _x_cols(x_ptr, k, mask, K, GATED)
+    return x
+
+
+@triton.jit
+def _residual_sum(x_ptr, r_ptr, k, mask, K, HAS_RESIDUAL: tl.constexpr, REDUCE: tl.constexpr, WORLD: tl.constexpr):
+    """x at columns ``k`` (REDUCE: the sum of the WORLD pushed rows, as the all-reduce rounds it),
+    or ``x + residual`` rounded as the RMSNorm kernel rounds it (``rms_norm.add_residual``)."""
     if REDUCE:
-        x = pushed_sum(x_ptr, inbox_ptrs, inbox_offset, tags_ptr, k, mask, K, RANK, WORLD, WAIT)
+        x = pushed_sum(x_ptr, k, mask, K, WORLD)
     else:
         x = _masked_load(x_ptr + k, mask)
     if HAS_RESIDUAL:
@@ -362,16 +371,15 @@ def _residual_sum(x_ptr, r_ptr, inbox_ptrs, tags_ptr, inbox_offset, k, mask, K, 
 
 
 @triton.jit
-def _input_rstd(x_ptr, r_ptr, r_out_ptr, inbox_ptrs, tags_ptr, inbox_offset, K, eps, HAS_RESIDUAL: tl.constexpr,
-                BLOCK: tl.constexpr, REDUCE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
+def _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                REDUCE: tl.constexpr, WORLD: tl.constexpr):
     """``1 / sqrt(mean(s^2) + eps)`` of the row s = x [+ residual] (fp32 sums, BLOCK columns a
     step; every program computes it, from L2). HAS_RESIDUAL: program 0 also writes s to r_out,
     a buffer no program reads (the new residual stream)."""
     sq = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
-        s = _residual_sum(x_ptr, r_ptr, inbox_ptrs, tags_ptr, inbox_offset, k, k < K, K, HAS_RESIDUAL, REDUCE,
-                          RANK, WORLD, True)
+        s = _residual_sum(x_ptr, r_ptr, k, k < K, K, HAS_RESIDUAL, REDUCE, WORLD)
         if HAS_RESIDUAL:
             if tl.program_id(0) == 0:
                 tl.store(r_out_ptr + k, s, mask=k < K)
@@ -417,8 +425,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``gemv(silu_and_mul(x), ...)``): the MLP's down projection without a kernel for
     the activation.
 
-    ``push``: y is this rank's partial sum of a row-parallel layer, one row on the one-row path
-    (16-bit values), written into ``out`` and, tagged, into every peer's inbox
+    ``push``: y is this rank's partial sum of a row-parallel layer, one row on the one-row path;
+    ``out`` is this rank's slot of the push inbox, and every tile also goes to the peers' inboxes
     (``_push_all_reduce``: the all-reduce without a kernel of its own).
 
     Raises:
@@ -437,11 +445,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         tensors["out"] = out
     config = config or default_config(x.shape[0], *weight.shape)
     if push is not None:
-        if out is None or x.shape[0] != 1 or not config.one_row or push.tags.numel() < weight.shape[0]:
-            raise ValueError(f"a pushed GEMV writes one row into out on the one-row path, a tag per column, got "
+        if out is None or x.shape[0] != 1 or not config.one_row:
+            raise ValueError(f"a pushed GEMV writes one row into its inbox slot (out) on the one-row path, got "
                              f"{x.shape[0]} rows, out {'given' if out is not None else 'None'}, "
-                             f"one_row={config.one_row}, {push.tags.numel()} tags for {weight.shape[0]} columns")
-        tensors.update(inbox_ptrs=push.inbox_ptrs, tags=push.tags)
+                             f"one_row={config.one_row}")
+        tensors.update(inbox_ptrs=push.inbox_ptrs, pad_ptrs=push.pad_ptrs)
     check_same_device(**tensors)
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if out is None else out
     _launch(x, weight, bias, y, config, gated=gated, push=push)
@@ -458,21 +466,23 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     tensor (x itself when residual is None). A decode layer's residual add + RMSNorm without a
     launch of its own, at batch 1 on the one-row path (``config`` None: ``default_config(1, N, K)``).
 
-    ``reduce``: x is this rank's partial row of a pushed all-reduce (its GEMV's ``out``), and
-    the row is the sum over the ranks (``_push_all_reduce``: the kernel waits for the peers'
-    rows in its inbox and rounds the sum as the all-reduce does); ``residual`` is then required.
+    ``reduce``: x is a push inbox's (world_size, K) slots, which the ranks' pushed GEMVs fill,
+    and the row is their sum (``_push_all_reduce``: the kernel waits for the peers' slots, and
+    rounds the sum as the all-reduce does); ``residual`` is then required.
 
     Raises:
         TypeError: x, residual, the weights (and bias) are not one of bf16 / fp16 together.
         ValueError: anything :func:`gemv` refuses, more than one row, a config without
             ``one_row``, a residual not like x, a norm weight not a contiguous (K,), or with
-            ``reduce``: no residual, or fewer tags than columns.
+            ``reduce``: x not a contiguous (world_size, K), or no residual.
     """
-    if reduce is not None and (residual is None or reduce.tags.numel() < x.shape[-1]):
-        raise ValueError(f"a reducing rms_norm_gemv needs a residual and a tag per column, got residual "
-                         f"{'given' if residual is not None else 'None'} and {reduce.tags.numel()} tags for "
-                         f"{x.shape[-1]} columns")
     row = x
+    if reduce is not None:
+        if x.dim() != 2 or x.shape[0] != reduce.world_size or not x.is_contiguous() or residual is None:
+            raise ValueError(f"a reducing rms_norm_gemv takes the contiguous ({reduce.world_size}, K) slots and a "
+                             f"residual, got x {tuple(x.shape)} strides {x.stride()}, residual "
+                             f"{'given' if residual is not None else 'None'}")
+        row = x[:1]
     tensors = _check(row, weight, bias, False)
     config = config or default_config(1, *weight.shape)
     if row.shape[0] != 1 or not config.one_row:
@@ -489,7 +499,7 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                              f"strides {residual.stride()}")
         tensors["residual"] = residual
     if reduce is not None:
-        tensors.update(inbox_ptrs=reduce.inbox_ptrs, tags=reduce.tags)
+        tensors["pad_ptrs"] = reduce.pad_ptrs
     check_same_device(**tensors)
     y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
     s = torch.empty_like(row, memory_format=torch.contiguous_format) if residual is not None else x
@@ -525,10 +535,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
             norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None = None,
             push: PushChannel | None = None, reduce: PushChannel | None = None) -> None:
     """Launch the kernel on checked arguments; ``norm``: (norm weight, eps, residual or None,
-    the buffer for x + residual); ``push`` / ``reduce``: the channel y goes out on / x's sum
-    comes in on."""
+    the buffer for x + residual); ``push`` / ``reduce``: the channel y goes out on / x came in on
+    (x then is the (world_size, K) slots, one row)."""
     n, k = weight.shape
-    rows = x.shape[0]
+    rows = 1 if reduce is not None else x.shape[0]
     if rows == 0 or n == 0:
         return
     one_row = config.one_row and rows == 1
@@ -543,8 +553,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, w_desc, bias if bias is not None else weight, y,
         residual if residual is not None else weight, res_out, norm_weight,
-        channel.inbox_ptrs if channel else weight, channel.tags if channel else weight,
-        channel.inbox_offset if channel else 0,
+        channel.inbox_ptrs if channel else weight, channel.pad_ptrs if channel else weight,
+        channel.slot_offset if channel else 0, channel.pad_at if channel else 0, channel.half if channel else 0,
         rows, n, k, x.stride(0),
         l2_prefetch_columns(n, k, weight.element_size()) if use_pdl else 0, eps,
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,

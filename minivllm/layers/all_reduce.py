@@ -41,8 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minivllm.kernels._push_all_reduce import PushChannel
-from minivllm.kernels.rms_norm import MAX_HIDDEN
+from minivllm.kernels._push_all_reduce import PUSH_PAD_SLOTS, PushChannel
 
 # Largest message the symmetric-memory paths take; larger ones go to NCCL. The one-shot
 # kernel has every rank read every peer's whole message (one barrier); the two-shot
@@ -67,8 +66,9 @@ class PushedRow:
     """A one-row partial sum that a row-parallel GEMV pushes to every rank
     (``kernels/_push_all_reduce.py``) and the norm after it collects."""
 
-    out: torch.Tensor       # (1, N): this rank's partial sum, where its GEMV writes it
-    channel: PushChannel    # the call's inboxes and tags
+    out: torch.Tensor       # (1, N): this rank's slot, where its GEMV writes
+    slots: torch.Tensor     # (world_size, N): every rank's slot in this rank's inbox
+    channel: PushChannel    # the call's pointer tables, counters and half
 
 
 class SymmMemAllReduce:
@@ -120,9 +120,8 @@ class SymmMemAllReduce:
                                            device=device)
         self._fused_handle = symm_mem.rendezvous(self.fused_buffer, self.group_name)  # type: ignore[attr-defined]
         self._half = 0  # the half the next fused call uses
-        self.fused_buffer.zero_()  # the pushed all-reduce's words start with tag 0 (never a call's)
-        self.push_tags = torch.zeros(2, MAX_HIDDEN, dtype=torch.int32, device=device)  # per half and column
-        self.pad = symm_mem.empty(signal_pad_numel(self.world_size), dtype=torch.int32,  # type: ignore[attr-defined]
+        self.pad_at = signal_pad_numel(self.world_size)  # the push counters follow the fused kernel's slots
+        self.pad = symm_mem.empty(self.pad_at + PUSH_PAD_SLOTS, dtype=torch.int32,  # type: ignore[attr-defined]
                                   device=device)
         self.pad.zero_()
         pad_handle = symm_mem.rendezvous(self.pad, self.group_name)  # type: ignore[attr-defined]
@@ -145,7 +144,7 @@ class SymmMemAllReduce:
 
         row = self.pushed(x)
         if row is not None:  # its producer used the half up
-            return pushed_add_rms_norm(x, residual.contiguous(), weight, eps, row.channel)
+            return pushed_add_rms_norm(row.slots, residual.contiguous(), weight, eps, row.channel)
         offset = self._half * self.max_numel
         in_place = x.data_ptr() == self.fused_buffer.data_ptr() + offset * x.element_size()
         self._half ^= 1  # every rank makes the same calls: the halves agree
@@ -158,7 +157,7 @@ class SymmMemAllReduce:
         the push does not take it (then ``fused_slot``). Uses up the half, as ``add_rms_norm``
         does (one call: the consumer finds the half from the slot's address, ``pushed``)."""
         if not (self.pushes and len(shape) == 2 and shape[0] == 1 and self.fuses(shape, dtype)
-                and dtype.itemsize == 2 and (2 + 2 * self.world_size) * shape[1] <= self.max_numel):
+                and (self.world_size + 1) * shape[1] <= self.max_numel):
             return None
         row = self._pushed_row(self._half, shape[1])
         self._half ^= 1
@@ -175,12 +174,14 @@ class SymmMemAllReduce:
         return None
 
     def _pushed_row(self, half: int, n: int) -> PushedRow:
-        """Half ``half``'s pushed row n wide: this rank's partial sum one row into the half (so
-        never where the fused kernel's rows start, which ``add_rms_norm`` takes as written in
-        place), then the inbox, a row of n int32 words per rank (``_push_all_reduce``)."""
+        """Half ``half``'s push slots of rows n wide. They start one row into the half, so no
+        pushed row shares an address with the fused kernel's rows (which start at the half,
+        where ``add_rms_norm`` takes a row as written in place)."""
         start = half * self.max_numel + n
-        channel = PushChannel(self.buf_ptrs, (start + n) // 2, self.push_tags[half], self.rank, self.world_size)
-        return PushedRow(self.fused_buffer.narrow(0, start, n).view(1, n), channel)
+        slots = self.fused_buffer.narrow(0, start, self.world_size * n).view(self.world_size, n)
+        channel = PushChannel(self.buf_ptrs, self.pad_ptrs, self.pad_at, half, start + self.rank * n,
+                              self.rank, self.world_size)
+        return PushedRow(slots[self.rank:self.rank + 1], slots, channel)
 
     def fused_slot(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The view of the fused buffer's next half that a ``shape`` partial sum would be
@@ -193,6 +194,8 @@ class SymmMemAllReduce:
     def fuses(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Whether a contiguous ``shape`` partial sum may be left to ``add_rms_norm``: the
         fused kernel is set up, and takes (T, N) rows of this dtype and size."""
+        from minivllm.kernels.rms_norm import MAX_HIDDEN
+
         return (self.fuses_norm and len(shape) == 2 and shape[1] <= MAX_HIDDEN
                 and self._takes(math.prod(shape), dtype))
 
@@ -242,7 +245,7 @@ class SymmMemAllReduce:
 def ranks_in_one_process(world_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                          max_numel: int = 1024) -> list[SymmMemAllReduce]:
     """Every rank's fused path with the push on, in this process, over plain tensors of one
-    device (no symmetric memory, no process group): zeroed buffers, pads and tags, tables
+    device (no symmetric memory, no process group): NaN-filled buffers, zeroed pads, tables
     shared by all. For running the ranks' kernels one after the other, a call's producers
     before its consumers (whose waits then pass at once): the CPU tests, the one-GPU test
     and ``benchmarks.push_all_reduce``."""
@@ -253,9 +256,9 @@ def ranks_in_one_process(world_size: int, dtype: torch.dtype, device: torch.devi
         path = object.__new__(SymmMemAllReduce)
         path.dtype, path.max_numel, path.fuses_norm, path.pushes, path._half = dtype, max_numel, True, True, 0
         path.rank, path.world_size = rank, world_size
-        path.fused_buffer = torch.zeros(2 * max_numel, dtype=dtype, device=device)
-        path.push_tags = torch.zeros(2, MAX_HIDDEN, dtype=torch.int32, device=device)
-        path.pad = torch.zeros(signal_pad_numel(world_size), dtype=torch.int32, device=device)
+        path.fused_buffer = torch.full((2 * max_numel,), float("nan"), dtype=dtype, device=device)
+        path.pad_at = signal_pad_numel(world_size)
+        path.pad = torch.zeros(path.pad_at + PUSH_PAD_SLOTS, dtype=torch.int32, device=device)
         paths.append(path)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)  # noqa: E731
     buf_ptrs, pad_ptrs = table([p.fused_buffer for p in paths]), table([p.pad for p in paths])

@@ -240,8 +240,8 @@ class LinearBase(nn.Module):
                eps: float, pushed: PushedRow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(forward(rms_norm(x + residual)), x + residual)`` in one GEMV kernel (residual None:
         ``(forward(rms_norm(x)), x)``); only where :meth:`takes_normed`. ``pushed``: x is this
-        rank's partial sum of a row the ranks' GEMVs pushed, and the kernel sums the ranks'
-        first (``all_reduce.pushed_row``).
+        rank's slot of a row the ranks' GEMVs pushed, and the kernel sums the slots first
+        (``all_reduce.pushed_row``).
 
         Raises:
             ValueError: the kernel does not take x (see :meth:`takes_normed`).
@@ -249,7 +249,8 @@ class LinearBase(nn.Module):
         if not self.takes_normed(x, norm_weight, residual):
             raise ValueError(f"a normed input needs the GEMV kernel to take x {tuple(x.shape)} (takes_normed)")
         if pushed is not None:
-            return rms_norm_gemv(x, residual, norm_weight, eps, self.weight, self.bias, reduce=pushed.channel)
+            return rms_norm_gemv(pushed.slots, residual, norm_weight, eps, self.weight, self.bias,
+                                 reduce=pushed.channel)
         return rms_norm_gemv(x, residual, norm_weight, eps, self.weight, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,

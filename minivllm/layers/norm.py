@@ -94,7 +94,7 @@ class RMSNorm(nn.Module):
         reduces_here = residual is not None and self.reduces_input and defers_to_norm(x)
         if linear.takes_normed(x, self.weight, residual):
             pushed = pushed_row(x) if reduces_here else None
-            if not reduces_here or pushed is not None:  # a pushed row: the GEMV sums the ranks' rows
+            if not reduces_here or pushed is not None:  # a pushed row: the GEMV sums the ranks' slots
                 return linear.normed(x, residual, self.weight, self.eps, pushed=pushed)
         if residual is None:
             return linear(self(x)), x
