@@ -205,7 +205,7 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               tensor_parallel_size=args.tensor_parallel_size,
               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
               fuse_all_reduce_norm=getattr(args, "fuse_all_reduce_norm", "on") == "on",
-              push_all_reduce=getattr(args, "push_all_reduce", "on") == "on",
+              push_all_reduce=getattr(args, "push_all_reduce", "off") == "on",
               gemv={"auto": None, "on": True, "off": False}[getattr(args, "gemv", "auto")])
     ar = getattr(llm.engine.executor, "all_reduce_path", "")
     prefill_graphs = getattr(llm.engine.executor, "captures_prefill_graphs", False)
@@ -483,7 +483,7 @@ def parse_args() -> argparse.Namespace:
                     help="with TP: NCCL for every all-reduce (no one-shot symmetric-memory kernel)")
     ap.add_argument("--fuse-all-reduce-norm", choices=("on", "off"), default="on",
                     help="with TP on CUDA: the all-reduce inside the residual add + RMSNorm kernel")
-    ap.add_argument("--push-all-reduce", choices=("on", "off"), default="on",
+    ap.add_argument("--push-all-reduce", choices=("on", "off"), default="off",
                     help="with TP on CUDA, at batch 1: the row-parallel GEMV pushes its partial sums to every rank")
     ap.add_argument("--gemv", choices=("auto", "on", "off"), default="auto",
                     help="linear layers at batch <= 16 through kernels/gemv.py (ExecutorConfig.gemv; "

@@ -152,7 +152,8 @@ class ExecutorConfig:
             row-parallel GEMV pushes its partial sums into every rank's buffer as it
             computes them, and the kernel after it (the next GEMV with its norm, or the
             fused norm kernel) sums them once they arrive: no all-reduce kernel and no
-            barrier (``kernels/_push_all_reduce.py``).
+            barrier (``kernels/_push_all_reduce.py``). Off by default: tested on the CPU
+            and on one GPU (the ranks' kernels in turn), not yet run on two GPUs.
         gemv: linear layers given at most 16 rows (decode at small batch, in CUDA graphs
             too) run ``kernels/gemv.py`` instead of cuBLAS where it takes the shape
             (bf16 / fp16, enough output columns). None (the default): on for CUDA with
@@ -171,7 +172,7 @@ class ExecutorConfig:
     prefill_graphs: bool | None = None
     disable_custom_all_reduce: bool = False
     fuse_all_reduce_norm: bool = True
-    push_all_reduce: bool = True
+    push_all_reduce: bool = False
     gemv: bool | None = None
 
     def __post_init__(self) -> None:

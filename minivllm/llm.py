@@ -91,7 +91,7 @@ class LLM:
             disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce,
             fuse_all_reduce_norm: the TP all-reduce inside the next RMSNorm, on by default,
             push_all_reduce: at batch 1, the row-parallel GEMV pushes its partial sums to
-            every rank and the next kernel sums them, on by default (with the former),
+            every rank and the next kernel sums them (with the former; off by default),
             gemv: our GEMV kernel for linear layers at batch <= 16, on by default on CUDA
             in 16 bits).
 

@@ -334,7 +334,7 @@ BATCH1_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("push", ["on", "off"])
 def test_bf16_tp2_batch1_with_and_without_the_push_stays_in_hf_top5(reference, tmp_path, push: str) -> None:
     """bf16 TP=2, prompts one at a time (batch-1 decode steps, CUDA graphs): with
-    ``push_all_reduce`` (the default) the row-parallel GEMVs push their sums and the next
+    ``push_all_reduce`` the row-parallel GEMVs push their sums and the next
     GEMV or norm collects them (rank 0's arrived counters move); off, the fused all-reduce +
     norm kernel takes them (the counters stay 0). Each token stream stays in HF bf16's
     top-5 at its first difference."""
