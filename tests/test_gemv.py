@@ -119,7 +119,8 @@ def test_default_tiles_depend_on_the_row_count(monkeypatch) -> None:
     assert default_config(1, 1024, 2048) is table[0][2] and default_config(1, 1024, 3072) is table[0][2]
     assert default_config(1, 3072, 4096) is table[1][2]
     assert default_config(1, 4096, 1024) is table[2][2] and default_config(1, 6144, 1024) is table[2][2]
-    assert default_config(1, 4096, 4096) is ONE_ROW_CONFIG and default_config(1, 24576, 4096) is ONE_ROW_CONFIG
+    assert default_config(1, 12288, 4096) is table[3][2] and default_config(1, 4096, 6144) is table[3][2]
+    assert default_config(1, 24576, 4096) is ONE_ROW_CONFIG and default_config(1, 4096, 12288) is ONE_ROW_CONFIG
     assert default_config(4, 1024, 2048) is FEW_ROWS_CONFIG
     launches = []
     real = gemv_mod._gemv_kernel

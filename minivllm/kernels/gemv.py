@@ -76,7 +76,9 @@ first default, 16 x 256 tensor-core tiles for every M, was slower than cuBLAS on
 the twelve at one row (up to 1.32x) and cost 0.6 ms a batch-1 token on 8B. At one row the
 tiles now also follow W's shape (``ONE_ROW_BY_SHAPE``, tenth session): a narrow W (N <= 2048,
 Qwen3-0.6B's o and down projections) takes programs of 4 columns, 256 programs instead of 64,
-which the CUDA-core path allows (it has no ``tl.dot`` and its 16-column minimum).
+which the CUDA-core path allows (it has no ``tl.dot`` and its 16-column minimum). A W up to
+12288 x 6144 (Qwen3-8B's qkv, its o, gate_up and down at TP=2) takes 16 x 256 tiles, 4 stages
+(eleventh session: 1.3 us less on the TP=2 gate_up, 0.7 on the 8B qkv).
 
 Torch reference: ``torch.nn.functional.linear``.
 """
@@ -141,10 +143,15 @@ ONE_ROW_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, 
 # From ``python3 -m benchmarks.gemv --rows 1`` (tenth session, one H200, us in CUDA graphs,
 # L2 flushed; ONE_ROW_CONFIG's time in brackets): 0.6B o 3.41 (3.94), down 4.00 (4.91);
 # 8B TP=2 qkv 8.86 (9.09); 0.6B qkv 4.33 (4.67), gate_up 5.32 (5.75).
+# Eleventh session, three sweeps, median us (``--models 8b,8b-tp2``): 16 x 256, 4 stages also for
+# W up to 12288 x 6144: 8B qkv 14.73 (15.43), 8B TP=2 gate_up 26.71 (27.99), o 6.60 (6.73), down
+# 15.18 (15.14); not for the larger 8B gate_up (51.77 against 50.89) and down (27.29, 26.84).
+_SHORT_K_TILES = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4, one_row=True)
 ONE_ROW_BY_SHAPE: tuple[tuple[int | None, int | None, GemvConfig], ...] = (
     (2048, None, GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, one_row=True)),
     (3072, None, GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, one_row=True)),
-    (None, 1024, GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=4, one_row=True)),
+    (None, 1024, _SHORT_K_TILES),
+    (12288, 6144, _SHORT_K_TILES),
 )
 FEW_ROWS_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
