@@ -17,9 +17,9 @@ from sim.runner import record_trace, run_trace
 from sim.traces import generate_trace, load
 
 ROOT = Path(__file__).resolve().parent.parent
-# x 8 configs = 1,200 traces per run (all async, 304 also sync); .ci/run follows `make test` with
-# `make sim`, 10,000 random traces more. (2,000 here cost ~30 s of the 5-minute budget.)
-TRACES_PER_CONFIG = 150
+# x 8 configs = 800 traces per run (all async, 200 also sync); .ci/run follows `make test` with
+# `make sim`, 10,000 random traces more. (2,000 here cost ~45 s of the 5-minute budget.)
+TRACES_PER_CONFIG = 100
 CONFIGS = list(itertools.product(("prefill_first", "mixed"), (True, False), (True, False)))
 
 
