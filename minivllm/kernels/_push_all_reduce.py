@@ -38,6 +38,14 @@ pushes after its ``griddepcontrol.wait``.
 
 The pad slots (int32, in each rank's symmetric signal pad at ``pad_at``): ``arrived[0]``,
 ``arrived[1]``, ``expected[0]``, ``expected[1]``.
+
+**Measured, one GPU** (``benchmarks.push_all_reduce``: both ranks' kernels in turn, so without
+NVLink; BENCHMARKS.md, eleventh session): 2.5 us per producer + consumer pair at Qwen3-8B TP=2
+shapes, 0.9 of it the data and 1.6 the release, the wait and their scope; counters spread over
+8 or 32 lanes changed nothing. Carrying a tag in each 32-bit word instead (no fence, no
+atomic: NCCL's low-latency protocol) cost 5.0-17 us, every consumer program decoding words
+and reading tags in every K tile: reverted. Off by default (``ExecutorConfig.push_all_reduce``)
+until it has run on two GPUs.
 """
 
 from __future__ import annotations
