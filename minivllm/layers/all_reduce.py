@@ -312,6 +312,13 @@ def push_target(shape: tuple[int, ...], dtype: torch.dtype) -> PushedRow | None:
     return fast.push_target(shape, dtype) if fast is not None else None
 
 
+def pushes() -> bool:
+    """Whether the installed path pushes one-row sums (``push_target`` may offer a slot): a
+    flag read, so a layer asks it before anything dearer."""
+    fast = _installed
+    return fast is not None and fast.pushes
+
+
 def pushed_row(x: torch.Tensor) -> PushedRow | None:
     """The pushed row ``x`` is the slot of (the norm after the layer collects it), or None."""
     fast = _installed

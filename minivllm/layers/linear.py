@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.kernels.gemv import gemv, gemv_takes, rms_norm_gemv
-from minivllm.layers.all_reduce import PushedRow, all_reduce, defers_to_norm, output_slot, push_target
+from minivllm.layers.all_reduce import PushedRow, all_reduce, defers_to_norm, output_slot, push_target, pushes
 
 if TYPE_CHECKING:
     from minivllm.config import ModelConfig
@@ -455,7 +455,9 @@ class RowParallelLinear(LinearBase):
         slot = None
         if self.tp_size > 1 and self.reduce_results and x.dim() == 2:
             shape = (x.shape[0], self.weight.shape[0])
-            target = push_target(shape, x.dtype) if self.reduce_in_next_norm and self._gemv_takes(x, gated) else None
+            target = None
+            if self.reduce_in_next_norm and x.shape[0] == 1 and pushes() and self._gemv_takes(x, gated):
+                target = push_target(shape, x.dtype)
             if target is not None:  # batch 1: the GEMV pushes its tiles to every rank, the norm sums them
                 bias = self.bias if self.tp_rank == 0 else None  # counted once in the sum
                 return gemv(x, self.weight, bias, out=target.out, gated=gated, push=target.channel)
