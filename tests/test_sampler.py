@@ -22,7 +22,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from minivllm.kernels.gumbel_sample import (  # noqa: E402
-    gumbel_best, gumbel_sample, gumbel_sample_reference, step_key,
+    gumbel_best, gumbel_best_reference, gumbel_pairs, gumbel_sample, gumbel_sample_reference, step_key,
 )
 from minivllm.layers import sampler as sampler_mod  # noqa: E402
 from minivllm.layers.sampler import (  # noqa: E402
@@ -334,6 +334,24 @@ def test_kernel_greedy_ties_take_the_first_index(splits):
     assert got.tolist() == logits.argmax(dim=1).tolist()
 
 
+@pytest.mark.parametrize("splits", [1, 5])
+def test_one_launch_writes_global_pairs_and_leaves_its_counters_at_zero(splits):
+    """The split programs of a row meet on its counter; the last one writes the winner and
+    zeroes the counter, so one buffer serves launch after launch (the Sampler keeps one)."""
+    logits, temperature, floor, greedy, seeded, keys = _kernel_inputs(torch.bfloat16, 6, 300, ties=True, seed=7)
+    counts = torch.zeros(8, dtype=torch.int32)
+    for offset in (0, 1000, 1000):
+        pairs = gumbel_pairs(logits, temperature, None, greedy, seeded, keys, 99, col_offset=offset,
+                             num_splits=splits, counts=counts)
+        assert counts.eq(0).all()
+        value, col = gumbel_best_reference(logits, temperature, None, greedy, seeded, keys, 99, col_offset=offset)
+        assert torch.equal(pairs[:, 0], value) and torch.equal(pairs[:, 1], (col + offset).float())
+        value, local = gumbel_best(logits, temperature, floor, greedy, seeded, keys, 99, col_offset=offset,
+                                   num_splits=splits, counts=counts)
+        want = gumbel_best_reference(logits, temperature, floor, greedy, seeded, keys, 99, col_offset=offset)
+        assert torch.equal(value, want[0]) and torch.equal(local, want[1]) and counts.eq(0).all()
+
+
 # ----------------------------------------------------------------------------- vocab shards (TP)
 
 def shards_of(vocab: int, world: int) -> list[tuple[int, int]]:
@@ -392,6 +410,8 @@ def test_step_key_halves_stay_int32():
     (dict(seed_keys=torch.zeros(2, 3, dtype=torch.int64)), ValueError, "seed_keys"),
     (dict(step_seed=True), TypeError, "step_seed"),
     (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(counts=torch.zeros(2)), TypeError, "counts"),
+    (dict(counts=torch.zeros(1, dtype=torch.int32)), ValueError, "counts"),
 ])
 def test_kernel_launcher_rejects_bad_arguments(change, error, field):
     args = dict(logits=torch.zeros(2, 5), temperature=torch.ones(2), floor=None,

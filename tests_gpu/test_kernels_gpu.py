@@ -573,3 +573,43 @@ def test_pushed_all_reduce_ranks_in_turn_in_a_cuda_graph(n_out: int) -> None:
         got = pushed_add_rms_norm(row.slots, residual, nw, eps, row.channel)
         want = all_reduce_add_rms_norm(parts[rank], residual, nw, eps, ptrs, pad_ptrs, rank, world, sync=False)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("rows", [1, 8, 256])
+def test_one_launch_sampling_and_the_vocab_shard_lookup_match_their_references(rows: int) -> None:
+    """The sampling kernel with its splits met in the launch (``gumbel_sample.py``: the last
+    program of a row writes the winner) on a TP=2 vocab shard of Qwen3 and on a whole row,
+    greedy and random rows mixed, three launches on one counter buffer; and the vocab-parallel
+    embedding lookup (``vocab_embedding.py``) at Qwen3-8B's hidden size, ids on both ranks."""
+    from minivllm.kernels.gumbel_sample import (
+        choose_num_splits, GumbelConfig, gumbel_best_reference, gumbel_pairs, gumbel_sample,
+        gumbel_sample_reference,
+    )
+    from minivllm.kernels.reference import vocab_shard_embedding_reference
+    from minivllm.kernels.vocab_embedding import vocab_shard_embedding
+
+    gen = torch.Generator(device=DEVICE).manual_seed(rows)
+    vocab, shard = 151936, 75968
+    assert choose_num_splits(rows, shard, torch.device(DEVICE), GumbelConfig()) > 1  # the splits meet
+    logits = (torch.randn(rows, vocab, generator=gen, device=DEVICE) * 3).to(torch.bfloat16)
+    temperature = torch.rand(rows, generator=gen, device=DEVICE) + 0.5
+    greedy = torch.arange(rows, device=DEVICE) % 2 == 0
+    seeded = torch.arange(rows, device=DEVICE) % 3 == 1
+    keys = torch.randint(0, 2 ** 32, (rows, 2), generator=gen, device=DEVICE) * seeded[:, None]
+    counts = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    for step in range(3):
+        part = logits[:, shard:].contiguous()
+        pairs = gumbel_pairs(part, temperature, None, greedy, seeded, keys, step, col_offset=shard, counts=counts)
+        value, col = gumbel_best_reference(part, temperature, None, greedy, seeded, keys, step, col_offset=shard)
+        assert torch.equal(pairs[:, 1], (col + shard).float()), "shard winners differ"
+        torch.testing.assert_close(pairs[:, 0], value, rtol=1e-6, atol=1e-6)
+        got = gumbel_sample(logits, temperature, None, greedy, seeded, keys, step, counts=counts)
+        assert torch.equal(got, gumbel_sample_reference(logits, temperature, None, greedy, seeded, keys, step))
+        assert torch.equal(got[greedy], logits[greedy].argmax(dim=-1))
+        assert counts.eq(0).all()
+    table = torch.randn(shard, 4096, generator=gen, device=DEVICE).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (rows,), generator=gen, device=DEVICE)
+    ids[0] = shard  # the last rank's first id
+    for start in (0, shard):
+        got = vocab_shard_embedding(ids, table, start, start + shard)
+        assert torch.equal(got, vocab_shard_embedding_reference(ids, table, start, start + shard))

@@ -17,8 +17,13 @@ so the launch never reads a device value on the host.
 
 Few rows leave most SMs idle with one program per row (a 151936-wide bf16 row is
 300 KB), so the vocab is split over ``num_splits`` programs per row; each writes
-its best (value, index) and a tiny torch reduction picks the row's winner. Ties
-go to the smallest index, as ``torch.argmax`` does.
+its best (value, index) to a scratch row, then counts itself in on the row's
+counter (an atomic add, acquire-release): the program that arrives last picks the
+row's winner from the scratch row, writes it and sets the counter back to zero for
+the next launch. One launch, where a torch reduction after it took three more
+(argmax, two gathers). Ties go to the smallest index, as ``torch.argmax`` does.
+The counters (int32, zero) outlive a launch: a caller launching often keeps one
+buffer (``Sampler`` does); without one, a zeroed buffer is made per call.
 
 Vocab-parallel (tensor parallelism): a rank holding the columns ``[col_offset,
 col_offset + V_shard)`` of every row runs :func:`gumbel_best` on its shard with that
@@ -88,19 +93,24 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit(do_not_specialize=["step_lo", "step_hi", "col_offset"])
+@triton.jit(do_not_specialize=["step_lo", "step_hi", "col_offset", "out_offset"])
 def _gumbel_sample_kernel(
     logits_ptr,                 # (S, V) float, last dim contiguous
     temperature_ptr,            # (S,) float32 (ignored on greedy rows)
     floor_ptr,                  # (S,) float32: drop logit < floor (read only if HAS_FLOOR)
     greedy_ptr, seeded_ptr,     # (S,) bool each
     keys_ptr,                   # (S, 2) int64: row_key of seeded rows, in [0, 2**32)
-    best_val_ptr,               # (S, num_splits) float32 out; num_splits = grid axis 1
-    best_idx_ptr,               # (S, num_splits) int64 out
+    split_val_ptr,              # (S, num_splits) float32 scratch; num_splits = grid axis 1
+    split_idx_ptr,              # (S, num_splits) int32 scratch
+    count_ptr,                  # (>= S,) int32: zero before the launch, zero after it
+    out_val_ptr, out_idx_ptr,   # the row's winner: value (float32) and column + out_offset
+    out_stride,                 # elements between two rows' outputs
+    out_offset,                 # added to the winning column (its global index, or 0)
     stride_row, vocab_size, cols_per_split,
     step_lo, step_hi,           # int32 in [0, 2**31): this step's key for unseeded rows
     col_offset,                 # global index of column 0 (a vocab shard's start; else 0)
     HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,   # a power of two >= num_splits
 ):
     # The split count is not a constexpr: it changes with the batch size, and
     # each value would compile another kernel.
@@ -141,17 +151,37 @@ def _gumbel_sample_kernel(
         best_idx = tl.where(better, cols, best_idx)
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, vocab_size), axis=0)
-    tl.store(best_val_ptr + row * num_splits + split, top)
-    tl.store(best_idx_ptr + row * num_splits + split, idx.to(tl.int64))
+    if num_splits > 1:
+        tl.store(split_val_ptr + row * num_splits + split, top)
+        tl.store(split_idx_ptr + row * num_splits + split, idx)
+        tl.debug_barrier()  # the stores above precede the release below
+        arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
+        if arrived == num_splits - 1:  # the last of the row: every split's result is visible
+            s = tl.arange(0, MAX_SPLITS)
+            m = s < num_splits
+            vals = tl.load(split_val_ptr + row * num_splits + s, mask=m, other=float("-inf"),
+                           cache_modifier=".cg")
+            idxs = tl.load(split_idx_ptr + row * num_splits + s, mask=m, other=vocab_size,
+                           cache_modifier=".cg")
+            top = tl.max(vals, axis=0)
+            # Splits hold ascending columns: the smallest column among the best is the first.
+            idx = tl.min(tl.where(vals == top, idxs, vocab_size), axis=0)
+            tl.store(out_val_ptr + row * out_stride, top)
+            tl.store(out_idx_ptr + row * out_stride, idx + out_offset)
+            tl.store(count_ptr + row, 0)  # ready for the next launch (kernels of a stream run in order)
+    else:
+        tl.store(out_val_ptr + row * out_stride, top)
+        tl.store(out_idx_ptr + row * out_stride, idx + out_offset)
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
                   greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor, step_seed: int,
-                  num_splits: int | None = None, config: GumbelConfig | None = None) -> torch.Tensor:
+                  num_splits: int | None = None, config: GumbelConfig | None = None,
+                  counts: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row (S,) int64: greedy rows argmax, others a Gumbel-max draw (the
     columns of :func:`gumbel_best`, which documents the arguments)."""
     return gumbel_best(logits, temperature, floor, greedy, seeded, seed_keys, step_seed,
-                       num_splits=num_splits, config=config)[1]
+                       num_splits=num_splits, config=config, counts=counts)[1]
 
 
 def gumbel_best(
@@ -166,19 +196,22 @@ def gumbel_best(
     col_offset: int = 0,
     num_splits: int | None = None,
     config: GumbelConfig | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's winning (value (S,) float32, column (S,) int64): greedy rows the largest
     logit, others the largest ``logit / T + g`` (the Gumbel-max draw).
 
     A random row draws from ``softmax(logits / T)`` restricted to the tokens with
     ``logits >= floor``; its noise comes from ``seed_keys`` where ``seeded``,
-    else from ``step_seed`` and the row index. Never syncs the host.
+    else from ``step_seed`` and the row index. One launch; never syncs the host.
 
     Args:
         col_offset: global index of column 0 when ``logits`` holds a vocab shard (the
             noise is keyed by global index); returned columns stay local.
         num_splits: programs per row (None: from ``config``; 1 off CUDA).
         config: launch tunables (None: the defaults).
+        counts: (>= S,) int32 zeros on the logits' device, the splits' arrival counters,
+            zero again when the launch ends (None: a zeroed buffer is made).
 
     Raises:
         TypeError: a dtype is wrong / ``step_seed`` is not an int.
@@ -186,6 +219,37 @@ def gumbel_best(
             different devices, or ``num_splits`` < 1.
     """
     _check_args(logits, temperature, floor, greedy, seeded, seed_keys, step_seed, col_offset)
+    rows = logits.shape[0]
+    value = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    column = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _launch(logits, temperature, floor, greedy, seeded, seed_keys, step_seed, col_offset, num_splits, config,
+            counts, value, column, out_stride=1, out_offset=0)
+    return value, column
+
+
+def gumbel_pairs(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
+                 greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor, step_seed: int, *,
+                 col_offset: int = 0, num_splits: int | None = None, config: GumbelConfig | None = None,
+                 counts: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gumbel_best` as one (S, 2) float32 tensor of (value, *global* column
+    ``col_offset + column``), written by the launch itself: the message the vocab-parallel
+    sampler all-gathers (a column is exact in float32 below 2**24). Arguments and errors
+    as :func:`gumbel_best`; also ValueError when a global column would not be exact."""
+    _check_args(logits, temperature, floor, greedy, seeded, seed_keys, step_seed, col_offset)
+    rows = logits.shape[0]
+    if logits.shape[1] + col_offset > 1 << 24:
+        raise ValueError(f"vocab columns up to {logits.shape[1] + col_offset} are not exact in float32")
+    pairs = torch.empty(rows, 2, dtype=torch.float32, device=logits.device)
+    _launch(logits, temperature, floor, greedy, seeded, seed_keys, step_seed, col_offset, num_splits, config,
+            counts, pairs[:, 0], pairs[:, 1], out_stride=2, out_offset=col_offset)
+    return pairs
+
+
+def _launch(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None, greedy: torch.Tensor,
+            seeded: torch.Tensor, seed_keys: torch.Tensor, step_seed: int, col_offset: int,
+            num_splits: int | None, config: GumbelConfig | None, counts: torch.Tensor | None,
+            out_val: torch.Tensor, out_idx: torch.Tensor, out_stride: int, out_offset: int) -> None:
+    """Launch :func:`_gumbel_sample_kernel` into ``out_val`` / ``out_idx`` (arguments checked by the caller)."""
     config = config or GumbelConfig()
     rows, vocab = logits.shape
     if num_splits is None:
@@ -195,22 +259,24 @@ def gumbel_best(
     block = max(16, min(config.block, next_pow2(triton.cdiv(vocab, num_splits))))
     cols_per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
     num_splits = max(1, triton.cdiv(vocab, cols_per_split))  # rounding may leave fewer
-    best_val = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty(rows, num_splits, dtype=torch.int64, device=logits.device)
     if rows == 0:
-        return best_val[:, 0], best_idx[:, 0]
+        return
+    if counts is None:
+        counts = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+    check_dtype("counts", counts, (torch.int32,))
+    if counts.dim() != 1 or counts.shape[0] < rows or not counts.is_contiguous():
+        raise ValueError(f"counts must be a contiguous (>= {rows},) int32, got shape {tuple(counts.shape)}")
+    check_same_device(logits=logits, counts=counts)
+    split_val = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
+    split_idx = torch.empty(rows, num_splits, dtype=torch.int32, device=logits.device)
     lo, hi = step_key(step_seed)
     _gumbel_sample_kernel[(rows, num_splits)](
         logits, temperature, floor if floor is not None else temperature, greedy, seeded,
-        seed_keys, best_val, best_idx, logits.stride(0), vocab, cols_per_split, lo, hi, col_offset,
-        HAS_FLOOR=floor is not None, BLOCK=block,
+        seed_keys, split_val, split_idx, counts, out_val, out_idx, out_stride, out_offset,
+        logits.stride(0), vocab, cols_per_split, lo, hi, col_offset,
+        HAS_FLOOR=floor is not None, BLOCK=block, MAX_SPLITS=next_pow2(num_splits),
         num_warps=max(1, min(config.num_warps, block // 128)),
     )
-    if num_splits == 1:
-        return best_val[:, 0], best_idx[:, 0]
-    # Splits are in column order and argmax takes the first maximum: the smallest index wins a tie.
-    winner = best_val.argmax(dim=1, keepdim=True)
-    return best_val.gather(1, winner)[:, 0], best_idx.gather(1, winner)[:, 0]
 
 
 def choose_num_splits(rows: int, vocab: int, device: torch.device, config: GumbelConfig) -> int:

@@ -108,3 +108,12 @@ def all_reduce_add_rms_norm_reference(parts: list[torch.Tensor], residual: torch
         total += p.float()
     s = total.to(parts[0].dtype) + residual
     return rms_norm_ref(s, weight, eps), s
+
+
+def vocab_shard_embedding_reference(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
+                                    vocab_end: int) -> torch.Tensor:
+    """What ``kernels/vocab_embedding.py`` returns: the rows of the ids in ``[vocab_start,
+    vocab_end)`` (``weight`` holds them from row 0), zeros for the others."""
+    mine = (ids >= vocab_start) & (ids < vocab_end)
+    out = torch.nn.functional.embedding((ids - vocab_start) * mine, weight)
+    return out * mine.unsqueeze(-1).to(out.dtype)

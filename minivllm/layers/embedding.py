@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import cdiv
+from minivllm.layers import fuse
 from minivllm.layers.all_reduce import all_reduce
 from minivllm.layers.linear import Loaded, ShardId, check_tp, load_slice, set_weight_loader
 
@@ -57,10 +58,11 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, dim)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        out = F.embedding((input_ids - self.vocab_start) * mine, self.weight)
-        out = out * mine.unsqueeze(-1).to(out.dtype)
-        return all_reduce(out)
+        if fuse.use_kernels(self.weight):  # one launch (kernels/vocab_embedding.py)
+            from minivllm.kernels.vocab_embedding import vocab_shard_embedding as lookup
+        else:
+            from minivllm.kernels.reference import vocab_shard_embedding_reference as lookup
+        return all_reduce(lookup(input_ids, self.weight, self.vocab_start, self.vocab_end))
 
 
 class ParallelLMHead(VocabParallelEmbedding):

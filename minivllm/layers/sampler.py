@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from minivllm.kernels.gumbel_sample import (
-    gumbel_best, gumbel_best_reference, gumbel_sample, gumbel_sample_reference, hashed_uniform,
+    gumbel_best_reference, gumbel_pairs, gumbel_sample, gumbel_sample_reference, hashed_uniform,
 )
 from minivllm.layers.penalties import PenaltyTensors, apply_penalties
 from minivllm.sampling import SamplingParams, is_greedy_temperature
@@ -384,6 +384,7 @@ class Sampler(nn.Module):
         self.generator = generator
         self.use_kernel = use_kernel
         self.num_steps = 0  # calls so far: the counter of the default step seeds
+        self._counts: torch.Tensor | None = None  # the fused pass's per-row split counters (zeros)
 
     def next_step_seed(self) -> int:
         """A fresh 64-bit seed for this call's unseeded rows (host only; never touches the device)."""
@@ -406,8 +407,10 @@ class Sampler(nn.Module):
         if t.all_greedy:
             return logits.argmax(dim=-1)
         floor = filter_floor(logits, t)
-        sample = gumbel_sample if self._kernel(logits) else gumbel_sample_reference
-        return sample(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed)
+        if not self._kernel(logits):
+            return gumbel_sample_reference(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed)
+        return gumbel_sample(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed,
+                             counts=self._split_counts(logits))
 
     def forward_vocab_parallel(self, shard: torch.Tensor, t: SamplingTensors, col_offset: int,
                                group: "torch.distributed.ProcessGroup | None" = None,
@@ -439,15 +442,25 @@ class Sampler(nn.Module):
         column is exact in float32 below 2**24): the message ``forward_vocab_parallel`` gathers."""
         if not t.vocab_parallel_ok:
             raise ValueError("top-k / top-p / min-p rows need the whole logits row: gather the logits")
+        if self._kernel(shard):  # one launch writes the pairs (greedy rows included)
+            return gumbel_pairs(shard, t.temperature, None, t.greedy, t.seeded, t.seed_keys, step_seed,
+                                col_offset=col_offset, counts=self._split_counts(shard))
         if shard.shape[1] + col_offset > 1 << 24:
             raise ValueError(f"vocab columns up to {shard.shape[1] + col_offset} are not exact in float32")
         if t.all_greedy:
             value, col = shard.max(dim=-1)  # the first maximum, as argmax
         else:
-            best = gumbel_best if self._kernel(shard) else gumbel_best_reference
-            value, col = best(shard, t.temperature, None, t.greedy, t.seeded, t.seed_keys, step_seed,
-                              col_offset=col_offset)
+            value, col = gumbel_best_reference(shard, t.temperature, None, t.greedy, t.seeded, t.seed_keys,
+                                               step_seed, col_offset=col_offset)
         return torch.stack([value.float(), (col + col_offset).float()], dim=1)
 
     def _kernel(self, logits: torch.Tensor) -> bool:
         return logits.is_cuda if self.use_kernel is None else self.use_kernel
+
+    def _split_counts(self, logits: torch.Tensor) -> torch.Tensor:
+        """The fused pass's split counters for ``logits``' rows: one zeroed buffer kept across
+        calls (each launch leaves it zero), replaced by a larger one when a batch outgrows it."""
+        counts = self._counts
+        if counts is None or counts.device != logits.device or counts.shape[0] < logits.shape[0]:
+            counts = self._counts = torch.zeros(max(256, logits.shape[0]), dtype=torch.int32, device=logits.device)
+        return counts
