@@ -410,6 +410,7 @@ def test_step_key_halves_stay_int32():
     (dict(seed_keys=torch.zeros(2, 3, dtype=torch.int64)), ValueError, "seed_keys"),
     (dict(step_seed=True), TypeError, "step_seed"),
     (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(num_splits=129), ValueError, "num_splits"),
     (dict(counts=torch.zeros(2)), TypeError, "counts"),
     (dict(counts=torch.zeros(1, dtype=torch.int32)), ValueError, "counts"),
 ])

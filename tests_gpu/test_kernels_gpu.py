@@ -602,7 +602,7 @@ def test_one_launch_sampling_and_the_vocab_shard_lookup_match_their_references(r
         pairs = gumbel_pairs(part, temperature, None, greedy, seeded, keys, step, col_offset=shard, counts=counts)
         value, col = gumbel_best_reference(part, temperature, None, greedy, seeded, keys, step, col_offset=shard)
         assert torch.equal(pairs[:, 1], (col + shard).float()), "shard winners differ"
-        torch.testing.assert_close(pairs[:, 0], value, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pairs[:, 0], value, rtol=1e-5, atol=1e-5)
         got = gumbel_sample(logits, temperature, None, greedy, seeded, keys, step, counts=counts)
         assert torch.equal(got, gumbel_sample_reference(logits, temperature, None, greedy, seeded, keys, step))
         assert torch.equal(got[greedy], logits[greedy].argmax(dim=-1))

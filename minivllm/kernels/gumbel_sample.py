@@ -53,6 +53,10 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MASK32 = 0xFFFFFFFF
 _UNIFORM_BITS = 23  # U = (k + 0.5) / 2**23 is exact in float32 and strictly in (0, 1)
 _STEP_MASK = 0x7FFFFFFF  # step key halves stay < 2**31: Triton types them i32, never u32/i64
+# Most programs per row. A constant, so that batches of every size share one compiled kernel
+# (the split count itself is a plain argument): compiling one per power of two of the count
+# cost offline-256 a quarter of its rate, its batches running down from 256 rows to 1.
+MAX_SPLITS = 128
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,32 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def _split_best(row_ptr, start, end, temperature, floor, k0, k1, col_offset,
+                NOISE: tl.constexpr, BLOCK: tl.constexpr):
+    """Per lane, the best (value, column) of the columns ``[start, end)`` of one row: the
+    logit itself (greedy), or with ``NOISE`` the Gumbel-perturbed ``logit / T`` of the
+    columns at or above ``floor``."""
+    offs = tl.arange(0, BLOCK)
+    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = start + offs
+    for col0 in range(start, end, BLOCK):
+        cols = col0 + offs
+        mask = cols < end
+        z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if NOISE:
+            # Same arithmetic as the reference: the hash of the vocab index, an IEEE
+            # round-to-nearest division like torch's (Triton's fp32 `/` need not be), two logs.
+            h = _mix32(_mix32(_mix32((cols + col_offset).to(tl.uint32)) ^ k0) ^ k1)
+            u = ((h >> (32 - 23)).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            scaled = tl.math.div_rn(z, temperature)
+            z = tl.where(z >= floor, scaled + -tl.log(-tl.log(u)), float("-inf"))
+        better = mask & (z > best_val)  # strict: an earlier column keeps a tie
+        best_val = tl.where(better, z, best_val)
+        best_idx = tl.where(better, cols, best_idx)
+    return best_val, best_idx
+
+
 @triton.jit(do_not_specialize=["step_lo", "step_hi", "col_offset", "out_offset"])
 def _gumbel_sample_kernel(
     logits_ptr,                 # (S, V) float, last dim contiguous
@@ -110,7 +140,7 @@ def _gumbel_sample_kernel(
     step_lo, step_hi,           # int32 in [0, 2**31): this step's key for unseeded rows
     col_offset,                 # global index of column 0 (a vocab shard's start; else 0)
     HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,   # a power of two >= num_splits
+    MAX_SPLITS: tl.constexpr,   # a power of two >= num_splits (the module's MAX_SPLITS)
 ):
     # The split count is not a constexpr: it changes with the batch size, and
     # each value would compile another kernel.
@@ -131,24 +161,13 @@ def _gumbel_sample_kernel(
 
     start = split * cols_per_split
     end = tl.minimum(start + cols_per_split, vocab_size)
-    offs = tl.arange(0, BLOCK)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_idx = start + offs
-    for col0 in range(start, end, BLOCK):
-        cols = col0 + offs
-        mask = cols < end
-        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        # Same arithmetic as the reference: the hash of the vocab index, an IEEE
-        # round-to-nearest division like torch's (Triton's fp32 `/` need not be), two logs.
-        h = _mix32(_mix32(_mix32((cols + col_offset).to(tl.uint32)) ^ k0) ^ k1)
-        u = ((h >> (32 - 23)).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        scaled = tl.math.div_rn(x, temperature)
-        perturbed = tl.where(x >= floor, scaled + -tl.log(-tl.log(u)), float("-inf"))
-        z = tl.where(greedy, x, perturbed)
-        better = mask & (z > best_val)  # strict: an earlier column keeps a tie
-        best_val = tl.where(better, z, best_val)
-        best_idx = tl.where(better, cols, best_idx)
+    if greedy:  # the plain argmax: no noise to make (a third of the time at 256 rows)
+        best_val, best_idx = _split_best(row_ptr, start, end, temperature, floor, k0, k1, col_offset,
+                                         NOISE=False, BLOCK=BLOCK)
+    else:
+        best_val, best_idx = _split_best(row_ptr, start, end, temperature, floor, k0, k1, col_offset,
+                                         NOISE=True, BLOCK=BLOCK)
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, vocab_size), axis=0)
     if num_splits > 1:
@@ -254,8 +273,8 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor
     rows, vocab = logits.shape
     if num_splits is None:
         num_splits = choose_num_splits(rows, vocab, logits.device, config)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     block = max(16, min(config.block, next_pow2(triton.cdiv(vocab, num_splits))))
     cols_per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
     num_splits = max(1, triton.cdiv(vocab, cols_per_split))  # rounding may leave fewer
@@ -274,7 +293,7 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor
         logits, temperature, floor if floor is not None else temperature, greedy, seeded,
         seed_keys, split_val, split_idx, counts, out_val, out_idx, out_stride, out_offset,
         logits.stride(0), vocab, cols_per_split, lo, hi, col_offset,
-        HAS_FLOOR=floor is not None, BLOCK=block, MAX_SPLITS=next_pow2(num_splits),
+        HAS_FLOOR=floor is not None, BLOCK=block, MAX_SPLITS=MAX_SPLITS,
         num_warps=max(1, min(config.num_warps, block // 128)),
     )
 
@@ -285,7 +304,7 @@ def choose_num_splits(rows: int, vocab: int, device: torch.device, config: Gumbe
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = triton.cdiv(config.programs_per_sm * sms, rows)
-    return max(1, min(want, vocab // config.min_split_columns))
+    return max(1, min(want, vocab // config.min_split_columns, MAX_SPLITS))
 
 
 def _check_args(logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
