@@ -11,10 +11,12 @@ turn the raw logits into a float32 copy that every path below then samples from
 
 Paths, from cheapest:
 
-- every row greedy: the fused pass below, its greedy rows only (``argmax`` of the logits as
-  they are, no copy; ``argmax`` itself off CUDA). One launch with the row split over the
-  SMs: 3.4 us at one row of 151,936 against ``argmax``'s 8.5, 24 against 54 at 256 rows
-  (``benchmarks.tp_step_tail``). Unlike ``argmax`` it passes over a NaN logit;
+- every row greedy: ``argmax`` of the logits as they are (exact in bf16; no copy). The fused
+  pass below takes 3.4 us at one row of 151,936 against ``argmax``'s 8.5 (24 against 54 at
+  256 rows, ``benchmarks.tp_step_tail``), yet end to end (twelfth session, alternating
+  runs) Qwen3-0.6B batch 1 took 1.025 and 1.614 ms/token with it against 1.007 and 0.993
+  with ``argmax``. Not separated; the likely cost is its host side (argument checks, four
+  buffers, the Triton launch) on a step whose host time is close to its GPU time;
 - otherwise one fused pass (``minivllm/kernels/gumbel_sample.py``): each row's
   ``argmax(logits / T + g)`` with Gumbel noise ``g = -log(-log(U))`` made in the
   kernel, greedy rows taking the plain argmax in the same launch. The Gumbel-max
@@ -407,9 +409,9 @@ class Sampler(nn.Module):
             step_seed = self.next_step_seed()
         if penalties is not None:
             logits = apply_penalties(logits, penalties)
-        if t.all_greedy and not self._kernel(logits):
+        if t.all_greedy:
             return logits.argmax(dim=-1)
-        floor = None if t.all_greedy else filter_floor(logits, t)
+        floor = filter_floor(logits, t)
         if not self._kernel(logits):
             return gumbel_sample_reference(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed)
         return gumbel_sample(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed,
