@@ -2,14 +2,16 @@
 
 At batch 1 under tensor parallelism the fused all-reduce + RMSNorm kernel before the qkv
 and gate_up GEMVs spends ~5 us waiting on its peers over NVLink while HBM is idle. Here a
-stand-in kernel waits that long (a spin on the global timer) after asking L2 for the
-first X MB of the next GEMV's W (``cp.async.bulk.prefetch.L2``, chunks of 128 KB); the
-GEMV after it then finds those bytes in L2. Timed as CUDA graph replays of (wait, GEMV)
+stand-in kernel waits that long (its program 0 spins on the global timer) while P programs
+ask L2 for the first X MB of the next GEMV's W, either as ``cp.async.bulk.prefetch.L2`` of
+16 KB a lane (bulk) or as one ``prefetch.global.L2`` per 128-byte line (lines); the GEMV
+after it then finds those bytes in L2. (A first version prefetched from one program, in
+128 KB bulk requests: 8 MB took ~60 us, one SM's copy engine being the bottleneck.) Timed as CUDA graph replays of (wait, GEMV)
 pairs cycling through 8 weight copies (so W streams from HBM as in the model):
 
-    python3 -m benchmarks.l2_warm_gemv [--wait-us 5] [--mb 0 8 16 24 32]
+    python3 -m benchmarks.l2_warm_gemv [--wait-us 5] [--mb 0 8 16 24] [--programs 32 128]
 
-Prints per shape the pair's time for each X (X = 0: the wait alone, no prefetch), and the
+Prints per shape the pair's time for each mode, P and X (X = 0: the wait alone), and the
 GEMV alone. The gain per call is the drop from X = 0. With ``$OUT`` set the results go to
 ``$OUT/l2_warm_gemv.json`` too.
 """
@@ -27,26 +29,38 @@ import triton.language as tl
 
 from minivllm.kernels.gemv import gemv
 
-SHAPES = {  # (N, K) of W: Qwen3-8B at TP=2, and at TP=1 for comparison
+SHAPES = {  # (N, K) of W: Qwen3-8B at TP=2
     "8b-tp2 qkv": (3072, 4096), "8b-tp2 gate_up": (12288, 4096),
-    "8b qkv": (6144, 4096), "8b gate_up": (24576, 4096),
 }
 COPIES = 8
-CHUNK = 128 * 1024
+CHUNK = 16 * 1024  # bytes per bulk prefetch
 
 
 @triton.jit
-def _wait_and_prefetch(w_ptr, nbytes, wait_ns, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
-    """Ask L2 for the first ``nbytes`` of ``w_ptr`` (bytes), then spin ``wait_ns``."""
-    if nbytes > 0:
-        offs = tl.minimum(tl.arange(0, CHUNKS).to(tl.int64) * CHUNK, nbytes - CHUNK)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 131072; mov.u32 $0, 0;", "=r,l",
-                                  [w_ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
-    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    now = t0
-    while now - t0 < wait_ns:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                        pack=1)
+def _wait_and_prefetch(w_ptr, nbytes, wait_ns, LINES: tl.constexpr, CHUNK: tl.constexpr, BULK: tl.constexpr):
+    """Program p asks L2 for its share of the first ``nbytes`` of ``w_ptr`` (bytes): BULK, as
+    ``cp.async.bulk.prefetch.L2`` of CHUNK bytes per lane; else a ``prefetch.global.L2`` per
+    128-byte line, LINES lines per pass. Then program 0 alone spins ``wait_ns``."""
+    pid = tl.program_id(0)
+    share = tl.cdiv(nbytes, tl.num_programs(0) * CHUNK) * CHUNK
+    lo = pid.to(tl.int64) * share
+    hi = tl.minimum(lo + share, nbytes)
+    if BULK:
+        for at in range(lo, hi, LINES * CHUNK):
+            offs = tl.minimum(at + tl.arange(0, LINES).to(tl.int64) * CHUNK, hi - CHUNK)
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 16384; mov.u32 $0, 0;", "=r,l",
+                                      [w_ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        for at in range(lo, hi, LINES * 128):
+            offs = tl.minimum(at + tl.arange(0, LINES).to(tl.int64) * 128, hi - 128)
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                                      [w_ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
+    if pid == 0:
+        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        now = t0
+        while now - t0 < wait_ns:
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                            is_pure=False, pack=1)
 
 
 def graph_us(fn, replays: int = 40) -> float:
@@ -71,7 +85,8 @@ def graph_us(fn, replays: int = 40) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--wait-us", type=float, default=5.0)
-    ap.add_argument("--mb", type=int, nargs="+", default=[0, 8, 16, 24, 32])
+    ap.add_argument("--mb", type=int, nargs="+", default=[0, 8, 16, 24])
+    ap.add_argument("--programs", type=int, nargs="+", default=[32, 128])
     args = ap.parse_args()
     dev = torch.device("cuda")
     results = []
@@ -81,16 +96,21 @@ def main() -> None:
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
         row = {"shape": name, "weight_MB": n * k * 2 / 1e6,
                "gemv_alone_us": graph_us(lambda: [gemv(x, w, out=out) for w in ws]) / COPIES}
-        for mb in args.mb:
-            nbytes = min(mb * 1_000_000 // CHUNK * CHUNK, n * k * 2 // CHUNK * CHUNK)
-            chunks = max(1, triton.next_power_of_2(max(1, nbytes // CHUNK)))
+        for mode in ("bulk", "lines"):
+            for programs in args.programs:
+                for mb in args.mb:
+                    if mb == 0 and (mode, programs) != ("bulk", args.programs[0]):
+                        continue  # the wait alone, once
+                    nbytes = min(mb * 1_000_000, n * k * 2) // CHUNK * CHUNK
 
-            def pairs():
-                for w in ws:
-                    _wait_and_prefetch[(1,)](w.view(torch.uint8), nbytes, int(args.wait_us * 1000),
-                                             CHUNKS=chunks, CHUNK=CHUNK, num_warps=4)
-                    gemv(x, w, out=out)
-            row[f"pair_us_{mb}MB"] = graph_us(pairs) / COPIES
+                    def pairs():
+                        for w in ws:
+                            _wait_and_prefetch[(programs,)](w.view(torch.uint8), nbytes, int(args.wait_us * 1000),
+                                                            LINES=128, CHUNK=CHUNK, BULK=mode == "bulk",
+                                                            num_warps=4)
+                            gemv(x, w, out=out)
+                    key = "wait_alone_us" if mb == 0 else f"{mode}_{programs}p_{mb}MB_us"
+                    row[key] = graph_us(pairs) / COPIES
         results.append(row)
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     if os.environ.get("OUT"):
