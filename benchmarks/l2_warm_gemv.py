@@ -12,22 +12,28 @@ pairs cycling through 8 weight copies (so W streams from HBM as in the model):
     python3 -m benchmarks.l2_warm_gemv [--wait-us 5] [--mb 0 8 16 24] [--programs 32 128]
 
 Prints per shape the pair's time for each mode, P and X (X = 0: the wait alone), and the
-GEMV alone. The gain per call is the drop from X = 0. With ``$OUT`` set the results go to
+GEMV alone. Mode "pdl": the wait kernel lets the GEMV start at once (programmatic dependent
+launch: the GEMV loads its first W tile, then waits for the kernel before it) on top of the
+line prefetch; "pdl_alone": the early start without any L2 prefetch, "plain_alone" its
+baseline (the same wait, no prefetch, no early start). The gain per call is the drop from X = 0. With ``$OUT`` set the results go to
 ``$OUT/l2_warm_gemv.json`` too.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 
-import torch
+os.environ.setdefault("MINIVLLM_PDL", "1")  # read once, at the first launch: the "pdl" rows need it
+
+import torch  # noqa: E402
 import triton
 import triton.language as tl
 
-from minivllm.kernels.gemv import gemv
+from minivllm.kernels.gemv import default_config, gemv  # noqa: E402
 
 SHAPES = {  # (N, K) of W: Qwen3-8B at TP=2
     "8b-tp2 qkv": (3072, 4096), "8b-tp2 gate_up": (12288, 4096),
@@ -37,10 +43,15 @@ CHUNK = 16 * 1024  # bytes per bulk prefetch
 
 
 @triton.jit
-def _wait_and_prefetch(w_ptr, nbytes, wait_ns, LINES: tl.constexpr, CHUNK: tl.constexpr, BULK: tl.constexpr):
+def _wait_and_prefetch(w_ptr, nbytes, wait_ns, LINES: tl.constexpr, CHUNK: tl.constexpr, BULK: tl.constexpr,
+                       SIGNAL: tl.constexpr):
     """Program p asks L2 for its share of the first ``nbytes`` of ``w_ptr`` (bytes): BULK, as
     ``cp.async.bulk.prefetch.L2`` of CHUNK bytes per lane; else a ``prefetch.global.L2`` per
-    128-byte line, LINES lines per pass. Then program 0 alone spins ``wait_ns``."""
+    128-byte line, LINES lines per pass. Then program 0 alone spins ``wait_ns``. SIGNAL: let
+    the next kernel start at once (programmatic dependent launch, as the fused all-reduce
+    does under ``MINIVLLM_PDL=1``)."""
+    if SIGNAL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     share = tl.cdiv(nbytes, tl.num_programs(0) * CHUNK) * CHUNK
     lo = pid.to(tl.int64) * share
@@ -94,23 +105,34 @@ def main() -> None:
         ws = [torch.randn(n, k, device=dev).to(torch.bfloat16) for _ in range(COPIES)]
         x = torch.randn(1, k, device=dev).to(torch.bfloat16)
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        plain = dataclasses.replace(default_config(1, n, k), prefetch=False)
         row = {"shape": name, "weight_MB": n * k * 2 / 1e6,
-               "gemv_alone_us": graph_us(lambda: [gemv(x, w, out=out) for w in ws]) / COPIES}
-        for mode in ("bulk", "lines"):
+               "gemv_alone_us": graph_us(lambda: [gemv(x, w, out=out, config=plain) for w in ws]) / COPIES}
+        early = dataclasses.replace(plain, prefetch=True)  # launched with PDL (module doc of gemv.py)
+        for mode in ("bulk", "lines", "pdl"):
             for programs in args.programs:
                 for mb in args.mb:
                     if mb == 0 and (mode, programs) != ("bulk", args.programs[0]):
                         continue  # the wait alone, once
+                    if mode == "pdl" and (mb, programs) != (args.mb[1], args.programs[-1]):
+                        continue  # the early start (with one prefetch size)
                     nbytes = min(mb * 1_000_000, n * k * 2) // CHUNK * CHUNK
 
                     def pairs():
                         for w in ws:
                             _wait_and_prefetch[(programs,)](w.view(torch.uint8), nbytes, int(args.wait_us * 1000),
                                                             LINES=128, CHUNK=CHUNK, BULK=mode == "bulk",
-                                                            num_warps=4)
-                            gemv(x, w, out=out)
+                                                            SIGNAL=mode == "pdl", num_warps=4)
+                            gemv(x, w, out=out, config=early if mode == "pdl" else plain)
                     key = "wait_alone_us" if mb == 0 else f"{mode}_{programs}p_{mb}MB_us"
                     row[key] = graph_us(pairs) / COPIES
+        for mode, config in (("pdl_alone", early), ("plain_alone", plain)):
+            def pairs():
+                for w in ws:
+                    _wait_and_prefetch[(1,)](w.view(torch.uint8), 0, int(args.wait_us * 1000), LINES=128, CHUNK=CHUNK,
+                                             BULK=False, SIGNAL=mode == "pdl_alone", num_warps=4)
+                    gemv(x, w, out=out, config=config)
+            row[f"{mode}_us"] = graph_us(pairs) / COPIES
         results.append(row)
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     if os.environ.get("OUT"):
