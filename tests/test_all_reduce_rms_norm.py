@@ -172,7 +172,8 @@ def test_the_path_alternates_halves_and_knows_a_gemm_wrote_in_place(monkeypatch)
 
     calls = []
     monkeypatch.setattr(kernel_mod, "all_reduce_add_rms_norm",
-                        lambda x, *args, buf_offset, in_place: calls.append((buf_offset, in_place)) or (x, x))
+                        lambda x, *args, buf_offset, in_place, warm, warm_bytes:
+                        calls.append((buf_offset, in_place)) or (x, x))
     path = object.__new__(ar.SymmMemAllReduce)
     half = 1 << 16
     path.dtype, path.max_numel, path.fuses_norm, path.pushes, path._half = torch.bfloat16, half, True, False, 0
@@ -194,6 +195,45 @@ def test_the_path_alternates_halves_and_knows_a_gemm_wrote_in_place(monkeypatch)
         assert path.fused_slot(shape, dtype) is None, (shape, dtype)
         assert not ar.defers_to_norm(torch.zeros(shape, dtype=dtype)), (shape, dtype)
     assert not ar.defers_to_norm(torch.zeros(8, 4, dtype=torch.bfloat16).t())  # not contiguous
+
+
+def test_one_row_calls_warm_l2_with_the_next_weight_when_asked(monkeypatch) -> None:
+    """``MINIVLLM_AR_WARM_MB`` (read once) sets how much of the next layer's weight a one-row
+    fused call asks L2 for; more rows, no weight or the variable unset ask nothing; a value
+    that is not a whole number of MB is refused by name. The launcher checks ``warm``."""
+    import minivllm.kernels.all_reduce_rms_norm as kernel_mod
+    from minivllm.layers import all_reduce as ar
+
+    calls = []
+    monkeypatch.setattr(kernel_mod, "all_reduce_add_rms_norm",
+                        lambda x, *args, warm, warm_bytes, **kw: calls.append((warm, warm_bytes)) or (x, x))
+    path = object.__new__(ar.SymmMemAllReduce)
+    path.dtype, path.max_numel, path.fuses_norm, path.pushes, path._half = torch.bfloat16, 256, True, False, 0
+    path.fused_buffer = torch.zeros(512, dtype=torch.bfloat16)
+    path.buf_ptrs = path.pad_ptrs = None
+    path.rank, path.world_size = 0, 2
+    nxt, norm_w = torch.zeros(16, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    one, two = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16)
+    for env, want in ((None, 0), ("16", 16_000_000)):
+        ar.warm_l2_bytes.cache_clear()
+        monkeypatch.delenv(ar.WARM_ENV, raising=False)
+        if env:
+            monkeypatch.setenv(ar.WARM_ENV, env)
+        calls.clear()
+        for x, warm in ((one, nxt), (two, nxt), (one, None)):
+            path.add_rms_norm(x, x, norm_w, 1e-6, warm)
+        assert calls == [(nxt if want else None, want), (None, 0), (None, 0)]
+    monkeypatch.setenv(ar.WARM_ENV, "1.5")
+    ar.warm_l2_bytes.cache_clear()
+    with pytest.raises(ValueError, match=ar.WARM_ENV):
+        path.add_rms_norm(one, one, norm_w, 1e-6, nxt)
+    ar.warm_l2_bytes.cache_clear()
+    x, ptrs = torch.zeros(1, 8), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="warm"):
+        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 0, 2, warm=torch.zeros(8, 4).t(),
+                                warm_bytes=16)
+    with pytest.raises(ValueError, match="warm_bytes"):
+        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 0, 2, warm=torch.zeros(4), warm_bytes=-1)
 
 
 def test_a_forward_refuses_halves_out_of_step(monkeypatch) -> None:

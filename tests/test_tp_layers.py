@@ -36,6 +36,7 @@ from minivllm.executor.distributed import free_port
 from minivllm.layers import all_reduce as ar
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -262,10 +263,12 @@ class StubFusedNorm(StubFastPath):
     def __init__(self, limit: int) -> None:
         super().__init__(limit)
         self.norm_calls = 0
+        self.warmed: torch.Tensor | None = None
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, warm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self.norm_calls += 1
+        self.warmed = warm
         total = x.clone()
         if dist.is_initialized():
             dist.all_reduce(total)
@@ -295,6 +298,16 @@ def check_deferred_norm(rank: int, world: int, c: Case, fail: Fail) -> None:
         expect_close(fail, f"new residual (fused {fused})", res, c["want_res"])
         if (stub.norm_calls, stub.calls) != ((1, 0) if fused else (0, 1)):
             fail(f"fused {fused}: {stub.norm_calls} fused and {stub.calls} plain all-reduces")
+    # Into the next layer: the fused call is told that layer's weight (to warm L2 with).
+    nxt = ColumnParallelLinear(out_size, 2 * world, bias=False, tp_rank=rank, tp_size=world)
+    stub = ar._installed = StubFusedNorm(10 ** 6)
+    try:
+        _, res = norm.into(nxt, layer(x), t(c["residual"]))
+    finally:
+        ar.uninstall()
+    expect_close(fail, "new residual (into the next layer)", res, c["want_res"])
+    if stub.norm_calls != 1 or stub.warmed is not nxt.weight:
+        fail("the fused norm before a layer was not handed that layer's weight")
 
 
 def check_all_reduce_dispatch(rank: int, world: int, c: Case, fail: Fail) -> None:

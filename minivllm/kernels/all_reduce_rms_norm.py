@@ -47,6 +47,17 @@ their partial sums into this rank's inbox (``_push_all_reduce.py``): no copy and
 barrier, only the wait for the peers' rows, then the same sum and norm. The model's final
 norm at batch 1 takes that way (the LM head after it does not take the norm in).
 
+**Warming L2 for the GEMV after it** (``warm``, opt-in: ``MINIVLLM_AR_WARM_MB``). At batch 1
+the kernel spends most of its ~5 us waiting on its peers over NVLink while HBM idles, and the
+kernel after it is a GEMV streaming tens of MB of weights (the layer's qkv or gate_up). With
+``warm``, ``WARM_PROGRAMS`` programs beyond the all-reduce's own each ask L2 for their share of
+the first ``warm_bytes`` of that weight (one ``prefetch.global.L2::evict_last`` per 128-byte
+line: a GPU-only hint that reads no value and changes no result) and end. Timed on one H200
+with a 5 us spin standing in for the wait (``benchmarks.l2_warm_gemv``, twelfth session,
+16 MB): the Qwen3-8B TP=2 gate_up GEMV 1.5 us sooner, qkv 0.3 (with programmatic dependent
+launch as well, ``MINIVLLM_PDL=1``: 2.9 and 1.3). One program prefetching alone was far
+slower (one SM's requests: ~60 us for 8 MB in bulk copies). Not timed on two GPUs.
+
 ``SYNC=False`` skips the barrier: tests on the CPU (``TRITON_INTERPRET=1``) run the
 ranks one after the other in one process, with the buffers filled beforehand.
 
@@ -63,7 +74,10 @@ from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, 
 from minivllm.kernels._push_all_reduce import PushChannel, pushed_sum, wait_pushed
 from minivllm.kernels.rms_norm import MAX_HIDDEN, weighted_rms_norm_row
 
-MAX_PROGRAMS = 256  # flags per peer; the grid is at most this many programs
+MAX_PROGRAMS = 256  # flags per peer; the all-reduce uses at most this many programs
+WARM_PROGRAMS = 128  # programs that warm L2 for the next GEMV (module doc), after the all-reduce's
+_WARM_LINES = 512  # 128-byte lines a warming program asks for per pass (a lane each, at 16 warps)
+_WARM_LINES_C = tl.constexpr(_WARM_LINES)
 
 
 def signal_pad_numel(world_size: int) -> int:
@@ -118,6 +132,19 @@ def _rank_order_sum(x_ptr, buf_ptrs, buf_offset, at, mask, RANK: tl.constexpr, W
 
 
 @triton.jit
+def _warm_l2(w_ptr, nbytes, part, parts, LINES: tl.constexpr):
+    """Ask L2 for share ``part`` of ``parts`` of the first ``nbytes`` bytes at ``w_ptr``, one
+    ``prefetch.global.L2::evict_last`` per 128-byte line (module doc)."""
+    share = tl.cdiv(tl.cdiv(nbytes, parts), 128) * 128
+    lo = part.to(tl.int64) * share
+    hi = tl.minimum(lo + share, nbytes)
+    for at in range(lo, hi, LINES * 128):
+        lines = tl.minimum(at + tl.arange(0, LINES).to(tl.int64) * 128, hi - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [w_ptr + lines], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr,                                # (T, N) this rank's partial sums, contiguous
     buf_ptrs,                             # (WORLD,) int64: each rank's symmetric buffer
@@ -127,17 +154,25 @@ def _all_reduce_add_rms_norm_kernel(
     out_ptr, residual_out_ptr,            # (T, N) contiguous
     T, eps,
     pad_at, half,                         # PUSHED: the push counters in the pads, and this call's pair
+    warm_ptr, warm_bytes,                 # WARM: bytes of the next GEMV's weight to ask L2 for
+    work,                                 # programs [0, work) reduce rows; WARM: the rest warm L2
     N: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     MAX_PROGRAMS: tl.constexpr, SYNC: tl.constexpr,
     COPY: tl.constexpr,                   # False: x already is this rank's buffer at buf_offset
     SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch (_launch.pdl): let the next kernel start
     PUSHED: tl.constexpr,                 # x is a push inbox's (WORLD, N) slots of one row, pushed by the
                                           # ranks' GEMVs (_push_all_reduce); no copy, no barrier
+    WARM: tl.constexpr,                   # programs from ``work`` on warm L2 (module doc), then end
 ):
     if SIGNAL_NEXT:  # the next GEMV may stream its weights while this one waits on its peers
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    if WARM:
+        if pid >= work:
+            _warm_l2(warm_ptr.to(tl.pointer_type(tl.int8)), warm_bytes, pid - work, tl.num_programs(0) - work,
+                     _WARM_LINES_C)
+            return
+    nprog = work
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
     dtype = x_ptr.dtype.element_ty
@@ -168,8 +203,8 @@ def _all_reduce_add_rms_norm_kernel(
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                             buf_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, world_size: int,
-                            sync: bool = True, buf_offset: int = 0,
-                            in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                            sync: bool = True, buf_offset: int = 0, in_place: bool = False,
+                            warm: torch.Tensor | None = None, warm_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(sum_r x_r + residual), sum_r x_r + residual)`` over the ranks.
 
     Every rank calls it with the same shapes (each with its own ``x``) and offsets, in the
@@ -190,6 +225,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         buf_offset: where in every buffer this call's rows go (elements).
         in_place: ``x`` already is this rank's buffer at ``buf_offset`` (a row-parallel
             GEMM wrote it there: ``SymmMemAllReduce.fused_slot``), so it is not copied.
+        warm, warm_bytes: the weight the kernel after this one streams, and how many of its
+            first bytes extra programs ask L2 for (module doc; CUDA only, no effect on values).
 
     Raises:
         TypeError: non-float tensors, or int64 pointer tables of another dtype.
@@ -211,8 +248,16 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if isinstance(buf_offset, bool) or not isinstance(buf_offset, int) or buf_offset < 0:
         raise ValueError(f"buf_offset must be an int >= 0, got {buf_offset!r}")
     check_same_device(x=x, residual=residual, weight=weight, buf_ptrs=buf_ptrs, pad_ptrs=pad_ptrs)
+    if warm is not None:
+        if not isinstance(warm, torch.Tensor) or not warm.is_contiguous():
+            raise ValueError("warm must be a contiguous tensor (the next layer's weight)")
+        if isinstance(warm_bytes, bool) or not isinstance(warm_bytes, int) or warm_bytes < 0:
+            raise ValueError(f"warm_bytes must be an int >= 0, got {warm_bytes!r}")
+        check_same_device(x=x, warm=warm)
+        warm_bytes = min(warm_bytes, warm.numel() * warm.element_size())
     return _launch(x, x.shape[0], residual, weight, eps, buf_ptrs, buf_offset, pad_ptrs, rank, world_size,
-                   sync=sync, copy=not in_place)
+                   sync=sync, copy=not in_place, warm=warm if warm is not None and warm_bytes and x.is_cuda else None,
+                   warm_bytes=warm_bytes)
 
 
 def pushed_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -250,19 +295,22 @@ def pushed_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: tor
 
 def _launch(x: torch.Tensor, rows: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
             buf_ptrs: torch.Tensor, buf_offset: int, pad_ptrs: torch.Tensor, rank: int, world_size: int,
-            sync: bool = True, copy: bool = True,
-            pushed: PushChannel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel on checked arguments: ``rows`` rows of width ``x.shape[-1]``."""
+            sync: bool = True, copy: bool = True, pushed: PushChannel | None = None,
+            warm: torch.Tensor | None = None, warm_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel on checked arguments: ``rows`` rows of width ``x.shape[-1]``; with
+    ``warm`` (a CUDA tensor), ``WARM_PROGRAMS`` more programs warm L2 with its first ``warm_bytes``."""
     n = x.shape[-1]
     out = torch.empty(rows, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     res_out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         block = next_pow2(n)
-        _all_reduce_add_rms_norm_kernel[(min(rows, MAX_PROGRAMS),)](
+        work = min(rows, MAX_PROGRAMS)
+        _all_reduce_add_rms_norm_kernel[(work + (WARM_PROGRAMS if warm is not None else 0),)](
             x, buf_ptrs, buf_offset, pad_ptrs, residual, weight, out, res_out, rows, float(eps),
             pushed.pad_at if pushed else 0, pushed.half if pushed else 0,
+            warm if warm is not None else x, warm_bytes, work,
             N=n, BLOCK_N=block, RANK=rank, WORLD=world_size, MAX_PROGRAMS=MAX_PROGRAMS, SYNC=sync,
-            COPY=copy, SIGNAL_NEXT=pdl(x), PUSHED=pushed is not None,
+            COPY=copy, SIGNAL_NEXT=pdl(x), PUSHED=pushed is not None, WARM=warm is not None,
             num_warps=max(1, min(16, block // 256)),
         )
     return out, res_out

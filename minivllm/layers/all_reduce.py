@@ -34,7 +34,9 @@ into that buffer (``output_slot``).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 from dataclasses import dataclass
 
@@ -133,12 +135,15 @@ class SymmMemAllReduce:
         self.fuses_norm = True
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, warm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``add_rms_norm(all_reduce(x), residual)`` in one kernel (``x`` as ``takes`` allows),
         through the next half of the fused buffer; ``x`` is not copied if it is that half
         already (``fused_slot``). A decoder's forward makes an even number of these calls
         (two a layer), so every forward starts on the first half, and CUDA graphs captured
-        at different times, replayed in any order, still alternate the halves."""
+        at different times, replayed in any order, still alternate the halves. ``warm``: the
+        weight of the layer after the norm; at one row, with ``MINIVLLM_AR_WARM_MB`` set, the
+        kernel asks L2 for that many MB of it while it waits on its peers (opt-in: the
+        kernel's module doc)."""
         from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm as kernel
         from minivllm.kernels.all_reduce_rms_norm import pushed_add_rms_norm
 
@@ -148,8 +153,10 @@ class SymmMemAllReduce:
         offset = self._half * self.max_numel
         in_place = x.data_ptr() == self.fused_buffer.data_ptr() + offset * x.element_size()
         self._half ^= 1  # every rank makes the same calls: the halves agree
+        warm_bytes = warm_l2_bytes() if warm is not None and x.shape[0] == 1 else 0
         return kernel(x, residual.contiguous(), weight, eps, self.buf_ptrs, self.pad_ptrs,
-                      self.rank, self.world_size, buf_offset=offset, in_place=in_place)
+                      self.rank, self.world_size, buf_offset=offset, in_place=in_place,
+                      warm=warm if warm_bytes else None, warm_bytes=warm_bytes)
 
     def push_target(self, shape: tuple[int, ...], dtype: torch.dtype) -> PushedRow | None:
         """Where a row-parallel GEMV's one-row partial sum (``shape``) goes when it pushes it
@@ -352,11 +359,29 @@ def defers_to_norm(x: torch.Tensor) -> bool:
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            eps: float, warm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(sum + residual), sum + residual)`` of the ranks' partial sums ``x``,
-    in one kernel; only where ``defers_to_norm(x)``."""
+    in one kernel; only where ``defers_to_norm(x)``. ``warm``: the next layer's weight
+    (``SymmMemAllReduce.add_rms_norm``)."""
     assert _installed is not None and _installed.fuses_norm
-    return _installed.add_rms_norm(x, residual, weight, eps)
+    return _installed.add_rms_norm(x, residual, weight, eps, warm)
+
+
+WARM_ENV = "MINIVLLM_AR_WARM_MB"
+
+
+@functools.cache
+def warm_l2_bytes() -> int:
+    """``MINIVLLM_AR_WARM_MB`` in bytes: how much of the next layer's weight the one-row fused
+    all-reduce asks L2 for (0, the default: none). Read once.
+
+    Raises:
+        ValueError: the variable is not a whole number of MB >= 0.
+    """
+    raw = os.environ.get(WARM_ENV, "0")
+    if not raw.isdigit():
+        raise ValueError(f"{WARM_ENV} must be a whole number of MB >= 0, got {raw!r}")
+    return int(raw) * 1_000_000
 
 
 def install_symm_mem_all_reduce(device: torch.device, dtype: torch.dtype,

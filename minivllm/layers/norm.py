@@ -63,7 +63,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, *, warm: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise ``x`` (..., hidden); with ``residual``, normalise ``x + residual``.
 
@@ -71,6 +71,8 @@ class RMSNorm(nn.Module):
             x: the input, (..., hidden_size).
             residual: the residual stream; when given, ``x + residual`` becomes
                 the new residual stream and is returned with the normalised value.
+            warm: the weight of the layer this norm feeds, where the fused all-reduce
+                reduces ``x`` (it may ask L2 for some of it: ``all_reduce.warm_l2_bytes``).
 
         Returns:
             ``norm(x)``, or ``(norm(x + residual), x + residual)``.
@@ -78,7 +80,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._norm(x)
         if self.reduces_input and defers_to_norm(x):
-            return all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, warm)
         return add_rms_norm(x, residual, self.weight, self.eps)
 
     def into(self, linear: LinearBase, x: torch.Tensor,
@@ -98,5 +100,5 @@ class RMSNorm(nn.Module):
                 return linear.normed(x, residual, self.weight, self.eps, pushed=pushed)
         if residual is None:
             return linear(self(x)), x
-        h, residual = self(x, residual)
+        h, residual = self(x, residual, warm=linear.weight)
         return linear(h), residual
