@@ -297,10 +297,11 @@ def test_norm_goes_into_the_projection_unless_it_reduces_ranks(monkeypatch) -> N
     assert calls[-1] == (1, "gemv") and torch.equal(s1, plain_s)
     reduced: list[int] = []
     monkeypatch.setattr(norm_mod, "defers_to_norm", lambda t: True)
-    monkeypatch.setattr(norm_mod, "all_reduce_add_rms_norm", lambda t, res, w, eps: (
-        reduced.append(1), norm_mod.add_rms_norm(t, res, w, eps))[1])
+    monkeypatch.setattr(norm_mod, "all_reduce_add_rms_norm", lambda t, res, w, eps, warm: (
+        reduced.append(warm), norm_mod.add_rms_norm(t, res, w, eps))[1])
     y2, s2 = norm.into(qkv, x, r)
-    assert reduced == [1] and calls[-1] == (1, "gemv") and torch.equal(s2, plain_s)
+    assert len(reduced) == 1 and reduced[0] is qkv.weight  # handed the next weight (to warm L2 with)
+    assert calls[-1] == (1, "gemv") and torch.equal(s2, plain_s)
 
 
 @pytest.mark.parametrize("block_n", [8, 4])
