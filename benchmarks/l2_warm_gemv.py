@@ -6,8 +6,9 @@ stand-in kernel waits that long (its program 0 spins on the global timer) while 
 ask L2 for the first X MB of the next GEMV's W, either as ``cp.async.bulk.prefetch.L2`` of
 16 KB a lane (bulk) or as one ``prefetch.global.L2`` per 128-byte line (lines); the GEMV
 after it then finds those bytes in L2. (A first version prefetched from one program, in
-128 KB bulk requests: 8 MB took ~60 us, one SM's copy engine being the bottleneck.) Timed as CUDA graph replays of (wait, GEMV)
-pairs cycling through 8 weight copies (so W streams from HBM as in the model):
+128 KB bulk requests: 8 MB took ~60 us, one SM's copy engine being the bottleneck.) Timed
+as CUDA graph replays of (wait, GEMV) pairs cycling through 8 weight copies (so W streams
+from HBM as in the model; ``benchmarks.gpu_timing.graph_us``, per pair):
 
     python3 -m benchmarks.l2_warm_gemv [--wait-us 5] [--mb 0 8 16 24] [--programs 32 128]
 
@@ -15,8 +16,8 @@ Prints per shape the pair's time for each mode, P and X (X = 0: the wait alone),
 GEMV alone. Mode "pdl": the wait kernel lets the GEMV start at once (programmatic dependent
 launch: the GEMV loads its first W tile, then waits for the kernel before it) on top of the
 line prefetch; "pdl_alone": the early start without any L2 prefetch, "plain_alone" its
-baseline (the same wait, no prefetch, no early start). The gain per call is the drop from X = 0. With ``$OUT`` set the results go to
-``$OUT/l2_warm_gemv.json`` too.
+baseline (the same wait, no prefetch, no early start). The gain per call is the drop from
+the wait alone. With ``$OUT`` set the results go to ``$OUT/l2_warm_gemv.json`` too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 
 os.environ.setdefault("MINIVLLM_PDL", "1")  # read once, at the first launch: the "pdl" rows need it
 
@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import triton
 import triton.language as tl
 
+from benchmarks.gpu_timing import graph_us  # noqa: E402
 from minivllm.kernels.gemv import default_config, gemv  # noqa: E402
 
 SHAPES = {  # (N, K) of W: Qwen3-8B at TP=2
@@ -74,25 +75,6 @@ def _wait_and_prefetch(w_ptr, nbytes, wait_ns, LINES: tl.constexpr, CHUNK: tl.co
                                             is_pure=False, pack=1)
 
 
-def graph_us(fn, replays: int = 40) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--wait-us", type=float, default=5.0)
@@ -107,7 +89,7 @@ def main() -> None:
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
         plain = dataclasses.replace(default_config(1, n, k), prefetch=False)
         row = {"shape": name, "weight_MB": n * k * 2 / 1e6,
-               "gemv_alone_us": graph_us(lambda: [gemv(x, w, out=out, config=plain) for w in ws]) / COPIES}
+               "gemv_alone_us": graph_us(lambda i: gemv(x, ws[i], out=out, config=plain), COPIES)}
         early = dataclasses.replace(plain, prefetch=True)  # launched with PDL (module doc of gemv.py)
         for mode in ("bulk", "lines", "pdl"):
             for programs in args.programs:
@@ -118,21 +100,19 @@ def main() -> None:
                         continue  # the early start (with one prefetch size)
                     nbytes = min(mb * 1_000_000, n * k * 2) // CHUNK * CHUNK
 
-                    def pairs():
-                        for w in ws:
-                            _wait_and_prefetch[(programs,)](w.view(torch.uint8), nbytes, int(args.wait_us * 1000),
-                                                            LINES=128, CHUNK=CHUNK, BULK=mode == "bulk",
-                                                            SIGNAL=mode == "pdl", num_warps=4)
-                            gemv(x, w, out=out, config=early if mode == "pdl" else plain)
+                    def pair(i):
+                        _wait_and_prefetch[(programs,)](ws[i].view(torch.uint8), nbytes, int(args.wait_us * 1000),
+                                                        LINES=128, CHUNK=CHUNK, BULK=mode == "bulk",
+                                                        SIGNAL=mode == "pdl", num_warps=4)
+                        gemv(x, ws[i], out=out, config=early if mode == "pdl" else plain)
                     key = "wait_alone_us" if mb == 0 else f"{mode}_{programs}p_{mb}MB_us"
-                    row[key] = graph_us(pairs) / COPIES
+                    row[key] = graph_us(pair, COPIES)
         for mode, config in (("pdl_alone", early), ("plain_alone", plain)):
-            def pairs():
-                for w in ws:
-                    _wait_and_prefetch[(1,)](w.view(torch.uint8), 0, int(args.wait_us * 1000), LINES=128, CHUNK=CHUNK,
-                                             BULK=False, SIGNAL=mode == "pdl_alone", num_warps=4)
-                    gemv(x, w, out=out, config=config)
-            row[f"{mode}_us"] = graph_us(pairs) / COPIES
+            def pair(i):
+                _wait_and_prefetch[(1,)](ws[i].view(torch.uint8), 0, int(args.wait_us * 1000), LINES=128, CHUNK=CHUNK,
+                                         BULK=False, SIGNAL=mode == "pdl_alone", num_warps=4)
+                gemv(x, ws[i], out=out, config=config)
+            row[f"{mode}_us"] = graph_us(pair, COPIES)
         results.append(row)
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     if os.environ.get("OUT"):

@@ -5,8 +5,9 @@ kernel on the whole row.
 
     python3 -m benchmarks.tp_step_tail [--tp 2] [--hidden 4096] [--vocab 151936]
 
-Each variant is captured REPEAT times in one CUDA graph and the graph replayed (median of
-replays, per call): back-to-back launches as a step's stream runs them, with the gaps
+Each variant is captured REPEAT times in one CUDA graph and the graph replayed
+(``benchmarks.gpu_timing.graph_us``: median of replays, per call): back-to-back launches
+as a step's stream runs them, with the gaps
 between kernels counted, which ``do_bench``'s per-call events would blur. Rows 1, 8 and
 256; bf16 logits and table. The collectives (the embedding's all-reduce, the pairs'
 all-gather) are not here: they are the same before and after. Before timing, every
@@ -19,38 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
+from benchmarks.gpu_timing import graph_us
 from minivllm.kernels.gumbel_sample import gumbel_pairs, gumbel_sample
 from minivllm.kernels.reference import vocab_shard_embedding_reference
 from minivllm.kernels.vocab_embedding import vocab_shard_embedding
 
-REPEAT = 20
+REPEAT = 20  # calls per graph
 ROWS = (1, 8, 256)
-
-
-def graph_us(fn, repeat: int = REPEAT, replays: int = 30) -> float:
-    """Median microseconds per call of ``fn`` captured ``repeat`` times in one graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / repeat)
-    return statistics.median(times)
 
 
 def old_shard_pairs(shard: torch.Tensor, offset: int) -> torch.Tensor:
@@ -74,8 +53,9 @@ def main() -> None:
     results = []
     for rows in ROWS:
         ids = torch.randint(0, args.vocab, (rows,), device=dev, generator=gen)
-        want = vocab_shard_embedding_reference(ids, table, offset, args.vocab)
-        assert torch.equal(vocab_shard_embedding(ids, table, offset, args.vocab), want), "embedding differs"
+        lookup = (ids, table, offset, args.vocab)
+        want = vocab_shard_embedding_reference(*lookup)
+        assert torch.equal(vocab_shard_embedding(*lookup), want), "embedding differs"
         shard = torch.randn(rows, shard_cols, device=dev, generator=gen).to(torch.bfloat16)
         whole = torch.randn(rows, args.vocab, device=dev, generator=gen).to(torch.bfloat16)
         temp = torch.ones(rows, device=dev)
@@ -93,12 +73,12 @@ def main() -> None:
         assert torch.equal(new_tokens(), whole.argmax(dim=-1)), "greedy tokens differ"
         row = {
             "rows": rows,
-            "embedding_torch_us": graph_us(lambda: vocab_shard_embedding_reference(ids, table, offset, args.vocab)),
-            "embedding_kernel_us": graph_us(lambda: vocab_shard_embedding(ids, table, offset, args.vocab)),
-            "shard_pairs_torch_us": graph_us(lambda: old_shard_pairs(shard, offset)),
-            "shard_pairs_kernel_us": graph_us(new_pairs),
-            "greedy_argmax_us": graph_us(lambda: whole.argmax(dim=-1)),
-            "greedy_kernel_us": graph_us(new_tokens),
+            "embedding_torch_us": graph_us(lambda i: vocab_shard_embedding_reference(*lookup), REPEAT),
+            "embedding_kernel_us": graph_us(lambda i: vocab_shard_embedding(*lookup), REPEAT),
+            "shard_pairs_torch_us": graph_us(lambda i: old_shard_pairs(shard, offset), REPEAT),
+            "shard_pairs_kernel_us": graph_us(lambda i: new_pairs(), REPEAT),
+            "greedy_argmax_us": graph_us(lambda i: whole.argmax(dim=-1), REPEAT),
+            "greedy_kernel_us": graph_us(lambda i: new_tokens(), REPEAT),
         }
         results.append(row)
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
