@@ -121,7 +121,10 @@ def _rank_order_sum(x_ptr, buf_ptrs, buf_offset, at, mask, RANK: tl.constexpr, W
         if r == RANK:
             part = tl.load(x_ptr + at, mask=mask, other=0.0)
         else:
-            peer = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype)) + buf_offset
+            # The table says nothing of alignment, which left these loads scalar (eight 2-byte
+            # loads a thread at hidden 4096): symmetric buffers start on allocation pages, so
+            # 16 bytes is safe to promise, and the loads become one 16-byte vector a thread.
+            peer = tl.multiple_of(tl.load(buf_ptrs + r).to(tl.pointer_type(dtype)), 16) + buf_offset
             # ".cv": fetch again rather than trust a cached line, as a plain (vectorisable)
             # load. The first version read with volatile=True and barriered by spinning
             # compare-and-swap; together they took 59 us at 256 rows against 22 unfused,
