@@ -220,7 +220,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         weight: (N,).
         eps: added to the mean square.
         buf_ptrs: (world_size,) int64 on x's device: every rank's symmetric buffer,
-            each at least ``buf_offset + T * N`` elements of x's dtype.
+            each at least ``buf_offset + T * N`` elements of x's dtype, 16-byte aligned
+            (the peers' rows are read as 16-byte vectors).
         pad_ptrs: (world_size,) int64: every rank's signal pad, ``signal_pad_numel``
             int32 slots, zero before the first call (then flags and counters hold epochs).
         rank, world_size: this rank and the group's size.

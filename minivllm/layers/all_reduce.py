@@ -127,6 +127,8 @@ class SymmMemAllReduce:
                                   device=device)
         self.pad.zero_()
         pad_handle = symm_mem.rendezvous(self.pad, self.group_name)  # type: ignore[attr-defined]
+        if any(ptr % 16 for ptr in self._fused_handle.buffer_ptrs):  # the kernel loads peers' rows as 16-byte vectors
+            raise RuntimeError(f"symmetric buffers not 16-byte aligned: {list(self._fused_handle.buffer_ptrs)}")
         self.buf_ptrs = torch.tensor(list(self._fused_handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.pad_ptrs = torch.tensor(list(pad_handle.buffer_ptrs), dtype=torch.int64, device=device)
         self._pad_handle = pad_handle
