@@ -13,12 +13,11 @@ graph, median of replays; prints us per rank-call. With ``$OUT`` set the results
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 
 from benchmarks.gpu_timing import graph_us
+from benchmarks.throughput import write_summary
 from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm
 from minivllm.layers.all_reduce import ranks_in_one_process
 
@@ -49,9 +48,7 @@ def main() -> None:
         row = {"rows": rows, "us_per_rank_call": graph_us(call, CALLS)}
         results.append(row)
         print(f"rows {rows:4d}  {row['us_per_rank_call']:.2f} us per rank-call", flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "fused_all_reduce_local.json"), "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    write_summary("fused_all_reduce_local", {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 
 os.environ.setdefault("MINIVLLM_PDL", "1")  # read once, at the first launch: the "pdl" rows need it
 
 import torch  # noqa: E402
-import triton
-import triton.language as tl
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from benchmarks.gpu_timing import graph_us  # noqa: E402
+from benchmarks.throughput import write_summary  # noqa: E402
 from minivllm.kernels.gemv import default_config, gemv  # noqa: E402
 
 SHAPES = {  # (N, K) of W: Qwen3-8B at TP=2
@@ -115,9 +115,7 @@ def main() -> None:
             row[f"{mode}_us"] = graph_us(pair, COPIES)
         results.append(row)
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "l2_warm_gemv.json"), "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    write_summary("l2_warm_gemv", {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

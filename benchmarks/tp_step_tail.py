@@ -18,12 +18,11 @@ variant's output is checked equal to its old form's. With ``$OUT`` set the resul
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 
 from benchmarks.gpu_timing import graph_us
+from benchmarks.throughput import write_summary
 from minivllm.kernels.gumbel_sample import gumbel_pairs, gumbel_sample
 from minivllm.kernels.reference import vocab_shard_embedding_reference
 from minivllm.kernels.vocab_embedding import vocab_shard_embedding
@@ -82,9 +81,7 @@ def main() -> None:
         }
         results.append(row)
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "tp_step_tail.json"), "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    write_summary("tp_step_tail", {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":
