@@ -324,6 +324,7 @@ BATCH1_SCRIPT = textwrap.dedent("""
             print("REPLAYS", llm.engine.executor.graph_runner.num_replays, flush=True)
             fast = all_reduce.installed()
             print("PUSHED", sum(fast.pad[fast.pad_at:fast.pad_at + 2].tolist()), flush=True)
+            print("WARM", all_reduce.warm_l2_bytes(), flush=True)
         print("TOKENS", json.dumps(tokens), flush=True)
 
     if __name__ == "__main__":  # spawned workers import this module
@@ -331,23 +332,28 @@ BATCH1_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("push", ["on", "off"])
+@pytest.mark.parametrize("push", ["on", "off", "warm"])
 def test_bf16_tp2_batch1_with_and_without_the_push_stays_in_hf_top5(reference, tmp_path, push: str) -> None:
     """bf16 TP=2, prompts one at a time (batch-1 decode steps, CUDA graphs): with
     ``push_all_reduce`` the row-parallel GEMVs push their sums and the next
     GEMV or norm collects them (rank 0's arrived counters move); off, the fused all-reduce +
-    norm kernel takes them (the counters stay 0). Each token stream stays in HF bf16's
-    top-5 at its first difference."""
+    norm kernel takes them (the counters stay 0); "warm": off, with the fused kernel warming
+    L2 for the next GEMV (``MINIVLLM_AR_WARM_MB=16``) and the GEMVs launched early
+    (``MINIVLLM_PDL=1``). Each token stream stays in HF bf16's top-5 at its first difference."""
     import json
 
     path, prompts, _, hf16 = reference
     prompts = prompts[:4]
     script = tmp_path / "batch1.py"
     script.write_text(BATCH1_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if push == "warm":
+        env.update(MINIVLLM_AR_WARM_MB="16", MINIVLLM_PDL="1")
     proc = subprocess.run([sys.executable, str(script), path, json.dumps(prompts), str(NEW), json.dumps(POOL), push],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=300)
     out = proc.stdout
     assert proc.returncode == 0 and "PATH one-shot" in out, out + proc.stderr[-3000:]
+    assert f"WARM {16_000_000 if push == 'warm' else 0}" in out, out
     assert ("pushed by the GEMV" in out) == (push == "on"), out
     assert "REPLAYS 0" not in out, "TP=2 ran no CUDA graph"
     pushed = int(out.split("PUSHED ", 1)[1].split()[0])
