@@ -76,8 +76,7 @@ from minivllm.kernels.rms_norm import MAX_HIDDEN, weighted_rms_norm_row
 
 MAX_PROGRAMS = 256  # flags per peer; the all-reduce uses at most this many programs
 WARM_PROGRAMS = 128  # programs that warm L2 for the next GEMV (module doc), after the all-reduce's
-_WARM_LINES = 512  # 128-byte lines a warming program asks for per pass (a lane each, at 16 warps)
-_WARM_LINES_C = tl.constexpr(_WARM_LINES)
+_WARM_LINES = tl.constexpr(512)  # 128-byte lines a warming program asks for per pass (a lane each, at 16 warps)
 
 
 def signal_pad_numel(world_size: int) -> int:
@@ -173,7 +172,7 @@ def _all_reduce_add_rms_norm_kernel(
     if WARM:
         if pid >= work:
             _warm_l2(warm_ptr.to(tl.pointer_type(tl.int8)), warm_bytes, pid - work, tl.num_programs(0) - work,
-                     _WARM_LINES_C)
+                     _WARM_LINES)
             return
     nprog = work
     offs = tl.arange(0, BLOCK_N)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import cdiv
+from minivllm.kernels.reference import vocab_shard_embedding_reference
+from minivllm.kernels.vocab_embedding import vocab_shard_embedding
 from minivllm.layers import fuse
 from minivllm.layers.all_reduce import all_reduce
 from minivllm.layers.linear import Loaded, ShardId, check_tp, load_slice, set_weight_loader
@@ -58,11 +60,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, dim)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        if fuse.use_kernels(self.weight):  # one launch (kernels/vocab_embedding.py)
-            from minivllm.kernels.vocab_embedding import vocab_shard_embedding as lookup
-        else:
-            from minivllm.kernels.reference import vocab_shard_embedding_reference as lookup
-        return all_reduce(lookup(input_ids, self.weight, self.vocab_start, self.vocab_end))
+        lookup = vocab_shard_embedding if fuse.use_kernels(self.weight) else vocab_shard_embedding_reference
+        return all_reduce(lookup(input_ids, self.weight, self.vocab_start, self.vocab_end))  # one launch on CUDA
 
 
 class ParallelLMHead(VocabParallelEmbedding):

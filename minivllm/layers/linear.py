@@ -222,9 +222,11 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out_local)
         return self._linear(x, self.bias)
 
-    def _gemv_takes(self, x: torch.Tensor, gated: bool = False) -> bool:
-        """Whether :meth:`_linear` runs x (``gated``: as [gate | up]) through the GEMV kernel."""
-        return self.use_gemv and gemv_takes(x, self.weight, gated=gated)
+    def _gemv_takes(self, x: torch.Tensor, gated: bool = False, norm_weight: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> bool:
+        """Whether the GEMV kernel is on and runs x (``gated``: as [gate | up]; with ``norm_weight``:
+        normed first, ``gemv_takes``)."""
+        return self.use_gemv and gemv_takes(x, self.weight, gated=gated, norm_weight=norm_weight, residual=residual)
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x, gated=True)`` can run: the GEMV kernel is on and takes x =
@@ -234,7 +236,7 @@ class LinearBase(nn.Module):
     def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         """Whether :meth:`normed` can run: the GEMV kernel is on and takes one row x with the
         RMSNorm weight ``norm_weight`` and ``residual`` (``gemv_takes(..., norm_weight=...)``)."""
-        return self.use_gemv and gemv_takes(x, self.weight, norm_weight=norm_weight, residual=residual)
+        return self._gemv_takes(x, norm_weight=norm_weight, residual=residual)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                eps: float, pushed: PushedRow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
