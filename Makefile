@@ -87,11 +87,13 @@ bench: serve-deps-offline
 
 # Needs two CUDA devices: Qwen3-8B shapes (random bf16 weights, written once to $(CK8)),
 # TP=1 and TP=2 in alternating pairs, one process per run (benchmarks/tp_scaling.py):
-# issue 8's throughput and batch-1 ratios beside their goals.
+# issue 8's throughput and batch-1 ratios beside their goals. TP2_VARIANTS adds TP=2 runs
+# with other options to every round, e.g.
+#   make bench-tp TP2_VARIANTS="--tp2-variant 'push=--push-all-reduce on' --tp2-variant 'warm=MINIVLLM_PDL=1 MINIVLLM_AR_WARM_MB=16'"
 CK8 ?= /tmp/minivllm-qwen3-8b
 bench-tp:
 	PYTHONPATH=. python3 -c 'from benchmarks.qwen3_shapes import write_random_checkpoint as w; w("$(CK8)", "qwen3-8b")'
-	PYTHONPATH=. python3 -m benchmarks.tp_scaling --pairs $(or $(TP_PAIRS),2) --shapes qwen3-8b --model-dir $(CK8)
+	PYTHONPATH=. python3 -m benchmarks.tp_scaling --pairs $(or $(TP_PAIRS),2) --shapes qwen3-8b --model-dir $(CK8) $(TP2_VARIANTS)
 
 # The GPU machine has no network: install the server's packages from wheels carried in
 # .wheels/ (downloaded where there is network; README "Serving"). A no-op when present.
