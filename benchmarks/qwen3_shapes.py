@@ -3,7 +3,8 @@
 No machine here can download weights, so benchmarks and the GPU suite build
 the model they need. Each entry of ``SHAPES`` is a published config.json in
 numbers (transformers config keyword arguments): Qwen3-0.6B, Qwen3-8B (untied
-head, about 16 GB in bf16: the tensor-parallel benchmark), Qwen2.5-0.5B (q/k/v
+head, about 16 GB in bf16: the tensor-parallel benchmark), one TP=2 rank's share of
+Qwen3-8B as a model of its own (not published: a stand-in), Qwen2.5-0.5B (q/k/v
 bias, no ``head_dim`` key: 896 / 14 = 64) and Llama-3.2-1B (``llama3`` RoPE
 scaling, factor 32).
 """
@@ -26,6 +27,15 @@ QWEN3_8B: dict[str, Any] = dict(
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
 )
 
+# One rank's share of Qwen3-8B at TP=2, as a whole model for one GPU: half the heads (KV
+# heads too), half the MLP, half the vocabulary (the LM head's shard; ids kept inside it).
+# Its batch-1 step is a TP=2 rank's work without the all-reduces, the logits' all-gather
+# and the wait for the peer: what TP=2 would take if communication were free.
+QWEN3_8B_RANK_OF_2: dict[str, Any] = dict(
+    QWEN3_8B, num_attention_heads=16, num_key_value_heads=4, intermediate_size=6144,
+    vocab_size=151936 // 2, bos_token_id=151936 // 2 - 2, eos_token_id=151936 // 2 - 1,
+)
+
 QWEN2_5_0_5B: dict[str, Any] = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
     num_attention_heads=14, num_key_value_heads=2, rope_theta=1_000_000.0,
@@ -46,6 +56,7 @@ LLAMA_3_2_1B: dict[str, Any] = dict(
 SHAPES: Mapping[str, tuple[str, dict[str, Any]]] = {
     "qwen3-0.6b": ("Qwen3ForCausalLM", QWEN3_0_6B),
     "qwen3-8b": ("Qwen3ForCausalLM", QWEN3_8B),
+    "qwen3-8b-rank-of-2": ("Qwen3ForCausalLM", QWEN3_8B_RANK_OF_2),
     "qwen2.5-0.5b": ("Qwen2ForCausalLM", QWEN2_5_0_5B),
     "llama-3.2-1b": ("LlamaForCausalLM", LLAMA_3_2_1B),
 }

@@ -1,0 +1,19 @@
+"""``benchmarks.qwen3_shapes``: the TP=2 rank stand-in is exactly half of Qwen3-8B where
+tensor parallelism splits it, and the same everywhere else."""
+
+from __future__ import annotations
+
+from benchmarks.qwen3_shapes import QWEN3_8B, QWEN3_8B_RANK_OF_2, SHAPES
+
+SPLIT_BY_TP = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def test_rank_of_2_is_half_of_qwen3_8b_where_tp_splits_it() -> None:
+    assert SHAPES["qwen3-8b-rank-of-2"] == ("Qwen3ForCausalLM", QWEN3_8B_RANK_OF_2)
+    for key in SPLIT_BY_TP:
+        assert QWEN3_8B_RANK_OF_2[key] * 2 == QWEN3_8B[key], key
+    special = {"bos_token_id", "eos_token_id"}
+    assert {k: v for k, v in QWEN3_8B_RANK_OF_2.items() if k not in (*SPLIT_BY_TP, *special)} == \
+        {k: v for k, v in QWEN3_8B.items() if k not in (*SPLIT_BY_TP, *special)}
+    vocab = QWEN3_8B_RANK_OF_2["vocab_size"]
+    assert 0 <= QWEN3_8B_RANK_OF_2["bos_token_id"] < vocab and 0 <= QWEN3_8B_RANK_OF_2["eos_token_id"] < vocab
