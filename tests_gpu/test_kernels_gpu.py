@@ -463,8 +463,9 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) 
     """``MINIVLLM_PDL=1``: RMSNorm (signalling early) -> GEMV (launched with launch_pdl,
     streaming W before its wait) -> SiLU-and-mul -> GEMV, captured in a CUDA graph and
     replayed on new inputs, gives exactly the bits of the plain launches (the same sums;
-    a GEMV reading x before RMSNorm finished would not); at one row the chain starts with the
-    norm inside the GEMV (``rms_norm_gemv``). Skipped where PDL is not possible (pre-Hopper,
+    a GEMV reading x before RMSNorm finished would not); at one row, GEMV -> GEMV -> GEMV
+    as a decode layer's MLP and next qkv run them (normed, gated, normed with the residual),
+    each GEMV letting the next start early. Skipped where PDL is not possible (pre-Hopper,
     or a triton without launch_pdl)."""
     from minivllm.kernels import _launch
     from minivllm.kernels.gemv import gemv, rms_norm_gemv
@@ -479,8 +480,12 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) 
     w_down = (torch.randn(h, inter, generator=gen, device=DEVICE) / inter ** 0.5).bfloat16()
 
     def chain(inp: torch.Tensor) -> torch.Tensor:
-        if rows == 1:  # the decode step's shape: the norm inside the GEMV, which waits before its statistics
-            return gemv(silu_and_mul(rms_norm_gemv(inp, None, norm_w, 1e-6, w_up)[0]), w_down)
+        if rows == 1:
+            # The decode step's kernels: GEMV after GEMV (each signals the next early), the
+            # norm and the activation inside them, each waiting before it reads its input.
+            up = rms_norm_gemv(inp, None, norm_w, 1e-6, w_up)[0]
+            down = gemv(up, w_down, gated=True)
+            return rms_norm_gemv(down, inp, norm_w, 1e-6, w_up)[0]
         return gemv(silu_and_mul(gemv(rms_norm(inp, norm_w, 1e-6), w_up)), w_down)
 
     monkeypatch.delenv(_launch.PDL_ENV, raising=False)

@@ -206,12 +206,15 @@ def _gemv_kernel(
     PUSH: tl.constexpr,          # ONE_ROW: y is this rank's partial sum, pushed to every peer (_push_all_reduce)
     REDUCE: tl.constexpr,        # NORM: x is WORLD pushed partial rows (WORLD, K); the input is their sum
     RANK: tl.constexpr, WORLD: tl.constexpr,  # PUSH or REDUCE: this rank, the group's size
+    SIGNAL_NEXT: tl.constexpr,   # PDL: 1 let the next kernel start at this one's start, 2 after its K loop; 0 no
 ):
     tl.static_assert(ONE_ROW or not (NORM or PUSH), "the input norm and the push are on the one-row path only")
+    if SIGNAL_NEXT == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     if ONE_ROW:
         _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs, pad_ptrs, slot_offset,
                  pad_at, half, N, K, l2_end, eps, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
-                 PREFETCH, PDL, GATED, NORM, HAS_RESIDUAL, NORM_BLOCK, PUSH, REDUCE, RANK, WORLD)
+                 PREFETCH, PDL, GATED, NORM, HAS_RESIDUAL, NORM_BLOCK, PUSH, REDUCE, RANK, WORLD, SIGNAL_NEXT)
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)     # (BLOCK_N,) output columns
     rows = tl.arange(0, BLOCK_M)                                  # (BLOCK_M,) rows of x
@@ -233,6 +236,8 @@ def _gemv_kernel(
     for k0 in range(k_start, K, BLOCK_K):
         w = _w_tile(w_rows, w_desc, k0, k0 + offs_k, col_ok, K, USE_TMA, EVEN_N, EVEN_K, BLOCK_N)
         acc = _tile_dot(w, x_rows, k0 + offs_k, row_ok, K, acc, UPCAST_DOT, GATED)
+    if SIGNAL_NEXT == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     out = y_ptr + rows[None, :].to(tl.int64) * N + cols[:, None]      # y[m, n] at (n, m)
@@ -304,7 +309,7 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
              PDL: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
              NORM_BLOCK: tl.constexpr, PUSH: tl.constexpr, REDUCE: tl.constexpr, RANK: tl.constexpr,
-             WORLD: tl.constexpr):
+             WORLD: tl.constexpr, SIGNAL_NEXT: tl.constexpr):
     """y[0, cols] for one row of x: fp32 products summed over K at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -330,6 +335,8 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs
         w = _w_tile(w_rows, w_rows, k0, k0 + offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
         acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k0 + offs_k, K, acc, EVEN_K, GATED, NORM,
                            HAS_RESIDUAL, REDUCE, WORLD)
+    if SIGNAL_NEXT == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -570,8 +577,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX), PUSH=push is not None, REDUCE=reduce is not None,
         RANK=channel.rank if channel else 0, WORLD=channel.world_size if channel else 1,
+        SIGNAL_NEXT=_signal_next() if pdl(x) else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _signal_next() -> int:
+    """EXPERIMENT: where a GEMV lets the next kernel start (1 start, 2 after the K loop)."""
+    return {"start": 1, "end": 2}[os.environ.get("MINIVLLM_GEMV_SIGNAL", "start")]
 
 
 def l2_prefetch_columns(n: int, k: int, element_size: int) -> int:
