@@ -321,25 +321,40 @@ def test_narrow_column_blocks_serve_one_row_only(block_n: int) -> None:
         GemvConfig(block_n=12, one_row=True)
 
 
-def test_pdl_is_opt_in_and_gpu_only(monkeypatch) -> None:
-    """``MINIVLLM_PDL=1`` switches the default tiles to their prefetching variant; the
-    launch itself stays plain off Hopper GPUs (here: the CPU)."""
-    from minivllm.kernels._launch import PDL_ENV, pdl, pdl_requested
+def test_pdl_default_the_variable_and_gpu_only(monkeypatch) -> None:
+    """PDL: on where ``MINIVLLM_PDL`` is unset and the process's default is on (set by the
+    engine: one rank), off with ``0`` or the default off (TP), on with ``1`` whatever the
+    default; a value other than 0 / 1 is named. It never changes the default tiles, and the
+    launch stays plain off Hopper GPUs (here: the CPU)."""
+    from minivllm.kernels._launch import PDL_ENV, pdl, pdl_requested, set_pdl_default
 
     monkeypatch.delenv(PDL_ENV, raising=False)
-    pdl_requested.cache_clear()
-    assert not default_config(1).prefetch and not default_config(4).prefetch
-    monkeypatch.setenv(PDL_ENV, "1")
-    pdl_requested.cache_clear()
-    assert default_config(1) == dataclasses.replace(ONE_ROW_CONFIG, prefetch=True)
-    assert default_config(4) == dataclasses.replace(FEW_ROWS_CONFIG, prefetch=True)
-    assert not pdl(torch.zeros(1))
-    x, w, b = operands(1, 16 * 32, 64, torch.bfloat16, False)
     try:
-        expect_linear(gemv(x, w), x, w, None)  # the prefetching default, launched plainly
-    finally:
-        monkeypatch.delenv(PDL_ENV)
+        set_pdl_default(True)
+        assert pdl_requested() and default_config(1) is ONE_ROW_CONFIG and ONE_ROW_CONFIG.prefetch is None
+        set_pdl_default(False)
+        assert not pdl_requested()
+        monkeypatch.setenv(PDL_ENV, "1")
         pdl_requested.cache_clear()
+        assert pdl_requested()  # the variable wins over the default
+        assert not pdl(torch.zeros(1))
+        x, w, b = operands(1, 16 * 32, 64, torch.bfloat16, False)
+        expect_linear(gemv(x, w), x, w, None)  # PDL asked for, launched plainly
+        set_pdl_default(True)
+        monkeypatch.setenv(PDL_ENV, "0")
+        pdl_requested.cache_clear()
+        assert not pdl_requested()
+        monkeypatch.setenv(PDL_ENV, "yes")
+        pdl_requested.cache_clear()
+        with pytest.raises(ValueError, match="MINIVLLM_PDL must be 0 or 1"):
+            pdl_requested()
+        with pytest.raises(TypeError, match="bool"):
+            set_pdl_default(1)
+        with pytest.raises(ValueError, match="prefetch must be None or a bool"):
+            GemvConfig(prefetch=1)
+    finally:
+        monkeypatch.delenv(PDL_ENV, raising=False)
+        set_pdl_default(True)
 
 
 def test_l2_prefetch_is_opt_in_and_bounded(monkeypatch) -> None:

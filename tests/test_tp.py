@@ -24,6 +24,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.plan import StepPlan
+from minivllm.kernels._launch import PDL_ENV, pdl_requested, set_pdl_default
 from tests.model_utils import TinyConfig, make_hf_model, save_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,14 +91,21 @@ def worker_pids(llm: LLM) -> list[int]:
     return [p.pid for p in llm.engine.executor.workers]
 
 
-def test_tp2_greedy_and_logits_equal_tp1(random_model: str) -> None:
+def test_tp2_greedy_and_logits_equal_tp1(random_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and each engine sets the process's PDL default (kernels/_launch.set_pdl_default):
+    on with one rank, off under TP (the variable unset)."""
+    monkeypatch.delenv(PDL_ENV, raising=False)
     ps = prompts(CFG.vocab_size)
     plan = StepPlan.build([0, 1], [ps[0], ps[1]], [0, 0], [tuple(range(6)), tuple(range(6, 12))],
                           [True, True], [GREEDY, GREEDY], 4)
+    set_pdl_default(False)
     with LLM(random_model, **ENGINE) as one:
+        assert pdl_requested()
         want = [o.token_ids for o in one.generate(ps, GREEDY, use_tqdm=False)]
         logits_one = one.engine.executor.compute_logits(plan)
     with LLM(random_model, **ENGINE, tensor_parallel_size=2) as two:
+        assert not pdl_requested()
+        set_pdl_default(True)  # the process's default for the tests after this one
         pids = worker_pids(two)
         for async_scheduling in (False, True):
             two.engine.set_async_scheduling(async_scheduling)

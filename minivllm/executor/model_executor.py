@@ -53,6 +53,7 @@ from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
+from minivllm.kernels._launch import set_pdl_default
 from minivllm.layers import all_reduce
 from minivllm.layers.attention import AttentionMetadata, make_attention_backend
 from minivllm.layers.linear import use_gemv
@@ -212,6 +213,9 @@ class ModelExecutor:
                              "LLM(..., tensor_parallel_size=N) (minivllm/executor/distributed.py)")
         if not 0 <= tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
+        # Programmatic dependent launch unless MINIVLLM_PDL says otherwise: on with one rank,
+        # off under TP until timed on two GPUs (kernels/_launch.set_pdl_default).
+        set_pdl_default(self.tp_size == 1)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if use_graphs and backend != "triton":
             raise ValueError("CUDA graphs need attention_backend='triton' (the torch reference "

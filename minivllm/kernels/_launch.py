@@ -17,13 +17,41 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
 
-PDL_ENV = "MINIVLLM_PDL"  # "1": programmatic dependent launch where possible (opt-in; measured slower: gemv.py)
+# "1" / "0": programmatic dependent launch where possible, or not. Unset: the engine's
+# default (``set_pdl_default``): on with one rank, off under tensor parallelism.
+PDL_ENV = "MINIVLLM_PDL"
+_pdl_default = True
+
+
+def set_pdl_default(on: bool) -> None:
+    """What ``MINIVLLM_PDL`` unset means in this process. The model executor sets it: on for
+    one rank (Qwen3-0.6B batch 1 0.967 -> 0.920 ms/token, 8B 4.486 -> 4.471, thirteenth
+    session, once the GEMVs let the next kernel start early), off under tensor parallelism
+    until timed on two GPUs (its fused all-reduce lets the GEMV after it start early too).
+    Kernels called directly (tests, kernel benchmarks) see the default: on."""
+    global _pdl_default
+    if not isinstance(on, bool):
+        raise TypeError(f"set_pdl_default takes a bool, got {type(on).__name__}")
+    _pdl_default = on
+    pdl_requested.cache_clear()
+    _pdl_possible.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
 def pdl_requested() -> bool:
-    """``MINIVLLM_PDL=1`` (read once; tests clear the cache)."""
-    return os.environ.get(PDL_ENV) == "1"
+    """``MINIVLLM_PDL`` (``"1"`` or ``"0"``; unset: :func:`set_pdl_default`'s choice), read
+    once (tests clear the cache).
+
+    Raises:
+        ValueError: the variable is set to anything else.
+    """
+    raw = os.environ.get(PDL_ENV)
+    if raw is None:
+        return _pdl_default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1 (unset: on with one rank, off under tensor "
+                         f"parallelism), got {raw!r}")
+    return raw == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,9 +68,9 @@ def _pdl_possible(device_index: int) -> bool:
 
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and
-    later, a triton with ``launch_pdl``, and ``MINIVLLM_PDL=1``: opt-in, measured slower in gemv.py's doc).
+    later, a triton with ``launch_pdl``, and :func:`pdl_requested`).
     Then a kernel that only feeds others calls ``griddepcontrol.launch_dependents`` at
-    its start, and a kernel launched with ``launch_pdl`` may start before its
+    its start (a GEMV: after its K loop), and a kernel launched with ``launch_pdl`` may start before its
     predecessor ends: it reads only what no kernel writes (weights) before its
     ``griddepcontrol.wait``, which waits for the predecessor's completion and memory.
     The contract: weights are never written by the kernel just before such a launch (they

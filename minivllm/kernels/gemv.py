@@ -85,8 +85,6 @@ Torch reference: ``torch.nn.functional.linear``.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
@@ -96,7 +94,7 @@ import triton.language as tl
 
 from minivllm.kernels._launch import (
     TensorDescriptor, check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device,
-    check_tile_config, next_pow2, pdl, pdl_requested, tma_rows_allowed, upcast_dot,
+    check_tile_config, next_pow2, pdl, tma_rows_allowed, upcast_dot,
 )
 from minivllm.kernels._push_all_reduce import PushChannel, push_tile, pushed_sum, wait_pushed
 from minivllm.kernels.rms_norm import add_residual, normalise
@@ -126,13 +124,17 @@ class GemvConfig:
     min_programs: int = 32    # fewer programs than this: cuBLAS instead (N = 1024 at 32 x 256 still won)
     tma: bool = False         # W tiles by tensor-memory copy (Hopper+; the interpreter emulates it)
     one_row: bool = False     # one row: CUDA-core products, no tensor cores (see the module doc)
-    prefetch: bool = False    # first W tile before the wait for the previous kernel (module doc: PDL)
+    # The first W tile before the wait for the previous kernel, and the launch with PDL where
+    # possible (module doc). None: both exactly when _launch.pdl says PDL is on; False: neither.
+    prefetch: bool | None = None
 
     def __post_init__(self) -> None:
         # one_row: no tl.dot at one row, so narrower column blocks (more programs) are allowed;
         # such a config serves one row only (gemv_takes, gemv).
         check_power_of_two("block_n", self.block_n, minimum=1 if self.one_row else MIN_DOT_BLOCK)
-        check_tile_config(self, ("block_k",), ("tma", "one_row", "prefetch"))
+        check_tile_config(self, ("block_k",), ("tma", "one_row"))
+        if not (self.prefetch is None or isinstance(self.prefetch, bool)):
+            raise ValueError(f"prefetch must be None or a bool, got {self.prefetch!r}")
         if self.min_programs < 1:
             raise ValueError(f"min_programs must be >= 1, got {self.min_programs}")
 
@@ -158,19 +160,13 @@ FEW_ROWS_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
 def default_config(rows: int, n: int | None = None, k: int | None = None) -> GemvConfig:
     """The measured tiles for ``rows`` rows of x and a W of shape (``n``, ``k``) (None: not
-    known, the general one-row tiles; see the module doc); with ``MINIVLLM_PDL=1``, their
-    ``prefetch`` variant (measured slower: module doc)."""
+    known, the general one-row tiles; see the module doc). Under programmatic dependent launch
+    every launch prefetches, whatever ``config.prefetch`` says (module doc)."""
     config = FEW_ROWS_CONFIG if rows > 1 else ONE_ROW_CONFIG
     if rows == 1 and n is not None and k is not None:
         config = next((c for max_n, max_k, c in ONE_ROW_BY_SHAPE
                        if (max_n is None or n <= max_n) and (max_k is None or k <= max_k)), config)
-    return _prefetching(config) if pdl_requested() else config
-
-
-@functools.lru_cache(maxsize=None)
-def _prefetching(config: GemvConfig) -> GemvConfig:
-    """``config``'s prefetch variant, built once (default_config runs on every eager call)."""
-    return dataclasses.replace(config, prefetch=True)
+    return config
 
 
 @triton.jit
@@ -206,11 +202,9 @@ def _gemv_kernel(
     PUSH: tl.constexpr,          # ONE_ROW: y is this rank's partial sum, pushed to every peer (_push_all_reduce)
     REDUCE: tl.constexpr,        # NORM: x is WORLD pushed partial rows (WORLD, K); the input is their sum
     RANK: tl.constexpr, WORLD: tl.constexpr,  # PUSH or REDUCE: this rank, the group's size
-    SIGNAL_NEXT: tl.constexpr,   # PDL: 1 let the next kernel start at this one's start, 2 after its K loop; 0 no
+    SIGNAL_NEXT: tl.constexpr,   # PDL (_launch.pdl): let the next kernel start once this one's K loop is done
 ):
     tl.static_assert(ONE_ROW or not (NORM or PUSH), "the input norm and the push are on the one-row path only")
-    if SIGNAL_NEXT == 1:
-        tl.extra.cuda.gdc_launch_dependents()
     if ONE_ROW:
         _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs, pad_ptrs, slot_offset,
                  pad_at, half, N, K, l2_end, eps, HAS_BIAS, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
@@ -236,7 +230,7 @@ def _gemv_kernel(
     for k0 in range(k_start, K, BLOCK_K):
         w = _w_tile(w_rows, w_desc, k0, k0 + offs_k, col_ok, K, USE_TMA, EVEN_N, EVEN_K, BLOCK_N)
         acc = _tile_dot(w, x_rows, k0 + offs_k, row_ok, K, acc, UPCAST_DOT, GATED)
-    if SIGNAL_NEXT == 2:
+    if SIGNAL_NEXT:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
@@ -335,7 +329,7 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, inbox_ptrs
         w = _w_tile(w_rows, w_rows, k0, k0 + offs_k, col_ok, K, False, EVEN_N, EVEN_K, BLOCK_N)
         acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k0 + offs_k, K, acc, EVEN_K, GATED, NORM,
                            HAS_RESIDUAL, REDUCE, WORLD)
-    if SIGNAL_NEXT == 2:
+    if SIGNAL_NEXT:  # W is streamed: the next GEMV may load its first tile during this one's stores
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
     if HAS_BIAS:
@@ -561,7 +555,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
                          f"got {rows} rows")
     use_tma = config.tma and not one_row and tma_allowed(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
-    use_pdl = config.prefetch and pdl(x)
+    use_pdl = config.prefetch is not False and pdl(x)
+    prefetch = bool(config.prefetch) or use_pdl
     norm_weight, eps, residual, res_out = norm if norm is not None else (weight, 0.0, None, weight)
     channel = push or reduce
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
@@ -573,19 +568,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         l2_prefetch_columns(n, k, weight.element_size()) if use_pdl else 0, eps,
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
-        USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages, PREFETCH=config.prefetch, PDL=use_pdl,
+        USE_TMA=use_tma, ONE_ROW=one_row, NUM_STAGES=config.num_stages, PREFETCH=prefetch, PDL=use_pdl,
         GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX), PUSH=push is not None, REDUCE=reduce is not None,
         RANK=channel.rank if channel else 0, WORLD=channel.world_size if channel else 1,
-        SIGNAL_NEXT=_signal_next() if pdl(x) else 0,
+        SIGNAL_NEXT=pdl(x),
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _signal_next() -> int:
-    """EXPERIMENT: where a GEMV lets the next kernel start (1 start, 2 after the K loop)."""
-    return {"start": 1, "end": 2}[os.environ.get("MINIVLLM_GEMV_SIGNAL", "start")]
 
 
 def l2_prefetch_columns(n: int, k: int, element_size: int) -> int:
