@@ -49,23 +49,31 @@ program waits for after its first W tile is in flight. No all-reduce kernel, no 
 There is no split of K, so the caller uses this kernel only where ``cdiv(N, BLOCK_N)``
 programs are enough (:func:`gemv_takes`).
 
-With ``GemvConfig.prefetch`` each program loads its first W tile before anything that a
-previous kernel writes (the same sums, in the same order). That pays with programmatic
-dependent launch (``_launch.pdl``: Hopper, ``MINIVLLM_PDL=1``; opt-in, and measured slower,
-below):
-the kernel is then launched with ``launch_pdl``, may start while the kernel before it
-(an RMSNorm, the attention merge, SiLU-and-mul, which signal early) still runs, streams
-its first tile meanwhile (and, with ``MINIVLLM_PDL_L2_MB``, asks L2 for that much of W,
-from column 0), and waits (``griddepcontrol.wait``) before reading x or writing y. A batch-1
-GEMV of a few MB spends about as long ramping up as streaming, and under tensor
-parallelism the kernel before the qkv and gate_up GEMVs is the all-reduce, which waits
-several microseconds on its peers. Timed on one H200 (ninth session, Qwen3-0.6B batch 1):
-the GEMVs' kernel time per step rose from 486 to 540 us and the replayed graph step from
-1.16 to 1.64 ms, so it stays off. That run asked L2 for 24 MB of W per call (evict_last
-lines); the prefetch is now off unless ``MINIVLLM_PDL_L2_MB`` is set. Timed apart (tenth
-session): the prefetch never helped (24 MB: 1.10 ms against 1.07 without; 8 MB: 1.26), and
-the early start alone gained 2-7% on the replayed step but between +1% and -7% end to end
-(batch-1 ms/token, median of five, two runs each), so PDL stays opt-in.
+With programmatic dependent launch (``_launch.pdl``: Hopper; on by default with one rank,
+``MINIVLLM_PDL`` 0 / 1 overrides, off under tensor parallelism until timed on two GPUs)
+each program loads its first W tile before anything that a previous kernel writes (the
+same sums, in the same order: ``GemvConfig.prefetch``), the kernel is launched with
+``launch_pdl`` and may start while the kernel before it still runs, and it waits
+(``griddepcontrol.wait``) before reading x or writing y. The kernels before it let it
+start early: RMSNorm, the attention merge, SiLU-and-mul and the fused all-reduce at
+their start, a GEMV once its K loop is done (its W streamed; only the sum and the
+stores are left), so at batch 1, where GEMV follows GEMV (the norm and the activation
+are inside them), each one's first tile loads during the previous one's tail. With
+``MINIVLLM_PDL_L2_MB`` it also asks L2 for that much of W first (column 0 on).
+
+Timed on one H200 (``benchmarks.throughput --async on``, batch-1 ms/token, median of 3-5
+generations; BENCHMARKS.md). Ninth and tenth sessions, before GEMVs signalled (so only the
+RMSNorm / merge / SiLU kernels let a GEMV start early): a 24 MB L2 prefetch made the 0.6B
+graph step 1.16 -> 1.64 ms; 8 MB 1.26; the early start alone +1% to -7% end to end: off.
+Thirteenth session: a GEMV letting the next start *at its start* lost at 8B shapes (0.6B
+0.968 -> 0.948, but 8B 4.483 -> 4.568 and one TP=2 rank's share of 8B 2.725 -> 3.228: the
+early programs hold SM slots through the whole predecessor); *after its K loop* it won:
+0.6B 0.967 -> 0.920, 8B 4.486 -> 4.471, the TP=2 rank's share 2.724 -> 2.719 (one quiet
+call), offline-256 unchanged (25,240 / 25,391 against 23,731 / 25,374 tok/s). Five later
+0.6B runs a side were noisy (medians 0.93-1.08 with, 0.97-1.05 without and 1.72 in a
+first run, the noise moving both alike in time); their fastest generations: 0.921, 0.924, 0.924, 0.961, 1.013 with,
+0.970, 0.971, 0.973, 0.979 and a first run's 1.690 without. L2 prefetch on top: 2 MB no
+change, 8 MB slower (2.791, 4.499). So PDL is on with one rank, without the L2 prefetch.
 
 Default tiles (:func:`default_config`), from ``python3 -m benchmarks.gemv`` on one H200
 (BENCHMARKS.md, eighth session; L2 flushed, in CUDA graphs; ratios of cuBLAS's time over
