@@ -76,7 +76,7 @@ def pdl(t: torch.Tensor) -> bool:
     The contract: weights are never written by the kernel just before such a launch (they
     are loaded before any step, with synchronisations between), and a kernel whose
     correctness rests on stream order (the fused all-reduce) is never launched this way.
-    Decided once per device (the environment is read once)."""
+    Decided once per device (the environment is read once; ``set_pdl_default`` decides again)."""
     return t.is_cuda and _pdl_possible(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 

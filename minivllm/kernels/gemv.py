@@ -71,8 +71,8 @@ early programs hold SM slots through the whole predecessor); *after its K loop* 
 0.6B 0.967 -> 0.920, 8B 4.486 -> 4.471, the TP=2 rank's share 2.724 -> 2.719 (one quiet
 call), offline-256 unchanged (25,240 / 25,391 against 23,731 / 25,374 tok/s). Five later
 0.6B runs a side were noisy (medians 0.93-1.08 with, 0.97-1.05 without and 1.72 in a
-first run, the noise moving both alike in time); their fastest generations: 0.921, 0.924, 0.924, 0.961, 1.013 with,
-0.970, 0.971, 0.973, 0.979 and a first run's 1.690 without. L2 prefetch on top: 2 MB no
+first run, the noise moving both alike in time); their fastest generations: 0.921, 0.924,
+0.924, 0.961, 1.013 with, 0.970, 0.971, 0.973, 0.979 and a first run's 1.690 without. L2 prefetch on top: 2 MB no
 change, 8 MB slower (2.791, 4.499). So PDL is on with one rank, without the L2 prefetch.
 
 Default tiles (:func:`default_config`), from ``python3 -m benchmarks.gemv`` on one H200
@@ -168,8 +168,8 @@ FEW_ROWS_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
 def default_config(rows: int, n: int | None = None, k: int | None = None) -> GemvConfig:
     """The measured tiles for ``rows`` rows of x and a W of shape (``n``, ``k``) (None: not
-    known, the general one-row tiles; see the module doc). Under programmatic dependent launch
-    every launch prefetches, whatever ``config.prefetch`` says (module doc)."""
+    known, the general one-row tiles; see the module doc). Their ``prefetch`` is None: under
+    programmatic dependent launch they prefetch and launch with it (module doc)."""
     config = FEW_ROWS_CONFIG if rows > 1 else ONE_ROW_CONFIG
     if rows == 1 and n is not None and k is not None:
         config = next((c for max_n, max_k, c in ONE_ROW_BY_SHAPE
