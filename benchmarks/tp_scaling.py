@@ -52,8 +52,10 @@ def engine_env_names() -> frozenset[str]:
     from minivllm.kernels.decode_attention import FUSED_MERGE_ENV
     from minivllm.kernels.gemv import L2_PREFETCH_ENV
     from minivllm.layers.all_reduce import WARM_ENV
-    return frozenset({PDL_ENV, L2_PREFETCH_ENV, FUSED_MERGE_ENV, WARM_ENV, TIMEOUT_ENV,
-                      "MINIVLLM_COMPILE", "MINIVLLM_FUSE_QK_NORM_ROPE"})
+    from minivllm.layers.attention import FUSE_QK_NORM_ROPE_ENV
+    from minivllm.layers.fuse import COMPILE_ENV
+    return frozenset({PDL_ENV, L2_PREFETCH_ENV, FUSED_MERGE_ENV, WARM_ENV, TIMEOUT_ENV, COMPILE_ENV,
+                      FUSE_QK_NORM_ROPE_ENV})
 
 
 def parse_variant(spec: str) -> Variant:
@@ -63,14 +65,15 @@ def parse_variant(spec: str) -> Variant:
     if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == PLAIN:
         raise ValueError(f"--tp2-variant {spec!r}: need NAME=OPTIONS with NAME of letters, digits, "
                          f"'_', '.', '-' and not {PLAIN!r}")
+    known = engine_env_names()
     args, env = [], []
     for word in shlex.split(words):
         match = _ENV_WORD.fullmatch(word)
         if match is None:
             args.append(word)
-        elif match[1] not in engine_env_names():
+        elif match[1] not in known:
             raise ValueError(f"--tp2-variant {name}: {match[1]} is not an environment variable the engine "
-                             f"reads (known: {', '.join(sorted(engine_env_names()))})")
+                             f"reads (known: {', '.join(sorted(known))})")
         else:
             env.append((match[1], match[2]))
     if not args and not env:

@@ -563,7 +563,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
                          f"got {rows} rows")
     use_tma = config.tma and not one_row and tma_allowed(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]) if use_tma else weight
-    use_pdl = config.prefetch is not False and pdl(x)
+    pdl_on = pdl(x)
+    use_pdl = config.prefetch is not False and pdl_on
     prefetch = bool(config.prefetch) or use_pdl
     norm_weight, eps, residual, res_out = norm if norm is not None else (weight, 0.0, None, weight)
     channel = push or reduce
@@ -580,7 +581,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX), PUSH=push is not None, REDUCE=reduce is not None,
         RANK=channel.rank if channel else 0, WORLD=channel.world_size if channel else 1,
-        SIGNAL_NEXT=pdl(x),
+        SIGNAL_NEXT=pdl_on,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
 

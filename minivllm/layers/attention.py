@@ -23,6 +23,7 @@ from torch import nn
 
 from minivllm.kernels.reference import paged_attention_reference, store_kv_reference
 
+FUSE_QK_NORM_ROPE_ENV = "MINIVLLM_FUSE_QK_NORM_ROPE"  # "0" / "1": the attention layer's default (below)
 BackendName = Literal["torch", "triton"]
 BACKENDS: tuple[str, ...] = ("torch", "triton")
 
@@ -127,7 +128,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode = decode_attention
         self._qk_norm_rope_store = qk_norm_rope_store
         if fuse_qk_norm_rope is None:
-            fuse_qk_norm_rope = {"0": False, "1": True}.get(os.environ.get("MINIVLLM_FUSE_QK_NORM_ROPE", ""))
+            fuse_qk_norm_rope = {"0": False, "1": True}.get(os.environ.get(FUSE_QK_NORM_ROPE_ENV, ""))
         self.fuse_qk_norm_rope = fuse_qk_norm_rope
 
     def fuses_qk_norm_rope(self, device: torch.device) -> bool:

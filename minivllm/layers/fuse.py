@@ -48,6 +48,8 @@ F = TypeVar("F", bound=Callable[..., torch.Tensor])
 # Inductor options of every fused function (per function: the global config is untouched).
 INDUCTOR_OPTIONS = MappingProxyType({"emulate_precision_casts": True})
 
+COMPILE_ENV = "MINIVLLM_COMPILE"  # "0": no fusion, compiled or hand-written (module doc)
+
 
 def compile_fused(fn: F) -> F:
     """``fn`` compiled as ``fused`` compiles it: dynamic shapes, one graph, eager's roundings."""
@@ -60,7 +62,7 @@ def fused(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs):
-        if x.device.type != "cuda" or os.environ.get("MINIVLLM_COMPILE", "1") == "0":
+        if x.device.type != "cuda" or os.environ.get(COMPILE_ENV, "1") == "0":
             return fn(x, *args, **kwargs)
         if not compiled:  # compiled on first CUDA use: no import-time side effects
             compiled.append(compile_fused(fn))
@@ -72,4 +74,4 @@ def fused(fn: F) -> F:
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether a layer calls its Triton kernel for ``x`` rather than its torch reference:
     CUDA tensors, unless ``MINIVLLM_COMPILE=0`` (tests force it on the CPU interpreter)."""
-    return x.device.type == "cuda" and os.environ.get("MINIVLLM_COMPILE", "1") != "0"
+    return x.device.type == "cuda" and os.environ.get(COMPILE_ENV, "1") != "0"
