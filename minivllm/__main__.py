@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from minivllm import envs
 
 
 SERVE_MAX_NUM_BATCHED_TOKENS = 8192
@@ -53,7 +54,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options that build the ``LLM`` (shared by generate and serve)."""
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+                   help="our Triton kernels or the torch references for every op (auto: Triton on CUDA)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -74,7 +76,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write the engine's traffic as a trace that python -m sim replay replays")
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, object]:
+def _engine_options(args: argparse.Namespace, seed: int) -> dict[str, object]:
+    """The ``LLM`` options of the engine arguments; ``seed``: the LLM's sampler seed (a
+    recorded trace's header names it)."""
     opts = {k: v for k, v in dict(block_size=args.block_size, num_blocks=args.num_blocks,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -89,7 +93,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
     if args.disable_custom_all_reduce:
         opts["disable_custom_all_reduce"] = True
     if args.record_trace is not None:
-        opts["record_trace"] = args.record_trace
+        from sim.recorder import TraceRecorder
+        opts["observer"] = TraceRecorder(args.record_trace, seed=seed)
     return opts
 
 
@@ -100,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm.llm import LLM
     from minivllm.sampling import SamplingParams
 
-    opts = _engine_options(args)
+    opts = _engine_options(args, seed=0)  # --seed is each request's here, not the LLM's
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
         with LLM(args.model, device=args.device, dtype=args.dtype,
-                 attention_backend=args.attention_backend, **opts) as llm:
+                 kernels=args.kernels, **opts) as llm:
             if args.chat:
                 outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
                                 use_tqdm=False)
@@ -134,10 +139,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = ServerConfig(model_name=args.served_model_name or args.model,
-                              api_key=args.api_key or os.environ.get("MINIVLLM_API_KEY") or None,
+                              api_key=args.api_key or envs.api_key(),
                               max_body_bytes=args.max_body_bytes)
-        llm_options = dict(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                           seed=args.seed, **_engine_options(args))
+        llm_options = dict(device=args.device, dtype=args.dtype, kernels=args.kernels,
+                           seed=args.seed, **_engine_options(args, args.seed))
         # vLLM's server budget (its offline LLM takes 16384, as ours does on CUDA): a
         # smaller step keeps the streams' inter-token latency down while prompts arrive.
         llm_options.setdefault("max_num_batched_tokens", SERVE_MAX_NUM_BATCHED_TOKENS)

@@ -87,7 +87,7 @@ class SchedulerConfig:
             Without it a whole (re)computation must fit in one step's budget, so
             ``max_num_batched_tokens >= max_model_len`` is required.
         async_scheduling: keep one step in flight: schedule and submit step N+1
-            while step N runs (DESIGN.md, "Asynchronous steps"). Outputs are the
+            while step N runs (docs/design.md, "Asynchronous steps"). Outputs are the
             same as synchronous scheduling's. ``LLM`` turns it on for CUDA.
     """
 
@@ -119,7 +119,7 @@ class SchedulerConfig:
 
 
 DTYPE_NAMES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -129,73 +129,42 @@ class ExecutorConfig:
     Attributes:
         device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``, ``cuda:1``...
         dtype: ``auto`` (bfloat16 on cuda, float32 on cpu), ``float32``, ``bfloat16``, ``float16``.
-        attention_backend: ``auto`` (triton on cuda, torch elsewhere), ``torch``, ``triton``.
+        kernels: ``auto`` (our Triton kernels on cuda, the torch references elsewhere),
+            ``triton`` (on the CPU only under ``TRITON_INTERPRET=1``: tests), or ``torch``:
+            the references for every op (norms, GEMVs, attention, ...).
         seed: seed of the sampler's stream for requests without a seed of their own.
-        enforce_eager: never use CUDA graphs.
+        enforce_eager: never use CUDA graphs (of decode, prefill or mixed steps).
         gpu_memory_utilization: fraction of the device's memory the executor may use.
         tensor_parallel_size: ranks the model is split over, one process each
             (``executor/distributed.py``).
-        prefill_graphs: also capture CUDA graphs of prefill and mixed steps, per token
-            bucket (``executor/prefill_graph.py``). None (the default): on, on every
-            rank under tensor parallelism too. Like the decode graphs, only on CUDA
-            without ``enforce_eager``.
         disable_custom_all_reduce: with ``tensor_parallel_size > 1`` on CUDA, send every
-            all-reduce through NCCL instead of the one-shot symmetric-memory kernel for
-            small messages (``layers/all_reduce.py``; vLLM's option of the same name).
-        fuse_all_reduce_norm: with the symmetric-memory path, the all-reduce after
-            ``o_proj`` and ``down_proj`` runs inside the residual add + RMSNorm that
-            follows (one kernel, ``kernels/all_reduce_rms_norm.py``). On by default:
-            Qwen3-8B at TP=2 on two H200s, 1,028 us of a batch-256 decode step where
-            the two-shot all-reduce and the norm apart took 1,394 + 233 (eighth
-            session, BENCHMARKS.md).
-        push_all_reduce: with ``fuse_all_reduce_norm``, at one row (batch-1 decode) the
-            row-parallel GEMV pushes its partial sums into every rank's buffer as it
-            computes them, and the kernel after it (the next GEMV with its norm, or the
-            fused norm kernel) sums them once they arrive: no all-reduce kernel and no
-            barrier (``kernels/_push_all_reduce.py``). Off by default: tested on the CPU
-            and on one GPU (the ranks' kernels in turn), not yet run on two GPUs.
-        gemv: linear layers given at most 16 rows (decode at small batch, in CUDA graphs
-            too) run ``kernels/gemv.py`` instead of cuBLAS where it takes the shape
-            (bf16 / fp16, enough output columns). None (the default): on for CUDA with
-            a 16-bit model (batch-1 decode of Qwen3-0.6B on one H200: 1.40 -> 1.09
-            ms/token; Qwen3-8B 4.86 -> 4.46), off otherwise. True where it cannot run
-            is a ValueError; on the CPU it needs ``TRITON_INTERPRET=1`` (tests).
+            all-reduce through NCCL instead of the symmetric-memory kernels
+            (``layers/all_reduce.py``; vLLM's option of the same name).
     """
 
     device: str = "auto"
     dtype: str = "auto"
-    attention_backend: str = "auto"
+    kernels: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    prefill_graphs: bool | None = None
     disable_custom_all_reduce: bool = False
-    fuse_all_reduce_norm: bool = True
-    push_all_reduce: bool = False
-    gemv: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be a non-empty str, got {self.device!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         _check_int("seed", self.seed, -(1 << 63))
         _check_bool("enforce_eager", self.enforce_eager)
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.prefill_graphs is not None:
-            _check_bool("prefill_graphs", self.prefill_graphs)
         _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
-        _check_bool("fuse_all_reduce_norm", self.fuse_all_reduce_norm)
-        _check_bool("push_all_reduce", self.push_all_reduce)
-        if self.gemv is not None:
-            _check_bool("gemv", self.gemv)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":

@@ -48,8 +48,8 @@ same time (gloo destroys it; NCCL communicators are aborted, see
 workers are terminated. Workers ignore SIGINT: Ctrl-C reaches the driver, which
 ends them.
 
-Testing hook: ``MINIVLLM_TP_FAULT="RANK:load"`` or ``"RANK:stepK"`` makes worker
-RANK raise at load or at its K-th step (tests/test_tp.py uses it).
+Testing hook: ``TPExecutor(..., fault=(RANK, "load"))`` or ``(RANK, "stepK")`` makes
+worker RANK raise at load or at its K-th step (tests/test_tp.py passes it).
 """
 
 from __future__ import annotations
@@ -79,13 +79,9 @@ from multiprocessing.connection import wait as wait_for_sentinels
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.executor.base import StepHandle, freeze_imported_objects
+from minivllm.envs import TP_TIMEOUT_S, tp_timeout_s
 from minivllm.executor.model_executor import ModelExecutor
-from minivllm.layers import all_reduce
 
-FAULT_ENV = "MINIVLLM_TP_FAULT"
-# Collectives that wait longer than this raise (a hung peer); generous for slow CPUs.
-TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
 JOIN_POLL_S = 0.02  # how often the driver looks for workers' check-ins at start-up
 DRAIN_WAIT_S = 2.0  # after a failure, how long close() lets rank 0's queued GPU work finish
@@ -148,6 +144,7 @@ class RankSpec:
     master_addr: str
     master_port: int
     timeout_s: float
+    fault: tuple[int, str] | None = None  # testing hook: (rank, "load" | "stepK")
 
     @property
     def world_size(self) -> int:
@@ -203,24 +200,15 @@ def _build_executor(spec: RankSpec, rank: int, group: dist.ProcessGroup) -> Mode
                          config, tp_rank=rank, agree_num_blocks=_min_over_ranks(group))
 
 
-def _fault(rank: int) -> str | None:
-    """The injected fault for this rank (``MINIVLLM_TP_FAULT``), e.g. ``load`` or ``step3``."""
-    value = os.environ.get(FAULT_ENV, "")
-    if ":" not in value:
-        return None
-    r, stage = value.split(":", 1)
-    return stage if r == str(rank) else None
-
-
 def _worker_main(rank: int, spec: RankSpec, errors: Any, plans: Connection) -> None:
     """A worker rank: build its shard, then run every broadcast plan until ``None``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    fault = _fault(rank)
+    fault = spec.fault[1] if spec.fault is not None and spec.fault[0] == rank else None
     try:
         freeze_imported_objects()
         group = _init_group(spec, rank, _connect_store(spec))
         if fault == "load":
-            raise RuntimeError(f"injected fault at load ({FAULT_ENV})")
+            raise RuntimeError("injected fault at load (TPExecutor fault)")
         executor = _build_executor(spec, rank, group)
         step = 0
         while True:
@@ -232,7 +220,7 @@ def _worker_main(rank: int, spec: RankSpec, errors: Any, plans: Connection) -> N
                 break
             step += 1
             if fault == f"step{step}":
-                raise RuntimeError(f"injected fault at step {step} ({FAULT_ENV})")
+                raise RuntimeError(f"injected fault at step {step} (TPExecutor fault)")
             executor.submit(plan)  # its samples stay on its device: its next inputs
         _release_graphs(executor)
     except BaseException:
@@ -249,6 +237,8 @@ class TPExecutor:
     Args:
         model_config, model_path, scheduler_config, cache_config, config: as for
             ``ModelExecutor``; ``config.tensor_parallel_size`` ranks are started.
+        fault: testing hook, ``(rank, "load")`` or ``(rank, "stepK")``: that worker raises
+            at load or at its K-th step.
 
     Raises:
         ValueError: the model cannot be split that many ways, or too few GPUs.
@@ -256,7 +246,8 @@ class TPExecutor:
     """
 
     def __init__(self, model_config: ModelConfig, model_path: str, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig, config: ExecutorConfig) -> None:
+                 cache_config: CacheConfig, config: ExecutorConfig,
+                 fault: tuple[int, str] | None = None) -> None:
         from minivllm.layers.linear import check_tp_divisibility
 
         tp = config.tensor_parallel_size
@@ -268,16 +259,15 @@ class TPExecutor:
             raise ValueError(f"tensor parallelism runs on device 'cpu' or 'cuda' (rank r on cuda:r), "
                              f"got {config.device!r}")
         self._all_reduce_note = ""
-        if config.device.startswith("cuda") and not config.disable_custom_all_reduce \
-                and all_reduce.used_in_this_process():  # every rank must agree: tell them all
-            config = replace(config, disable_custom_all_reduce=True)
-            self._all_reduce_note = " (the one-shot path runs once per process: layers/all_reduce.py)"
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        if config.device.startswith("cuda") and not config.disable_custom_all_reduce and _symm_mem_used:
+            config = replace(config, disable_custom_all_reduce=True)  # every rank must agree: tell them all
+            self._all_reduce_note = " (symmetric memory is set up once per process)"
+        timeout_s = tp_timeout_s()
         # Served here before any worker starts, on a port the OS picked (never hard-coded,
         # and no window between choosing a free port and binding it).
         self._store = _serve_store(tp, timeout_s)
         self.spec = RankSpec(model_config, str(model_path), scheduler_config, cache_config, config,
-                             "127.0.0.1", self._store.port, timeout_s)
+                             "127.0.0.1", self._store.port, timeout_s, fault)
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
         self.plans = PlanPipes(ctx, tp - 1)
@@ -294,6 +284,7 @@ class TPExecutor:
             self._wait_for_workers()
             self.group = _init_group(self.spec, 0, self._store)
             self.local = _build_executor(self.spec, 0, self.group)
+            _note_symm_mem(self.local)
         except BaseException as e:
             self._closed = True
             _leave_group()
@@ -326,24 +317,13 @@ class TPExecutor:
         """``submit(plan).result()``."""
         return self.submit(plan).result()
 
-    def compute_logits(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step on every rank and return rank 0's (S, V) logits of its sampling rows.
-
-        Every rank does exactly what ``submit`` does (sampler included), so the ranks'
-        sampling streams stay in step; for tests that compare TP logits with TP=1's. The
-        plan asks for the sampled tokens' logprobs, so that every rank gathers whole rows
-        (the path a plan without them may skip: ``ModelExecutor._samples_from_shards``).
-        """
-        plan = replace(plan, sampling_params=tuple(replace(p, logprobs=p.logprobs or 0)
-                                                   for p in plan.sampling_params))
-        self.local.keep_logits = True
-        try:
-            self.submit(plan).result()
-            assert self.local.last_logits is not None
-            return self.local.last_logits
-        finally:
-            self.local.keep_logits = False
-            self.local.last_logits = None
+    @property
+    def _symm_mem(self) -> bool:
+        """Whether rank 0's all-reduces run on symmetric memory (a dead peer then leaves its
+        kernel spinning: nothing aborts it)."""
+        local = getattr(self, "local", None)
+        comm = local.ops.comm if local is not None and local.model is not None else None
+        return comm is not None and comm.symm is not None
 
     @property
     def graph_runner(self) -> Any:
@@ -379,7 +359,7 @@ class TPExecutor:
                     "(the worker's own traceback is above)")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers did not join within {self.spec.timeout_s:.0f} s "
-                                   f"(${TIMEOUT_ENV})")
+                                   f"(${TP_TIMEOUT_S})")
             wait_for_sentinels([p.sentinel for p in self.workers], timeout=JOIN_POLL_S)  # wakes on an exit
 
     def _check_workers(self) -> None:
@@ -417,7 +397,7 @@ class TPExecutor:
         if self._closed:
             return
         self._closed = True
-        if not self._wedged and not self._healthy and all_reduce.installed() is not None \
+        if not self._wedged and not self._healthy and self._symm_mem \
                 and not self._gpu_drains():
             # A step submitted before the failure was seen (one step ahead) waits in a
             # symmetric-memory all-reduce for the dead peer.
@@ -457,7 +437,7 @@ class TPExecutor:
         wait_for_sentinels([p.sentinel for p in self.workers])
         if not self._closed:
             self._healthy = False
-            if all_reduce.installed() is not None:
+            if self._symm_mem:
                 # The driver polls its step (``_CheckedHandle``) and sees the verdict; an
                 # abort here could wait on a symmetric-memory kernel that never ends.
                 return
@@ -487,7 +467,7 @@ class _CheckedHandle:
 
     def result(self) -> StepResult:
         ready = getattr(self.handle, "ready", None)  # CUDA steps have it
-        if ready is not None and all_reduce.installed() is not None:
+        if ready is not None and self.executor._symm_mem:
             # A one-shot all-reduce whose peer died spins on the GPU for good (no abort
             # releases it, as one does NCCL's): wait by polling, so the watchdog's
             # verdict still reaches the caller.
@@ -510,13 +490,23 @@ class _CheckedHandle:
 
 
 def _release_graphs(executor: ModelExecutor) -> None:
-    """Drop this rank's CUDA graphs (they hold captured collectives) and its symmetric
-    all-reduce buffer once its last step is done."""
-    executor.graph_runner = None
-    executor.prefill_graph_runner = None
-    all_reduce.uninstall()
-    if torch.cuda.is_available() and executor.device.type == "cuda":
-        torch.cuda.synchronize(executor.device)
+    """Free this rank's CUDA graphs (they hold captured collectives), symmetric buffers,
+    KV pool and weights once its last step is done, before the group is left."""
+    executor.close()
+
+
+# Whether this process has set up symmetric memory before. torch keeps its group state by
+# group name, and a later process group reuses the name ("0") with a new store: the second
+# tensor-parallel LLM of one process hung in its rendezvous (torch 2.11). So once per
+# process; later groups of the same process send every all-reduce to NCCL, on every rank.
+_symm_mem_used = False
+
+
+def _note_symm_mem(executor: ModelExecutor) -> None:
+    global _symm_mem_used
+    comm = executor.ops.comm
+    if comm is not None and comm.symm is not None:
+        _symm_mem_used = True
 
 
 def _leave_group() -> None:

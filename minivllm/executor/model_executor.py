@@ -20,12 +20,15 @@ The KV cache is ONE tensor for all layers::
 so each layer's K (or V) cache is a contiguous (num_blocks, block_size, Hkv, D)
 view, token slot s living at [s // block_size, s % block_size].
 
+The executor builds the model's ``Ops`` once (``layers/ops.py``: Triton kernels or torch
+references, PDL, the tensor-parallel communicator) and hands it to the model.
+
 On CUDA two more things happen at start-up: the block pool is sized from the
 memory left after a warm-up forward at the largest batch
 (``size_kv_pool_from_free_memory``), and decode forwards are captured as CUDA
-graphs (``executor/cuda_graph.py``), and with ``prefill_graphs`` the other
-steps too, per token bucket (``executor/prefill_graph.py``); ``_forward`` is
-the one place that routes a batch to them.
+graphs (``executor/cuda_graph.py``), the other steps too, per token bucket
+(``executor/prefill_graph.py``); ``_forward`` is the one place that routes a
+batch to them. ``close`` gives all of it back.
 
 Host -> device: the step's index arrays are packed into one pinned int64
 buffer and sent with a single non-blocking copy (see ``_upload_all``), and the
@@ -47,23 +50,23 @@ import numpy as np
 import torch
 
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig, cdiv
-from minivllm.engine.plan import StepPlan, StepResult, TokenHistory, TokenLogprobs
+from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.executor.base import DoneStep, StepHandle
 from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
-from minivllm.kernels._launch import set_pdl_default
-from minivllm.layers import all_reduce
-from minivllm.layers.attention import AttentionMetadata, make_attention_backend
-from minivllm.layers.linear import use_gemv
+from minivllm.layers.all_reduce import Communicator, build_communicator
+from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.loader import load_weights
+from minivllm.layers.ops import Ops
 from minivllm.model.registry import build_model
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
+from minivllm.step_types import TokenHistory, TokenLogprobs
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -109,15 +112,6 @@ class _Extras:
     prompt: LogprobLayout | None            # sequences with prompt-logprob targets, P rows each
     prompt_rows: torch.Tensor | None        # int64 (N,): token row (of the hidden states) of each target
     prompt_targets: torch.Tensor | None     # int64 (N,): the prompt token that row predicts
-
-
-def _check_gemv(device: torch.device, dtype: torch.dtype) -> None:
-    """``ExecutorConfig.gemv`` needs a 16-bit model, and Triton: CUDA, or the CPU under
-    ``TRITON_INTERPRET=1`` (tests). Raises ValueError otherwise, before the model loads."""
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gemv=True runs bfloat16 / float16 models; this one runs in {str(dtype)[6:]}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"gemv=True needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {device}")
 
 
 def _gather_logprob_rows(seq_ids: list[int], params: list[SamplingParams]
@@ -184,7 +178,7 @@ class ModelExecutor:
             max_model_len: sizes the CUDA-graph block tables).
         cache_config: block size and pool size (None: sized from free device
             memory on CUDA; every sequence at full length elsewhere).
-        config: device, dtype, attention backend, seed, graphs, memory share,
+        config: device, dtype, kernels, seed, graphs, memory share,
             tensor-parallel size.
         tp_rank: this process's rank when ``config.tensor_parallel_size > 1``
             (``executor/distributed.py`` builds one executor per rank, inside a
@@ -204,34 +198,25 @@ class ModelExecutor:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
         if self.tp_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise ValueError(f"tensor_parallel_size={self.tp_size} needs a process group: build it with "
                              "LLM(..., tensor_parallel_size=N) (minivllm/executor/distributed.py)")
         if not 0 <= tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
-        # Programmatic dependent launch unless MINIVLLM_PDL says otherwise: on with one rank,
-        # off under TP until timed on two GPUs (kernels/_launch.set_pdl_default).
-        set_pdl_default(self.tp_size == 1)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        if use_graphs and backend != "triton":
-            raise ValueError("CUDA graphs need attention_backend='triton' (the torch reference "
-                             "syncs the host); pass enforce_eager=True to run it eagerly")
         self.model_config = model_config
         self.config = config
         self.dtype = _resolve_dtype(config.dtype, self.device)
-        if config.gemv:
-            _check_gemv(self.device, self.dtype)
-        # The GEMV kernel for decode-sized GEMMs: asked for, or by default on CUDA in 16 bits.
-        self.use_gemv = config.gemv if config.gemv is not None else (
-            self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16))
+        comm, self.all_reduce_note = self._communicator(config)
+        self.ops = Ops.build(config.kernels, self.device, self.dtype, comm)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        if use_graphs and not self.ops.triton:
+            raise ValueError("CUDA graphs need kernels='triton' (the torch references sync the host); "
+                             "pass enforce_eager=True to run them eagerly")
         if self.device.type == "cuda":
             # cuBLAS may otherwise sum split-K partials of bf16 GEMMs in bf16, which at decode
-            # batch sizes costs far more accuracy than HF's batch-1 GEMMs lose (issue 7).
-            # Process-wide: set before any GEMM is captured into a graph.
+            # batch sizes costs far more accuracy than HF's batch-1 GEMMs lose (docs/tuning.md,
+            # "Rounding and precision"). Process-wide: set before any GEMM is captured into a graph.
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         self.block_size = cache_config.block_size
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -239,19 +224,8 @@ class ModelExecutor:
         self.max_model_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self.sampler = Sampler(self.generator)
-        self.model = self._load_model(model_path, backend)
-        # How this rank's all-reduces travel (before any graph is captured: graphs keep it).
-        self.all_reduce_path = "none (one rank)"
-        if self.tp_size > 1:
-            self.all_reduce_path = "nccl" if self.device.type == "cuda" else "gloo"
-            if self.device.type == "cuda" and not config.disable_custom_all_reduce:
-                fuse, push = config.fuse_all_reduce_norm, config.fuse_all_reduce_norm and config.push_all_reduce
-                why_not = all_reduce.install_symm_mem_all_reduce(self.device, self.dtype, fuse_norm=fuse, push=push)
-                self.all_reduce_path = f"nccl ({why_not})" if why_not is not None else \
-                    "one-shot / two-shot (symmetric memory) + nccl" + \
-                    (", fused with the residual add + RMSNorm" if fuse else "") + \
-                    (", pushed by the GEMV at one row" if push else "")
+        self.sampler = Sampler(self.generator, use_kernel=self.ops.triton)
+        self.model = self._load_model(model_path)
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         num_blocks = cache_config.num_blocks
@@ -264,8 +238,6 @@ class ModelExecutor:
         # The last step's sampled ids, by sampling row (``prev_sample_row`` maps sequences to rows).
         self.prev_sampled = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         self.prev_sample_row: dict[int, int] = {}
-        self.keep_logits = False
-        self.last_logits: torch.Tensor | None = None
         self._staging = _PinnedRing(self.device)
         self._extras_staging = _PinnedRing(self.device)  # its own ring: one upload a step each
         self._outputs = _PinnedRing(self.device)
@@ -275,12 +247,43 @@ class ModelExecutor:
             self.graph_runner = CudaGraphRunner(
                 self.model.forward, self.kv_cache, self.prev_sampled, model_config.hidden_size,
                 cdiv(self.max_model_len, self.block_size), default_capture_sizes(self.max_num_seqs))
-            if config.prefill_graphs is not False:
-                self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
+            self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
+
+    def _communicator(self, config: ExecutorConfig) -> tuple[Communicator | None, str]:
+        """This rank's tensor-parallel communicator (None with one rank) and a note on how its
+        all-reduces travel, before the model is built (its ops hold it; graphs bake it in)."""
+        if self.tp_size == 1:
+            return None, "none (one rank)"
+        comm, why_not = build_communicator(self.device, self.dtype,
+                                           custom_all_reduce=not config.disable_custom_all_reduce)
+        return comm, comm.path + (f" ({why_not})" if why_not else "")
+
+    @property
+    def all_reduce_path(self) -> str:
+        """How this rank's all-reduces travel, in words."""
+        return self.all_reduce_note
+
+    def close(self) -> None:
+        """Give back everything this executor holds on the device: CUDA graphs and their memory
+        pools, the KV pool, the model's weights, the communicator's buffers, pinned buffers.
+        Idempotent; the executor runs no step after it."""
+        if self.model is None:
+            return
+        self.graph_runner = None
+        self.prefill_graph_runner = None
+        if self.ops.comm is not None:
+            self.ops.comm.close()
+        self.model = None  # type: ignore[assignment]
+        self.kv_cache = None  # type: ignore[assignment]
+        self.prev_sampled = None  # type: ignore[assignment]
+        self._staging = self._extras_staging = self._outputs = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     @property
     def captures_prefill_graphs(self) -> bool:
-        """Whether prefill and mixed steps replay CUDA graphs (``ExecutorConfig.prefill_graphs``)."""
+        """Whether prefill and mixed steps replay CUDA graphs (on CUDA unless ``enforce_eager``)."""
         return self.prefill_graph_runner is not None
 
     def make_prefill_graph_runner(self, capture: bool, buckets: list[int] | None = None) -> PrefillGraphRunner:
@@ -306,14 +309,10 @@ class ModelExecutor:
         return (c.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim
                 * torch.finfo(self.dtype).bits // 8)
 
-    def _load_model(self, model_path: str | os.PathLike[str], attention_backend: str) -> DecoderForCausalLM:
-        backend = make_attention_backend(attention_backend)
+    def _load_model(self, model_path: str | os.PathLike[str]) -> DecoderForCausalLM:
         with _default_dtype(self.dtype), self.device:
-            model = build_model(self.model_config, attention_backend=backend,
-                                tp_rank=self.tp_rank, tp_size=self.tp_size)
+            model = build_model(self.model_config, ops=self.ops, tp_rank=self.tp_rank, tp_size=self.tp_size)
         load_weights(model, model_path)
-        if self.use_gemv:  # before any CUDA graph is captured: graphs keep the kernels
-            use_gemv(model)
         return model.eval()
 
     def size_kv_pool_from_free_memory(self, gpu_memory_utilization: float) -> int:
@@ -464,8 +463,6 @@ class ModelExecutor:
             shard = self.model.compute_logits(hidden[batch.sample_indices], gather=False)  # (S, V / tp)
             return self.sampler.forward_vocab_parallel(shard, tensors, self.model.lm_head.vocab_start), None
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # (S, V), raw
-        if self.keep_logits:  # tests: TP logits against TP=1 (distributed.TPExecutor.compute_logits)
-            self.last_logits = logits
         tokens = self.sampler(logits, tensors, penalties=extras.penalties)  # (S,) int64 on the device
         if extras.logprobs is None:
             return tokens, None
@@ -588,9 +585,9 @@ class ModelExecutor:
         return self.model.compute_logits(hidden[batch.sample_indices])  # (S, V)
 
     def _forward(self, batch: DeviceBatch) -> torch.Tensor:
-        """Batches of one token per sequence that a captured graph covers replay it; with
-        ``prefill_graphs``, the others that ``prepare`` gave a tile map replay their token
-        bucket's graph; the rest run eagerly."""
+        """Batches of one token per sequence that a captured graph covers replay it; the
+        others that ``prepare`` gave a tile map replay their token bucket's graph; the rest
+        run eagerly."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         if batch.attn_metadata.tile_map is not None:  # prepared for the prefill runner

@@ -1,4 +1,4 @@
-"""CUDA graphs for prefill and mixed steps, per token-count bucket (on by default on CUDA: ``prefill_graphs``).
+"""CUDA graphs for prefill and mixed steps, per token-count bucket (on CUDA unless ``enforce_eager``).
 
 A step that is not a pure decode runs eagerly: about 260 launches whose host
 cost (20-44 ms at 8,192 tokens on the H200 machines) exceeded the GPU's 17 ms.

@@ -21,9 +21,7 @@ from torch import nn
 
 from minivllm.config import cdiv
 from minivllm.kernels.reference import vocab_shard_embedding_reference
-from minivllm.kernels.vocab_embedding import vocab_shard_embedding
-from minivllm.layers import fuse
-from minivllm.layers.all_reduce import all_reduce
+from minivllm.layers.all_reduce import Communicator
 from minivllm.layers.linear import Loaded, ShardId, check_tp, load_slice, set_weight_loader
 
 
@@ -58,27 +56,30 @@ class VocabParallelEmbedding(nn.Module):
             param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, dim)
+        """This rank's rows of the ids in its range, zeros for the others (the torch reference,
+        no collective: the decoder calls ``Ops.embed``, which also sums over ranks)."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        lookup = vocab_shard_embedding if fuse.use_kernels(self.weight) else vocab_shard_embedding_reference
-        return all_reduce(lookup(input_ids, self.weight, self.vocab_start, self.vocab_end))  # one launch on CUDA
+        return vocab_shard_embedding_reference(input_ids, self.weight, self.vocab_start, self.vocab_end)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to logits; shares the embedding's sharding (and can
     share its weight, for tied embeddings)."""
 
-    def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
-        """Logits (S, vocab) for exactly the rows given (the caller passes only sampling rows);
-        ``gather=False``: this rank's columns ``[vocab_start, vocab_end)`` only, (S, vocab_end -
-        vocab_start), no collective."""
+    def forward(self, hidden: torch.Tensor, comm: Communicator | None = None,
+                gather: bool = True) -> torch.Tensor:
+        """Logits (S, vocab) for exactly the rows given (the caller passes only sampling rows),
+        gathered over ranks by ``comm``; ``gather=False``: this rank's columns
+        ``[vocab_start, vocab_end)`` only, (S, vocab_end - vocab_start), no collective."""
         logits = F.linear(hidden, self.weight)  # (S, shard_size)
         if self.tp_size == 1:
             return logits
         if not gather:
             return logits[:, : self.vocab_end - self.vocab_start]
+        if comm is None:
+            raise ValueError("a tensor-parallel LM head gathers its logits through a communicator")
         # One collective into one buffer (rank-major), then one copy into (S, vocab) order.
         rows, shard = logits.shape
-        parts = logits.new_empty((self.tp_size * rows, shard))
-        torch.distributed.all_gather_into_tensor(parts, logits.contiguous())
+        parts = comm.all_gather_rows(logits)
         return parts.view(self.tp_size, rows, shard).permute(1, 0, 2).reshape(rows, -1)[:, : self.num_embeddings]

@@ -4,8 +4,9 @@ A column-parallel layer splits ``W (out, in)`` along ``out``: rank r computes
 its slice of the output features and nothing is communicated. A row-parallel
 layer splits ``W`` along ``in``: rank r multiplies its slice of the input
 features (the output of a column-parallel layer) and the partial results are
-summed with ``all_reduce``. An MLP or attention block is therefore
-column -> (local work) -> row, one collective per block.
+summed over ranks where they go next (the residual add + RMSNorm, ``Ops.add_rms_norm``).
+An MLP or attention block is therefore column -> (local work) -> row, one collective
+per block.
 
 Packed layers keep several checkpoint tensors in one matmul; each rank holds
 its own shard of every part, parts concatenated in order::
@@ -38,8 +39,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.kernels.gemv import gemv, gemv_takes, rms_norm_gemv
-from minivllm.layers.all_reduce import PushedRow, all_reduce, defers_to_norm, output_slot, push_target, pushes
 
 if TYPE_CHECKING:
     from minivllm.config import ModelConfig
@@ -215,70 +214,10 @@ class LinearBase(nn.Module):
         self.bias: nn.Parameter | None = (
             nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
         )
-        # Decode-sized inputs (<= 16 rows) through kernels/gemv.py where it takes them; set
-        # by the executor from ExecutorConfig.gemv.
-        self.use_gemv = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out_local)
-        return self._linear(x, self.bias)
-
-    def _gemv_takes(self, x: torch.Tensor, gated: bool = False, norm_weight: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None) -> bool:
-        """Whether the GEMV kernel is on and runs x (``gated``: as [gate | up]; with ``norm_weight``:
-        normed first, ``gemv_takes``)."""
-        return self.use_gemv and gemv_takes(x, self.weight, gated=gated, norm_weight=norm_weight, residual=residual)
-
-    def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether ``forward(x, gated=True)`` can run: the GEMV kernel is on and takes x =
-        [gate | up] (at most 16 rows), applying ``silu(gate) * up`` itself."""
-        return self._gemv_takes(x, gated=True)
-
-    def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-        """Whether :meth:`normed` can run: the GEMV kernel is on and takes one row x with the
-        RMSNorm weight ``norm_weight`` and ``residual`` (``gemv_takes(..., norm_weight=...)``)."""
-        return self._gemv_takes(x, norm_weight=norm_weight, residual=residual)
-
-    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-               eps: float, pushed: PushedRow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(forward(rms_norm(x + residual)), x + residual)`` in one GEMV kernel (residual None:
-        ``(forward(rms_norm(x)), x)``); only where :meth:`takes_normed`. ``pushed``: x is this
-        rank's slot of a row the ranks' GEMVs pushed, and the kernel sums the slots first
-        (``all_reduce.pushed_row``).
-
-        Raises:
-            ValueError: the kernel does not take x (see :meth:`takes_normed`).
-        """
-        if not self.takes_normed(x, norm_weight, residual):
-            raise ValueError(f"a normed input needs the GEMV kernel to take x {tuple(x.shape)} (takes_normed)")
-        if pushed is not None:
-            return rms_norm_gemv(pushed.slots, residual, norm_weight, eps, self.weight, self.bias,
-                                 reduce=pushed.channel)
-        return rms_norm_gemv(x, residual, norm_weight, eps, self.weight, self.bias)
-
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
-                gated: bool = False) -> torch.Tensor:
-        """``x W^T (+ bias)``: the GEMV kernel where enabled and it takes the shape, else
-        cuBLAS; into ``out`` (2-D x, no bias) when given. ``gated`` (only where
-        :meth:`takes_gated`): the input is ``silu(gate) * up`` of x = [gate | up]."""
-        if gated:
-            if not self.takes_gated(x):
-                raise ValueError(f"gated input needs the GEMV kernel to take x {tuple(x.shape)} (takes_gated)")
-            return gemv(x, self.weight, bias, out=out, gated=True)
-        if self._gemv_takes(x):
-            return gemv(x, self.weight, bias, out=out)
-        if out is None:
-            return F.linear(x, self.weight, bias)
-        assert bias is None
-        return torch.matmul(x, self.weight.t(), out=out)
-
-
-def use_gemv(model: nn.Module, enabled: bool = True) -> int:
-    """Switch every linear layer of ``model`` to (or off) the GEMV kernel for inputs of at
-    most 16 rows (``ExecutorConfig.gemv``); returns how many layers it set."""
-    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    for m in layers:
-        m.use_gemv = enabled
-    return len(layers)
+        """The torch reference; the decoder calls ``Ops.linear`` / ``Ops.gemv`` with the weights."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -408,36 +347,35 @@ class QKVParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Linear layer whose input features are split across ranks; outputs are all-reduced.
+    """Linear layer whose input features are split across ranks: each rank's output is a
+    partial sum, and the sum over ranks happens where the output goes next.
 
-    The bias is replicated but must count once in the sum over ranks: it is added
-    after the all-reduce, or, with ``reduce_results=False`` (the caller sums the
-    partial outputs), by rank 0 only.
+    In the decoder that is always a residual add + RMSNorm (``Ops.add_rms_norm``), which
+    sums the ranks' outputs in the same kernel. The bias is replicated but must count once
+    in the sum over ranks: rank 0 adds it (``partial_bias``).
 
     Args:
         input_size: input features over all ranks.
         output_size: output features (every rank produces all of them).
         bias: add a replicated bias.
         tp_rank: this rank; tp_size: number of ranks.
-        reduce_results: all-reduce the partial outputs (off: the caller reduces).
-        reduce_in_next_norm: the output goes straight into a residual add + RMSNorm
-            built with ``reduces_input``; when the fused all-reduce + norm kernel takes
-            it (``all_reduce.defers_to_norm``), that norm sums the partial outputs.
 
     Raises:
         ValueError: ``input_size`` is not divisible by ``tp_size``.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True,
-                 reduce_in_next_norm: bool = False) -> None:
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size)
         self.input_size = input_size
-        self.reduce_results = reduce_results
-        self.reduce_in_next_norm = reduce_in_next_norm
         set_weight_loader(self.weight, self.weight_loader)
         if self.bias is not None:
             set_weight_loader(self.bias, default_weight_loader)
+
+    @property
+    def partial_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds to its partial sum: the bias on rank 0, None elsewhere."""
+        return self.bias if self.tp_rank == 0 else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         """Copy this rank's columns of the full (output_size, input_size) weight.
@@ -447,29 +385,6 @@ class RowParallelLinear(LinearBase):
         """
         load_unpacked(self, param, loaded, shard_id, dim=1, full=self.input_size)
 
-    def takes_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-        """Never: the norm would come before the sum over ranks and the bias rule of :meth:`forward`."""
-        return False
-
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:  # (..., in_local) -> (..., out)
-        """``gated``: x is [gate | up] (2 x in_local wide) and the input is ``silu(gate) * up``,
-        applied inside the GEMV kernel (only where :meth:`takes_gated`)."""
-        slot = None
-        if self.tp_size > 1 and self.reduce_results and x.dim() == 2:
-            shape = (x.shape[0], self.weight.shape[0])
-            target = None
-            if self.reduce_in_next_norm and x.shape[0] == 1 and pushes() and self._gemv_takes(x, gated):
-                target = push_target(shape, x.dtype)
-            if target is not None:  # batch 1: the GEMV pushes its tiles to every rank, the norm sums them
-                bias = self.bias if self.tp_rank == 0 else None  # counted once in the sum
-                return gemv(x, self.weight, bias, out=target.out, gated=gated, push=target.channel)
-            # Large decode steps: the GEMM writes straight into the all-reduce's buffer.
-            slot = output_slot(shape, x.dtype, into_norm=self.reduce_in_next_norm)
-        y = self._linear(x, None, out=slot, gated=gated)
-        reduced = self.reduce_results and not (self.reduce_in_next_norm and defers_to_norm(y))
-        if self.tp_size > 1 and reduced:
-            y = all_reduce(y)
-        # Unreduced, y is a partial sum: only rank 0's carries the bias, so it counts once.
-        if self.bias is not None and (reduced or self.tp_rank == 0):
-            y = y + self.bias
-        return y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
+        """This rank's partial sum (the torch reference; the decoder calls ``Ops``)."""
+        return F.linear(x, self.weight, self.partial_bias)

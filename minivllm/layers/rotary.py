@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from minivllm.config import Llama3RopeScaling
-from minivllm.layers.fuse import fused
+from minivllm.kernels.reference import rope_ref
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
             ValueError: (CPU only) a position outside the cache.
         """
         self.check_positions(positions)
-        return apply_rope(positions, q, k, self.cos_sin_cache)
+        return rope_ref(positions, q, k, self.cos_sin_cache)
 
 
 def llama3_scaled_frequencies(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
@@ -94,18 +94,3 @@ def llama3_scaled_frequencies(inv_freq: torch.Tensor, scaling: Llama3RopeScaling
     between = (1 - s) * slowed + s * inv_freq
     scaled = torch.where(wavelen > context / scaling.low_freq_factor, slowed, between)
     return torch.where(wavelen < context / scaling.high_freq_factor, inv_freq, scaled)
-
-
-def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q`` (T, H, D) and ``k`` (T, Hkv, D) by ``cos_sin_cache[positions]`` (fused on CUDA)."""
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-apply_rope = fused(rope_ref)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

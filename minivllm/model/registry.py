@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from minivllm.config import ModelConfig
-from minivllm.layers.attention import AttentionBackend
+from minivllm.layers.ops import Ops
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.qwen2 import Qwen2ForCausalLM
@@ -32,12 +32,12 @@ def model_class(architecture: str) -> type[DecoderForCausalLM]:
     return MODEL_CLASSES[architecture]
 
 
-def build_model(config: ModelConfig, *, attention_backend: AttentionBackend | None = None,
+def build_model(config: ModelConfig, *, ops: Ops | None = None,
                 tp_rank: int = 0, tp_size: int = 1) -> DecoderForCausalLM:
-    """An unloaded model of ``config.architecture``'s class (weights come from ``load_weights``).
+    """An unloaded model of ``config.architecture``'s class (weights come from ``load_weights``),
+    running its ops as ``ops`` says (default: the torch references).
 
     Raises:
         ValueError: an unsupported architecture, or shapes that do not split over ``tp_size``.
     """
-    return model_class(config.architecture)(config, attention_backend=attention_backend,
-                                            tp_rank=tp_rank, tp_size=tp_size)
+    return model_class(config.architecture)(config, ops=ops, tp_rank=tp_rank, tp_size=tp_size)

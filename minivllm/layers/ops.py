@@ -1,0 +1,202 @@
+"""``Ops``: the one dispatch point between the model and the kernels.
+
+The executor builds one ``Ops`` from its config and device and hands it to the model at
+construction (``build_model``), as it hands the attention metadata to every forward. It
+says, for every fused op the model calls:
+
+- ``triton``: our Triton kernels (``minivllm/kernels/``) or their torch references;
+- ``use_gemv``: whether linear layers of at most ``MAX_ROWS`` rows take the GEMV kernel (Triton,
+  16-bit weights), which the decoder's small-batch forward uses;
+- ``pdl``: whether launches take part in programmatic dependent launch (docs/tuning.md, "PDL");
+- ``comm``: the tensor-parallel communicator, None with one rank.
+
+Nothing here or in the kernels is process-wide: two engines in one process hold two
+``Ops`` and never see each other's choices.
+
+One rule the decoder relies on: a row-parallel layer (``o_proj``, ``down_proj``) always
+feeds a residual add + RMSNorm, so its output is this rank's *partial* sum and
+``add_rms_norm`` is where the ranks' partial sums meet (one fused kernel on CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.envs import triton_interpreted
+from minivllm.kernels import reference as ref
+from minivllm.layers.all_reduce import Communicator
+
+if TYPE_CHECKING:
+    from minivllm.layers.attention import AttentionMetadata
+
+KernelsName = Literal["auto", "triton", "torch"]
+KERNELS: tuple[str, ...] = ("auto", "triton", "torch")
+# Most rows the GEMV kernel takes (tl.dot's smallest tile): the small-batch forward's limit.
+MAX_ROWS = 16
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels can run on ``device``: CUDA, or the CPU under Triton's
+    interpreter (``TRITON_INTERPRET=1``, how the CPU tests run them)."""
+    return device.type == "cuda" or triton_interpreted()
+
+
+@dataclass(frozen=True, eq=False)
+class Ops:
+    """What every fused op runs (see the module doc). Build it with :meth:`build`."""
+
+    triton: bool
+    use_gemv: bool
+    pdl: bool
+    comm: Communicator | None = None
+
+    @classmethod
+    def build(cls, kernels: str, device: torch.device, dtype: torch.dtype,
+              comm: Communicator | None = None) -> "Ops":
+        """The ops of an engine on ``device`` in ``dtype``: ``kernels`` "auto" is Triton on CUDA
+        and the torch references elsewhere; PDL is on with one rank where the GPU has it
+        (under tensor parallelism it is off: docs/tuning.md, "PDL").
+
+        Raises:
+            ValueError: an unknown ``kernels``, or "triton" where Triton cannot run.
+        """
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        if kernels == "triton" and not triton_runs_on(device):
+            raise ValueError(f"kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {device}")
+        triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+        pdl = False
+        if triton and comm is None and device.type == "cuda":
+            from minivllm.kernels._launch import pdl_supported
+            pdl = pdl_supported(device)
+        return cls(triton=triton, use_gemv=triton and dtype in GEMV_DTYPES, pdl=pdl, comm=comm)
+
+    def few_rows(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` rows takes the decoder's small-batch path."""
+        return self.use_gemv and num_tokens <= MAX_ROWS
+
+    def begin_forward(self) -> None:
+        """Called as every model forward starts (the communicator checks its state)."""
+        if self.comm is not None:
+            self.comm.begin_forward()
+
+    # ---- norms and activations ---------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of ``x`` (..., N)."""
+        if self.triton:
+            from minivllm.kernels.rms_norm import rms_norm
+            return rms_norm(x, weight, eps, pdl=self.pdl)  # type: ignore[return-value]
+        return ref.rms_norm_ref(x, weight, eps)
+
+    def add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(s), s)`` with ``s = sum over ranks of partial + residual``: with one rank
+        the residual add + RMSNorm; under tensor parallelism the all-reduce too (one kernel where
+        the communicator's fused path takes the shape)."""
+        if self.comm is not None:
+            fused = self.comm.add_rms_norm(partial, residual, weight, eps, self.pdl)
+            if fused is not None:
+                return fused
+            partial = self.comm.all_reduce(partial)
+        if self.triton:
+            from minivllm.kernels.rms_norm import rms_norm
+            return rms_norm(partial, weight, eps, residual=residual, pdl=self.pdl)  # type: ignore[return-value]
+        return ref.add_rms_norm_ref(partial, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``x = [gate | up]`` (..., 2I) -> (..., I)."""
+        if self.triton:
+            from minivllm.kernels.silu_and_mul import silu_and_mul
+            return silu_and_mul(x, pdl=self.pdl)
+        return ref.silu_and_mul_ref(x)
+
+    # ---- linear layers -------------------------------------------------------
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+             gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T (+ bias)`` for at most ``MAX_ROWS`` rows: the GEMV kernel where it takes the
+        shape, else cuBLAS (``gated``: the input is ``silu_and_mul(x)``); into ``out`` if given."""
+        from minivllm.kernels.gemv import gemv, gemv_takes
+
+        if gemv_takes(x, weight, gated=gated):
+            return gemv(x, weight, bias, out=out, gated=gated, pdl=self.pdl)
+        return self.linear(self.silu_and_mul(x) if gated else x, weight, bias, out=out)
+
+    def norm_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gemv(rms_norm(s)), s)`` with ``s`` as :meth:`add_rms_norm` sums it (residual None:
+        ``s = x``, already whole). One kernel at one row where nothing is left to sum over ranks
+        (the GEMV normalises its input row as it streams W); else the norm, then :meth:`gemv`."""
+        whole = residual is None or self.comm is None  # nothing left to sum over ranks
+        if x.shape[0] == 1 and whole:
+            from minivllm.kernels.gemv import gemv_takes, rms_norm_gemv
+
+            if gemv_takes(x, weight, norm_weight=norm_weight, residual=residual):
+                return rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, pdl=self.pdl)
+        if residual is None:
+            h, residual = self.rms_norm(x, norm_weight, eps), x
+        else:
+            h, residual = self.add_rms_norm(x, residual, norm_weight, eps)
+        return self.gemv(h, weight, bias), residual
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T (+ bias)`` by cuBLAS (or the CPU's GEMM), into ``out`` (2-D x) if given."""
+        if out is None:
+            return F.linear(x, weight, bias)
+        torch.matmul(x, weight.t(), out=out)
+        if bias is not None:
+            out += bias
+        return out
+
+    def partial_out(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a row-parallel layer writes its (rows, cols) partial sum: the communicator's
+        buffer that the next ``add_rms_norm`` reads without a copy, or None (a new tensor)."""
+        return self.comm.partial_slot((rows, cols), dtype) if self.comm is not None else None
+
+    # ---- attention ---------------------------------------------------------------
+
+    def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
+                           k_weight: torch.Tensor | None, eps: float, cos_sin_cache: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                           ) -> torch.Tensor:
+        """Per-head q/k RMSNorm (none where the weights are None) and RoPE of the packed ``qkv``
+        (T, (H + 2 Hkv) D); k and v stored at ``slot_mapping``; returns q (T, H, D)."""
+        fn = ref.qk_norm_rope_store_reference
+        if self.triton:
+            from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store as fn
+        return fn(qkv, positions, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of ``q`` (T, H, D) over each sequence's paged K/V (which hold the fed tokens
+        already): the decode kernel when every sequence feeds one token, else the prefill one."""
+        if not self.triton:  # one reference for both shapes (it syncs the host)
+            return ref.paged_attention_reference(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens,
+                                                 meta.block_tables, scale)
+        if meta.is_decode:
+            from minivllm.kernels.decode_attention import decode_attention
+            return decode_attention(q, k_cache, v_cache, meta.kv_lens, meta.block_tables, scale, pdl=self.pdl)
+        from minivllm.kernels.prefill_attention import prefill_attention
+        return prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_tables,
+                                 scale, meta.max_q_len, tile_map=meta.tile_map)
+
+    # ---- vocabulary ----------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, vocab_end: int) -> torch.Tensor:
+        """Embedding rows of ``ids`` (T,) -> (T, dim); under tensor parallelism each rank looks up
+        its vocabulary range ``[vocab_start, vocab_end)`` and the ranks' rows are summed."""
+        if self.comm is None:
+            return F.embedding(ids, weight)
+        lookup = ref.vocab_shard_embedding_reference
+        if self.triton:
+            from minivllm.kernels.vocab_embedding import vocab_shard_embedding as lookup
+        return self.comm.all_reduce(lookup(ids, weight, vocab_start, vocab_end))
