@@ -42,8 +42,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(else $MINIVLLM_API_KEY if set; neither: no key)")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, as vLLM does (the HTTP loop and the "
-                        "engine stop sharing one GIL: 0.96 of offline generate() on an H200 "
-                        "against 0.69 with --no-engine-process)")
+                        "engine stop sharing one GIL; docs/tuning.md, 'Host path')")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; a larger one is answered 413")
     _add_engine_args(s)
@@ -76,7 +75,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write the engine's traffic as a trace that python -m sim replay replays")
 
 
-def _engine_options(args: argparse.Namespace, seed: int) -> dict[str, object]:
+def _engine_options(args: argparse.Namespace, seed: int = 0) -> dict[str, object]:
     """The ``LLM`` options of the engine arguments; ``seed``: the LLM's sampler seed (a
     recorded trace's header names it)."""
     opts = {k: v for k, v in dict(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm.llm import LLM
     from minivllm.sampling import SamplingParams
 
-    opts = _engine_options(args, seed=0)  # --seed is each request's here, not the LLM's
+    opts = _engine_options(args)  # --seed is each request's here, not the LLM's
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,

@@ -12,7 +12,8 @@ import time
 from typing import Any, Sequence, Union
 
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine, TextStream
+from minivllm.engine.observer import EngineObserver
 from minivllm.executor.base import freeze_imported_objects
 from minivllm.outputs import RequestOutput
 from minivllm.sampling import RequestOutputKind, SamplingParams
@@ -32,6 +33,18 @@ CUDA_MAX_NUM_BATCHED_TOKENS = 16384
 # today's prefill tiles 25,422 and 25,471 vs 25,100 (BENCHMARKS.md, sixth session).
 # The price: prefix-cache hits come in steps of 64 tokens instead of 16.
 CUDA_BLOCK_SIZE = 64
+# Files a Hugging Face tokenizer is built from: a directory holding every file of one of
+# these sets has a tokenizer (tokenizer.json: a fast tokenizer; tokenizer.model:
+# SentencePiece; vocab.json + merges.txt: byte-level BPE; otherwise the tokenizer config
+# beside its class's vocabulary file). A config alone builds an empty tokenizer.
+TOKENIZER_FILE_SETS: tuple[tuple[str, ...], ...] = (
+    ("tokenizer.json",),
+    ("tokenizer.model",),
+    ("vocab.json", "merges.txt"),
+    *(("tokenizer_config.json", vocab) for vocab in
+      ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")),
+)
+_NO_TOKENIZER_HINT = "pass skip_tokenizer_init=True to run on token ids without one"
 
 
 def resolve_model_path(model: str) -> str:
@@ -44,11 +57,68 @@ def resolve_model_path(model: str) -> str:
         return model
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                        "tokenizer.model"])
     except Exception as e:  # any hub/network failure becomes one clear message
         raise ValueError(
             f"model {model!r} is not a local directory and could not be fetched from the "
             f"Hugging Face hub or found in its cache ({type(e).__name__}: {e})") from e
+
+
+def has_tokenizer_files(path: str) -> bool:
+    """Whether directory ``path`` holds one of ``TOKENIZER_FILE_SETS``."""
+    return any(all(os.path.isfile(os.path.join(path, f)) for f in files) for files in TOKENIZER_FILE_SETS)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The Hugging Face tokenizer of the checkpoint in directory ``path``.
+
+    A tokenizer whose every token is a special one (what transformers builds from a
+    config without vocabulary files) is refused: it would encode any text to nothing.
+
+    Raises:
+        ValueError: no tokenizer files, transformers fails to build the tokenizer from
+            them, or it has no vocabulary; the message names ``path`` and says to pass
+            ``skip_tokenizer_init=True``.
+    """
+    if not has_tokenizer_files(path):
+        wanted = " or ".join("+".join(files) for files in TOKENIZER_FILE_SETS[:3])
+        raise ValueError(f"model directory {path!r} has no tokenizer files ({wanted}, or "
+                         f"tokenizer_config.json with a vocabulary file); {_NO_TOKENIZER_HINT}")
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises OSError, ValueError, TypeError, KeyError...
+        raise ValueError(f"the tokenizer of model directory {path!r} could not be loaded "
+                         f"({type(e).__name__}: {e}); {_NO_TOKENIZER_HINT}") from e
+    num_special = len(tokenizer.added_tokens_decoder)
+    if len(tokenizer) <= num_special:
+        raise ValueError(f"the tokenizer of model directory {path!r} has no vocabulary beyond its "
+                         f"{num_special} special token(s); {_NO_TOKENIZER_HINT}")
+    return tokenizer
+
+
+class DetokenizingTextStreams:
+    """The engine's ``text_streams``: a request's incremental detokenizer from its prompt.
+
+    It holds the tokenizer only. A bound method of the ``LLM`` in its place would make
+    the engine and the LLM a reference cycle, which keeps the model (and its device
+    memory) alive after ``del llm`` until the garbage collector runs.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, prompt_token_ids: list[int]) -> TextStream:
+        from minivllm.detokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
+
+
+def _close_executor(executor: object) -> None:
+    """Free what ``executor`` holds (model, KV pool, graphs, workers), if it can be closed."""
+    close = getattr(executor, "close", None)
+    if close is not None:
+        close()
 
 
 def split_engine_options(options: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -72,13 +142,15 @@ class LLM:
         model: a local HF-format directory or a hub id.
         device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``...
         dtype: ``auto`` (bfloat16 on cuda, float32 on cpu) or a torch dtype name.
-        attention_backend: ``auto`` (triton on cuda, torch on cpu), ``torch`` or ``triton``.
+        kernels: ``auto`` (our Triton kernels on cuda, the torch references elsewhere),
+            ``triton`` or ``torch`` (``ExecutorConfig.kernels``).
         seed: seed of the sampler's generator for unseeded requests.
         skip_tokenizer_init: run without a tokenizer (token-id prompts only,
             ``text`` stays None), for checkpoints that ship none.
-        record_trace: write the engine's traffic to this JSONL file as it runs, a
-            trace in the simulator's format that ``python -m sim replay`` (``--plot``)
-            replays without the model, on any machine (``sim.recorder``).
+        observer: told of the engine's traffic as it runs (``EngineObserver``); e.g.
+            ``sim.recorder.TraceRecorder(PATH)`` writes a trace in the simulator's format
+            that ``python -m sim replay`` (``--plot``) replays without the model, on any
+            machine. ``close()`` closes it.
         **options: engine options by config field name: ``CacheConfig``
             (block_size: 64 on CUDA, else the config's 16; num_blocks,
             enable_prefix_caching), ``SchedulerConfig``
@@ -87,30 +159,24 @@ class LLM:
             CUDA) and
             ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
             tensor_parallel_size: N ranks in N processes, one GPU each on CUDA,
-            prefill_graphs: CUDA graphs of prefill and mixed steps too, on by default,
-            disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce,
-            fuse_all_reduce_norm: the TP all-reduce inside the next RMSNorm, on by default,
-            push_all_reduce: at batch 1, the row-parallel GEMV pushes its partial sums to
-            every rank and the next kernel sums them (with the former; off by default),
-            gemv: our GEMV kernel for linear layers at batch <= 16, on by default on CUDA
-            in 16 bits).
+            disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce).
 
     Raises:
-        TypeError: unknown option. ValueError: a bad option value or model.
+        TypeError: unknown option. ValueError: a bad option value or model, or a model
+            directory without a usable tokenizer (unless ``skip_tokenizer_init``).
     """
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
-                 attention_backend: str = "auto", seed: int = 0, skip_tokenizer_init: bool = False,
-                 record_trace: str | os.PathLike[str] | None = None, **options: Any) -> None:
+                 kernels: str = "auto", seed: int = 0, skip_tokenizer_init: bool = False,
+                 observer: EngineObserver | None = None, **options: Any) -> None:
         import torch
-        from transformers import AutoTokenizer
 
         from minivllm.executor.model_executor import ModelExecutor
 
         freeze_imported_objects()  # before the model exists: it stays collectable
         cache_opts, sched_opts, exec_opts = split_engine_options(options)
         executor_config = ExecutorConfig.from_dict(
-            {**exec_opts, "device": device, "dtype": dtype, "attention_backend": attention_backend, "seed": seed})
+            {**exec_opts, "device": device, "dtype": dtype, "kernels": kernels, "seed": seed})
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         path = resolve_model_path(model)
@@ -127,7 +193,7 @@ class LLM:
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
         self.scheduler_config = SchedulerConfig(**sched_opts)
         cache_config = CacheConfig(**cache_opts)
-        self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(path)
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
         executor_config = dataclasses.replace(executor_config, device=device)
         if executor_config.tensor_parallel_size > 1:
             from minivllm.executor.distributed import TPExecutor
@@ -139,31 +205,30 @@ class LLM:
         eos = self.model_config.eos_token_id
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
-        streams = self._text_stream if self.tokenizer is not None else None
-        if record_trace is None:
+        streams = DetokenizingTextStreams(self.tokenizer) if self.tokenizer is not None else None
+        try:
             self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
-                                    text_streams=streams)
-        else:
-            from sim.recorder import RecordingEngine
-            self.engine = RecordingEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
-                                          text_streams=streams, trace_path=record_trace,
-                                          vocab_size=self.model_config.vocab_size, seed=seed)
+                                    text_streams=streams, vocab_size=self.model_config.vocab_size,
+                                    observer=observer)
+        except BaseException:  # e.g. too many num_blocks: no LLM owns the executor to close it
+            _close_executor(executor)
+            raise
         self._next_request = 0
-
-    def _text_stream(self, prompt_token_ids: list[int]) -> Any:
-        """A request's incremental text (the engine watches it for stop strings)."""
-        from minivllm.detokenizer import IncrementalDetokenizer
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
+        self._closed = False
 
     # ---- lifecycle ----------------------------------------------------------
 
     def close(self) -> None:
-        """Release the executor's processes (tensor parallelism); idempotent. Also runs at
-        interpreter exit, and on leaving a ``with LLM(...) as llm:`` block."""
-        for owner in (self.engine.executor, self.engine):  # the engine: a trace being recorded
-            close = getattr(owner, "close", None)
-            if close is not None:
-                close()
+        """Close the engine (its observer: a trace being recorded) and the executor (the
+        model, KV pool, CUDA graphs, tensor-parallel workers); idempotent. Runs on leaving
+        a ``with LLM(...) as llm:`` block; afterwards ``generate()`` raises RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.close()
+        finally:
+            _close_executor(self.engine.executor)
 
     def __enter__(self) -> "LLM":
         return self
@@ -206,7 +271,13 @@ class LLM:
         Every prompt is checked before any is queued: a bad one raises
         ``ValueError``/``TypeError`` naming its index, nothing of this call is
         queued, and the engine stays ready for the next call.
+
+        Raises:
+            RuntimeError: the LLM is closed.
         """
+        if self._closed:
+            raise RuntimeError("this LLM is closed (close() was called, or its with-block ended): "
+                               "build a new LLM to generate")
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]

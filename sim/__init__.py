@@ -1,6 +1,6 @@
 """The CPU simulator: the real engine driven by a fake numpy model (never imports torch).
 
-- ``fake_executor``: ``FakeExecutor`` and ``fake_next_token`` (DESIGN.md, "The fake model").
+- ``fake_executor``: ``FakeExecutor`` and ``fake_next_token`` (``docs/design.md``, "The simulator").
 - ``oracle``: what each request must produce, computed without paging or batching.
 - ``traces``: the JSONL trace format and the random trace generator.
 - ``runner``: runs a trace through ``LLMEngine`` and checks every step; record / replay.

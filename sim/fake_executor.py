@@ -5,7 +5,7 @@ was ever written). Each step it writes the fed token ids at the plan's slots and
 for every sequence that samples, reads the whole context back *through its block
 table* and returns ``fake_next_token(context)``. A paging bug (wrong slot, stale
 block, missing write, block freed too early) changes what is read back, so the
-output differs from the unpaged oracle's. See DESIGN.md, "The fake model".
+output differs from the unpaged oracle's. See ``docs/design.md``, "The simulator".
 
 Steps are deferred as on one CUDA stream: ``submit`` queues a plan, and a step
 is computed, in submission order, when its result (or a later step's) is
@@ -34,8 +34,9 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from minivllm.engine.plan import StepPlan, StepResult, TokenLogprobs
+from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
+from minivllm.step_types import TokenLogprobs
 
 
 def fake_next_token(context: Sequence[int] | np.ndarray, vocab_size: int) -> int:

@@ -1,8 +1,8 @@
 """The unpaged oracle: what every request must produce, whatever the scheduling.
 
 It runs ``fake_next_token`` on the plain token list (no blocks, no batching) and
-applies DESIGN.md's finishing rules, so any paging or scheduling bug shows up as
-a difference between the engine's output and the oracle's.
+applies the finishing rules of ``docs/design.md`` ("Scheduler"), so any paging or
+scheduling bug shows up as a difference between the engine's output and the oracle's.
 """
 
 from __future__ import annotations

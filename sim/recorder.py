@@ -1,11 +1,11 @@
 """Traces of live traffic: record a real engine's run, replay it on the fake model.
 
-``RecordingEngine`` (``LLM(..., record_trace=PATH)``, ``python -m minivllm serve
---record-trace PATH``) is an ``LLMEngine`` that writes, as it runs, a trace in
-the simulator's format (``sim.traces``): the config with the pool it really got,
-every add and abort with the step it came before, and one expect line per
-``step()`` (``engine.last_step``: scheduled, preempted, finished with the tokens
-and finish reasons, free blocks, token counters).
+``TraceRecorder`` (``LLM(..., observer=TraceRecorder(PATH))``, ``python -m minivllm
+serve --record-trace PATH``) is the engine's observer (``minivllm.engine.observer``)
+that writes, as the engine runs, a trace in the simulator's format (``sim.traces``):
+the config with the pool it really got, every add and abort with the step it came
+before, and one expect line per ``step()`` (``engine.last_step``: scheduled,
+preempted, finished with the tokens and finish reasons, free blocks, token counters).
 
 Only what changes the engine is recorded: an add that was refused, an abort of a
 finished request and a ``step()`` of an idle engine change nothing and are left
@@ -35,20 +35,23 @@ import json
 import os
 from typing import IO, Any, Sequence
 
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.outputs import RequestOutput, sequence_name
+from minivllm.engine.llm_engine import LLMEngine, StepRecord
+from minivllm.outputs import sequence_name
 from minivllm.sampling import SamplingParams
 from sim.oracle import fake_text, is_stop_token
 from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
 
 
-class RecordingEngine(LLMEngine):
-    """An ``LLMEngine`` that writes its traffic to a JSONL trace as it runs.
+class TraceRecorder:
+    """An ``EngineObserver`` that writes an engine's traffic to a JSONL trace as it runs.
+
+    Pass it to ``LLMEngine(observer=...)`` or ``LLM(observer=...)``; the engine needs a
+    ``vocab_size`` (``LLM`` gives the model's). It opens the file when attached, so it
+    can be built, and pickled, before the engine exists (the server builds its engine
+    in another process).
 
     Args:
-        *args, **kwargs: those of ``LLMEngine``.
         trace_path: the JSONL file (overwritten).
-        vocab_size: the model's vocabulary (the fake model's, on replay).
         seed: written in the header (the live sampler's seed; informative only).
 
     The header is written with the first recorded event, so the scheduling mode
@@ -56,72 +59,71 @@ class RecordingEngine(LLMEngine):
     are flushed whenever the engine is idle and by ``close()``.
     """
 
-    def __init__(self, *args: Any, trace_path: str | os.PathLike[str], vocab_size: int, seed: int = 0,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, trace_path: str | os.PathLike[str], seed: int = 0) -> None:
         self.trace_path = os.fspath(trace_path)
-        self._vocab_size = vocab_size
         self._seed = seed
-        self._file: IO[str] = open(self.trace_path, "w", encoding="utf-8")
+        self._file: IO[str] | None = None
         self._started = False
-        self._num_steps = 0   # step() calls so far: the step of the next input event
+        self._num_steps = 0   # recorded steps so far: the step of the next input event
 
-    def _write(self, line: dict[str, Any]) -> None:
+    def attach(self, engine: LLMEngine) -> None:
+        """Open the trace file for ``engine``.
+
+        Raises:
+            ValueError: the engine has no ``vocab_size``. RuntimeError: already attached.
+        """
+        if self._file is not None:
+            raise RuntimeError(f"TraceRecorder({self.trace_path!r}) already records an engine")
+        if engine.vocab_size is None:
+            raise ValueError("TraceRecorder: the engine has no vocab_size, and a trace needs it")
+        self._file = open(self.trace_path, "w", encoding="utf-8")
+
+    def _write(self, engine: LLMEngine, line: dict[str, Any]) -> None:
+        assert self._file is not None, "attach() opens the file before any event"
         if not self._started:
             self._started = True
-            self._write_line(self._header())
-        self._write_line(line)
-
-    def _write_line(self, line: dict[str, Any]) -> None:
+            self._file.write(json.dumps(self._header(engine)) + "\n")
         self._file.write(json.dumps(line) + "\n")
 
-    def _header(self) -> dict[str, Any]:
-        cache = dataclasses.replace(self.cache_config, num_blocks=self.num_blocks)
-        return Trace(seed=self._seed, cache=cache, scheduler=self.scheduler_config,
-                     executor_num_blocks=self.num_blocks, vocab_size=self._vocab_size,
-                     eos_token_id=self.eos_token_id, events=(), fake_model="recorded").header()
+    def _header(self, engine: LLMEngine) -> dict[str, Any]:
+        assert engine.vocab_size is not None
+        cache = dataclasses.replace(engine.cache_config, num_blocks=engine.num_blocks)
+        return Trace(seed=self._seed, cache=cache, scheduler=engine.scheduler_config,
+                     executor_num_blocks=engine.num_blocks, vocab_size=engine.vocab_size,
+                     eos_token_id=engine.eos_token_id, events=(), fake_model="recorded").header()
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams | None = None) -> None:
-        """``LLMEngine.add_request``; an accepted request is recorded."""
-        super().add_request(request_id, prompt_token_ids, sampling_params)
-        params = SamplingParams() if sampling_params is None else sampling_params
-        self._write(AddEvent(self._num_steps, request_id, tuple(int(t) for t in prompt_token_ids),
-                             params).to_json())
+    def on_add_request(self, engine: LLMEngine, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams) -> None:
+        """An accepted request, at the step it came before."""
+        self._write(engine, AddEvent(self._num_steps, request_id, tuple(int(t) for t in prompt_token_ids),
+                                     params).to_json())
 
-    def abort_request(self, request_id: str) -> bool:
-        """``LLMEngine.abort_request``; recorded when it aborted something."""
-        aborted = super().abort_request(request_id)
-        if aborted:
-            self._write(AbortEvent(self._num_steps, request_id).to_json())
-        return aborted
+    def on_abort_request(self, engine: LLMEngine, request_id: str) -> None:
+        """An abort that aborted something."""
+        self._write(engine, AbortEvent(self._num_steps, request_id).to_json())
 
-    def step(self) -> list[RequestOutput]:
-        """``LLMEngine.step``, recorded as an expect line unless the engine was idle."""
-        if not self.has_unfinished_requests():
-            return super().step()
-        outputs = super().step()
-        assert self.last_step is not None, "step() always records its decisions"
-        self._write(ExpectEvent.from_record(self._num_steps, self.last_step).to_json())
+    def on_step(self, engine: LLMEngine, record: StepRecord) -> None:
+        """A step of a busy engine, as an expect line."""
+        self._write(engine, ExpectEvent.from_record(self._num_steps, record).to_json())
         self._num_steps += 1
-        if not self.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            assert self._file is not None
             self._file.flush()
-        return outputs
 
-    def set_async_scheduling(self, on: bool) -> None:
-        """``LLMEngine.set_async_scheduling``, before any traffic only: a trace has one config.
+    def on_set_async_scheduling(self, engine: LLMEngine, on: bool) -> None:
+        """Allowed before any traffic only: a trace has one config.
 
         Raises:
             RuntimeError: the trace already holds events in the other mode.
         """
-        if self._started and on != self.async_scheduling:
+        if self._started and on != engine.async_scheduling:
             raise RuntimeError(f"set_async_scheduling: the trace {self.trace_path} is recorded with "
-                               f"async_scheduling={self.async_scheduling}; it cannot change mid-trace")
-        super().set_async_scheduling(on)
+                               f"async_scheduling={engine.async_scheduling}; it cannot change mid-trace")
 
     def close(self) -> None:
         """Flush and close the trace file (idempotent)."""
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def recorded_contexts(trace: Trace) -> dict[str, tuple[int, ...]]:

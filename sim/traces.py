@@ -1,6 +1,6 @@
 """Traces: a config plus timed input events (and, when recorded, expected decisions).
 
-On disk a trace is JSONL (DESIGN.md, "Traces")::
+On disk a trace is JSONL (``docs/design.md``, "The simulator")::
 
     {"version": 1, "seed": 7, "config": {"cache": {..}, "scheduler": {..}}, "vocab_size": 97, "eos_token_id": 3}
     {"step": 0, "op": "add", "request_id": "r0", "prompt_token_ids": [..], "sampling": {..}}
@@ -41,7 +41,7 @@ from minivllm.sampling import SamplingParams
 TRACE_VERSION = 1
 
 # What the fake executor returns when a sequence samples: ``hash``, the fake model of
-# DESIGN.md; ``recorded``, the tokens a live run sampled (traces of real traffic).
+# docs/design.md; ``recorded``, the tokens a live run sampled (traces of real traffic).
 FakeModel = Literal["hash", "recorded"]
 
 

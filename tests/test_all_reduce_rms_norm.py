@@ -90,11 +90,14 @@ def test_in_place_skips_the_copy() -> None:
     pads = [torch.zeros(signal_pad_numel(2), dtype=torch.int32) for _ in range(2)]
     want = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
     got = all_reduce_add_rms_norm(parts[0], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads), 0, 2,
-                                  sync=False, in_place=True)
+                                  buf_offset=0, in_place=True, sync=False)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     assert torch.isnan(bufs[0]).all()
-    all_reduce_add_rms_norm(parts[0], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads), 0, 2, sync=False)
+    # pdl=True (let the next kernel start early) is the plain launch off a GPU
+    again = all_reduce_add_rms_norm(parts[0], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads), 0, 2,
+                                    buf_offset=0, in_place=False, pdl=True, sync=False)
     assert torch.equal(bufs[0], parts[0].reshape(-1))  # copied when not in place
+    assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
 
 
 def test_barrier_flags_follow_the_protocol() -> None:
@@ -114,7 +117,7 @@ def test_barrier_flags_follow_the_protocol() -> None:
             flag(pads[0], pid, 1, world).fill_(epoch)  # rank 1's signals, sent earlier
         for rank in range(world):
             got = all_reduce_add_rms_norm(parts[rank], residual, weight, 1e-6, ptr_table(bufs), ptr_table(pads),
-                                          rank, world, sync=True)
+                                          rank, world, buf_offset=0, in_place=False)
             torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
             torch.testing.assert_close(got[0], want[0], **NORM_TOLERANCE[torch.float32])
         for pid in range(rows):
@@ -139,7 +142,7 @@ def test_a_peer_one_call_ahead_passes_the_barrier() -> None:
 
     def call() -> None:
         all_reduce_add_rms_norm(parts[0], torch.zeros(rows, hidden), torch.ones(hidden), 1e-6, ptr_table(bufs),
-                                ptr_table(pads), 0, world, sync=True)
+                                ptr_table(pads), 0, world, buf_offset=0, in_place=False)
         done.set()
 
     threading.Thread(target=call, daemon=True).start()
@@ -150,116 +153,88 @@ def test_a_peer_one_call_ahead_passes_the_barrier() -> None:
 def test_bad_arguments_are_named() -> None:
     x = torch.zeros(2, 8)
     ptrs = torch.zeros(2, dtype=torch.int64)
+    kw = dict(buf_offset=0, in_place=False)
     with pytest.raises(ValueError, match="rank 2 of 2"):
-        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 2, 2)
+        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 2, 2, **kw)
     with pytest.raises(TypeError, match="buf_ptrs"):
-        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs.int(), ptrs, 0, 2)
+        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs.int(), ptrs, 0, 2, **kw)
     with pytest.raises(ValueError, match="weight"):
-        all_reduce_add_rms_norm(x, x, torch.ones(4), 1e-6, ptrs, ptrs, 0, 2)
+        all_reduce_add_rms_norm(x, x, torch.ones(4), 1e-6, ptrs, ptrs, 0, 2, **kw)
     with pytest.raises(ValueError, match="contiguous"):
-        all_reduce_add_rms_norm(x.t(), x.t(), torch.ones(2), 1e-6, ptrs, ptrs, 0, 2)
+        all_reduce_add_rms_norm(x.t(), x.t(), torch.ones(2), 1e-6, ptrs, ptrs, 0, 2, **kw)
+    with pytest.raises(ValueError, match="buf_offset"):
+        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 0, 2, buf_offset=-1, in_place=False)
+    with pytest.raises(TypeError, match="buf_offset"):  # the caller always names its half
+        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 0, 2, in_place=False)
 
 
-def test_the_path_alternates_halves_and_knows_a_gemm_wrote_in_place(monkeypatch) -> None:
-    """``SymmMemAllReduce``'s fused calls (its buffer and tables faked on the CPU, the
-    kernel recorded): consecutive calls use the two halves in turn, ``fused_slot`` offers
-    the half the next call uses, and x written there is passed as in place (no copy);
-    shapes the kernel cannot take (3-D, wider than the norm kernel, another dtype, more
-    than a half) are not offered and not deferred."""
-    import minivllm.kernels.all_reduce_rms_norm as kernel_mod
-    from minivllm.kernels.rms_norm import MAX_HIDDEN
+def fake_symm(half: int = 1 << 16) -> object:
+    """A ``SymmMemAllReduce`` with its buffer and tables faked on the CPU (no symmetric memory)."""
     from minivllm.layers import all_reduce as ar
 
-    calls = []
-    monkeypatch.setattr(kernel_mod, "all_reduce_add_rms_norm",
-                        lambda x, *args, buf_offset, in_place, warm, warm_bytes:
-                        calls.append((buf_offset, in_place)) or (x, x))
     path = object.__new__(ar.SymmMemAllReduce)
-    half = 1 << 16
-    path.dtype, path.max_numel, path.fuses_norm, path.pushes, path._half = torch.bfloat16, half, True, False, 0
+    path.dtype, path.max_numel, path.half = torch.bfloat16, half, 0
     path.fused_buffer = torch.zeros(2 * half, dtype=torch.bfloat16)
     path.buf_ptrs = path.pad_ptrs = None
     path.rank, path.world_size = 0, 2
-    weight = torch.ones(8, dtype=torch.bfloat16)
-    for i in range(4):
-        slot = path.fused_slot((4, 8), torch.bfloat16)
-        assert slot.data_ptr() == path.fused_buffer[(i % 2) * half:].data_ptr()
-        x = slot if i < 2 else torch.zeros(4, 8, dtype=torch.bfloat16)
-        path.add_rms_norm(x, x, weight, 1e-6)
-    assert calls == [(0, True), (half, True), (0, False), (half, False)]
-    monkeypatch.setattr(ar, "_installed", path)
-    assert ar.defers_to_norm(torch.zeros(8, 8, dtype=torch.bfloat16))
-    assert ar.output_slot((8, 8), torch.bfloat16, into_norm=True) is not None
-    for shape, dtype in [((2, 4, 8), torch.bfloat16), ((1, MAX_HIDDEN * 2), torch.bfloat16),
-                         ((4, 8), torch.float16), ((half // 8 + 2, 8), torch.bfloat16)]:
-        assert path.fused_slot(shape, dtype) is None, (shape, dtype)
-        assert not ar.defers_to_norm(torch.zeros(shape, dtype=dtype)), (shape, dtype)
-    assert not ar.defers_to_norm(torch.zeros(8, 4, dtype=torch.bfloat16).t())  # not contiguous
+    return path
 
 
-def test_one_row_calls_warm_l2_with_the_next_weight_when_asked(monkeypatch) -> None:
-    """``MINIVLLM_AR_WARM_MB`` (read once) sets how much of the next layer's weight a one-row
-    fused call asks L2 for; more rows, no weight or the variable unset ask nothing; a value
-    that is not a whole number of MB is refused by name. The launcher checks ``warm``."""
+def test_the_path_alternates_halves_and_knows_a_gemm_wrote_in_place(monkeypatch) -> None:
+    """``SymmMemAllReduce``'s fused calls (the kernel recorded): consecutive calls use the
+    two halves in turn, ``partial_slot`` offers the half the next call uses, and x written
+    there is passed as in place (no copy); shapes the kernel cannot take (3-D, wider than
+    the norm kernel, another dtype, more than a half) are not offered, and the communicator
+    leaves them to a plain all-reduce (None)."""
     import minivllm.kernels.all_reduce_rms_norm as kernel_mod
-    from minivllm.layers import all_reduce as ar
+    from minivllm.kernels.rms_norm import MAX_HIDDEN
+    from minivllm.layers.all_reduce import Communicator
 
     calls = []
     monkeypatch.setattr(kernel_mod, "all_reduce_add_rms_norm",
-                        lambda x, *args, warm, warm_bytes, **kw: calls.append((warm, warm_bytes)) or (x, x))
-    path = object.__new__(ar.SymmMemAllReduce)
-    path.dtype, path.max_numel, path.fuses_norm, path.pushes, path._half = torch.bfloat16, 256, True, False, 0
-    path.fused_buffer = torch.zeros(512, dtype=torch.bfloat16)
-    path.buf_ptrs = path.pad_ptrs = None
-    path.rank, path.world_size = 0, 2
-    nxt, norm_w = torch.zeros(16, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
-    one, two = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16)
-    for env, want in ((None, 0), ("16", 16_000_000)):
-        ar.warm_l2_bytes.cache_clear()
-        monkeypatch.delenv(ar.WARM_ENV, raising=False)
-        if env:
-            monkeypatch.setenv(ar.WARM_ENV, env)
-        calls.clear()
-        for x, warm in ((one, nxt), (two, nxt), (one, None)):
-            path.add_rms_norm(x, x, norm_w, 1e-6, warm)
-        assert calls == [(nxt if want else None, want), (None, 0), (None, 0)]
-    monkeypatch.setenv(ar.WARM_ENV, "1.5")
-    ar.warm_l2_bytes.cache_clear()
-    with pytest.raises(ValueError, match=ar.WARM_ENV):
-        path.add_rms_norm(one, one, norm_w, 1e-6, nxt)
-    ar.warm_l2_bytes.cache_clear()
-    x, ptrs = torch.zeros(1, 8), torch.zeros(2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="warm"):
-        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 0, 2, warm=torch.zeros(8, 4).t(),
-                                warm_bytes=16)
-    with pytest.raises(ValueError, match="warm_bytes"):
-        all_reduce_add_rms_norm(x, x, torch.ones(8), 1e-6, ptrs, ptrs, 0, 2, warm=torch.zeros(4), warm_bytes=-1)
+                        lambda x, *args, buf_offset, in_place, pdl: calls.append((buf_offset, in_place)) or (x, x))
+    half = 1 << 16
+    path = fake_symm(half)
+    weight = torch.ones(8, dtype=torch.bfloat16)
+    for i in range(4):
+        slot = path.partial_slot((4, 8), torch.bfloat16)
+        assert slot.data_ptr() == path.fused_buffer[(i % 2) * half:].data_ptr()
+        x = slot if i < 2 else torch.zeros(4, 8, dtype=torch.bfloat16)
+        path.add_rms_norm(x, x, weight, 1e-6, pdl=False)
+    assert calls == [(0, True), (half, True), (0, False), (half, False)]
+    comm = Communicator(0, 2, path)
+    assert comm.partial_slot((8, 8), torch.bfloat16) is not None
+    for shape, dtype in [((2, 4, 8), torch.bfloat16), ((1, MAX_HIDDEN * 2), torch.bfloat16),
+                         ((4, 8), torch.float16), ((half // 8 + 2, 8), torch.bfloat16)]:
+        assert path.partial_slot(shape, dtype) is None, (shape, dtype)
+        x = torch.zeros(shape, dtype=dtype)
+        assert comm.add_rms_norm(x, x, weight, 1e-6, False) is None, (shape, dtype)
+    x = torch.zeros(8, 4, dtype=torch.bfloat16).t()
+    assert comm.add_rms_norm(x, x, weight, 1e-6, False) is None  # not contiguous
+    assert len(calls) == 4
 
 
 def test_a_forward_refuses_halves_out_of_step(monkeypatch) -> None:
     """Every model forward starts by checking that the fused path is on its first half
     (an even number of fused calls a forward); on the second it raises instead of racing.
     The check runs in the decoder's forward (the tiny fixture model, one step)."""
-    from minivllm.layers import all_reduce as ar
-
-    path = object.__new__(ar.SymmMemAllReduce)
-    path.fuses_norm, path._half = True, 1
-    monkeypatch.setattr(ar, "_installed", path)
-    with pytest.raises(RuntimeError, match="out of step"):
-        ar.check_forward_start()
-    path._half = 0
-    ar.check_forward_start()
-    monkeypatch.setattr(ar, "_installed", None)
-
     import os
 
+    from minivllm.layers.all_reduce import Communicator
     from model_utils import make_model_executor, make_plan
 
+    path = fake_symm()
+    comm = Communicator(0, 2, path)
+    path.half = 1
+    with pytest.raises(RuntimeError, match="out of step"):
+        comm.begin_forward()
+    path.half = 0
+    comm.begin_forward()
+
     calls = []
-    real = ar.check_forward_start
-    monkeypatch.setattr(ar, "check_forward_start", lambda: (calls.append(1), real())[1])
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
     ex = make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64,
-                             device="cpu", attention_backend="torch")
+                             device="cpu", kernels="torch")
+    monkeypatch.setattr(type(ex.model.ops), "begin_forward", lambda self: calls.append(1))
     ex.compute_logits(make_plan([([5, 9, 11], 0, (0,), True)], 16))
     assert calls == [1]

@@ -1,5 +1,5 @@
 """The GEMV kernel (``kernels/gemv.py``, TRITON_INTERPRET=1 here) against ``F.linear``, the
-rules of when the linear layers take it, and a model whose layers take it."""
+rules of when ``Ops`` takes it, and a model whose layers take it."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minivllm.kernels.gemv import (  # noqa: E402
-    FEW_ROWS_CONFIG, MAX_ROWS, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes, tma_allowed,
+    FEW_ROWS_CONFIG, MAX_ROWS, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes,
 )
-from minivllm.layers import linear as linear_mod  # noqa: E402
-from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear, use_gemv  # noqa: E402
+from minivllm.layers.ops import Ops  # noqa: E402
 
 # One output rounding of the fp32 result (the interpreter truncates bf16 casts: up to one
 # ulp, 2**-7 relative, where CUDA rounds to half an ulp).
@@ -26,8 +25,10 @@ ANY_ONE_ROW = GemvConfig(block_k=32, min_programs=1, one_row=True)
 
 
 def small_tiles(monkeypatch, calls: list, block_n: int = 16, block_k: int = 32) -> None:
-    """Route the linear layers' kernels through small tiles (``min_programs`` 1) on the path the
+    """Route ``Ops``' GEMV calls through small tiles (``min_programs`` 1) on the path the
     defaults take for x's row count, recording (rows, kind) per call: "gemv", "gated" or "normed"."""
+    from minivllm.kernels import gemv as linear_mod
+
     real_gemv, real_normed = linear_mod.gemv, linear_mod.rms_norm_gemv
     few = GemvConfig(block_n=block_n, block_k=block_k, min_programs=1)
     one = dataclasses.replace(few, one_row=True)
@@ -35,13 +36,13 @@ def small_tiles(monkeypatch, calls: list, block_n: int = 16, block_k: int = 32) 
     def config(x):
         return one if x.shape[0] == 1 else few
 
-    def gemv_(x, w, b, out=None, gated=False):
+    def gemv_(x, w, b, out=None, gated=False, pdl=False):
         calls.append((x.shape[0], "gated" if gated else "gemv"))
-        return real_gemv(x, w, b, config(x), out=out, gated=gated)
+        return real_gemv(x, w, b, config(x), out=out, gated=gated, pdl=pdl)
 
-    def normed_(x, residual, norm_weight, eps, w, b):
+    def normed_(x, residual, norm_weight, eps, w, b, pdl=False):
         calls.append((x.shape[0], "normed"))
-        return real_normed(x, residual, norm_weight, eps, w, b, config(x))
+        return real_normed(x, residual, norm_weight, eps, w, b, config(x), pdl=pdl)
 
     monkeypatch.setattr(linear_mod, "gemv", gemv_)
     monkeypatch.setattr(linear_mod, "rms_norm_gemv", normed_)
@@ -73,17 +74,6 @@ def expect_linear(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 def test_gemv_is_f_linear(dtype, m, n, k, bias) -> None:
     x, w, b = operands(m, n, k, dtype, bias)
     expect_linear(gemv(x, w, b, ANY), x, w, b)
-
-
-@pytest.mark.parametrize("n,k", [(64, 96), (50, 136), (40, 24)])
-def test_tma_path_is_the_pointer_path(n, k) -> None:
-    """W tiles by tensor-memory copy (boxes zero-filled past N and K): the same bits as
-    pointer loads, a partial last block and a K tail included."""
-    x, w, b = operands(5, n, k, torch.bfloat16, True, seed=n)
-    tma = GemvConfig(block_k=32, min_programs=1, tma=True)
-    assert tma_allowed(w)
-    expect_linear(gemv(x, w, b, tma), x, w, b)
-    assert torch.equal(gemv(x, w, b, tma), gemv(x, w, b, ANY))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -163,23 +153,9 @@ def test_out_receives_the_result() -> None:
         gemv(x, w, b, ANY, out=torch.empty(3, 48))
 
 
-@pytest.mark.parametrize("one_row,tma", [(True, False), (False, False), (False, True)])
-@pytest.mark.parametrize("k", [24, 64, 100])
-def test_prefetch_gives_the_same_bits(one_row: bool, tma: bool, k: int) -> None:
-    """``prefetch`` (the first W tile loaded before the wait for the previous kernel, with
-    programmatic dependent launch on a GPU) sums in the same order: the same bits, for K
-    inside one step (only the prefetched tile), a whole number of steps, and a tail."""
-    x, w, b = operands(1 if one_row else 5, 48, k, torch.bfloat16, True, seed=k)
-    plain = GemvConfig(block_k=32, min_programs=1, one_row=one_row, tma=tma)
-    fetched = GemvConfig(block_k=32, min_programs=1, one_row=one_row, tma=tma, prefetch=True)
-    y = gemv(x, w, b, fetched)
-    expect_linear(y, x, w, b)
-    assert torch.equal(y, gemv(x, w, b, plain))
-
-
-@pytest.mark.parametrize("m,one_row,tma", [(1, True, False), (1, False, False), (5, False, False), (5, False, True)])
+@pytest.mark.parametrize("m,one_row", [(1, True), (1, False), (5, False)])
 @pytest.mark.parametrize("k", [64, 100])
-def test_gated_input_is_the_silu_and_mul_kernel_s_output(m: int, one_row: bool, tma: bool, k: int) -> None:
+def test_gated_input_is_the_silu_and_mul_kernel_s_output(m: int, one_row: bool, k: int) -> None:
     """``gated``: x = [gate | up] and the input silu(gate) * up, computed inside: the same bits
     as the SiLU-and-mul kernel followed by the plain GEMV (each path, K a whole number of
     steps and with a tail, the padding rows of the tensor-core path included)."""
@@ -188,7 +164,7 @@ def test_gated_input_is_the_silu_and_mul_kernel_s_output(m: int, one_row: bool, 
     gen = torch.Generator().manual_seed(k + m)
     x = (2 * torch.randn(m, 2 * k, generator=gen)).to(torch.bfloat16)
     _, w, b = operands(m, 48, k, torch.bfloat16, True, seed=k)
-    config = GemvConfig(block_k=32, min_programs=1, one_row=one_row, tma=tma)
+    config = GemvConfig(block_k=32, min_programs=1, one_row=one_row)
     y = gemv(x, w, b, config, gated=True)
     assert torch.equal(y, gemv(silu_and_mul(x), w, b, config))
     expect_linear(y, silu_and_mul(x), w, b)
@@ -201,13 +177,14 @@ def test_gated_input_is_the_silu_and_mul_kernel_s_output(m: int, one_row: bool, 
 
 
 @pytest.mark.parametrize("k,norm_block", [(64, 2048), (100, 2048), (100, 32), (96, 32)])
-@pytest.mark.parametrize("residual,bias,prefetch", [(True, True, False), (False, False, False), (True, False, True)])
+@pytest.mark.parametrize("residual,bias", [(True, True), (False, False), (True, False)])
 def test_normed_input_is_the_rms_norm_kernel_s_output(monkeypatch, k: int, norm_block: int, residual: bool,
-                                                      bias: bool, prefetch: bool) -> None:
+                                                      bias: bool) -> None:
     """``rms_norm_gemv``: the residual add + RMSNorm inside the one-row GEMV gives the RMSNorm
     kernel's new residual bit for bit and, here (the interpreter sums in numpy's order), the
-    same bits as that kernel followed by the plain GEMV: K a whole number of steps or not, the
-    statistics pass in one step or several, with and without residual, bias and prefetch."""
+    same bits as that kernel followed by the plain GEMV: K a whole number of steps or not (the
+    first W tile is loaded before the statistics pass, the rest in the loop), the statistics
+    pass in one step or several, with and without residual and bias."""
     import minivllm.kernels.gemv as gemv_mod
     from minivllm.kernels.gemv import rms_norm_gemv
     from minivllm.kernels.rms_norm import rms_norm
@@ -218,8 +195,7 @@ def test_normed_input_is_the_rms_norm_kernel_s_output(monkeypatch, k: int, norm_
     r = torch.randn(1, k, generator=gen).to(torch.bfloat16) if residual else None
     nw = (1 + 0.2 * torch.randn(k, generator=gen)).to(torch.bfloat16)
     _, w, b = operands(1, 48, k, torch.bfloat16, bias, seed=k)
-    config = dataclasses.replace(ANY_ONE_ROW, prefetch=prefetch)
-    y, s = rms_norm_gemv(x, r, nw, 1e-6, w, b, config)
+    y, s = rms_norm_gemv(x, r, nw, 1e-6, w, b, ANY_ONE_ROW)
     h, s_ref = rms_norm(x, nw, 1e-6, residual=r) if residual else (rms_norm(x, nw, 1e-6), x)
     assert torch.equal(s, s_ref) and (s is x) == (not residual)
     assert torch.equal(y, gemv(h, w, b, ANY_ONE_ROW))
@@ -256,52 +232,48 @@ def test_normed_input_takes_one_row_on_the_one_row_path_only() -> None:
         rms_norm_gemv(x, x.half(), nw, 1e-6, w, config=ANY_ONE_ROW)
 
 
-def test_row_parallel_layers_never_take_the_norm() -> None:
-    """A norm before a row-parallel layer would come before its sum over ranks: refused."""
-    down = RowParallelLinear(64, 48).to(torch.bfloat16)
-    use_gemv(down)
-    x = torch.randn(1, 64).to(torch.bfloat16)
-    assert not down.takes_normed(x, torch.ones(64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="takes_normed"):
-        down.normed(x, None, torch.ones(64, dtype=torch.bfloat16), 1e-6)
+TRITON_OPS = Ops(triton=True, use_gemv=True, pdl=False)
 
 
-def test_norm_goes_into_the_projection_unless_it_reduces_ranks(monkeypatch) -> None:
-    """``RMSNorm.into``: at one row with the kernel on, one ``rms_norm_gemv`` call; where x holds
-    ranks' partial sums for the norm to reduce (``defers_to_norm``), the fused all-reduce +
-    norm, then the layer; off, the norm module then the layer. The same results each way."""
-    from minivllm.layers import norm as norm_mod
-    from minivllm.layers.norm import RMSNorm
+def test_norm_goes_into_the_gemv_at_one_row_when_nothing_is_left_to_sum(monkeypatch) -> None:
+    """``Ops.norm_gemv``: at one row one ``rms_norm_gemv`` call (residual None: s is x itself);
+    more rows, or a partial sum still to be summed over ranks (a communicator and a
+    residual): the norm, then the GEMV. The same
+    results each way, and as the torch references give."""
+    from minivllm.kernels.reference import add_rms_norm_ref
+    from minivllm.layers.all_reduce import Communicator
 
     calls: list[tuple[int, str]] = []
     small_tiles(monkeypatch, calls)
     torch.manual_seed(0)
-    norm = RMSNorm(64, 1e-6, reduces_input=True).to(torch.bfloat16)
-    torch.nn.init.normal_(norm.weight, 1.0, 0.2)
-    qkv = MergedColumnParallelLinear(64, [48, 48]).to(torch.bfloat16)
-    torch.nn.init.normal_(qkv.weight, std=0.1)
+    nw = (1.0 + 0.2 * torch.randn(64)).to(torch.bfloat16)
+    w = (0.1 * torch.randn(96, 64)).to(torch.bfloat16)
     x, r = torch.randn(1, 64).to(torch.bfloat16), torch.randn(1, 64).to(torch.bfloat16)
-    plain_y, plain_s = norm.into(qkv, x, r)                     # kernel off: norm, then cuBLAS
-    assert calls == [] and torch.equal(plain_s, x + r)
-    use_gemv(qkv)
-    y, s = norm.into(qkv, x, r)
+    want_h, want_s = add_rms_norm_ref(x, r, nw, 1e-6)
+    want_y = F.linear(want_h, w)
+    y, s = TRITON_OPS.norm_gemv(x, r, nw, 1e-6, w, None)
     assert calls == [(1, "normed")]
     # (the interpreter truncates bf16 casts where torch rounds: one ulp apart at most)
-    torch.testing.assert_close(s.float(), plain_s.float(), rtol=2 ** -7, atol=0)
-    torch.testing.assert_close(y.float(), plain_y.float(), rtol=2 ** -6, atol=2 ** -6)
-    y0, s0 = norm.into(qkv, x, None)
+    torch.testing.assert_close(s.float(), want_s.float(), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(y.float(), want_y.float(), rtol=2 ** -6, atol=2 ** -6)
+    _, s0 = TRITON_OPS.norm_gemv(x, None, nw, 1e-6, w, None)
     assert calls[-1] == (1, "normed") and s0 is x
-    strided = torch.zeros(64, 2, dtype=x.dtype).t()[:1]
-    strided.copy_(r)
-    _, s1 = norm.into(qkv, x, strided)                          # a residual the kernel does not take
-    assert calls[-1] == (1, "gemv") and torch.equal(s1, plain_s)
+
+    class OneRankSum(Communicator):  # "sums" one rank's partial: itself
+        def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+            reduced.append(t.shape[0])
+            return t
+
     reduced: list[int] = []
-    monkeypatch.setattr(norm_mod, "defers_to_norm", lambda t: True)
-    monkeypatch.setattr(norm_mod, "all_reduce_add_rms_norm", lambda t, res, w, eps, warm: (
-        reduced.append(warm), norm_mod.add_rms_norm(t, res, w, eps))[1])
-    y2, s2 = norm.into(qkv, x, r)
-    assert len(reduced) == 1 and reduced[0] is qkv.weight  # handed the next weight (to warm L2 with)
-    assert calls[-1] == (1, "gemv") and torch.equal(s2, plain_s)
+    tp_ops = Ops(triton=True, use_gemv=True, pdl=False, comm=OneRankSum(0, 2))
+    y2, s2 = tp_ops.norm_gemv(x, r, nw, 1e-6, w, None)
+    assert reduced == [1] and calls[-1] == (1, "gemv")
+    torch.testing.assert_close(s2.float(), want_s.float(), rtol=2 ** -7, atol=0)
+    _, s3 = tp_ops.norm_gemv(x, None, nw, 1e-6, w, None)  # the embedding: whole already
+    assert reduced == [1] and calls[-1] == (1, "normed") and s3 is x
+    three = torch.cat([x, x, x])
+    TRITON_OPS.norm_gemv(three, three.clone(), nw, 1e-6, w, None)
+    assert calls[-1] == (3, "gemv")
 
 
 @pytest.mark.parametrize("block_n", [8, 4])
@@ -321,58 +293,36 @@ def test_narrow_column_blocks_serve_one_row_only(block_n: int) -> None:
         GemvConfig(block_n=12, one_row=True)
 
 
-def test_pdl_default_the_variable_and_gpu_only(monkeypatch) -> None:
-    """PDL: on where ``MINIVLLM_PDL`` is unset and the process's default is on (set by the
-    engine: one rank), off with ``0`` or the default off (TP), on with ``1`` whatever the
-    default; a value other than 0 / 1 is named. It never changes the default tiles, and the
-    launch stays plain off Hopper GPUs (here: the CPU)."""
-    from minivllm.kernels._launch import PDL_ENV, pdl, pdl_requested, set_pdl_default
+def test_pdl_is_a_launch_argument_harmless_off_hopper(monkeypatch) -> None:
+    """``pdl=True`` asks for programmatic dependent launch; off a Hopper GPU (here: the CPU) the
+    launch stays plain, so the kernel gets PDL off and gives the same bits. The default is
+    off, and the default tiles do not depend on it."""
+    import minivllm.kernels.gemv as gemv_mod
+    from minivllm.kernels._launch import pdl_supported
+    from minivllm.kernels.gemv import rms_norm_gemv
 
-    monkeypatch.delenv(PDL_ENV, raising=False)
-    try:
-        set_pdl_default(True)
-        assert pdl_requested() and default_config(1) is ONE_ROW_CONFIG and ONE_ROW_CONFIG.prefetch is None
-        set_pdl_default(False)
-        assert not pdl_requested()
-        monkeypatch.setenv(PDL_ENV, "1")
-        pdl_requested.cache_clear()
-        assert pdl_requested()  # the variable wins over the default
-        assert not pdl(torch.zeros(1))
-        x, w, b = operands(1, 16 * 32, 64, torch.bfloat16, False)
-        expect_linear(gemv(x, w), x, w, None)  # PDL asked for, launched plainly
-        set_pdl_default(True)
-        monkeypatch.setenv(PDL_ENV, "0")
-        pdl_requested.cache_clear()
-        assert not pdl_requested()
-        monkeypatch.setenv(PDL_ENV, "yes")
-        pdl_requested.cache_clear()
-        with pytest.raises(ValueError, match="MINIVLLM_PDL must be 0 or 1"):
-            pdl_requested()
-        with pytest.raises(TypeError, match="bool"):
-            set_pdl_default(1)
-        with pytest.raises(ValueError, match="prefetch must be None or a bool"):
-            GemvConfig(prefetch=1)
-    finally:
-        monkeypatch.delenv(PDL_ENV, raising=False)
-        set_pdl_default(True)
+    assert not pdl_supported(torch.device("cpu"))
+    launches = []
+    real = gemv_mod._gemv_kernel
 
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((kw["PDL"], "launch_pdl" in kw))
+                return real[grid](*args, **kw)
+            return launch
 
-def test_l2_prefetch_is_opt_in_and_bounded(monkeypatch) -> None:
-    """PDL's L2 prefetch asks for ``MINIVLLM_PDL_L2_MB`` of W (none unless set), at least 64
-    columns and at most all K; a value that is not a size is refused by name."""
-    from minivllm.kernels.gemv import L2_PREFETCH_ENV, l2_prefetch_columns
-
-    monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
-    assert l2_prefetch_columns(4096, 4096, 2) == 0
-    monkeypatch.setenv(L2_PREFETCH_ENV, "24")
-    assert l2_prefetch_columns(4096, 4096, 2) == 3072          # 24 MB in columns of 4096 x 2 bytes
-    assert l2_prefetch_columns(1024, 1024, 2) == 1024          # the whole of a small W
-    assert l2_prefetch_columns(151936, 4096, 2) == 82
-    assert l2_prefetch_columns(10 ** 6, 4096, 2) == 64         # at least 64 columns
-    for bad in ("lots", "-1", "nan"):
-        monkeypatch.setenv(L2_PREFETCH_ENV, bad)
-        with pytest.raises(ValueError, match=L2_PREFETCH_ENV):
-            l2_prefetch_columns(64, 64, 2)
+    monkeypatch.setattr(gemv_mod, "_gemv_kernel", Spy())
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    for m, config in ((1, ANY_ONE_ROW), (3, ANY)):
+        x, w, b = operands(m, 48, 64, torch.bfloat16, True, seed=m)
+        assert torch.equal(gemv(x, w, b, config, pdl=True), gemv(x, w, b, config))
+    x, w, b = operands(1, 48, 64, torch.bfloat16, True)
+    for got, want in zip(rms_norm_gemv(x, x, nw, 1e-6, w, b, ANY_ONE_ROW, pdl=True),
+                         rms_norm_gemv(x, x, nw, 1e-6, w, b, ANY_ONE_ROW)):
+        assert torch.equal(got, want)
+    assert launches == [(False, False)] * 6
+    assert default_config(1) is ONE_ROW_CONFIG and default_config(2) is FEW_ROWS_CONFIG
 
 
 def test_strided_rows_of_x() -> None:
@@ -409,38 +359,34 @@ def test_gemv_rejects_bad_arguments(change, error, field) -> None:
         gemv(**{**args, **change}, config=ANY)
 
 
-def test_layers_take_the_kernel_for_few_rows_only(monkeypatch) -> None:
-    """A switched layer calls the kernel at <= 16 rows and cuBLAS above; a row-parallel
-    layer passes no bias to it (its bias is added after the reduction)."""
-    calls: list[tuple[int, bool]] = []
-    real = linear_mod.gemv
-    monkeypatch.setattr(linear_mod, "gemv", lambda x, w, b, out=None, gated=False: (
-        calls.append((x.shape[0], b is not None)), real(x, w, b, ANY, out=out, gated=gated))[1])
-    monkeypatch.setattr(linear_mod, "gemv_takes", lambda x, w, gated=False, norm_weight=None, residual=None: (
-        gemv_takes(x, w, ANY, gated=gated, norm_weight=norm_weight, residual=residual)))
+def test_ops_take_the_kernel_for_few_rows_only(monkeypatch) -> None:
+    """``Ops.gemv`` calls the kernel (with the bias) where it takes the shape, cuBLAS where it
+    does not; ``few_rows`` sends at most 16 rows to the small-batch forward, only with the
+    GEMV on; ``gated`` applies SiLU-and-mul either way."""
+    from minivllm.kernels.reference import silu_and_mul_ref
+
+    calls: list[tuple[int, str]] = []
+    small_tiles(monkeypatch, calls)
     torch.manual_seed(0)
-    gate_up = MergedColumnParallelLinear(32, [48, 48], bias=False).to(torch.bfloat16)
-    down = RowParallelLinear(48, 32, bias=True).to(torch.bfloat16)
-    for layer in (gate_up, down):
-        torch.nn.init.normal_(layer.weight, std=0.1)
-    torch.nn.init.normal_(down.bias)
-    model = torch.nn.Sequential(gate_up, down)
-    assert use_gemv(model) == 2
-    for rows in (1, 16, 17):
-        x = torch.randn(rows, 32).to(torch.bfloat16)
-        h = gate_up(x)
-        expect_linear(h, x, gate_up.weight, None)
-        expect_linear(down(h[:, :48].contiguous()), h[:, :48], down.weight, down.bias)
-    assert calls == [(1, False), (1, False), (16, False), (16, False)]
-    use_gemv(model, False)
-    gate_up(torch.randn(1, 32).to(torch.bfloat16))
+    w, b = (0.1 * torch.randn(32, 48)).to(torch.bfloat16), torch.randn(32).to(torch.bfloat16)
+    for rows in (1, 16):
+        x = torch.randn(rows, 48).to(torch.bfloat16)
+        expect_linear(TRITON_OPS.gemv(x, w, b), x, w, b)
+        g = torch.randn(rows, 96).to(torch.bfloat16)
+        got = TRITON_OPS.gemv(g, w, None, gated=True)
+        torch.testing.assert_close(got.float(), F.linear(silu_and_mul_ref(g), w).float(), rtol=2 ** -6, atol=2 ** -6)
+    assert calls == [(1, "gemv"), (1, "gated"), (16, "gemv"), (16, "gated")]
+    x17 = torch.randn(17, 48).to(torch.bfloat16)
+    expect_linear(TRITON_OPS.gemv(x17, w, b), x17, w, b)                 # more rows than it takes: cuBLAS
     assert len(calls) == 4
+    assert TRITON_OPS.few_rows(16) and not TRITON_OPS.few_rows(17)
+    assert not Ops(triton=True, use_gemv=False, pdl=False).few_rows(1)
 
 
-def test_executor_config_switches_the_model_s_layers(monkeypatch) -> None:
-    """``ExecutorConfig(gemv=True)`` reaches every linear layer: a step of three sequences
-    (6 tokens) of the trained fixture in bf16 runs its GEMMs in the kernel and gives the
-    cuBLAS path's logits within bf16 rounding."""
+def test_executor_kernels_option_reaches_every_layer(monkeypatch) -> None:
+    """``kernels="triton"`` in bf16 runs every decoder GEMM of the trained fixture on the GEMV
+    kernel (three sequences, 6 tokens: plain GEMVs and the gated down; one row: each norm
+    inside the GEMV after it) and gives the torch references' logits within bf16 rounding."""
     from model_utils import make_model_executor, make_plan
 
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
@@ -448,30 +394,32 @@ def test_executor_config_switches_the_model_s_layers(monkeypatch) -> None:
     small_tiles(monkeypatch, calls, block_n=64, block_k=128)  # few programs: the interpreter runs them one by one
     three = make_plan([([5, 9, 11], 0, (0,), True), ([7, 3], 0, (1,), True), ([42], 0, (2,), True)], 16)
     one = make_plan([([42], 0, (0,), True)], 16)
-    executors = {on: make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4,
-                                         max_num_batched_tokens=64, device="cpu", dtype="bfloat16",
-                                         attention_backend="torch", gemv=on) for on in (False, True)}
+    executors = {k: make_model_executor(fixture, block_size=16, num_blocks=4, max_num_seqs=4,
+                                        max_num_batched_tokens=64, device="cpu", dtype="bfloat16", kernels=k)
+                 for k in ("torch", "triton")}
+    assert executors["triton"].ops.use_gemv and not executors["torch"].ops.use_gemv
     for plan, per_layer in ((three, [(6, "gemv"), (6, "gemv"), (6, "gemv"), (6, "gated")]),
-                            # one row: each norm inside the projection after it
                             (one, [(1, "normed"), (1, "gemv"), (1, "normed"), (1, "gated")])):
         logits = {}
-        for on, ex in executors.items():
+        for k, ex in executors.items():
             calls.clear()
-            logits[on] = ex.compute_logits(plan).float()
+            logits[k] = ex.compute_logits(plan).float()
+            if k == "torch":
+                assert calls == []
         # 3 layers x (qkv, o, gate_up, down); down takes [gate | up] (gated)
         assert calls == per_layer * 3
-        rel = (logits[True] - logits[False]).norm() / logits[False].norm()
+        rel = (logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()
         assert rel < 2e-2, rel
 
 
-def test_gemv_option_refuses_models_it_cannot_serve(monkeypatch) -> None:
+def test_kernels_option_refuses_triton_where_it_cannot_run(monkeypatch) -> None:
+    """Triton on the CPU only under its interpreter; a float32 model keeps cuBLAS for its GEMMs."""
     from model_utils import make_model_executor
 
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
     opts = dict(block_size=16, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64, device="cpu",
-                attention_backend="torch", gemv=True)
-    with pytest.raises(ValueError, match="bfloat16 / float16"):
-        make_model_executor(fixture, dtype="float32", **opts)
+                kernels="triton")
+    assert not make_model_executor(fixture, dtype="float32", **opts).ops.use_gemv
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="CUDA device"):
         make_model_executor(fixture, dtype="bfloat16", **opts)

@@ -39,7 +39,7 @@ def shared_prefix_prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def make_llm(path: str, **opts) -> LLM:
-    base = dict(device="cpu", attention_backend="torch", skip_tokenizer_init=True, block_size=4,
+    base = dict(device="cpu", kernels="torch", skip_tokenizer_init=True, block_size=4,
                 max_model_len=96)
     return LLM(path, **{**base, **opts})
 
@@ -139,8 +139,8 @@ def test_too_big_prompt_queues_nothing_and_next_generate_works(model) -> None:
 def test_llm_freezes_imported_objects_but_a_dropped_llm_is_freed(model) -> None:
     """The first LLM() of a process freezes what was alive before it (no full collection
     rescans torch's objects every few hundred steps), never an LLM: two built in a row
-    both stay in the collector's generations (an LLM with a tokenizer is a reference
-    cycle, which only the collector frees), and each, dropped, is freed."""
+    both stay in the collector's generations, and each, dropped, is freed (without a
+    collection: tests/test_lifecycle.py)."""
     import gc
     import weakref
 

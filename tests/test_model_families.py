@@ -1,4 +1,4 @@
-"""Qwen2/2.5 and Llama-3.x beside Qwen3 (issue 10), float32 against transformers.
+"""Qwen2/2.5 and Llama-3.x beside Qwen3, float32 against transformers.
 
 Per-step logits of every family are in ``test_model_parity.py`` (its CONFIGS);
 here: the registry, each family's attention parts, the ``llama3`` RoPE
@@ -122,7 +122,7 @@ def test_logits_far_past_the_pretraining_context_match_hf(family) -> None:
     """An 84-token prompt in two chunks (the second over the cached first), then decodes:
     positions reach 2.7x the scaled model's original_max_position_embeddings (32)."""
     name, hf, path = family
-    ex = make_model_executor(path, device="cpu", dtype="float32", attention_backend="torch", block_size=BS,
+    ex = make_model_executor(path, device="cpu", dtype="float32", kernels="torch", block_size=BS,
                              num_blocks=32, max_num_seqs=2, max_num_batched_tokens=64)
     seq = random_tokens(np.random.default_rng(4), 84, hf.config.vocab_size)
     table = tuple(range(31, 8, -1))  # 23 scattered-order blocks: 92 slots

@@ -52,7 +52,7 @@ def setup(request, tmp_path_factory):
 
 
 def make_executor(path: str, backend: str = "torch") -> ModelExecutor:
-    return make_model_executor(path, device="cpu", dtype="float32", attention_backend=backend,
+    return make_model_executor(path, device="cpu", dtype="float32", kernels=backend,
                                block_size=BS, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=64)
 
 
@@ -160,18 +160,18 @@ def test_executor_rejects_plans_that_do_not_fit(small_path):
 
 def test_executor_argument_errors(small_path):
     common = dict(device="cpu", block_size=BS, max_num_seqs=4, max_num_batched_tokens=64)
-    with pytest.raises(ValueError, match="attention_backend"):
-        make_model_executor(small_path, dtype="float32", attention_backend="cuda", num_blocks=4, **common)
+    with pytest.raises(ValueError, match="kernels"):
+        make_model_executor(small_path, dtype="float32", kernels="cuda", num_blocks=4, **common)
     with pytest.raises(ValueError, match="dtype"):
-        make_model_executor(small_path, dtype="int8", attention_backend="torch", num_blocks=4, **common)
-    default = make_model_executor(small_path, dtype="float32", attention_backend="torch",
+        make_model_executor(small_path, dtype="int8", kernels="torch", num_blocks=4, **common)
+    default = make_model_executor(small_path, dtype="float32", kernels="torch",
                                   num_blocks=None, max_model_len=32, **common)
     assert default.num_kv_blocks() == 4 * 32 // BS  # every sequence at full length
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        make_model_executor(small_path, dtype="float32", attention_backend="torch", num_blocks=4,
+        make_model_executor(small_path, dtype="float32", kernels="torch", num_blocks=4,
                             tensor_parallel_size=2, **common)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        make_model_executor(small_path, dtype="float32", attention_backend="torch", num_blocks=4,
+        make_model_executor(small_path, dtype="float32", kernels="torch", num_blocks=4,
                             gpu_memory_utilization=1.5, **common)
 
 
@@ -219,7 +219,7 @@ def test_executor_seeded_sampling_is_batch_independent(small_path):
 
 
 def test_executor_bf16_runs_with_float32_rope_table(small_path):
-    ex = make_model_executor(small_path, device="cpu", dtype="bfloat16", attention_backend="torch",
+    ex = make_model_executor(small_path, device="cpu", dtype="bfloat16", kernels="torch",
                              block_size=BS, num_blocks=8, max_num_seqs=2, max_num_batched_tokens=32)
     assert ex.kv_cache.dtype == torch.bfloat16
     assert {p.dtype for p in ex.model.parameters()} == {torch.bfloat16}

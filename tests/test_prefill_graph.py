@@ -26,22 +26,17 @@ def path(tmp_path_factory) -> str:
     return save_hf_model(make_hf_model(TinyConfig()), tmp_path_factory.mktemp("prefill-graph"))
 
 
-def executors(path: str, fused: bool) -> tuple:
+def executors(path: str) -> tuple:
     """A plain executor and one with a runner of buckets 16 and 32 (both Triton, float32)."""
-    made = []
-    for _ in range(2):
-        ex = make_model_executor(path, device="cpu", dtype="float32", attention_backend="triton",
-                                 block_size=BS, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
-        ex.model.model.layers[0].self_attn.attn.backend.fuse_qk_norm_rope = fused
-        made.append(ex)
-    plain, padded = made
+    plain, padded = (make_model_executor(path, device="cpu", dtype="float32", kernels="triton", block_size=BS,
+                                         num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
+                     for _ in range(2))
     padded.prefill_graph_runner = padded.make_prefill_graph_runner(capture=False, buckets=[16, 32])
     return plain, padded
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused-qk"])
-def test_padded_buckets_equal_the_eager_step(path: str, fused: bool) -> None:
-    plain, padded = executors(path, fused)
+def test_padded_buckets_equal_the_eager_step(path: str) -> None:
+    plain, padded = executors(path)
     runner = padded.prefill_graph_runner
     a, b, c = [3, 14, 15, 92, 65, 35, 8], [9, 79, 32, 38, 46], [26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69]
     plans = [
@@ -88,7 +83,7 @@ def test_engine_with_the_runner_generates_what_it_generates_without(path: str) -
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs, replays = [], 0
     for with_runner in (False, True):
-        llm = LLM(path, device="cpu", attention_backend="triton", skip_tokenizer_init=True, block_size=BS,
+        llm = LLM(path, device="cpu", kernels="triton", skip_tokenizer_init=True, block_size=BS,
                   num_blocks=20, max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=True)
         ex = llm.engine.executor
         if with_runner:

@@ -1,22 +1,26 @@
-"""Traces of live traffic (sim/recorder.py, ``LLM(record_trace=...)``): what a real engine
-records replays step for step through the simulator's engine on the recorded tokens."""
+"""Traces of live traffic (sim/recorder.py, ``LLM(observer=TraceRecorder(...))``): what a
+real engine records replays step for step through the simulator's engine on the recorded
+tokens; and the engine's observer hook that the recorder plugs into."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import pytest
 
+from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.observer import EngineObserver
 from minivllm.sampling import SamplingParams
 from sim.__main__ import main as sim_main
 from sim.fake_executor import FakeExecutor, PagingError, fake_next_token, recorded_next_token
 from sim.oracle import FakeTextStream, is_stop_token
-from sim.recorder import RecordingEngine, replay_inputs
+from sim.recorder import TraceRecorder, replay_inputs
 from sim.runner import run_trace
 from sim.traces import AddEvent, ExpectEvent, Trace, generate_trace, load
 
@@ -57,11 +61,16 @@ def feed_inputs(engine: Any, trace: Trace, step: int) -> None:
             pass
 
 
-def drive(trace: Trace, path: Path) -> RecordingEngine:
-    """Feed ``trace``'s inputs to a RecordingEngine on the hash model, as the runner does."""
+def recording_engine(trace: Trace, path: Path, **kwargs: Any) -> LLMEngine:
+    """An engine on the hash model of ``trace`` that records to ``path``."""
     executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks)
-    engine = RecordingEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
-                             text_streams=FakeTextStream, trace_path=path, vocab_size=trace.vocab_size)
+    return LLMEngine(trace.scheduler, trace.cache, executor, vocab_size=trace.vocab_size,
+                     observer=TraceRecorder(path), **kwargs)
+
+
+def drive(trace: Trace, path: Path) -> LLMEngine:
+    """Feed ``trace``'s inputs to a recording engine on the hash model, as the runner does."""
+    engine = recording_engine(trace, path, eos_token_id=trace.eos_token_id, text_streams=FakeTextStream)
     step = 0
     while step <= trace.last_input_step or engine.has_unfinished_requests():
         feed_inputs(engine, trace, step)
@@ -73,7 +82,7 @@ def drive(trace: Trace, path: Path) -> RecordingEngine:
 
 def test_recorded_fake_traffic_replays_and_matches_the_simulators_record(tmp_path: Path) -> None:
     """Generated traces (aborts, rejected adds, n > 1, stop strings, both modes) driven through
-    a RecordingEngine: each file replays on its recorded tokens, and its decisions are those
+    a recording engine: each file replays on its recorded tokens, and its decisions are those
     ``python -m sim record`` records for the same inputs."""
     stopped = multi = aborted = 0
     for seed in range(40):
@@ -120,9 +129,7 @@ def test_recorded_next_token() -> None:
 
 def test_mode_switch_only_before_traffic(tmp_path: Path) -> None:
     trace = generate_trace(3)
-    executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks)
-    engine = RecordingEngine(trace.scheduler, trace.cache, executor, trace_path=tmp_path / "t.jsonl",
-                             vocab_size=trace.vocab_size)
+    engine = recording_engine(trace, tmp_path / "t.jsonl")
     mode = not trace.scheduler.async_scheduling
     engine.set_async_scheduling(mode)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
@@ -132,7 +139,118 @@ def test_mode_switch_only_before_traffic(tmp_path: Path) -> None:
         engine.step()
     engine.close()
     assert load(tmp_path / "t.jsonl").scheduler.async_scheduling == mode
-    assert isinstance(engine, LLMEngine)
+
+
+# ---- the observer hook -------------------------------------------------------------
+
+class CallLog:
+    """An ``EngineObserver`` that writes down what it is told (and can refuse a mode switch)."""
+
+    def __init__(self, refuse_mode_switch: bool = False) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.engines: list[LLMEngine] = []
+        self.refuse_mode_switch = refuse_mode_switch
+
+    def _saw(self, engine: LLMEngine, *call: Any) -> None:
+        self.engines.append(engine)
+        self.calls.append(call)
+
+    def attach(self, engine: LLMEngine) -> None:
+        self._saw(engine, "attach", engine.num_blocks)
+
+    def on_add_request(self, engine: LLMEngine, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams) -> None:
+        self._saw(engine, "add", request_id, tuple(prompt_token_ids), params.max_tokens)
+
+    def on_abort_request(self, engine: LLMEngine, request_id: str) -> None:
+        self._saw(engine, "abort", request_id)
+
+    def on_step(self, engine: LLMEngine, record: Any) -> None:
+        assert record is engine.last_step
+        self._saw(engine, "step", dict(record.scheduled))
+
+    def on_set_async_scheduling(self, engine: LLMEngine, on: bool) -> None:
+        if self.refuse_mode_switch:
+            raise RuntimeError("no switching")
+        self._saw(engine, "mode", on)
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+def observed_engine(observer: Any) -> LLMEngine:
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    cc = CacheConfig(block_size=4, num_blocks=16)
+    return LLMEngine(sc, cc, FakeExecutor(50, 4, 16), eos_token_id=None, vocab_size=50, observer=observer)
+
+
+def test_the_observer_is_told_every_accepted_change_and_nothing_else() -> None:
+    log = CallLog()
+    engine = observed_engine(log)
+    assert isinstance(log, EngineObserver) and log.calls == [("attach", 16)]
+    engine.step()  # idle: changes nothing, not reported
+    engine.set_async_scheduling(True)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError):
+        engine.add_request("a", [4], SamplingParams(max_tokens=2))  # refused: not reported
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=9))
+    engine.step()
+    assert engine.abort_request("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.abort_request("a")  # already finished: not reported
+    engine.step()
+    engine.close()
+    steps = [c for c in log.calls if c[0] == "step"]
+    assert log.calls[:5] == [("attach", 16), ("mode", True), ("add", "a", (1, 2, 3), 2),
+                             ("add", "b", (4, 5), 9), ("step", {"a": 3, "b": 2})]
+    assert log.calls[5] == ("abort", "b") and log.calls[-1] == ("close",)
+    assert len(steps) == engine.stats.num_steps - 2  # the two idle steps
+    assert all(e is engine for e in log.engines)
+
+
+def test_an_observer_may_refuse_a_mode_switch() -> None:
+    engine = observed_engine(CallLog(refuse_mode_switch=True))
+    with pytest.raises(RuntimeError, match="no switching"):
+        engine.set_async_scheduling(True)
+    assert not engine.async_scheduling
+    engine.close()
+
+
+def test_an_engine_and_its_recorder_are_freed_without_a_collection(tmp_path: Path) -> None:
+    """The observer is handed the engine on each call and keeps no reference to it."""
+    import gc
+    import weakref
+
+    trace = generate_trace(5)
+    gc.disable()
+    try:
+        engine = drive(trace, tmp_path / "t.jsonl")
+        refs = [weakref.ref(engine), weakref.ref(engine.observer), weakref.ref(engine.executor)]
+        del engine
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()
+
+
+def test_trace_recorder_checks_its_engine(tmp_path: Path) -> None:
+    recorder = TraceRecorder(tmp_path / "t.jsonl", seed=7)
+    copy = pickle.loads(pickle.dumps(recorder))  # built here, attached in an engine process
+    assert copy.trace_path == recorder.trace_path
+    sc, cc = SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_blocks=16)
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLMEngine(sc, cc, FakeExecutor(50, 4, 16), observer=recorder)
+    engine = LLMEngine(sc, cc, FakeExecutor(50, 4, 16), vocab_size=50, observer=recorder)
+    with pytest.raises(RuntimeError, match="already records"):
+        LLMEngine(sc, cc, FakeExecutor(50, 4, 16), vocab_size=50, observer=recorder)
+    engine.add_request("a", [1, 2], SamplingParams(max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+    engine.close()  # idempotent
+    trace = load(tmp_path / "t.jsonl")
+    assert trace.seed == 7 and trace.vocab_size == 50 and len(trace.expects) == engine.stats.num_steps
+    assert run_trace(trace, "replay").ok
 
 
 # ---- a real LLM -------------------------------------------------------------------
@@ -147,7 +265,8 @@ def test_real_llm_trace_replays_on_the_cpu(async_scheduling: bool, tmp_path: Pat
 
     path = tmp_path / "live.jsonl"
     with LLM(str(FIXTURE), device="cpu", block_size=4, num_blocks=12, max_num_seqs=6,
-             max_num_batched_tokens=12, async_scheduling=async_scheduling, record_trace=path) as llm:
+             max_num_batched_tokens=12, async_scheduling=async_scheduling,
+             observer=TraceRecorder(path)) as llm:
         prompts = [f"{a}+{b}=" for a, b in [(12, 34), (5, 5), (99, 1), (23, 45), (60, 7), (8, 81), (12, 34)]]
         params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, n=1 + (i % 3 == 0), seed=i)
                   for i in range(len(prompts))]
@@ -182,3 +301,16 @@ def test_real_llm_trace_replays_on_the_cpu(async_scheduling: bool, tmp_path: Pat
     assert picture.stat().st_size > 0
     header = json.loads(path.read_text().splitlines()[0])
     assert header["config"]["cache"]["num_blocks"] == 12 and header["fake_model"] == "recorded"
+
+
+def test_the_cli_records_a_trace_that_replays(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m minivllm generate --record-trace`` builds the recorder and hands it to LLM."""
+    pytest.importorskip("torch")
+    from minivllm.__main__ import main as cli_main
+
+    path = tmp_path / "cli.jsonl"
+    assert cli_main(["generate", "--model", str(FIXTURE), "--device", "cpu", "--kernels", "torch",
+                     "--max-tokens", "5", "--record-trace", str(path), "12+34=", "5+5="]) == 0
+    trace = load(path)
+    assert trace.fake_model == "recorded" and sum(len(e.finished) for e in trace.expects) == 2
+    assert sim_main(["replay", str(path)]) == 0

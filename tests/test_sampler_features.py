@@ -18,13 +18,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from minivllm.engine.plan import StepPlan, TokenHistory  # noqa: E402
+from minivllm.engine.plan import StepPlan  # noqa: E402
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens  # noqa: E402
 from minivllm.layers import logprobs as logprobs_mod  # noqa: E402
 from minivllm.layers.logprobs import LogprobLayout, compute_logprobs, sliced_logprobs  # noqa: E402
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors, apply_penalties  # noqa: E402
 from minivllm.layers.sampler import Sampler, SamplingTensors  # noqa: E402
 from minivllm.sampling import SamplingParams  # noqa: E402
+from minivllm.step_types import TokenHistory  # noqa: E402
 from model_utils import TinyConfig, hf_logits, make_hf_model, make_model_executor, save_hf_model  # noqa: E402
 
 V = 40
@@ -245,7 +246,7 @@ def model(tmp_path_factory):
 
 
 def make_executor(path: str):
-    return make_model_executor(path, device="cpu", dtype="float32", attention_backend="torch",
+    return make_model_executor(path, device="cpu", dtype="float32", kernels="torch",
                                block_size=BS, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
 
 
@@ -408,7 +409,7 @@ def test_engine_async_equals_sync_with_every_feature(model):
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
     ]
     outs = []
-    with LLM(path, device="cpu", attention_backend="torch", skip_tokenizer_init=True, block_size=BS,
+    with LLM(path, device="cpu", kernels="torch", skip_tokenizer_init=True, block_size=BS,
              num_blocks=32, max_num_seqs=4, max_num_batched_tokens=16) as llm:
         for async_scheduling in (False, True):
             llm.engine.set_async_scheduling(async_scheduling)

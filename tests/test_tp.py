@@ -20,11 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.plan import StepPlan
-from minivllm.kernels._launch import PDL_ENV, pdl_requested, set_pdl_default
+from minivllm.engine.llm_engine import LLMEngine
 from tests.model_utils import TinyConfig, make_hf_model, save_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +32,7 @@ CFG = TinyConfig(vocab_size=113, hidden_size=32, intermediate_size=64, num_atten
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 # A pool of 20 blocks of 4 for 8 sequences of up to ~45 tokens: preemption is forced.
-ENGINE = dict(device="cpu", attention_backend="torch", skip_tokenizer_init=True, block_size=4,
+ENGINE = dict(device="cpu", kernels="torch", skip_tokenizer_init=True, block_size=4,
               max_model_len=96, num_blocks=20, max_num_seqs=8, max_num_batched_tokens=32,
               enable_prefix_caching=True)
 
@@ -91,21 +89,30 @@ def worker_pids(llm: LLM) -> list[int]:
     return [p.pid for p in llm.engine.executor.workers]
 
 
-def test_tp2_greedy_and_logits_equal_tp1(random_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """... and each engine sets the process's PDL default (kernels/_launch.set_pdl_default):
-    on with one rank, off under TP (the variable unset)."""
-    monkeypatch.delenv(PDL_ENV, raising=False)
+LOGPROBS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=20, prompt_logprobs=20)
+
+
+def logprobs_of(llm: LLM, ps: list[list[int]]) -> list[list[dict[int, float]]]:
+    """Each prompt's prompt logprobs and sampled tokens' logprobs (top 20 of the whole rows)."""
+    outs = llm.generate(ps, LOGPROBS, use_tqdm=False)
+    return [[{k: v for k, v in pos.items()} for pos in (o.prompt_logprobs or [])[1:] + o.logprobs] for o in outs]
+
+
+def assert_logprobs_close(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        for gp, wp in zip(g, w, strict=True):
+            assert gp.keys() == wp.keys()
+            np.testing.assert_allclose([gp[k] for k in wp], [wp[k] for k in wp], rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_greedy_and_logprobs_equal_tp1(random_model: str) -> None:
+    """Greedy tokens with preemption and prefix hits, both scheduling modes, and the top-20
+    logprobs of prompts and samples (whole rows, gathered over ranks) equal TP=1's."""
     ps = prompts(CFG.vocab_size)
-    plan = StepPlan.build([0, 1], [ps[0], ps[1]], [0, 0], [tuple(range(6)), tuple(range(6, 12))],
-                          [True, True], [GREEDY, GREEDY], 4)
-    set_pdl_default(False)
     with LLM(random_model, **ENGINE) as one:
-        assert pdl_requested()
         want = [o.token_ids for o in one.generate(ps, GREEDY, use_tqdm=False)]
-        logits_one = one.engine.executor.compute_logits(plan)
+        logprobs_one = logprobs_of(one, ps[:2])
     with LLM(random_model, **ENGINE, tensor_parallel_size=2) as two:
-        assert not pdl_requested()
-        set_pdl_default(True)  # the process's default for the tests after this one
         pids = worker_pids(two)
         for async_scheduling in (False, True):
             two.engine.set_async_scheduling(async_scheduling)
@@ -114,22 +121,21 @@ def test_tp2_greedy_and_logits_equal_tp1(random_model: str, monkeypatch: pytest.
             assert got == want, f"async_scheduling={async_scheduling}"
             assert two.engine.stats.num_preemptions > before
         assert two.engine.stats.num_cached_tokens > 0
-        logits_two = two.engine.executor.compute_logits(plan)
-    torch.testing.assert_close(logits_two, logits_one, rtol=1e-5, atol=1e-5)
+        logprobs_two = logprobs_of(two, ps[:2])
+    assert_logprobs_close(logprobs_two, logprobs_one)
     assert not any(alive(p) for p in pids)
 
 
 def test_tp2_qwen2_with_qkv_bias_equals_tp1(tmp_path: Path) -> None:
     path = save_hf_model(make_hf_model(QWEN2_CFG, seed=6), tmp_path)
     ps = prompts(QWEN2_CFG.vocab_size, n=4, seed=2)
-    plan = StepPlan.build([0], [ps[0]], [0], [tuple(range(6))], [True], [GREEDY], 4)
-    outs, logits = [], []
+    outs, logprobs = [], []
     for tp in (1, 2):
         with LLM(path, **ENGINE, tensor_parallel_size=tp) as llm:
             outs.append([o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)])
-            logits.append(llm.engine.executor.compute_logits(plan))
+            logprobs.append(logprobs_of(llm, ps[:1]))
     assert outs[0] == outs[1]
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    assert_logprobs_close(logprobs[1], logprobs[0])
 
 
 def test_tp2_fixture_model_and_random_sampling(random_model: str) -> None:
@@ -168,18 +174,31 @@ def test_tp2_samples_from_vocab_shards_as_tp1_samples_whole_rows(random_model: s
     assert calls_before_top_k > 0 and len(shard_calls) == calls_before_top_k
 
 
+def tp_engine(path: str, fault: tuple[int, str]) -> LLMEngine:
+    """ENGINE's settings at TP=2 as ``LLM`` builds them, with the executor's fault hook."""
+    from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+    from minivllm.executor.distributed import TPExecutor
+
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96)
+    cache = CacheConfig(block_size=4, num_blocks=20)
+    executor = TPExecutor(ModelConfig.from_hf_json(path), path, sched, cache,
+                          ExecutorConfig(device="cpu", kernels="torch", tensor_parallel_size=2), fault=fault)
+    return LLMEngine(sched, cache, executor)
+
+
 @pytest.mark.parametrize("stage", ["load", "step3"])
-def test_worker_failure_is_a_clear_error(random_model: str, stage: str,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MINIVLLM_TP_FAULT", f"1:{stage}")
+def test_worker_failure_is_a_clear_error(random_model: str, stage: str) -> None:
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 failed(.|\n)*injected fault") as info:
-        llm = LLM(random_model, **ENGINE, tensor_parallel_size=2)
+        engine = tp_engine(random_model, (1, stage))
         try:
-            llm.generate(prompts(CFG.vocab_size), GREEDY, use_tqdm=False)
+            for i, p in enumerate(prompts(CFG.vocab_size)):
+                engine.add_request(f"r{i}", p, GREEDY)
+            while engine.has_unfinished_requests():
+                engine.step()
         finally:
-            pids = worker_pids(llm)
-            llm.close()
+            pids = [p.pid for p in engine.executor.workers]
+            engine.executor.close()
             assert not any(alive(p) for p in pids)
     assert time.monotonic() - t0 < 60, "the failure took too long to surface"
     assert {"load": "at load", "step3": "at step 3"}[stage] in str(info.value)
@@ -211,7 +230,7 @@ SCRIPT = textwrap.dedent("""
         # runners) this process inherits SIGINT ignored, which Python keeps: the interrupt
         # would never arrive (seen: the test hung on such a run).
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        llm = LLM(sys.argv[1], device="cpu", attention_backend="torch", skip_tokenizer_init=True,
+        llm = LLM(sys.argv[1], device="cpu", kernels="torch", skip_tokenizer_init=True,
                   block_size=4, max_model_len=96, num_blocks=40, tensor_parallel_size=2)
         print("PIDS", *[p.pid for p in llm.engine.executor.workers], flush=True)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -264,7 +283,7 @@ def test_close_leaves_a_stuck_gpu_stream_alone(random_model: str, monkeypatch: p
     left: list[bool] = []
     real_leave = distributed._leave_group
     monkeypatch.setattr(distributed, "_leave_group", lambda: left.append(True))
-    monkeypatch.setattr(distributed.all_reduce, "installed", lambda: object())  # "one-/two-shot installed"
+    monkeypatch.setattr(distributed.TPExecutor, "_symm_mem", True)  # "symmetric memory in use"
     monkeypatch.setattr(distributed.TPExecutor, "_gpu_drains", lambda self, timeout_s=0.0: False)
     try:
         os.kill(pids[0], signal.SIGKILL)
@@ -283,7 +302,7 @@ UNGUARDED_SCRIPT = textwrap.dedent("""
 
     # No `if __name__ == "__main__":` guard: each spawned worker re-runs this line while
     # importing the main module and dies before it joins the process group.
-    LLM(sys.argv[1], device="cpu", attention_backend="torch", skip_tokenizer_init=True,
+    LLM(sys.argv[1], device="cpu", kernels="torch", skip_tokenizer_init=True,
         block_size=4, max_model_len=96, num_blocks=40, tensor_parallel_size=2)
 """)
 

@@ -10,9 +10,7 @@ exception ends the rank and fails every test with its traceback. The parent neve
 waits without a deadline and leaves no child behind.
 
 Regressions caught here (each was planted and seen to fail):
-- row-parallel bias added before the all-reduce on every rank (counted ``world`` times);
-- ``reduce_results=False`` adding the bias on every rank (the caller's sum counts it
-  ``world`` times);
+- row-parallel bias added on every rank (the sum counts it ``world`` times);
 - an id equal to a rank's ``vocab_end`` looked up on two ranks (``<=`` for ``<``);
 - the LM head's gathered logits keeping the padding of the last shard.
 """
@@ -33,15 +31,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.executor.distributed import free_port
-from minivllm.layers import all_reduce as ar
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from minivllm.layers.norm import RMSNorm, add_rms_norm_ref
+from minivllm.kernels.reference import add_rms_norm_ref, silu_and_mul_ref
+from minivllm.layers import all_reduce as ar
+from minivllm.layers.all_reduce import Communicator
+from minivllm.layers.ops import Ops
 
 WORLDS = (2, 3)
 HIDDEN, D = 12, 4
@@ -73,7 +72,7 @@ def row_case(gen: torch.Generator, in_size: int, out_size: int) -> Case:
     return {"w": n(w), "b": n(b), "x": n(x), "want": n(full(x))}
 
 
-def deferred_norm_case(gen: torch.Generator, in_size: int, out_size: int) -> Case:
+def norm_case(gen: torch.Generator, in_size: int, out_size: int) -> Case:
     """A row-parallel layer with bias, then the residual add + RMSNorm after it."""
     c = row_case(gen, in_size, out_size)
     residual, weight = torch.randn(5, out_size, generator=gen), torch.rand(out_size, generator=gen) + 0.5
@@ -139,11 +138,9 @@ def vocab_case(gen: torch.Generator, vocab: int, world: int) -> Case:
 def make_cases(world: int) -> dict[str, list[Case]]:
     gen = torch.Generator().manual_seed(world)
     return {
-        "row_bias_reduced": [row_case(gen, 6 * world, 5)],
-        "all_reduce_dispatch": [row_case(gen, 6 * world, 5)],
-        "output_slot": [row_case(gen, 6 * world, 5)],
-        "row_bias_unreduced": [row_case(gen, 6 * world, 5)],
-        "deferred_norm": [deferred_norm_case(gen, 6 * world, 8)],
+        "row_partials": [row_case(gen, 6 * world, 5)],
+        "add_rms_norm": [norm_case(gen, 6 * world, 8)],
+        "fused_dispatch": [norm_case(gen, 6 * world, 8)],
         "mlp": [mlp_case(gen, 4 * world)],
         "attention_gqa": [attention_case(gen, h, kv) for h, kv in QKV_HEADS[world]],
         "vocab": [vocab_case(gen, v, world) for v in VOCABS[world]],
@@ -162,26 +159,35 @@ def expect_close(fail: Fail, what: str, got: torch.Tensor, want: np.ndarray) -> 
         fail(f"{what}: max |diff| {(got - t(want)).abs().max().item():.3g}")
 
 
-def check_row_bias_reduced(rank: int, world: int, c: Case, fail: Fail) -> None:
-    """All-reduced output equals the unsharded layer's on every rank (bias counted once)."""
-    out_size, in_size = c["w"].shape
+def comm_of(rank: int, world: int, symm: object = None) -> Communicator:
+    return Communicator(rank, world, symm)  # type: ignore[arg-type]
+
+
+def loaded_row(c: Case, rank: int, world: int) -> RowParallelLinear:
+    in_size, out_size = c["w"].shape[1], c["w"].shape[0]
     layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world)
     layer.weight.weight_loader(layer.weight, t(c["w"]))
     layer.bias.weight_loader(layer.bias, t(c["b"]))
-    x = t(c["x"]).chunk(world, dim=-1)[rank]
-    expect_close(fail, "reduced output", layer(x), c["want"])
+    return layer
 
 
-def check_row_bias_unreduced(rank: int, world: int, c: Case, fail: Fail) -> None:
-    """``reduce_results=False``: the caller's sum of the partial outputs counts the bias once."""
-    out_size, in_size = c["w"].shape
-    layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world,
-                              reduce_results=False)
-    layer.weight.weight_loader(layer.weight, t(c["w"]))
-    layer.bias.weight_loader(layer.bias, t(c["b"]))
-    y = layer(t(c["x"]).chunk(world, dim=-1)[rank])
-    dist.all_reduce(y)
-    expect_close(fail, "caller-reduced output", y, c["want"])
+def check_row_partials(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """The ranks' partial sums, summed by the communicator, equal the unsharded layer's output
+    on every rank (the bias counted once: only rank 0 adds it)."""
+    layer = loaded_row(c, rank, world)
+    x = t(c["x"]).chunk(world, dim=-1)[rank].contiguous()
+    expect_close(fail, "summed partials", comm_of(rank, world).all_reduce(layer(x)), c["want"])
+
+
+def check_add_rms_norm(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """``Ops.add_rms_norm`` of a row-parallel layer's partial sums: sum over ranks, residual
+    add, RMSNorm, as the unsharded layer and norm give."""
+    ops = Ops(triton=False, use_gemv=False, pdl=False, comm=comm_of(rank, world))
+    layer = loaded_row(c, rank, world)
+    x = t(c["x"]).chunk(world, dim=-1)[rank].contiguous()
+    h, res = ops.add_rms_norm(layer(x), t(c["residual"]), t(c["norm_w"]), 1e-6)
+    expect_close(fail, "normed", h, c["want_norm"])
+    expect_close(fail, "residual", res, c["want_res"])
 
 
 def check_mlp(rank: int, world: int, c: Case, fail: Fail) -> None:
@@ -193,7 +199,8 @@ def check_mlp(rank: int, world: int, c: Case, fail: Fail) -> None:
     down = RowParallelLinear(inter, HIDDEN, tp_rank=rank, tp_size=world)
     down.weight.weight_loader(down.weight, t(c["down"]))
     g, u = gate_up(t(c["x"])).chunk(2, dim=-1)
-    expect_close(fail, "mlp", down(torch.nn.functional.silu(g) * u), c["want"])
+    partial = down(silu_and_mul_ref(torch.cat([g, u], dim=-1)))
+    expect_close(fail, "mlp", comm_of(rank, world).all_reduce(partial), c["want"])
 
 
 def check_attention_gqa(rank: int, world: int, c: Case, fail: Fail) -> None:
@@ -208,7 +215,8 @@ def check_attention_gqa(rank: int, world: int, c: Case, fail: Fail) -> None:
     o_proj.weight.weight_loader(o_proj.weight, t(c["o"]))
     o_proj.bias.weight_loader(o_proj.bias, t(c["o_b"]))
     o = gqa_mix(qkv(t(c["x"])), qkv.num_heads, qkv.num_kv_heads)
-    expect_close(fail, f"attention heads={heads} kv_heads={kv_heads}", o_proj(o), c["want"])
+    expect_close(fail, f"attention heads={heads} kv_heads={kv_heads}", comm_of(rank, world).all_reduce(o_proj(o)),
+                 c["want"])
 
 
 def check_vocab(rank: int, world: int, c: Case, fail: Fail) -> None:
@@ -218,187 +226,81 @@ def check_vocab(rank: int, world: int, c: Case, fail: Fail) -> None:
     head = ParallelLMHead(vocab, HIDDEN, tp_rank=rank, tp_size=world)
     emb.weight.weight_loader(emb.weight, t(c["w"]))
     head.weight.weight_loader(head.weight, t(c["w"]))
-    expect_close(fail, f"embedding vocab={vocab}", emb(t(c["ids"])), c["want_emb"])
-    expect_close(fail, f"lm head vocab={vocab}", head(t(c["hidden"])), c["want_logits"])
+    comm = comm_of(rank, world)
+    ops = Ops(triton=False, use_gemv=False, pdl=False, comm=comm)
+    got = ops.embed(t(c["ids"]), emb.weight, emb.vocab_start, emb.vocab_end)
+    expect_close(fail, f"embedding vocab={vocab}", got, c["want_emb"])
+    expect_close(fail, f"lm head vocab={vocab}", head(t(c["hidden"]), comm), c["want_logits"])
     # Ungathered: exactly this rank's columns of the logits, padding dropped.
     want_shard = c["want_logits"][:, head.vocab_start:head.vocab_end]
-    expect_close(fail, f"lm head shard vocab={vocab}", head(t(c["hidden"]), gather=False), want_shard)
+    expect_close(fail, f"lm head shard vocab={vocab}", head(t(c["hidden"]), comm, gather=False), want_shard)
 
 
-class StubFastPath:
-    """Stands in for the one-shot symmetric-memory all-reduce (CUDA only): takes tensors of
-    at most ``limit`` elements, returns their sum as a new tensor, counts its calls."""
+class StubSymm:
+    """Stands in for the symmetric-memory paths (CUDA only): the same sums through gloo,
+    each kind of call counted. Takes and fuses (T, N) tensors of at most ``limit`` elements;
+    its fused buffer is one tensor whose view ``partial_slot`` hands out."""
 
-    fuses_norm = False
-    _half = 0  # the fused buffer half the next call uses (all_reduce.check_forward_start reads it)
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.calls = limit, 0
+    def __init__(self, limit: int, numel: int = 64) -> None:
+        self.limit, self.calls, self.norm_calls, self.in_place = limit, 0, 0, 0
+        self.half, self.numel = 0, numel
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.numel() <= self.limit
 
     def fuses(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        return self.fuses_norm and len(shape) == 2 and shape[0] * shape[1] <= self.limit
+        return len(shape) == 2 and shape[0] * shape[1] <= self.limit
 
-    def slot_for(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        return None  # no two-shot buffer: the layer writes its own output
+    def partial_slot(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        if not self.fuses(shape, dtype):
+            return None
+        buffer = self.buffers.setdefault(dtype, torch.full((self.numel,), float("nan"), dtype=dtype))
+        return buffer[:shape[0] * shape[1]].view(shape)
 
-    def fused_slot(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        return None  # nor a fused-norm buffer
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         out = x.clone()
-        dist.all_reduce(out)
+        if dist.is_initialized():
+            dist.all_reduce(out)
         return out
 
-
-class StubFusedNorm(StubFastPath):
-    """Stands in for the symmetric-memory path with the fused all-reduce + add + RMSNorm
-    kernel (CUDA only): the same sums through gloo, each kind of call counted."""
-
-    fuses_norm = True
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit)
-        self.norm_calls = 0
-        self.warmed: torch.Tensor | None = None
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, warm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
         self.norm_calls += 1
-        self.warmed = warm
+        self.in_place += x.dtype in self.buffers and x.data_ptr() == self.buffers[x.dtype].data_ptr()
         total = x.clone()
         if dist.is_initialized():
             dist.all_reduce(total)
         return add_rms_norm_ref(total, residual, weight, eps)
 
 
-def check_deferred_norm(rank: int, world: int, c: Case, fail: Fail) -> None:
-    """With the fused path installed, a row-parallel layer built with
-    ``reduce_in_next_norm`` leaves its sum to the norm after it (bias still counted once);
-    without it the layer reduces and the norm only normalises: the same result."""
-    out_size, in_size = c["w"].shape
-    layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world, reduce_in_next_norm=True)
-    layer.weight.weight_loader(layer.weight, t(c["w"]))
-    layer.bias.weight_loader(layer.bias, t(c["b"]))
-    norm = RMSNorm(out_size, 1e-6, reduces_input=True)
-    norm.weight.data.copy_(t(c["norm_w"]))
-    x = t(c["x"]).chunk(world, dim=-1)[rank]
-    for fused in (True, False):
-        stub = StubFusedNorm(10 ** 6)
-        stub.fuses_norm = fused
-        ar._installed = stub
-        try:
-            out, res = norm(layer(x), t(c["residual"]))
-        finally:
-            ar.uninstall()
-        expect_close(fail, f"norm output (fused {fused})", out, c["want_norm"])
-        expect_close(fail, f"new residual (fused {fused})", res, c["want_res"])
-        if (stub.norm_calls, stub.calls) != ((1, 0) if fused else (0, 1)):
-            fail(f"fused {fused}: {stub.norm_calls} fused and {stub.calls} plain all-reduces")
-    # Into the next layer: the fused call is told that layer's weight (to warm L2 with).
-    nxt = ColumnParallelLinear(out_size, 2 * world, bias=False, tp_rank=rank, tp_size=world)
-    stub = ar._installed = StubFusedNorm(10 ** 6)
-    try:
-        _, res = norm.into(nxt, layer(x), t(c["residual"]))
-    finally:
-        ar.uninstall()
-    expect_close(fail, "new residual (into the next layer)", res, c["want_res"])
-    if stub.norm_calls != 1 or stub.warmed is not nxt.weight:
-        fail("the fused norm before a layer was not handed that layer's weight")
-
-
-def check_all_reduce_dispatch(rank: int, world: int, c: Case, fail: Fail) -> None:
-    """The layers reduce through ``layers.all_reduce``: an installed fast path gets the
-    messages it takes (and its returned tensor is the layer's output), the rest go to
-    ``torch.distributed``; uninstalled, none reach it."""
-    out_size, in_size = c["w"].shape
-    layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world)
-    layer.weight.weight_loader(layer.weight, t(c["w"]))
-    layer.bias.weight_loader(layer.bias, t(c["b"]))
-    x = t(c["x"]).chunk(world, dim=-1)[rank]
-    for limit, calls in ((x.shape[0] * out_size, 1), (x.shape[0] * out_size - 1, 0)):
-        stub = StubFastPath(limit)
-        ar._installed = stub
-        try:
-            expect_close(fail, f"output via fast path limit {limit}", layer(x), c["want"])
-        finally:
-            ar.uninstall()
-        if stub.calls != calls:
-            fail(f"fast path with limit {limit} called {stub.calls} times, want {calls}")
-        expect_close(fail, "output after uninstall", layer(x), c["want"])
-        if stub.calls != calls:
-            fail("the uninstalled fast path was still called")
-
-
-class StubTwoShot(StubFastPath):
-    """Stands in for the symmetric-memory path whose two-shot kernel reduces in its buffer:
-    offers a view of that buffer (``slot_for``) and records whether each message it
-    reduces already lies there (the GEMM wrote it in place: no copy); with ``fuses_norm``
-    also a view of the fused kernel's buffer (``fused_slot``)."""
-
-    fuses_norm = False
-
-    def __init__(self, limit: int, dtype: torch.dtype) -> None:
-        super().__init__(limit)
-        self.buffer = torch.full((limit,), float("nan"), dtype=dtype)
-        self.fused_buffer = torch.full((limit,), float("nan"), dtype=dtype)
-        self.in_place: list[bool] = []
-
-    def slot_for(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        n = shape[0] * shape[1]
-        return self.buffer[:n].view(shape) if dtype == self.buffer.dtype and n <= self.limit else None
-
-    def fused_slot(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        assert self.fuses_norm, "asked for the fused buffer of a path without it"
-        n = shape[0] * shape[1]
-        return self.fused_buffer[:n].view(shape) if dtype == self.buffer.dtype and n <= self.limit else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.in_place.append(x.data_ptr() == self.buffer.data_ptr())
-        return super().__call__(x)
-
-
-def check_output_slot(rank: int, world: int, c: Case, fail: Fail) -> None:
-    """A row-parallel layer writes its partial output straight into the all-reduce's buffer
-    when the path offers it (the same sum, no copy); one whose output the fused norm
-    reduces writes into the fused kernel's buffer instead, except on rank 0, whose bias
-    is added after (a new tensor: the kernel copies it)."""
-    out_size, in_size = c["w"].shape
-    x = t(c["x"]).chunk(world, dim=-1)[rank]
-    for into_norm, fused in ((False, False), (True, False), (True, True)):
-        layer = RowParallelLinear(in_size, out_size, bias=True, tp_rank=rank, tp_size=world,
-                                  reduce_in_next_norm=into_norm)
-        layer.weight.weight_loader(layer.weight, t(c["w"]))
-        layer.bias.weight_loader(layer.bias, t(c["b"]))
-        stub = StubTwoShot(x.shape[0] * out_size, x.dtype)
-        stub.fuses_norm = fused
-        ar._installed = stub
-        try:
-            y = layer(x)
-        finally:
-            ar.uninstall()
-        if fused:  # the layer left its sum (rank 0's bias in it) to the norm: finish it here
-            if y.data_ptr() == stub.buffer.data_ptr():
-                fail("an output left to the fused norm was written into the all-reduce buffer")
-            if (y.data_ptr() == stub.fused_buffer.data_ptr()) != (rank != 0):
-                fail(f"rank {rank}: output in the fused buffer {y.data_ptr() == stub.fused_buffer.data_ptr()}")
-            y = y.clone()
-            dist.all_reduce(y)
-        expect_close(fail, f"output (into_norm {into_norm}, fused {fused})", y, c["want"])
-        want = [] if fused else [True]
-        if stub.in_place != want:
-            fail(f"into_norm {into_norm}, fused {fused}: messages in the buffer {stub.in_place}, want {want}")
+def check_fused_dispatch(rank: int, world: int, c: Case, fail: Fail) -> None:
+    """Where the fused path takes the partial sums, ``Ops.add_rms_norm`` sends them there (and
+    the layer's output written into ``partial_out`` is not copied); where it does not, the
+    plain all-reduce of ``torch.distributed``, then the norm: the same result either way."""
+    layer = loaded_row(c, rank, world)
+    x = t(c["x"]).chunk(world, dim=-1)[rank].contiguous()
+    for limit, fused in ((10 ** 6, True), (1, False)):
+        stub = StubSymm(limit)
+        ops = Ops(triton=False, use_gemv=False, pdl=False, comm=comm_of(rank, world, stub))
+        out = ops.partial_out(x.shape[0], layer.weight.shape[0], x.dtype)
+        if (out is not None) != fused:
+            fail(f"fused {fused}: partial_out gave {'a slot' if out is not None else 'none'}")
+        partial = ops.linear(x, layer.weight, layer.partial_bias, out=out)
+        h, res = ops.add_rms_norm(partial, t(c["residual"]), t(c["norm_w"]), 1e-6)
+        expect_close(fail, f"fused {fused}: normed", h, c["want_norm"])
+        expect_close(fail, f"fused {fused}: residual", res, c["want_res"])
+        want_calls = (0, 1, 1) if fused else (0, 0, 0)  # not fused: torch.distributed's all-reduce
+        if (stub.calls, stub.norm_calls, stub.in_place) != want_calls:
+            fail(f"fused {fused}: (plain, fused, in place) calls {(stub.calls, stub.norm_calls, stub.in_place)}, "
+                 f"want {want_calls}")
 
 
 CHECKS: dict[str, Callable[[int, int, Case, Fail], None]] = {
-    "output_slot": check_output_slot,
-    "all_reduce_dispatch": check_all_reduce_dispatch,
-    "row_bias_reduced": check_row_bias_reduced,
-    "row_bias_unreduced": check_row_bias_unreduced,
-    "deferred_norm": check_deferred_norm,
+    "row_partials": check_row_partials,
+    "add_rms_norm": check_add_rms_norm,
+    "fused_dispatch": check_fused_dispatch,
     "mlp": check_mlp,
     "attention_gqa": check_attention_gqa,
     "vocab": check_vocab,
@@ -487,29 +389,24 @@ def test_no_child_process_left(world_failures):
 
 
 def test_two_shot_rule_large_messages_whose_shares_align() -> None:
-    """The symmetric-memory path sends a message to the two-shot kernel from
-    ``TWO_SHOT_MIN_BYTES`` up when each rank's share is whole 16-byte vectors; the rest
-    (and every message on a torch without the kernel) to the one-shot kernel. The
-    kernels themselves run only on GPUs (tests_gpu/test_tp_gpu.py)."""
-    fast = object.__new__(ar.SymmMemAllReduce)  # the rule alone: no symmetric memory on the CPU
-    fast.world_size, fast._two_shot = 2, object()
-    big = torch.empty(ar.TWO_SHOT_MIN_BYTES // 2, dtype=torch.bfloat16)
-    assert fast.uses_two_shot(big)
-    assert not fast.uses_two_shot(big[:-8])  # 16 bytes under the minimum
-    assert not fast.uses_two_shot(torch.empty(big.numel() + 8, dtype=torch.bfloat16))  # half a vector per rank
-    fast.world_size = 4
-    assert not fast.uses_two_shot(torch.empty(big.numel() + 8, dtype=torch.bfloat16))
-    assert fast.uses_two_shot(torch.empty(big.numel() + 32, dtype=torch.bfloat16))
-    fast._two_shot = None
-    assert not fast.uses_two_shot(big)
+    """The symmetric-memory path sends a plain sum to the two-shot kernel from
+    ``TWO_SHOT_MIN_BYTES`` up when each rank's share is whole 16-byte vectors; the rest to
+    the one-shot kernel. The kernels themselves run only on GPUs (tests_gpu/test_tp_gpu.py)."""
+    big = ar.TWO_SHOT_MIN_BYTES
+    assert ar.uses_two_shot(big, 2)
+    assert not ar.uses_two_shot(big - 16, 2)  # 16 bytes under the minimum
+    assert not ar.uses_two_shot(big + 16, 2)  # half a vector per rank
+    assert not ar.uses_two_shot(big + 16, 4)
+    assert ar.uses_two_shot(big + 64, 4)
 
 
 def test_decoder_leaves_every_row_parallel_sum_to_the_norm_after_it() -> None:
-    """Model level, in one process: with a stand-in for the fused path installed, every
-    layer's ``o_proj`` and ``down_proj`` sums go through the norm after them (two per
-    layer and forward: the last layer's to the final norm) and no plain all-reduce
-    runs; greedy tokens are those of the plain path. (One rank: the stand-in's "sum"
-    is the rank's own partial; the gloo checks above cover two and three ranks.)"""
+    """Model level, in one process: with a stand-in for the fused path in the model's ops,
+    every layer's ``o_proj`` and ``down_proj`` partial sums go through the norm after them
+    (two per layer and forward: the last layer's to the final norm), written in place, and
+    the one plain all-reduce per forward is the embedding's; greedy tokens are those without
+    it, on the layer-by-layer and on the small-batch forward (one rank: the stand-in's "sum"
+    is the rank's own partial; the gloo checks above cover two and three ranks)."""
     from pathlib import Path
 
     from minivllm import LLM, SamplingParams
@@ -517,16 +414,21 @@ def test_decoder_leaves_every_row_parallel_sum_to_the_norm_after_it() -> None:
     fixture = str(Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen3")
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
-    with LLM(fixture, device="cpu", attention_backend="torch", skip_tokenizer_init=True, num_blocks=32,
-             max_model_len=64, block_size=4) as llm:
-        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        stub = StubFusedNorm(10 ** 9)
-        ar._installed = stub
-        try:
-            got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        finally:
-            ar.uninstall()
-        layers = len(llm.engine.executor.model.model.layers)
-    assert got == want
-    assert stub.calls == 0 and stub.norm_calls > 0 and stub.norm_calls % (2 * layers) == 0, \
-        (stub.calls, stub.norm_calls, layers)
+    for dtype in ("float32", "bfloat16"):  # bfloat16: the GEMV kernel's small-batch forward
+        with LLM(fixture, device="cpu", kernels="triton", dtype=dtype, skip_tokenizer_init=True,
+                 num_blocks=32, max_model_len=64, block_size=4) as llm:
+            want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            model = llm.engine.executor.model
+            stub = StubSymm(10 ** 9, numel=1 << 16)
+            plain = model.ops
+            swap = lambda ops: [setattr(m, "ops", ops) for m in model.modules() if hasattr(m, "ops")]  # noqa: E731
+            swap(Ops(triton=plain.triton, use_gemv=plain.use_gemv, pdl=False, comm=Communicator(0, 1, stub)))
+            try:
+                got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            finally:
+                swap(plain)
+            layers = len(model.model.layers)
+            forwards = stub.calls
+        assert got == want, dtype
+        assert forwards > 0 and stub.norm_calls == 2 * layers * forwards, (dtype, stub.norm_calls, forwards)
+        assert stub.in_place == stub.norm_calls, dtype

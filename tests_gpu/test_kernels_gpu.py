@@ -111,8 +111,7 @@ def test_decode_attention(batch: str, dtype: torch.dtype) -> None:
     q = torch.randn(len(lens), H, D, generator=gen, device=DEVICE).to(dtype)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
     ref = reference_fp32(q, k_cache, v_cache, cu, kv_lens, tables, D ** -0.5)
-    fused = DecodeConfig(fused_merge=True)  # the last split merges in the kernel
-    for num_splits, config in ((None, None), (1, None), (7, None), (None, fused), (7, fused)):
+    for num_splits, config in ((None, None), (1, None), (7, None), (7, DecodeConfig(block_n=32))):
         out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, num_splits=num_splits,
                                config=config)
         assert_close(out, ref, dtype)
@@ -131,12 +130,11 @@ def test_decode_attention_block_sizes(block_size: int) -> None:
     assert_close(decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5), ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge-kernel", "fused-merge"])
-def test_decode_attention_cuda_graph(fused_merge: bool) -> None:
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_decode_attention_cuda_graph(pdl: bool) -> None:
     """Captured once, replayed on new lengths / tables / queries (including padding rows
-    with kv_len 0): the split count came from shapes, so every replay is right (with the
-    fused merge: its arrival counters are zero again after every replay)."""
-    config = DecodeConfig(fused_merge=fused_merge)
+    with kv_len 0): the split count came from shapes, so every replay is right (``pdl``: the
+    merge lets the next kernel start early)."""
     gen = torch.Generator(DEVICE).manual_seed(2)
     batch, width, bs = 32, 256, 16
     shape = (batch * width, bs, HKV, D)
@@ -158,11 +156,11 @@ def test_decode_attention_cuda_graph(fused_merge: bool) -> None:
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fill([100] * batch)
-        decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, config=config)  # compile outside capture
+        decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, pdl=pdl)  # compile outside capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, config=config)
+        out = decode_attention(q, k_cache, v_cache, kv_lens, tables, D ** -0.5, pdl=pdl)
 
     cu = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     for trial in range(3):
@@ -299,7 +297,13 @@ def test_prefill_attention_loop_split_edges(seqs: list[tuple[int, int]], dtype: 
 
 from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store  # noqa: E402
 from minivllm.kernels.reference import qk_norm_rope_store_reference  # noqa: E402
-from minivllm.layers.rotary import RotaryEmbedding  # noqa: E402
+
+
+def cos_sin_table(head_dim: int, max_position: int, base: float) -> torch.Tensor:
+    """The (P, D) float32 [cos | sin] table of plain RoPE, as the rotary layer builds it."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (P, D/2)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -316,7 +320,7 @@ def test_qk_norm_rope_store(num_tokens: int, dtype: torch.dtype) -> None:
     q_weight = (1 + 0.5 * torch.randn(D, generator=gen, device=DEVICE)).to(dtype)
     k_weight = (1 + 0.5 * torch.randn(D, generator=gen, device=DEVICE)).to(dtype)
     positions = torch.randint(0, max_pos, (num_tokens,), generator=gen, device=DEVICE)
-    cos_sin = RotaryEmbedding(D, max_pos, 1_000_000.0).cos_sin_cache.to(DEVICE)
+    cos_sin = cos_sin_table(D, max_pos, 1_000_000.0).to(DEVICE)
     n = 2 * (-(-num_tokens // bs)) + 2
     slots = torch.randperm(n * bs, generator=gen, device=DEVICE)[:num_tokens]
     slots[3::7] = -1
@@ -344,7 +348,7 @@ def test_qk_norm_rope_store_cuda_graph() -> None:
     weight = torch.ones(D, device=DEVICE, dtype=torch.bfloat16)
     positions = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    cos_sin = RotaryEmbedding(D, 1024, 1_000_000.0).cos_sin_cache.to(DEVICE)
+    cos_sin = cos_sin_table(D, 1024, 1_000_000.0).to(DEVICE)
     k_cache = torch.zeros(4, 16, HKV, D, device=DEVICE, dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
     args = (qkv, positions, weight, weight, 1e-6, cos_sin, k_cache, v_cache, slots)
@@ -368,14 +372,13 @@ def test_qk_norm_rope_store_cuda_graph() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 256, 8192])
 def test_rms_norm_and_silu_and_mul(rows: int, dtype: torch.dtype) -> None:
-    """Qwen3-0.6B's hidden 1024 and intermediate 3072: the kernels against the layers' torch
+    """Qwen3-0.6B's hidden 1024 and intermediate 3072: the kernels against their torch
     references on CUDA. Both round where torch rounds, so in bf16/fp16 they differ only where
     rsqrt or exp differ by an fp32 ulp that crosses a rounding boundary: at most 1% of the
     elements (fp32 results keep those ulps: tolerance only)."""
+    from minivllm.kernels.reference import add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
     from minivllm.kernels.rms_norm import rms_norm
     from minivllm.kernels.silu_and_mul import silu_and_mul
-    from minivllm.layers.activation import silu_and_mul_ref
-    from minivllm.layers.norm import add_rms_norm_ref, rms_norm_ref
 
     gen = torch.Generator(device=DEVICE).manual_seed(rows)
     x = (3 * torch.randn(rows, 1024, device=DEVICE, generator=gen)).to(dtype)
@@ -459,19 +462,21 @@ def test_normed_gemv_is_rms_norm_then_gemv(residual: bool, n: int, k: int) -> No
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) -> None:
-    """``MINIVLLM_PDL=1``: RMSNorm (signalling early) -> GEMV (launched with launch_pdl,
-    streaming W before its wait) -> SiLU-and-mul -> GEMV, captured in a CUDA graph and
-    replayed on new inputs, gives exactly the bits of the plain launches (the same sums;
-    a GEMV reading x before RMSNorm finished would not); at one row, GEMV -> GEMV -> GEMV
-    as a decode layer's MLP and next qkv run them (normed, gated, normed with the residual),
-    each GEMV letting the next start early. Skipped where PDL is not possible (pre-Hopper,
-    or a triton without launch_pdl)."""
-    from minivllm.kernels import _launch
+def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(rows: int) -> None:
+    """``pdl=True`` on every launch: RMSNorm (signalling early) -> GEMV (launched with
+    launch_pdl, streaming its first W tile before its wait) -> SiLU-and-mul -> GEMV, captured
+    in a CUDA graph and replayed on new inputs, gives exactly the bits of the plain launches
+    (the same sums; a GEMV reading x before RMSNorm finished would not); at one row, GEMV ->
+    GEMV -> GEMV as a decode layer's MLP and next qkv run them (normed, gated, normed with the
+    residual), each GEMV letting the next start early. Skipped where PDL is not supported
+    (pre-Hopper, or a triton without launch_pdl)."""
+    from minivllm.kernels._launch import pdl_supported
     from minivllm.kernels.gemv import gemv, rms_norm_gemv
     from minivllm.kernels.rms_norm import rms_norm
     from minivllm.kernels.silu_and_mul import silu_and_mul
 
+    if not pdl_supported(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch is not supported here")
     gen = torch.Generator(device=DEVICE).manual_seed(rows)
     h, inter = 1024, 3072
     x = torch.randn(rows, h, generator=gen, device=DEVICE).bfloat16()
@@ -479,105 +484,29 @@ def test_pdl_chain_in_a_cuda_graph_gives_the_plain_bits(monkeypatch, rows: int) 
     w_up = (torch.randn(2 * inter, h, generator=gen, device=DEVICE) / h ** 0.5).bfloat16()
     w_down = (torch.randn(h, inter, generator=gen, device=DEVICE) / inter ** 0.5).bfloat16()
 
-    def chain(inp: torch.Tensor) -> torch.Tensor:
+    def chain(inp: torch.Tensor, pdl: bool) -> torch.Tensor:
         if rows == 1:
             # The decode step's kernels: GEMV after GEMV (each signals the next early), the
             # norm and the activation inside them, each waiting before it reads its input.
-            up = rms_norm_gemv(inp, None, norm_w, 1e-6, w_up)[0]
-            down = gemv(up, w_down, gated=True)
-            return rms_norm_gemv(down, inp, norm_w, 1e-6, w_up)[0]
-        return gemv(silu_and_mul(gemv(rms_norm(inp, norm_w, 1e-6), w_up)), w_down)
+            up = rms_norm_gemv(inp, None, norm_w, 1e-6, w_up, pdl=pdl)[0]
+            down = gemv(up, w_down, gated=True, pdl=pdl)
+            return rms_norm_gemv(down, inp, norm_w, 1e-6, w_up, pdl=pdl)[0]
+        normed = rms_norm(inp, norm_w, 1e-6, pdl=pdl)
+        return gemv(silu_and_mul(gemv(normed, w_up, pdl=pdl), pdl=pdl), w_down, pdl=pdl)
 
-    monkeypatch.setenv(_launch.PDL_ENV, "0")
-    _launch.pdl_requested.cache_clear()
-    _launch._pdl_possible.cache_clear()
-    plain_first = chain(x)
+    plain_first = chain(x, pdl=False)
     x2 = torch.randn(rows, h, generator=gen, device=DEVICE).bfloat16()
-    plain_second = chain(x2)
-    monkeypatch.setenv(_launch.PDL_ENV, "1")
-    _launch.pdl_requested.cache_clear()
-    _launch._pdl_possible.cache_clear()
-    try:
-        if not _launch.pdl(x):
-            pytest.skip("programmatic dependent launch is not possible here")
-        assert torch.equal(chain(x), plain_first)  # eager, with PDL
-        static = x.clone()
-        chain(static)  # compile every variant before capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(static)
-        static.copy_(x2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain_second)
-    finally:
-        monkeypatch.delenv(_launch.PDL_ENV, raising=False)
-        _launch.pdl_requested.cache_clear()
-        _launch._pdl_possible.cache_clear()
-
-
-@pytest.mark.parametrize("n_out", [12288, 3072], ids=["gate_up", "qkv"])
-def test_pushed_all_reduce_ranks_in_turn_in_a_cuda_graph(n_out: int) -> None:
-    """The one-row pushed all-reduce (``kernels/_push_all_reduce.py``) at Qwen3-8B TP=2
-    shapes, both "ranks" on this GPU, their kernels in turn on one stream (both producers
-    before the consumers, so every wait passes): each rank's ``o_proj`` GEMV (K 2048 ->
-    4096) pushes, then each rank's normed GEMV sums the slots. Captured once per half into
-    a CUDA graph and replayed with new inputs: every replay equals, bit for bit, the plain
-    GEMVs, the rank-order sum and ``rms_norm_gemv``; the fused norm kernel over the same
-    slots equals the barrier kernel's bits. (Two GPUs: tests_gpu/test_tp_gpu.py.)"""
-    from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm, pushed_add_rms_norm
-    from minivllm.kernels.gemv import gemv, rms_norm_gemv
-    from minivllm.layers.all_reduce import ranks_in_one_process
-
-    world, k, n, dtype, eps = 2, 2048, 4096, torch.bfloat16, 1e-6
-    gen = torch.Generator(device=DEVICE).manual_seed(5)
-    rand = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen, device=DEVICE)).to(dtype)  # noqa: E731
-    ws = [rand(n, k, scale=0.02) for _ in range(world)]
-    w2, nw = rand(n_out, n, scale=0.02), 1 + rand(n, scale=0.1)
-    xs = [rand(1, k) for _ in range(world)]
-    residual = rand(1, n)
-    paths = ranks_in_one_process(world, dtype, DEVICE, max_numel=1 << 16)
-    outs = []
-
-    def step() -> None:  # one call: the producers, then the consumers
-        rows = [path.push_target((1, n), dtype) for path in paths]
-        for rank, row in enumerate(rows):
-            gemv(xs[rank], ws[rank], out=row.out, push=row.channel)
-        outs.append([rms_norm_gemv(row.slots, residual, nw, eps, w2, reduce=row.channel) for row in rows])
-
-    step(), step()  # compile, and both halves once eagerly
-    torch.cuda.synchronize()
-    outs.clear()
+    plain_second = chain(x2, pdl=False)
+    assert torch.equal(chain(x, pdl=True), plain_first)  # eager, with PDL
+    static = x.clone()
+    chain(static, pdl=True)  # compile every variant before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step(), step()
-    for replay in range(10):
-        for x in xs:
-            x.copy_(rand(1, k))
-        residual.copy_(rand(1, n))
-        graph.replay()
-        torch.cuda.synchronize()
-        parts = [gemv(xs[r], ws[r]) for r in range(world)]
-        total = (parts[0].float() + parts[1].float()).to(dtype)
-        want_y, want_s = rms_norm_gemv(total, residual, nw, eps, w2)
-        for call in outs:
-            for rank, (y, s) in enumerate(call):
-                assert torch.equal(s, want_s) and torch.equal(y, want_y), f"replay {replay}, rank {rank}"
-    # per half: one eager call and one per replay, N from the one peer each
-    for path in paths:
-        assert path.pad[path.pad_at:].tolist() == [n * (1 + 10)] * 4  # capture runs nothing
-    rows = [path.push_target((1, n), dtype) for path in paths]
-    for rank, row in enumerate(rows):
-        gemv(xs[rank], ws[rank], out=row.out, push=row.channel)
-    parts = [gemv(xs[r], ws[r]) for r in range(world)]
-    bufs = [p.reshape(-1).clone() for p in parts]
-    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
-    pads = torch.zeros(2, 1024, dtype=torch.int32, device=DEVICE)
-    pad_ptrs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=DEVICE)
-    for rank, row in enumerate(rows):
-        got = pushed_add_rms_norm(row.slots, residual, nw, eps, row.channel)
-        want = all_reduce_add_rms_norm(parts[rank], residual, nw, eps, ptrs, pad_ptrs, rank, world, sync=False)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"rank {rank}"
+        out = chain(static, pdl=True)
+    static.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain_second)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 256])
@@ -618,30 +547,3 @@ def test_one_launch_sampling_and_the_vocab_shard_lookup_match_their_references(r
     for start in (0, shard):
         got = vocab_shard_embedding(ids, table, start, start + shard)
         assert torch.equal(got, vocab_shard_embedding_reference(ids, table, start, start + shard))
-
-
-def test_the_fused_all_reduce_warming_l2_for_the_next_gemv_gives_the_same_bits() -> None:
-    """The one-row fused all-reduce + RMSNorm with its L2-warming programs (``warm``: 16 MB of
-    a Qwen3-8B TP=2 gate_up weight) returns what it returns without them, on every rank
-    (ranks in turn, buffers filled beforehand, no barrier); then the GEMV after it, as in a
-    decode step, gives the same output with and without."""
-    from minivllm.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm
-    from minivllm.kernels.gemv import gemv
-    from minivllm.layers.all_reduce import ranks_in_one_process
-
-    world, n = 2, 4096
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    paths = ranks_in_one_process(world, torch.bfloat16, DEVICE, max_numel=n)
-    slots = [p.fused_buffer[:n].view(1, n) for p in paths]
-    for slot in slots:
-        slot.copy_(torch.randn(1, n, generator=gen, device=DEVICE))
-    residual = torch.randn(1, n, generator=gen, device=DEVICE).to(torch.bfloat16)
-    norm_w = torch.rand(n, generator=gen, device=DEVICE).to(torch.bfloat16) + 0.5
-    nxt = torch.randn(12288, n, generator=gen, device=DEVICE).to(torch.bfloat16)
-    for rank in range(world):
-        args = (slots[rank], residual, norm_w, 1e-6, paths[0].buf_ptrs, paths[0].pad_ptrs, rank, world)
-        plain = all_reduce_add_rms_norm(*args, sync=False, in_place=True)
-        warmed = all_reduce_add_rms_norm(*args, sync=False, in_place=True, warm=nxt, warm_bytes=16_000_000)
-        for a, b in zip(plain, warmed):
-            assert torch.equal(a, b)
-        assert torch.equal(gemv(warmed[0], nxt), gemv(plain[0], nxt))

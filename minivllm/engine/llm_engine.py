@@ -34,12 +34,14 @@ import numpy as np
 
 from minivllm.config import CacheConfig, SchedulerConfig, cdiv
 from minivllm.engine.block_manager import InvariantError
-from minivllm.engine.plan import StepPlan, StepResult, TokenHistory
+from minivllm.engine.observer import EngineObserver
+from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.executor.base import Executor, StepHandle
 from minivllm.outputs import FinishReason, RequestOutput
 from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
+from minivllm.step_types import TokenHistory
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 
@@ -117,14 +119,20 @@ class LLMEngine:
             ids (Llama-3.x lists several) ends it at any of them.
         text_streams: makes a request's text stream from its prompt; requests
             with ``stop`` strings need it (the engine watches their text).
+        vocab_size: the model's vocabulary, where known; the engine only hands it on
+            (a trace records it).
+        observer: told of every accepted change (``EngineObserver``), e.g. a trace
+            recorder; ``close()`` closes it.
 
     Raises:
-        ValueError: the configured pool is larger than the executor holds.
+        ValueError: the configured pool is larger than the executor holds, or the
+            observer refuses the engine.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  executor: Executor, eos_token_id: int | Seq[int] | None = None,
-                 text_streams: TextStreamFactory | None = None) -> None:
+                 text_streams: TextStreamFactory | None = None, vocab_size: int | None = None,
+                 observer: EngineObserver | None = None) -> None:
         available = executor.num_kv_blocks()
         num_blocks = cache_config.num_blocks if cache_config.num_blocks is not None else available
         if num_blocks > available:
@@ -149,6 +157,10 @@ class LLMEngine:
         self.stats = EngineStats()
         self.last_step: StepRecord | None = None
         self._last_out: SchedulerOutput | None = None
+        self.vocab_size = vocab_size
+        self.observer = observer
+        if observer is not None:
+            observer.attach(self)
 
     @property
     def num_free_blocks(self) -> int:
@@ -170,6 +182,8 @@ class LLMEngine:
         if params.n > 1:
             self._unspawned[request_id] = seq
         self.scheduler.add(seq)
+        if self.observer is not None:
+            self.observer.on_add_request(self, request_id, seq.prompt_token_ids, params)
 
     def _new_sequence(self, request_id: str, prompt: Seq[int], params: SamplingParams, index: int) -> Sequence:
         # Equal params share one object (they are frozen): a plan pickled for tensor-parallel
@@ -253,18 +267,29 @@ class LLMEngine:
                               logprobs=() if first.logprobs is not None else None)
                 for i in range(1, first.sampling_params.n))
         self.stats.num_aborts += 1
+        if self.observer is not None:
+            self.observer.on_abort_request(self, request_id)
         return True
 
     def set_async_scheduling(self, on: bool) -> None:
         """Switch between one step in flight and synchronous steps (only while idle).
 
         Raises:
-            RuntimeError: requests are unfinished or a step is in flight.
+            RuntimeError: requests are unfinished or a step is in flight, or the
+                observer refuses the switch.
         """
+        if self.observer is not None:
+            self.observer.on_set_async_scheduling(self, on)
         if self.has_unfinished_requests():
             raise RuntimeError("set_async_scheduling: the engine is not idle")
         self.scheduler_config = dataclasses.replace(self.scheduler_config, async_scheduling=on)
         self.scheduler.config = self.scheduler_config
+
+    def close(self) -> None:
+        """Close the observer, if any (idempotent). The executor was passed in: its owner
+        closes it."""
+        if self.observer is not None:
+            self.observer.close()
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` has more to do: requests, undelivered outputs or a step in flight."""
@@ -308,6 +333,7 @@ class LLMEngine:
                 are unfinished (a bug: admission checks should make this impossible),
                 or the executor's result does not match the plan.
         """
+        busy = self.has_unfinished_requests()
         outputs, self._pending_outputs = self._pending_outputs, []
         if self._drain_first and self._inflight is not None:
             outputs.extend(self._complete(self._take_inflight()))
@@ -325,6 +351,9 @@ class LLMEngine:
         if not self.async_scheduling and self._inflight is not None:
             outputs.extend(self._complete(self._take_inflight()))
         self._record(out, outputs)
+        if busy and self.observer is not None:
+            assert self.last_step is not None
+            self.observer.on_step(self, self.last_step)
         return outputs
 
     def _take_inflight(self) -> _InFlight | None:
@@ -517,7 +546,7 @@ class LLMEngine:
     # ---- invariants ---------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` if any invariant of DESIGN.md does not hold."""
+        """Raise ``InvariantError`` if any invariant (``docs/design.md``, "The simulator") fails."""
         sched, cfg = self.scheduler, self.scheduler_config
         waiting, running = sched.waiting, sched.running
         queued = {s.name for s in waiting} | {s.name for s in running}

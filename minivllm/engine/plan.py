@@ -42,44 +42,12 @@ from itertools import chain
 import numpy as np
 
 from minivllm.sampling import SamplingParams
+from minivllm.step_types import TokenHistory, TokenLogprobs
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
-
-
-@dataclass(frozen=True)
-class TokenHistory:
-    """A sequence's known tokens, for penalties: the prompt, then the completion."""
-
-    token_ids: np.ndarray  # int64 (L,), read-only
-    num_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Log-probabilities at P positions (from the raw logits, float32).
-
-    token_logprobs: float32 (P,), of the token at each position (the sampled one,
-        or the prompt's next token).
-    top_ids / top_logprobs: int64 / float32 (P, K), the K most likely tokens,
-        most likely first (K = the request's ``logprobs`` / ``prompt_logprobs``).
-    """
-
-    token_logprobs: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
-
-    def as_dicts(self, token_ids: "np.ndarray | list[int]") -> list[dict[int, float]]:
-        """Per position, {token: logprob} of the top K and of the position's token."""
-        out = []
-        for tok, lp, ids, lps in zip(np.asarray(token_ids).tolist(), self.token_logprobs.tolist(),
-                                     self.top_ids.tolist(), self.top_logprobs.tolist()):
-            d = dict(zip(ids, lps))
-            d[tok] = lp
-            out.append(d)
-        return out
 
 
 @dataclass(frozen=True)

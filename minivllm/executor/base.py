@@ -58,12 +58,9 @@ _froze = False
 
 def freeze_imported_objects() -> None:
     """Once per process, before the first executor is built: move every object alive then
-    (torch, transformers and the other modules: ~200k objects) out of the garbage
-    collector's reach, as vLLM does.
-
-    Otherwise every full collection scans them all: 132 ms for 220k objects on the CPU
-    machine. (The H200 step timeline of offline-256 shows ~10 ms stalls every 50-100
-    decode steps; that they are these collections is not yet measured.)
+    (torch, transformers and the other modules) out of the garbage collector's reach, as
+    vLLM does: otherwise every full collection scans them all, a stall of its own
+    (``docs/tuning.md``, "Host path").
     Once only: a second ``LLM`` in the process must not freeze the first, which may be a
     reference cycle (with a tokenizer its engine calls back into it) and could then never
     be freed, GPU memory included. Unfrozen at exit so the interpreter can still collect everything

@@ -1,1 +1,2 @@
-"""Attention kernels: one Triton kernel per file with its launcher, plus torch references."""
+"""Triton kernels: one kernel per file with its launcher, and their torch references
+(``reference``, or beside the kernel)."""

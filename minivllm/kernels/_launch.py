@@ -1,6 +1,7 @@
 """Helpers shared by the kernel launchers: argument checks (each raises TypeError or
 ValueError naming the offending argument, never an ``assert``), the one checker of
-the paged-attention arguments, and the interpreter's bf16 workaround."""
+the paged-attention arguments, whether a launch takes part in programmatic dependent
+launch, and the interpreter's bf16 workaround."""
 
 from __future__ import annotations
 
@@ -17,46 +18,33 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
 
-# "1" / "0": programmatic dependent launch where possible, or not. Unset: the engine's
-# default (``set_pdl_default``): on with one rank, off under tensor parallelism.
-PDL_ENV = "MINIVLLM_PDL"
-_pdl_default = True
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can take part in programmatic dependent launch (PDL): a
+    Hopper or later GPU, a triton whose ``CUDAOptions`` has ``launch_pdl``, and not the CPU
+    interpreter. A hardware fact, decided once per device.
+
+    Under PDL a kernel that only feeds others calls ``griddepcontrol.launch_dependents`` (a
+    GEMV: after its K loop), and a kernel launched with ``launch_pdl`` may start before its
+    predecessor ends: it reads only what no kernel writes (weights) before its
+    ``griddepcontrol.wait``, which waits for the predecessor's completion and memory. The
+    contract: weights are never written by the kernel just before such a launch, and a kernel
+    whose correctness rests on stream order (the fused all-reduce) is never launched this way.
+    Whether a launch takes part is its caller's choice (each launcher's ``pdl`` argument)."""
+    if device.type != "cuda":
+        return False
+    return _pdl_supported_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def set_pdl_default(on: bool) -> None:
-    """What ``MINIVLLM_PDL`` unset means in this process. The model executor sets it: on for
-    one rank (Qwen3-0.6B batch 1 0.967 -> 0.920 ms/token, 8B 4.486 -> 4.471, thirteenth
-    session, once the GEMVs let the next kernel start early), off under tensor parallelism
-    until timed on two GPUs (its fused all-reduce lets the GEMV after it start early too).
-    Kernels called directly (tests, kernel benchmarks) see the default: on."""
-    global _pdl_default
-    if not isinstance(on, bool):
-        raise TypeError(f"set_pdl_default takes a bool, got {type(on).__name__}")
-    _pdl_default = on
-    pdl_requested.cache_clear()
-    _pdl_possible.cache_clear()
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_requested() -> bool:
-    """``MINIVLLM_PDL`` (``"1"`` or ``"0"``; unset: :func:`set_pdl_default`'s choice), read
-    once (tests clear the cache).
-
-    Raises:
-        ValueError: the variable is set to anything else.
-    """
-    raw = os.environ.get(PDL_ENV)
-    if raw is None:
-        return _pdl_default
-    if raw not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV} must be 0 or 1 (unset: on with one rank, off under tensor "
-                         f"parallelism), got {raw!r}")
-    return raw == "1"
+def takes_pdl(pdl: bool, t: torch.Tensor) -> bool:
+    """Whether a launch whose caller asked for ``pdl`` on tensors like ``t`` uses PDL: asked
+    for, and possible on t's device (so ``pdl=True`` is harmless on the CPU)."""
+    return pdl and t.is_cuda and pdl_supported(t.device)
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_possible(device_index: int) -> bool:
-    if not pdl_requested() or os.environ.get("TRITON_INTERPRET") == "1":
+def _pdl_supported_on(device_index: int) -> bool:
+    # Triton reads TRITON_INTERPRET when a kernel is decorated, so it cannot change later.
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -64,20 +52,6 @@ def _pdl_possible(device_index: int) -> bool:
         return False
     return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
             and torch.cuda.get_device_capability(device_index)[0] >= 9)
-
-
-def pdl(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and
-    later, a triton with ``launch_pdl``, and :func:`pdl_requested`).
-    Then a kernel that only feeds others calls ``griddepcontrol.launch_dependents`` at
-    its start (a GEMV: after its K loop), and a kernel launched with ``launch_pdl`` may start before its
-    predecessor ends: it reads only what no kernel writes (weights) before its
-    ``griddepcontrol.wait``, which waits for the predecessor's completion and memory.
-    The contract: weights are never written by the kernel just before such a launch (they
-    are loaded before any step, with synchronisations between), and a kernel whose
-    correctness rests on stream order (the fused all-reduce) is never launched this way.
-    Decided once per device (the environment is read once; ``set_pdl_default`` decides again)."""
-    return t.is_cuda and _pdl_possible(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
@@ -104,9 +78,8 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def next_pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for n <= 1): ``triton.next_power_of_2``, which
-    costs ~4 µs of host time per call in triton 3.9 against ~0.02 µs here; the launchers
-    call it on every launch."""
+    """The smallest power of two >= ``n`` (1 for n <= 1): ``triton.next_power_of_2`` without
+    its host cost, which matters as the launchers call it on every launch."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 

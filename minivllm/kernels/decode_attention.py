@@ -12,10 +12,8 @@ looked up in the block table), and keeps an online softmax in fp32::
 
 Why split: at batch 8 and Hkv 8 there are only 64 (sequence, head) pairs for 132
 SMs; splitting the context gives every SM work. Each split writes its normalised
-partial output and log-sum-exp, and :mod:`merge_attention_splits` combines them;
-with ``DecodeConfig.fused_merge`` the last split of each (sequence, KV head) to
-finish does that merge itself (an arrival counter per pair), saving the second
-launch. With one split the kernel writes the final output itself.
+partial output and log-sum-exp, and :mod:`merge_attention_splits` combines them.
+With one split the kernel writes the final output itself.
 
 CUDA-graph capturable: the split count depends on shapes only (batch, KV heads,
 block-table width * block size, SM count), never on tensor values, and nothing
@@ -28,7 +26,6 @@ with ``cu_seqlens_q = arange(B + 1)``.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +36,12 @@ from minivllm.kernels._launch import (
     LOG2E, check_attention_args, check_host_int, check_tile_config, next_pow2, upcast_dot,
 )
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
-from minivllm.kernels.merge_attention_splits import merge_attention_splits, merge_head_splits
+from minivllm.kernels.merge_attention_splits import merge_attention_splits
 
 # Splits beyond this add merge traffic and barely any parallelism.
 MAX_SPLITS = 64
-# Split until there are this many (sequence, KV head, split) programs per SM. Measured
-# on an H200 (132 SMs, bf16, D 128, BLOCK_N 64): batch 64 x ctx 1024 ran at 82% of copy
-# bandwidth unsplit vs 77% with 2 splits, batch 8 x ctx 8192 best with 8 splits (79%).
+# Split until there are this many (sequence, KV head, split) programs per SM.
+# Why 3: docs/tuning.md, "Decode attention splits".
 TARGET_PROGRAMS_PER_SM = 3
 
 
@@ -56,13 +52,9 @@ class DecodeConfig:
     block_n: int = 64     # context tokens per tile; a power of two >= 16 (tl.dot's minimum)
     num_warps: int = 4
     num_stages: int = 3   # software-pipelining depth of the K/V loads
-    # With splits: the last split program of each (sequence, KV head) to finish merges
-    # the splits itself (an arrival counter), instead of a second kernel. Off until
-    # timed on a GPU (benchmarks.decode_attention --fused-merge).
-    fused_merge: bool = False
 
     def __post_init__(self) -> None:
-        check_tile_config(self, ("block_n",), ("fused_merge",))
+        check_tile_config(self, ("block_n",))
 
 
 @triton.jit
@@ -74,7 +66,6 @@ def _decode_split_kernel(
     out_ptr,                              # (B, H, D): written only when num_splits == 1
     part_out_ptr,                         # (B, H, S, D) fp32 contiguous: split-normalised output
     part_lse_ptr,                         # (B, H, S) fp32 contiguous: log2-sum-exp2 of the split's scores
-    arrivals_ptr,                         # (B, Hkv) int32, zero between launches: FUSED_MERGE's counters
     scale_log2,                           # softmax scale * log2(e): scores live in base 2
     num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -82,8 +73,7 @@ def _decode_split_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_FINAL: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr,                # FUSED_MERGE: splits padded to a power of two
+    WRITE_FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
 ):
     kv_head = tl.program_id(0)
@@ -139,19 +129,6 @@ def _decode_split_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=head_ok)
-        if FUSED_MERGE:
-            # Arrive; the last split of this (sequence, KV head) merges all of them. The
-            # barrier puts every thread's stores before the release; acq_rel makes the
-            # other splits' stores visible to the last one, which reads them past L1.
-            tl.debug_barrier()
-            counter = arrivals_ptr + seq * tl.num_programs(0) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.debug_barrier()
-                for g in tl.static_range(GROUP):  # each head's splits in one load, as the merge kernel
-                    head = kv_head * GROUP + g
-                    merge_head_splits(part_out_ptr, part_lse_ptr, out_ptr + seq * stride_ob + head * stride_oh,
-                                      (seq * NUM_HEADS + head) * num_splits, num_splits, HEAD_DIM, BLOCK_S)
-                tl.atomic_xchg(counter, 0)  # zero again for the next launch (CUDA-graph replays too)
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,22 +156,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(next_pow2(wanted), max_tiles, MAX_SPLITS))
 
 
-# "1": the engine's decode attention merges splits in the kernel (``fused_merge``), for
-# A/B runs of the benchmarks. Timed on H200s (sixth session) it lost: Qwen3-8B batch-1
-# decode kernels 5,046 us per step with it against 4,741 without (its split kernel 527 us
-# per step at TP=2 against 139 + 85 for split + merge), so it stays off. That version's
-# last split merged with a loop over the splits, two dependent L2 loads per split (32
-# splits in a batch-1 graph); it now loads each head's splits at once, as the merge
-# kernel does (``merge_head_splits``). Timed again (ninth session, one H200): Qwen3-0.6B
-# batch-1 1.08 -> 1.46 ms/token with it, 8B TP=2 batch-1 3.03 -> 3.10: it stays off.
-FUSED_MERGE_ENV = "MINIVLLM_DECODE_FUSED_MERGE"
-
-
 def default_config(dtype: torch.dtype, head_dim: int) -> DecodeConfig:
     """Tile sizes that keep the per-program K/V tiles within shared memory."""
     tile_bytes = 64 * head_dim * (4 if dtype == torch.float32 else 2)
-    return DecodeConfig(block_n=64 if tile_bytes <= 16384 else 32,
-                        fused_merge=os.environ.get(FUSED_MERGE_ENV, "0") == "1")
+    return DecodeConfig(block_n=64 if tile_bytes <= 16384 else 32)
 
 
 def decode_attention(
@@ -204,15 +169,19 @@ def decode_attention(
     kv_lens: torch.Tensor,       # (B,) int32, 0 = padding row -> zeros
     block_tables: torch.Tensor,  # (B, W) int32, -1 padded
     scale: float,
-    num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    *,
+    num_splits: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:               # (B, H, D), q's dtype
     """Attention of each sequence's single new token over its whole paged context.
 
     Args:
+        config: tile/launch parameters; None picks :func:`default_config`.
         num_splits: context splits per sequence; None picks one from shapes
             (:func:`choose_num_splits`), so a captured CUDA graph stays valid.
-        config: tile/launch parameters; None picks :func:`default_config`.
+        pdl: the merge of the splits lets the next kernel start early where the device
+            allows programmatic dependent launch (:func:`merge_attention_splits`).
 
     Raises:
         TypeError: unsupported dtypes (q and caches must share one of bf16/fp16/fp32;
@@ -240,35 +209,20 @@ def decode_attention(
     if num_splits > 1:
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    fused_merge = config.fused_merge and num_splits > 1
-    arrivals = _arrival_counters(q.device, batch * num_kv_heads) if fused_merge else kv_lens
     group = num_heads // num_kv_heads
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, kv_lens, block_tables, out, part_out, part_lse, arrivals,
+        q, k_cache, v_cache, kv_lens, block_tables, out, part_out, part_lse,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
-        WRITE_FINAL=num_splits == 1, FUSED_MERGE=fused_merge, BLOCK_S=next_pow2(num_splits) if fused_merge else 1,
+        WRITE_FINAL=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if num_splits > 1 and not fused_merge:
-        merge_attention_splits(part_out, part_lse, out)
+    if num_splits > 1:
+        merge_attention_splits(part_out, part_lse, out, pdl=pdl)
     return out
-
-
-# Per device: zeroed int32 arrival counters, grown on demand. A replaced buffer is kept
-# alive: CUDA graphs captured with it still use it (each launch leaves it zero again).
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed counters on ``device`` (a prefix of the current buffer)."""
-    buffers = _ARRIVALS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return buffers[-1]

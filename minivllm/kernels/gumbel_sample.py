@@ -54,14 +54,15 @@ _MASK32 = 0xFFFFFFFF
 _UNIFORM_BITS = 23  # U = (k + 0.5) / 2**23 is exact in float32 and strictly in (0, 1)
 _STEP_MASK = 0x7FFFFFFF  # step key halves stay < 2**31: Triton types them i32, never u32/i64
 # Most programs per row. A constant, so that batches of every size share one compiled kernel
-# (the split count itself is a plain argument): compiling one per power of two of the count
-# cost offline-256 a quarter of its rate, its batches running down from 256 rows to 1.
+# (the split count itself is a plain argument): a compile per split count would stall a
+# serving run whose batch sizes change every step.
 MAX_SPLITS = 128
 
 
 @dataclass(frozen=True)
 class GumbelConfig:
-    """Launch tunables of :func:`gumbel_sample` (``benchmarks/sampler.py --sweep`` times others).
+    """Launch tunables of :func:`gumbel_sample` (``benchmarks/sampler.py --sweep`` times others;
+    why these defaults: docs/tuning.md, "Sampler").
 
     Attributes:
         block: columns per loop iteration (a power of two; smaller for a short split).
@@ -162,7 +163,7 @@ def _gumbel_sample_kernel(
     start = split * cols_per_split
     end = tl.minimum(start + cols_per_split, vocab_size)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    if greedy:  # the plain argmax: no noise to make (a third of the time at 256 rows)
+    if greedy:  # the plain argmax: no noise to make
         best_val, best_idx = _split_best(row_ptr, start, end, temperature, floor, k0, k1, col_offset,
                                          NOISE=False, BLOCK=BLOCK)
     else:

@@ -18,35 +18,8 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import (
-    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2, pdl,
+    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2, takes_pdl,
 )
-
-
-@triton.jit
-def merge_head_splits(
-    part_out_ptr,                 # (B, H, S, D) fp32 contiguous
-    part_lse_ptr,                 # (B, H, S) fp32 contiguous, base 2, -inf = empty split
-    out_row_ptr,                  # this (sequence, head)'s D outputs
-    row0,                         # this (sequence, head)'s first split row: (seq * H + head) * S
-    num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """One (sequence, head): every split's log-sum-exp and output in one load each (no
-    loop over splits), weighted and summed. ``.cg`` loads (L2, not L1): the decode
-    kernel's fused merge reads partials that other programs of the same launch wrote."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_ok = offs_s < num_splits
-    row = row0 + offs_s                                                       # (BLOCK_S,)
-    lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    # All splits empty: subtract 0 instead of -inf so the weights are exp2(-inf) = 0, not NaN.
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))             # (BLOCK_S,)
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=split_ok[:, None], other=0.0, cache_modifier=".cg")  # (BLOCK_S, D)
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # (D,)
-    tl.store(out_row_ptr + offs_d, out.to(out_row_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -57,22 +30,39 @@ def _merge_splits_kernel(
     num_splits,
     stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    SIGNAL_NEXT: tl.constexpr,    # programmatic dependent launch (_launch.pdl): let the next kernel start
+    SIGNAL_NEXT: tl.constexpr,    # programmatic dependent launch: let the next kernel start
 ):
+    """One (sequence, head): every split's log-sum-exp and output in one load each (no loop
+    over splits), weighted and summed."""
     if SIGNAL_NEXT:
         tl.extra.cuda.gdc_launch_dependents()
     head = tl.program_id(0)
     seq = tl.program_id(1)
-    merge_head_splits(part_out_ptr, part_lse_ptr, out_ptr + seq * stride_ob + head * stride_oh,
-                      (seq * NUM_HEADS + head) * num_splits, num_splits, HEAD_DIM, BLOCK_S)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    row = (seq * NUM_HEADS + head) * num_splits + offs_s                     # (BLOCK_S,)
+    # Read once: ".cg" keeps the partials in L2 and out of L1.
+    lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 0)
+    # All splits empty: subtract 0 instead of -inf so the weights are exp2(-inf) = 0, not NaN.
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))             # (BLOCK_S,)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=split_ok[:, None], other=0.0, cache_modifier=".cg")  # (BLOCK_S, D)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # (D,)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def merge_attention_splits(
     part_out: torch.Tensor,  # (B, H, S, D) fp32 contiguous
     part_lse: torch.Tensor,  # (B, H, S) fp32 contiguous
     out: torch.Tensor,       # (B, H, D), written in place
+    *,
+    pdl: bool = False,
 ) -> None:
-    """Write into ``out`` the softmax-weighted combination of the split outputs.
+    """Write into ``out`` the softmax-weighted combination of the split outputs; ``pdl``:
+    let the next kernel start early where the device allows programmatic dependent launch.
 
     Raises:
         TypeError: partials are not fp32, or ``out`` is not bf16/fp16/fp32.
@@ -98,7 +88,8 @@ def merge_attention_splits(
         return
     _merge_splits_kernel[(num_heads, batch)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=next_pow2(num_splits), SIGNAL_NEXT=pdl(out),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=next_pow2(num_splits),
+        SIGNAL_NEXT=takes_pdl(pdl, out),
         num_warps=4 if num_splits * head_dim >= 2048 else 2,
     )
 

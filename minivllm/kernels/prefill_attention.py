@@ -32,9 +32,8 @@ partial last tile keeps masked pointer loads, as slots past its last key may hol
 anything. Rows are int32 coordinates: a pool of under 2**31 token slots. With
 ``PrefillConfig.tma_io`` the Q tile is one (BLOCK_Q, G, D) box of q seen as (T, H, D),
 whose row-major order is the tile's row order (token r // G, head r % G), and a tile
-whose rows are all real is stored as one box of the output. (Nsight Compute, ninth
-session, before these boxes: at 16 x 1024 the kernel executed 1.4x the instructions per
-FLOP that it did at 4 x 4096, and waited on its pointer loads most.)
+whose rows are all real is stored as one box of the output: fewer instructions per tile
+than BLOCK_M x D pointers.
 
 Grid: one program per (KV head, sequence, q tile) plus one extra "sequence" B
 whose programs zero the output rows that belong to no sequence (before
@@ -86,19 +85,11 @@ class PrefillConfig:
 
 
 # Default configs, first matching row wins: (fp32?, head_dim <=, max_q_len >=, config).
-# The 16-bit rows are measured (`python -m benchmarks.prefill_attention`, one H200, blocks
-# of 64, CUDA-graph timing; BENCHMARKS.md, ninth session), tiles of 64 rows (32 tokens x
-# G 2) x 64 keys, 4 warps, 3 stages (98 KB of shared memory, 222 registers: two programs
-# per SM), every tile by TMA (K/V and Q/output, ``tma_io``), in one of two grid orders:
-#   chunks under 2,048 tokens: per head (heavy_first off), the tiles of one (sequence, KV
-#     head) side by side, sharing its K/V in L2. 16 x 1024: 364 TFLOP/s, 82% of SDPA
-#     (67% heavy first: Nsight Compute showed half the K/V traffic missing L2, the whole
-#     batch's K/V (67 MB) in flight at once); 32 x 64 over 960 cached 335 (253%); varlen 277.
-#   longer chunks: heavy first. 4 x 4096 484 (85%; per head 80%), 1 x 8192 519 (95%).
-# The 2,048 boundary lies between the measured 1,024 and 4,096. 128-row tiles with 8 warps,
-# 4 stages, 128-key tiles and pointer loads each lost on every shape. fp32 (exactness, not
-# speed: tl.dot "ieee" runs on FMA units) uses the spill-free tiles of a compile for
-# sm_90a (triton 3.9, ptxas -v).
+# 16-bit: tiles of 64 rows (32 tokens x G 2) x 64 keys, every tile by TMA, in one of two grid
+# orders: chunks under 2,048 tokens per head (heavy_first off: the tiles of one (sequence,
+# KV head) side by side, sharing its K/V in L2), longer chunks heavy first. fp32 is for
+# exactness, not speed (tl.dot "ieee" runs on FMA units): tiles that do not spill.
+# Why these tiles and the 2,048 boundary: docs/tuning.md, "Prefill attention tiles".
 CONFIG_TABLE: tuple[tuple[bool, int, int, PrefillConfig], ...] = (
     (False, 128, 2048, PrefillConfig(64, 64, num_warps=4, num_stages=3)),
     (False, 128, 0, PrefillConfig(64, 64, num_warps=4, num_stages=3, heavy_first=False)),

@@ -1,16 +1,51 @@
-"""Plain-torch paged attention: the reference every kernel is tested against,
-and the ``torch`` attention backend (any device).
+"""Plain-torch references of the kernels: what every kernel is tested against, and the
+torch path of the fused ops (any device).
 
 Cache layout (one layer): ``k_cache``, ``v_cache`` are (num_blocks, block_size,
 num_kv_heads, head_dim); token slot s lives at ``[s // block_size, s % block_size]``.
+
+The norm, activation and RoPE references round where Hugging Face's modules do (each op
+in the model dtype unless noted).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from minivllm.layers.norm import rms_norm_ref
-from minivllm.layers.rotary import rope_ref
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)``; statistics in float32, cast back before the weight multiply."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``."""
+    # Added in the model dtype, matching HF's ``residual + hidden_states``.
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]``, in x's dtype (each op rounds, as HF's)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` (T, H, D) and ``k`` (T, Hkv, D) by ``cos_sin_cache[positions]`` (neox
+    style: the two halves of each head), in float32, rounded once to each input's dtype."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def store_kv_reference(

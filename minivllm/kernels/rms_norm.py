@@ -9,15 +9,14 @@ One program per row (token); the whole row sits in registers (hidden sizes up to
 
 so it rounds where Hugging Face's Qwen3RMSNorm and ``residual + hidden_states`` do.
 
-Why a kernel and not ``torch.compile``: the compiled function with dynamic shapes
-cost 160 µs of host time per call on one H200 machine (guards, symbolic sizes),
-this launch about 90 µs on another (most of it Triton's own launch path;
-``benchmarks/launch_overhead.py`` compares the two in one process). A prefill
-step calls it 56 times outside any CUDA graph, and there the host time, not the
-GPU's, sets the step's length.
+Why a kernel and not ``torch.compile``: with dynamic shapes the compiled function costs
+more host time per call (guards, symbolic sizes) than this launch
+(``benchmarks/launch_overhead.py`` compares the two), and a prefill step calls it at least
+twice a layer outside any CUDA graph, where the host time, not the GPU's, sets the step's
+length.
 
-Torch references: :func:`minivllm.layers.norm.rms_norm_ref` and
-:func:`minivllm.layers.norm.add_rms_norm_ref`.
+Torch references: :func:`minivllm.kernels.reference.rms_norm_ref` and
+:func:`minivllm.kernels.reference.add_rms_norm_ref`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, pdl
+from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, takes_pdl
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384
@@ -64,7 +63,7 @@ def _rms_norm_kernel(
     stride_x, stride_r,                   # row strides of x and residual (last dim contiguous)
     eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch (_launch.pdl): let the next kernel start
+    SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch: let the next kernel start
 ):
     if SIGNAL_NEXT:
         tl.extra.cuda.gdc_launch_dependents()
@@ -80,8 +79,8 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N + offs, weighted_rms_norm_row(x, w, eps, N).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+             pdl: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``norm(x)``, or with ``residual`` ``(norm(x + residual), x + residual)``.
 
     Args:
@@ -89,6 +88,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         weight: (N,); the output has the dtype torch's ``weight * x`` would have.
         eps: added to the mean square.
         residual: like ``x`` (same shape and dtype), or None.
+        pdl: let the next kernel start early where the device allows programmatic
+            dependent launch.
 
     Raises:
         TypeError: a tensor that is not floating point (bf16, fp16, fp32).
@@ -105,7 +106,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         block = next_pow2(n)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight, out, res_out, rows.stride(0), res_rows.stride(0), float(eps),
-            N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None, SIGNAL_NEXT=pdl(x),
+            N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None, SIGNAL_NEXT=takes_pdl(pdl, x),
             num_warps=max(1, min(16, block // 256)),
         )
     return out if residual is None else (out, res_out)

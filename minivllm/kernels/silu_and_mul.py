@@ -5,11 +5,11 @@ I columns to their right, and writes BLOCK outputs. Rounding as torch in x's
 dtype: ``silu(gate)`` computed in fp32 as ``g / (1 + exp(-g))`` and rounded, then
 multiplied by ``up`` and rounded (Hugging Face's ``act_fn(gate) * up``).
 
-Why a kernel and not ``torch.compile``: the compiled function costs about 100 µs
-of host time per call with dynamic shapes, and its kernel ran at 40% of copy
-bandwidth on 8192 x 6144 bf16 on the H200.
+Why a kernel and not ``torch.compile``: with dynamic shapes the compiled function costs
+more host time per call than this launch, and its kernel streams far below copy bandwidth
+(``benchmarks/launch_overhead.py`` compares the host times).
 
-Torch reference: :func:`minivllm.layers.activation.silu_and_mul_ref`.
+Torch reference: :func:`minivllm.kernels.reference.silu_and_mul_ref`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, next_pow2, pdl
+from minivllm.kernels._launch import check_dtype, next_pow2, takes_pdl
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -38,7 +38,7 @@ def _silu_and_mul_kernel(
     out_ptr,                              # (T, I) contiguous
     stride_x,
     I: tl.constexpr, BLOCK: tl.constexpr,
-    SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch (_launch.pdl): let the next kernel start
+    SIGNAL_NEXT: tl.constexpr,            # programmatic dependent launch: let the next kernel start
 ):
     if SIGNAL_NEXT:
         tl.extra.cuda.gdc_launch_dependents()
@@ -50,8 +50,10 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * I + cols, gated_silu(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for ``x`` (..., 2I); returns (..., I) in x's dtype.
+    ``pdl``: let the next kernel start early where the device allows programmatic dependent
+    launch.
 
     Raises:
         TypeError: x is not floating point (bf16, fp16, fp32).
@@ -67,5 +69,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] and inner:
         block = min(1024, next_pow2(inner))
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inner, block))](
-            rows, out, rows.stride(0), I=inner, BLOCK=block, SIGNAL_NEXT=pdl(x), num_warps=4 if block >= 512 else 1)
+            rows, out, rows.stride(0), I=inner, BLOCK=block, SIGNAL_NEXT=takes_pdl(pdl, x),
+            num_warps=4 if block >= 512 else 1)
     return out

@@ -7,9 +7,9 @@ otherwise; the all-reduce after it adds the ranks' outputs, so every id is looke
 exactly one rank. Grid ``(T, cdiv(D, BLOCK))``.
 
 Why a kernel: in torch the same lookup is seven launches (two comparisons, their
-``and``, the shift, the masked ids, the gather, the zeroing multiply): 11.8 us for one
-token at Qwen3-8B's hidden size in a CUDA graph, against this kernel's 1.5
-(``benchmarks.tp_step_tail``, twelfth session).
+``and``, the shift, the masked ids, the gather, the zeroing multiply), and at decode
+batch sizes the launches, not the bytes, set its time (``benchmarks.tp_step_tail``
+times both).
 
 Torch reference: :func:`minivllm.kernels.reference.vocab_shard_embedding_reference`.
 """

@@ -31,6 +31,12 @@ DEFAULT_MAX_BYTES = 8 << 20
 TWO_SHOT_MIN_BYTES = 1 << 20
 
 
+def uses_two_shot(nbytes: int, world_size: int) -> bool:
+    """Whether a plain sum of ``nbytes`` takes the two-shot kernel: from ``TWO_SHOT_MIN_BYTES``
+    up, when every rank's share is a whole number of 16-byte vectors."""
+    return nbytes >= TWO_SHOT_MIN_BYTES and nbytes % (16 * world_size) == 0
+
+
 class SymmMemAllReduce:
     """The symmetric-memory all-reduces of one process group: one-shot / two-shot for plain
     sums, and the fused all-reduce + residual add + RMSNorm.
@@ -95,10 +101,8 @@ class SymmMemAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` (which ``takes`` accepts) over ranks, as a new tensor."""
-        nbytes = x.numel() * x.element_size()
         slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
-        if (self._two_shot is not None and nbytes >= TWO_SHOT_MIN_BYTES
-                and nbytes % (16 * self.world_size) == 0):
+        if self._two_shot is not None and uses_two_shot(x.numel() * x.element_size(), self.world_size):
             slot.copy_(x)  # the two-shot kernel reduces in the symmetric buffer (it scratches it)
             return self._two_shot(slot, "sum", self.group_name, torch.empty_like(x))
         return self._one_shot(slot, x, "sum", self.group_name)

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from minivllm.engine.plan import TokenLogprobs
+from minivllm.step_types import TokenLogprobs
 
 __all__ = ["SLICE_ROWS", "LogprobLayout", "LogprobTensors", "compute_logprobs", "sliced_logprobs"]
 

@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from minivllm.engine.plan import TokenHistory
+from minivllm.step_types import TokenHistory
 from minivllm.sampling import SamplingParams
 
 __all__ = ["PenaltyInputs", "PenaltyTensors", "apply_penalties"]

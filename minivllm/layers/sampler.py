@@ -12,12 +12,8 @@ turn the raw logits into a float32 copy that every path below then samples from
 Paths, from cheapest:
 
 - every row greedy: ``argmax`` of the logits as they are (exact in bf16; no copy). The fused
-  pass below takes 3.4 us at one row of 151,936 against ``argmax``'s 8.5 (24 against 54 at
-  256 rows, ``benchmarks.tp_step_tail``), yet end to end (twelfth session, alternating
-  runs) Qwen3-0.6B batch 1 took 1.025 and 1.614 ms/token with it against 1.007 and 0.993
-  with ``argmax``, and again 1.007, 0.983, 1.212 against 0.981, 0.998, 0.974. The spreads
-  overlap, the kernel's has more slow runs (its host side: argument checks, four buffers, the
-  Triton launch, is the suspect, not separated), so ``argmax`` stays;
+  pass below is faster in a CUDA graph but not end to end (``docs/tuning.md``, "Sampler"),
+  so ``argmax`` stays;
 - otherwise one fused pass (``minivllm/kernels/gumbel_sample.py``): each row's
   ``argmax(logits / T + g)`` with Gumbel noise ``g = -log(-log(U))`` made in the
   kernel, greedy rows taking the plain argmax in the same launch. The Gumbel-max

@@ -10,8 +10,8 @@ loop and the engine's Python work stop sharing one GIL.
 
 In one process the engine thread's host work (scheduling, plans, outputs: a few ms
 per step at batch 256) and the event loop's per-chunk work (a chunk per stream per
-step) take turns on the GIL, so each slows the other (measured on an H200: the
-server reached 0.47 of offline ``generate()``). Here the engine process steps on its
+step) take turns on the GIL, so each slows the other (``docs/tuning.md``, "Host path").
+Here the engine process steps on its
 own, one step after another, and sends each step's new tokens (``StepOutput``: the
 tokens new in the step, not whole completions) down a pipe; the server process's
 engine thread detokenizes and hands them to the event loop as before. Admission is
@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from minivllm.config import ModelConfig
-from minivllm.llm import LLM, resolve_model_path
+from minivllm.llm import LLM, load_tokenizer, resolve_model_path
 from minivllm.sampling import SamplingParams
 from minivllm.server.engine_loop import (AsyncEngine, EngineDeadError, StepOutput, admit_into, engine_counts,
                                          step_output)
@@ -63,11 +63,9 @@ class LLMFront:
     _require_tokenizer = LLM._require_tokenizer
 
     def __init__(self, model: str) -> None:
-        from transformers import AutoTokenizer
-
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_hf_json(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
 
 
 class ProcessAsyncEngine(AsyncEngine):
@@ -76,7 +74,7 @@ class ProcessAsyncEngine(AsyncEngine):
     Args:
         model: checkpoint for ``LLM`` in the engine process; or a picklable callable that
             builds an ``LLM``-like object there from ``llm_options`` (``engine``,
-            ``scheduler_config``, ``close``: a fake engine, ``benchmarks/serving_host.py``).
+            ``scheduler_config``, ``close``: e.g. a fake engine in a test).
         llm_options: ``LLM``'s keyword arguments there (device, dtype, engine options).
         tokenizer: this process's tokenizer (the detokenizers).
         metrics: as for ``AsyncEngine``.
