@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU torch wheel (fast, local on the dev/CI machines). A bare "torch" would
+# The CPU torch wheel (a local file on the CI machines). A bare "torch" would
 # pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
@@ -56,7 +56,7 @@ demo: $(VENV)/.full
 # TESTS_GPU="model tp" runs a subset (the part after tests_gpu/test_). With pytest-timeout
 # installed (the GPU machine has it), a test past GPU_TEST_TIMEOUT seconds (default 400)
 # ends its file's run with every thread's stack, instead of hanging the whole call.
-TESTS_GPU ?= kernels model families sampling_features bf16_accuracy tp
+TESTS_GPU ?= kernels model families sampling_features bf16_accuracy lifecycle tp
 test-gpu:
 	@rc=0; for f in $(TESTS_GPU); do \
 	  echo "=== tests_gpu/test_$$f*.py"; \
@@ -64,36 +64,46 @@ test-gpu:
 	    tests_gpu/test_$${f}*.py || rc=1; \
 	done; exit $$rc
 
-# Needs a CUDA device; one process per benchmark (each sizes GPU memory for itself),
-# each under a time limit (BENCH_TIMEOUT seconds, default 240). A failing one does
-# not stop the rest; the target fails at the end if any did. With OUT set, each
-# writes $(OUT)/<name>.json. BENCH_QUICK=1: fewer requests, async on only.
-bench: serve-deps-offline
-	@rc=0; \
-	run() { echo "=== $$*"; PYTHONPATH=. timeout $(or $(BENCH_TIMEOUT),240) python3 -m "$$@" \
-	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }; \
-	run benchmarks.throughput $(if $(BENCH_QUICK),--num-requests 128 --hf-requests 16 --async on); \
-	run benchmarks.serving $(if $(BENCH_QUICK),--num-requests 128 --max-duration 8); \
-	run benchmarks.host_overlap $(if $(BENCH_QUICK),--async on); \
-	run benchmarks.step_timeline $(if $(BENCH_QUICK),--num-requests 128); \
-	run benchmarks.launch_overhead; \
-	run benchmarks.kernel_count $(if $(BENCH_QUICK),--async on); \
-	run benchmarks.long_context $(if $(BENCH_QUICK),--repeats 2); \
-	if [ -f benchmarks/prefill_attention.py ]; then run benchmarks.prefill_attention --quick; fi; \
-	if [ -f benchmarks/decode_attention.py ]; then run benchmarks.decode_attention; fi; \
-	if [ -f benchmarks/sampler.py ]; then run benchmarks.sampler; fi; \
-	run benchmarks.gemv $(if $(BENCH_QUICK),--quick); \
-	exit $$rc
+# Both benchmark targets run each benchmark module in a process of its own (each sizes GPU
+# memory for itself), under a time limit in seconds (0: none); a failing one does not stop
+# the rest, and the target fails at the end if any did. Each writes <name>.json (and its
+# figure) into $(OUT), default bench-results/ (git-ignored), its previous summary removed
+# first; then docs/performance.md is generated from that folder (benchmarks/report.py).
+BENCH_OUT = $(or $(OUT),bench-results)
+BENCH_LIMIT = $(or $(BENCH_TIMEOUT),240)
+BENCH_RUN = rc=0; mkdir -p "$(BENCH_OUT)"; \
+	run() { limit=$$1; shift; echo "=== $$*"; rm -f "$(BENCH_OUT)/$$(echo $$1 | cut -d. -f2).json"; \
+	        OUT="$(BENCH_OUT)" PYTHONPATH=. timeout $$limit python3 -m "$$@" \
+	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }
+BENCH_REPORT = PYTHONPATH=. python3 -m benchmarks.report "$(BENCH_OUT)" || rc=1; exit $$rc
 
-# Needs two CUDA devices: Qwen3-8B shapes (random bf16 weights, written once to $(CK8)),
-# TP=1 and TP=2 in alternating pairs, one process per run (benchmarks/tp_scaling.py):
-# issue 8's throughput and batch-1 ratios beside their goals. TP2_VARIANTS adds TP=2 runs
-# with other options to every round, e.g.
-#   make bench-tp TP2_VARIANTS="--tp2-variant 'push=--push-all-reduce on' --tp2-variant 'warm=MINIVLLM_PDL=1 MINIVLLM_AR_WARM_MB=16'"
+# Needs a CUDA device: the single-GPU benchmarks, BENCH_TIMEOUT seconds each (default 240).
+# BENCH_QUICK=1: fewer requests, prompts and configs, async on only.
+bench: serve-deps-offline
+	@$(BENCH_RUN); \
+	run $(BENCH_LIMIT) benchmarks.throughput $(if $(BENCH_QUICK),--num-requests 128 --hf-requests 16 --async on); \
+	run $(BENCH_LIMIT) benchmarks.serving $(if $(BENCH_QUICK),--num-requests 128 --max-duration 8); \
+	run $(BENCH_LIMIT) benchmarks.long_context $(if $(BENCH_QUICK),--repeats 2); \
+	run $(BENCH_LIMIT) benchmarks.engine_host; \
+	run $(BENCH_LIMIT) benchmarks.decode_attention $(if $(BENCH_QUICK),--no-engine); \
+	run $(BENCH_LIMIT) benchmarks.prefill_attention --quick; \
+	run $(BENCH_LIMIT) benchmarks.gemv $(if $(BENCH_QUICK),--quick); \
+	run $(BENCH_LIMIT) benchmarks.sampler; \
+	run $(BENCH_LIMIT) benchmarks.accuracy $(if $(BENCH_QUICK),--prompts 8); \
+	$(BENCH_REPORT)
+
+# Needs two CUDA devices: the all-reduce by message size (benchmarks/all_reduce.py, under
+# BENCH_TIMEOUT), then Qwen3-8B shapes (random bf16 weights, written once to $(CK8)), TP=1
+# and TP=2 in alternating pairs, one process per run (benchmarks/tp_scaling.py, TP_PAIRS
+# pairs, default 2): the throughput and batch-1 ratios per pair and their medians.
 CK8 ?= /tmp/minivllm-qwen3-8b
 bench-tp:
-	PYTHONPATH=. python3 -c 'from benchmarks.qwen3_shapes import write_random_checkpoint as w; w("$(CK8)", "qwen3-8b")'
-	PYTHONPATH=. python3 -m benchmarks.tp_scaling --pairs $(or $(TP_PAIRS),2) --shapes qwen3-8b --model-dir $(CK8) $(TP2_VARIANTS)
+	@$(BENCH_RUN); \
+	run $(BENCH_LIMIT) benchmarks.all_reduce; \
+	if PYTHONPATH=. python3 -c 'from benchmarks.qwen3_shapes import write_random_checkpoint as w; w("$(CK8)", "qwen3-8b")'; \
+	then run 0 benchmarks.tp_scaling --pairs $(or $(TP_PAIRS),2) --shapes qwen3-8b --model-dir $(CK8); \
+	else echo "=== FAILED: writing the Qwen3-8B checkpoint to $(CK8)"; rc=1; fi; \
+	$(BENCH_REPORT)
 
 # The GPU machine has no network: install the server's packages from wheels carried in
 # .wheels/ (downloaded where there is network; README "Serving"). A no-op when present.

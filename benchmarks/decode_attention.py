@@ -1,37 +1,23 @@
-"""Paged decode-attention bandwidth on the GPU, as a share of the measured copy bandwidth.
+"""Paged decode-attention bandwidth on the GPU, as a share of the copy bandwidth: decode is
+bound by reading K/V, so the copy rate is its ceiling.
 
-Qwen3-0.6B attention shapes (16 query heads, 8 KV heads, head_dim 128), bf16,
-blocks of the engine's CUDA default (64; ``--block-size``), every sequence at the
-full context, blocks scattered at random over the pool. Bytes counted are what the kernel must read or write at least:
-K and V of every context token, q, the output, the block tables and kv_lens (the
-split partials are overhead, not counted). Time: ``triton.testing.do_bench``
-median (L2 flushed between runs) and the median of CUDA-graph replays. The copy
-bandwidth is a 1 GiB device-to-device ``copy_``, counting bytes read + written.
+    PYTHONPATH=. python3 -m benchmarks.decode_attention [--sweep] [--no-engine] [--block-size 64]
 
-    PYTHONPATH=. python3 -m benchmarks.decode_attention [--sweep] [--no-engine]
+Qwen3-0.6B attention shapes (16 query heads, 8 KV heads, head_dim 128), bf16, blocks of the
+engine's CUDA default, every sequence at the full context, its blocks scattered at random
+over the pool. Bytes counted are the least any decode kernel moves: K and V of every
+context token, q, the output, the block tables and kv_lens. Times: ``do_bench`` median (L2
+flushed between calls) and replays of a CUDA graph (``benchmarks.gpu_timing``); every
+config is checked against the float32 reference first. ``--sweep`` also times other tile
+configs and split counts (tuning).
 
-``--sweep`` also times other tile configs and split counts (for tuning).
+The engine-like section replays decode attention as the engine's CUDA graphs run it
+(``executor/cuda_graph.py``): captured with kv_lens 0 and tables of -1 as wide as
+max_model_len, then filled with 16 sequences at context 8192; one layer and a 28-layer
+graph over one (L, 2, N, bs, Hkv, D) cache, over split counts and block placements, and an
+all-padding replay (the per-step launch and merge cost).
 
-The "engine-like" section (on by default) replays decode attention the way the
-engine's CUDA graphs run it (``minivllm/executor/cuda_graph.py``): static buffers
-captured with kv_lens 0 and block tables of -1 whose width is max_model_len /
-block_size (16384 / 16 = 1024 by default), then filled with the real batch (16
-sequences at context 8192) before each replay. It times, for one layer and for a
-28-layer graph over one (L, 2, N, bs, Hkv, D) cache as the executor allocates it:
-the split-count heuristic and other split counts, three block placements
-(contiguous per sequence, interleaved as sequences that grow together, random over
-a pool 4x the need), and an all-padding replay (kv_lens 0: only the launch and merge
-costs that every step pays).
-
-Measured on one H200 (triton 3.6, torch 2.11; copy 4221 GB/s), default config
-(BLOCK_N 64, 4 warps, 3 stages), splits from ``choose_num_splits``:
-
-    batch   ctx  splits   eager (do_bench)    CUDA graph
-       64  1024       1   3530 GB/s  83.6%    4192 GB/s   99.3%
-      256  1024       1   4251 GB/s 100.7%    4457 GB/s  105.6%
-        8  8192       8   3367 GB/s  79.8%    4033 GB/s   95.6%
-
-(Above 100%: a read-only stream beats a copy's mixed read + write.)
+Summary: ``$OUT/decode_attention.json``.
 """
 
 from __future__ import annotations
@@ -42,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from benchmarks.throughput import write_summary
+from benchmarks.gpu_timing import capture_graph, copy_bandwidth_gbs, graph_us, replay_us
+from benchmarks.report import write_summary
 from minivllm.kernels.decode_attention import DecodeConfig, choose_num_splits, decode_attention, default_config
 from minivllm.kernels.reference import paged_attention_reference
 from minivllm.llm import CUDA_BLOCK_SIZE
@@ -88,14 +75,6 @@ def make_problem(batch: int, context: int, seed: int = 0) -> Problem:
     )
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
-    src = torch.randn(nbytes // 4, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
 def check(p: Problem, num_splits: int | None, config: DecodeConfig | None) -> float:
     """Max abs error vs the fp32 reference (raises if beyond the bf16 tolerance)."""
     out = decode_attention(p.q, p.k_cache, p.v_cache, p.kv_lens, p.block_tables, HEAD_DIM ** -0.5,
@@ -115,8 +94,7 @@ def time_us(p: Problem, num_splits: int | None, config: DecodeConfig | None) -> 
         return decode_attention(p.q, p.k_cache, p.v_cache, p.kv_lens, p.block_tables, HEAD_DIM ** -0.5,
                                 num_splits=num_splits, config=config)
     eager = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    graph = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    return eager * 1e3, graph * 1e3
+    return eager * 1e3, graph_us(lambda _: fn(), GRAPH_CALLS)
 
 
 def sweep(problems: dict[tuple[int, int], Problem], copy_gbs: float) -> None:
@@ -152,6 +130,7 @@ ENGINE_BATCH, ENGINE_CONTEXT, ENGINE_MAX_MODEL_LEN, ENGINE_LAYERS = 16, 8192, 16
 ENGINE_POOL_FACTOR = 4          # pool blocks per layer / blocks the batch needs
 PLACEMENTS = ("contiguous", "interleaved", "random")
 SCALE = HEAD_DIM ** -0.5
+GRAPH_CALLS = 10                # calls per captured graph in time_us
 
 
 @dataclass(frozen=True)
@@ -186,15 +165,11 @@ def capture(buf: GraphBuffers, num_layers: int, num_splits: int | None) -> tuple
     buf.kv_lens.zero_()
     buf.block_tables.fill_(-1)
 
-    def step() -> list[torch.Tensor]:
+    def step(_: int) -> list[torch.Tensor]:
         return [decode_attention(buf.q[layer], buf.kv_cache[layer, 0], buf.kv_cache[layer, 1], buf.kv_lens,
                                  buf.block_tables, SCALE, num_splits=num_splits) for layer in range(num_layers)]
 
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, [outs] = capture_graph(step, 1)
     return graph, outs
 
 
@@ -227,8 +202,9 @@ def check_layer0(buf: GraphBuffers, out: torch.Tensor) -> float:
     return err
 
 
-def engine_like(copy_gbs: float, max_model_len: int) -> None:
-    """Time decode attention replayed the way the engine's CUDA graphs run it (see the module doc)."""
+def engine_like(copy_gbs: float, max_model_len: int) -> list[dict]:
+    """Time decode attention replayed the way the engine's CUDA graphs run it (see the module
+    doc); one row per point."""
     batch, context, layers = ENGINE_BATCH, ENGINE_CONTEXT, ENGINE_LAYERS
     width = -(-max_model_len // BLOCK_SIZE)
     pool = ENGINE_POOL_FACTOR * batch * -(-context // BLOCK_SIZE)
@@ -242,19 +218,23 @@ def engine_like(copy_gbs: float, max_model_len: int) -> None:
     print(f"{'layers':>6} {'placement':>11} {'width':>5} {'splits':>6} {'us/step':>9} {'us/layer':>9} "
           f"{'GB/s':>6} {'%copy':>6} {'max err':>8}", flush=True)
     buf = make_buffers(batch, width, layers, pool)
-    # The microbenchmark's table width (just the context) over the same cache, for comparison.
+    # The table width of the section above (just the context) over the same cache, for comparison.
     tight = GraphBuffers(buf.q, buf.kv_lens, buf.block_tables[:, : -(-context // BLOCK_SIZE)].clone(), buf.kv_cache)
     runs = [(1, "random", buf, s) for s in (None, 1, 2, 8, 16, 32)] + [(1, "random", tight, None)]
     runs += [(layers, p, buf, None) for p in PLACEMENTS] + [(layers, "random", buf, 8)]
-    for num_layers, placement, b, splits in runs:
-        _engine_line(b, num_layers, placement, splits, heuristic, context, layer_bytes, copy_gbs)
-    _engine_line(buf, layers, "padding", None, heuristic, 0, layer_bytes, copy_gbs)
+    rows = [_engine_line(b, num_layers, placement, splits, heuristic, context, layer_bytes, copy_gbs)
+            for num_layers, placement, b, splits in runs]
+    rows.append(_engine_line(buf, layers, "padding", None, heuristic, 0, layer_bytes, copy_gbs))
+    return rows
 
 
 def _engine_line(buf: GraphBuffers, num_layers: int, placement: str, splits: int | None, heuristic: int,
-                 context: int, layer_bytes: int, copy_gbs: float) -> None:
-    """Capture, fill, replay, check and print one engine-like point; a failure is printed, not raised."""
+                 context: int, layer_bytes: int, copy_gbs: float) -> dict:
+    """Capture, fill, replay, check and print one engine-like point; a failure is printed and
+    recorded, not raised."""
     label = f"{heuristic}*" if splits is None else str(splits)
+    row: dict = dict(layers=num_layers, placement=placement, width=buf.block_tables.shape[1],
+                     splits=heuristic if splits is None else splits, heuristic=splits is None)
     try:
         graph, outs = capture(buf, num_layers, splits)
         fill(buf, context, "random" if placement == "padding" else placement)
@@ -262,14 +242,37 @@ def _engine_line(buf: GraphBuffers, num_layers: int, placement: str, splits: int
             buf.kv_lens.zero_()      # every row is graph padding: the fixed per-step cost
         graph.replay()
         err = check_layer0(buf, outs[0]) if context else 0.0
-        us = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3
+        us = replay_us(graph, replays=50)
     except Exception as exc:  # noqa: BLE001 - a benchmark row reports its failure and the run goes on
-        print(f"{num_layers:>6} {placement:>11} {buf.block_tables.shape[1]:>5} {label:>6} FAILED "
+        print(f"{num_layers:>6} {placement:>11} {row['width']:>5} {label:>6} FAILED "
               f"{type(exc).__name__}: {exc}", flush=True)
-        return
+        return {**row, "error": f"{type(exc).__name__}: {exc}"[:200]}
     gbs = num_layers * layer_bytes / (us * 1e-6) / 1e9 if context else 0.0
-    print(f"{num_layers:>6} {placement:>11} {buf.block_tables.shape[1]:>5} {label:>6} {us:>9.1f} "
+    print(f"{num_layers:>6} {placement:>11} {row['width']:>5} {label:>6} {us:>9.1f} "
           f"{us / num_layers:>9.1f} {gbs:>6.0f} {100 * gbs / copy_gbs:>5.1f}% {err:>8.1e}", flush=True)
+    return {**row, "us": us, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs, "max_err": err}
+
+
+def timed_row(p: Problem, batch: int, context: int, num_sms: int, copy_gbs: float) -> dict:
+    """Check and time the default launch of one problem; bandwidths against ``copy_gbs``."""
+    err = check(p, None, None)
+    eager, graph = time_us(p, None, None)
+    splits = choose_num_splits(batch, NUM_KV_HEADS, context, num_sms, default_config(DTYPE, HEAD_DIM).block_n)
+    e_gbs, g_gbs = p.bytes_moved / (eager * 1e-6) / 1e9, p.bytes_moved / (graph * 1e-6) / 1e9
+    return dict(batch=batch, context=context, splits=splits, bytes=p.bytes_moved, eager_us=eager, eager_gbs=e_gbs,
+                eager_pct_copy=100 * e_gbs / copy_gbs, graph_us=graph, graph_gbs=g_gbs,
+                graph_pct_copy=100 * g_gbs / copy_gbs, max_err=err)
+
+
+def print_rows(rows: list[dict], copy_gbs: float) -> None:
+    print(f"\ndecode attention, bf16, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block_size={BLOCK_SIZE}, "
+          f"copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'batch':>5} {'ctx':>5} {'splits':>6} {'MB':>7} {'eager us':>9} {'GB/s':>6} {'%copy':>6} "
+          f"{'graph us':>9} {'GB/s':>6} {'%copy':>6} {'max err':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['context']:>5} {r['splits']:>6} {r['bytes'] / 1e6:>7.1f} {r['eager_us']:>9.1f} "
+              f"{r['eager_gbs']:>6.0f} {r['eager_pct_copy']:>5.1f}% {r['graph_us']:>9.1f} {r['graph_gbs']:>6.0f} "
+              f"{r['graph_pct_copy']:>5.1f}% {r['max_err']:>8.1e}")
 
 
 def main() -> None:
@@ -289,39 +292,18 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
-
     problems = {shape: make_problem(*shape) for shape in SHAPES}
     if args.sweep:
         sweep(problems, copy_gbs)
-    rows = []
-    for (batch, context), p in problems.items():
-        err = check(p, None, None)
-        eager, graph = time_us(p, None, None)
-        splits = choose_num_splits(batch, NUM_KV_HEADS, context, props.multi_processor_count,
-                                   default_config(DTYPE, HEAD_DIM).block_n)
-        fused = None
-        if splits > 1:  # the last split merges in the kernel: one launch instead of two
-            cfg = DecodeConfig(block_n=default_config(DTYPE, HEAD_DIM).block_n, fused_merge=True)
-            err = max(err, check(p, None, cfg))
-            fused = time_us(p, None, cfg)[1]
-        rows.append((batch, context, splits, p.bytes_moved, eager, graph, err, fused))
-
-    print(f"\ndecode attention, bf16, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block_size={BLOCK_SIZE}, "
-          f"copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'batch':>5} {'ctx':>5} {'splits':>6} {'MB':>7} {'eager us':>9} {'GB/s':>6} {'%copy':>6} "
-          f"{'graph us':>9} {'GB/s':>6} {'%copy':>6} {'max err':>8} {'fused-merge graph us':>21}")
-    for batch, context, splits, nbytes, eager, graph, err, fused in rows:
-        e_gbs, g_gbs = nbytes / (eager * 1e-6) / 1e9, nbytes / (graph * 1e-6) / 1e9
-        print(f"{batch:>5} {context:>5} {splits:>6} {nbytes / 1e6:>7.1f} {eager:>9.1f} {e_gbs:>6.0f} "
-              f"{100 * e_gbs / copy_gbs:>5.1f}% {graph:>9.1f} {g_gbs:>6.0f} {100 * g_gbs / copy_gbs:>5.1f}% "
-              f"{err:>8.1e} {'-' if fused is None else f'{fused:.1f}':>21}")
-    write_summary("decode_attention", {"copy_gbs": copy_gbs, "rows": [
-        dict(batch=b, context=c, splits=s, bytes=n, eager_us=e, graph_us=g, max_err=x, fused_merge_graph_us=f)
-        for b, c, s, n, e, g, x, f in rows]})
+    rows = [timed_row(p, batch, context, props.multi_processor_count, copy_gbs)
+            for (batch, context), p in problems.items()]
+    print_rows(rows, copy_gbs)
+    summary = {"copy_gbs": copy_gbs, "block_size": BLOCK_SIZE, "rows": rows}
     if not args.no_engine:
         del problems
         torch.cuda.empty_cache()
-        engine_like(copy_gbs, args.max_model_len)
+        summary["engine_like"] = engine_like(copy_gbs, args.max_model_len)
+    write_summary("decode_attention", summary)
 
 
 if __name__ == "__main__":

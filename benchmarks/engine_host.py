@@ -1,8 +1,11 @@
-"""Host cost of the engine alone: schedule + plan + numpy inputs + apply, per step,
-at batch 256 decode (512-token prompts, block_size 16), with an executor that only
-runs ``prepare_inputs`` and returns a token per sequence. Runs on any CPU.
+"""Host cost of the engine alone: schedule + plan + numpy inputs + apply, per decode step
+at batch 256 (512-token prompts, block_size 16), with an executor that only runs
+``prepare_inputs`` and returns a token per sequence: the time a device step must cover for
+the host never to be the bottleneck. Runs on any CPU.
 
-    python3 -m benchmarks.engine_host [--profile]
+    python3 -m benchmarks.engine_host [--batch 256] [--steps 200] [--output-kind delta] [--profile]
+
+Summary: ``$OUT/engine_host.json``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 import numpy as np
 
+from benchmarks.report import write_summary
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.plan import StepPlan, StepResult
@@ -36,13 +40,12 @@ class InputsOnlyExecutor:
         return DoneStep(self.execute(plan))
 
 
-def decoding_engine(batch: int, max_tokens: int, executor: InputsOnlyExecutor | None = None,
-                    output_kind: str = "delta") -> LLMEngine:
+def decoding_engine(batch: int, max_tokens: int, output_kind: str = "delta") -> LLMEngine:
     """An engine whose ``batch`` requests (512-token prompts, ``max_tokens`` each) are all
     admitted and prefilled: its next steps are decode steps. ``output_kind`` "delta" is a
     server's streaming, "final_only" offline ``generate()``."""
     engine = LLMEngine(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=2048),
-                       CacheConfig(block_size=16, num_blocks=100_000), executor or InputsOnlyExecutor())
+                       CacheConfig(block_size=16, num_blocks=100_000), InputsOnlyExecutor())
     rng = np.random.default_rng(0)
     for i in range(batch):
         engine.add_request(f"r{i}", rng.integers(0, 10000, 512).tolist(),
@@ -53,7 +56,7 @@ def decoding_engine(batch: int, max_tokens: int, executor: InputsOnlyExecutor | 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
@@ -74,6 +77,9 @@ def main() -> None:
           + (" (profiled)" if prof else ""))
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
+    else:  # a profiled run's time is the profiler's too
+        write_summary("engine_host", {"batch": args.batch, "steps": args.steps, "output_kind": args.output_kind,
+                                      "ms_per_step": dt * 1e3})
 
 
 if __name__ == "__main__":

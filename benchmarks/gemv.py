@@ -1,25 +1,21 @@
-"""The GEMV kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at decode shapes.
+"""The GEMV kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at decode shapes,
+where a step reads every weight once and cuBLAS leaves bandwidth unused.
 
     PYTHONPATH=. python3 -m benchmarks.gemv [--quick] [--rows 1,4,16] [--models 0.6b,8b,8b-tp2]
 
-Weights of the decode GEMMs of Qwen3-0.6B, Qwen3-8B and one rank of Qwen3-8B at TP=2
-(qkv_proj, o_proj, gate_up_proj, down_proj; bf16), x of ``--rows`` rows. Each call is
-timed inside a CUDA graph, as the decode step replays it (``benchmarks.gpu_timing``),
-cycling over enough copies of the weight that they do not fit in L2 (a decode step reads
-every layer's weights once). GB/s counts the weight bytes. Every config is checked
-against ``F.linear`` in float32 before it is timed; a failing one is reported and
-skipped. The default config for the row count (``gemv.default_config``) is marked ``*``,
-and a shape it does not take (``gemv_takes``: too few output columns) is marked
-``(not taken)``.
-With ``$OUT`` set the rows go to ``$OUT/gemv.json``. Exit status 1 if the default
-config fails its check.
+The decode GEMMs (qkv, o, gate_up, down; bf16) of Qwen3-0.6B, Qwen3-8B and one rank of
+Qwen3-8B at TP=2, x of ``--rows`` rows. Each call is timed in a CUDA graph as the decode
+step replays it (``benchmarks.gpu_timing``), cycling over enough copies of the weight that
+they do not fit in L2; GB/s counts the weight bytes. Every config is checked against
+``F.linear`` in float32 first; a failing one is reported and skipped. The default config
+for the shape (``gemv.default_config``) is marked ``*``, a shape the engine leaves to
+cuBLAS (``gemv_takes``) ``(not taken)``. ``--quick``: the default configs only.
+Summary: ``$OUT/gemv.json``. Exit status 1 if a default config fails its check.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from dataclasses import asdict
 
 import torch
@@ -27,6 +23,7 @@ import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_us
 from benchmarks.qwen3_shapes import QWEN3_0_6B, QWEN3_8B
+from benchmarks.report import write_summary
 from minivllm.kernels.gemv import (
     FEW_ROWS_CONFIG, ONE_ROW_BY_SHAPE, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes,
 )
@@ -39,7 +36,6 @@ CANDIDATES = [
     GemvConfig(16, 256, 4, 4), GemvConfig(16, 512, 4, 3), GemvConfig(16, 512, 8, 3), GemvConfig(16, 128, 4, 6),
     GemvConfig(32, 256, 4, 4), GemvConfig(32, 256, 8, 3), GemvConfig(32, 128, 4, 5),
     GemvConfig(64, 128, 4, 4), GemvConfig(64, 256, 8, 3),
-    GemvConfig(16, 256, 4, 4, tma=True), GemvConfig(32, 256, 4, 4, tma=True), GemvConfig(64, 128, 4, 4, tma=True),
     # Batch 1 on CUDA cores (timed at one row only: above it they are the tensor-core tiles).
     GemvConfig(16, 256, 4, 4, one_row=True), GemvConfig(16, 512, 4, 3, one_row=True),
     GemvConfig(32, 256, 8, 4, one_row=True),
@@ -90,8 +86,8 @@ def bench_shape(name: str, n: int, k: int, rows: int, configs: list[GemvConfig])
 
 
 def label(c: dict) -> str:
-    return (f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
-            + (" tma" if c["tma"] else "") + (" one-row" if c["one_row"] else ""))
+    one_row = " one-row" if c["one_row"] else ""
+    return f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}{one_row}"
 
 
 def print_row(row: dict) -> None:
@@ -128,11 +124,7 @@ def main() -> None:
     total = {key: sum(r["cublas_us"] if key == "cublas" else e["us"] for r, e in ok if e["default"])
              for key in ("cublas", "gemv")}
     print(f"sum over the shapes, default config: cuBLAS {total['cublas']:.1f} us, gemv {total['gemv']:.1f} us")
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "gemv.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_summary("gemv", {"args": vars(args), "rows": results, "total_us": total})
     if default_failed:
         raise SystemExit(1)
 

@@ -1,6 +1,9 @@
 """Figures of the benchmarks' JSON summaries, written as PNGs next to them.
 
-    python -m benchmarks.plots DIR     # DIR: the $OUT of ``make bench OUT=DIR``
+    python -m benchmarks.plots DIR     # DIR: the summaries' folder (make bench: bench-results/ or $OUT)
+
+Each benchmark draws its own figure when it writes its summary (``benchmarks.report.write_summary``);
+this draws them again, e.g. where matplotlib was missing.
 
 For each summary it knows in DIR it writes ``<name>.png`` beside ``<name>.json``:
 
@@ -11,14 +14,10 @@ For each summary it knows in DIR it writes ``<name>.png`` beside ``<name>.json``
   table;
 - ``throughput`` (and ``throughput_tpN``): offline tok/s of HF ``generate`` and
   of minivllm per scheduling mode, and batch-1 ms/token (``benchmarks/throughput.py``);
-- ``host_overlap``: wall time per batch-256 decode step split into GPU busy time
-  and host time exposed between GPU steps, per mode (``benchmarks/host_overlap.py``);
 - ``serving``: TTFT and TPOT p50 / p99 and output tok/s against the request rate,
   with the offline ``generate()`` rate (``benchmarks/serving.py``);
 - ``all_reduce``: µs per tensor-parallel all-reduce against the message size, NCCL
-  and the one-shot symmetric-memory kernel (``benchmarks/all_reduce.py``);
-- ``step_timeline``: every step of one offline run (ms, prefill marked, decode
-  batch) and the seconds per step group (``benchmarks/step_timeline.py``).
+  and the symmetric-memory kernels (``benchmarks/all_reduce.py``).
 
 and, across files, ``tp_scaling.png`` when DIR holds throughput summaries of one
 shapes at several ``--tensor-parallel-size``: offline tok/s and batch-1 ms/token
@@ -100,26 +99,6 @@ def plot_throughput(data: dict[str, Any]) -> "Figure":
     return fig
 
 
-def plot_host_overlap(data: dict[str, Any]) -> "Figure":
-    """Per mode, wall ms per decode step = GPU busy + host time exposed between GPU steps."""
-    from sim.plot import new_figure
-
-    results = data["results"]
-    modes = [m for m in MODES if m in results]
-    busy = [results[m]["gpu_busy_ms_per_step"] for m in modes]
-    exposed = [results[m]["exposed_host_ms_per_step"] for m in modes]
-    fig = new_figure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.subplots()
-    ax.set_label("step_time")
-    ax.bar(modes, busy, label="GPU busy", color="#4c72b0")
-    top = ax.bar(modes, exposed, bottom=busy, label="host exposed (GPU idle)", color="#dd8452")
-    ax.bar_label(top, labels=[f"{b + e:.2f} ms" for b, e in zip(busy, exposed)], fontsize="small", padding=2)
-    batch = data.get("args", {}).get("batch", "?")
-    ax.set(ylabel="ms per step", title=f"batch-{batch} decode: time per step")
-    ax.legend(loc="upper right", fontsize="small")
-    return fig
-
-
 def plot_serving(data: dict[str, Any]) -> "Figure":
     """TTFT and TPOT percentiles and output tok/s against the request rate (``inf``: all at once)."""
     from sim.plot import new_figure
@@ -150,35 +129,6 @@ def plot_serving(data: dict[str, Any]) -> "Figure":
     return fig
 
 
-def plot_step_timeline(data: dict[str, Any]) -> "Figure":
-    """Every ``step()`` of one offline run: its time (prefill steps marked) with the decode
-    batch beside it; and the run's seconds per group (prefill, decode by batch size)."""
-    from sim.plot import new_figure
-
-    steps, groups = data["steps"], data["groups"]
-    fig = new_figure(figsize=(11, 4.2), layout="constrained")
-    timeline, totals = fig.subplots(1, 2, width_ratios=[2, 1])
-    timeline.set_label("timeline")
-    totals.set_label("groups")
-    x = list(range(len(steps)))
-    timeline.plot(x, [r["ms"] for r in steps], linewidth=0.8, label="ms per step()")
-    pre = [i for i, r in enumerate(steps) if r["prefill"] > 0]
-    timeline.scatter(pre, [steps[i]["ms"] for i in pre], s=10, color="#c44e52", zorder=3, label="with prefill")
-    timeline.set(xlabel="step", ylabel="ms", title="offline run, step by step")
-    batch = timeline.twinx()
-    batch.set_label("batch")
-    batch.plot(x, [r["decode"] for r in steps], color="#55a868", linewidth=0.8, label="decode batch")
-    batch.set_ylabel("sequences decoding")
-    timeline.legend(loc="upper right", fontsize="small")
-    bars = totals.barh([g["group"] for g in groups], [g["seconds"] for g in groups])
-    totals.bar_label(bars, labels=[f"{g['seconds']:.2f} s ({g['steps']})" for g in groups],
-                     fontsize="small", padding=2)
-    totals.invert_yaxis()
-    totals.margins(x=0.35)
-    totals.set(xlabel="seconds (steps)", title=f"where the {data.get('wall_s', 0):.2f} s went")
-    return fig
-
-
 def plot_all_reduce(data: dict[str, Any]) -> "Figure":
     """µs per all-reduce against the message size: NCCL and the one- and two-shot kernels."""
     from sim.plot import new_figure
@@ -204,9 +154,7 @@ PLOTTERS: dict[str, Callable[[dict[str, Any]], "Figure"]] = {
     "all_reduce": plot_all_reduce,
     "decode_attention": plot_decode_attention,
     "throughput": plot_throughput,
-    "host_overlap": plot_host_overlap,
     "serving": plot_serving,
-    "step_timeline": plot_step_timeline,
 }
 
 

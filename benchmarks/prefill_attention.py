@@ -1,45 +1,32 @@
-"""Paged prefill attention vs PyTorch SDPA on the GPU, in causal TFLOP/s.
+"""Paged prefill attention against PyTorch SDPA on the GPU, in causal TFLOP/s.
 
-    PYTHONPATH=. python3 -m benchmarks.prefill_attention [--quick]
+    PYTHONPATH=. python3 -m benchmarks.prefill_attention [--quick] [--shapes 16x1024,...]
+        [--block-size 64] [--timing graph|do_bench]
 
 Qwen3-0.6B attention shapes (H 16, Hkv 8, D 128), bf16, blocks of the engine's CUDA
-default (64; ``--block-size``), each sequence's blocks drawn at random from a pool 1.5x the need (unowned slots NaN):
+default, each sequence's blocks drawn at random from a pool 1.5x the need (unowned slots
+NaN). Shapes: full causal prefills (16x1024, 4x4096, 1x8192), a prefix-cache hit
+(4x1024+3072: 1024 new tokens over 3072 cached), short chunks over a long context
+(32x64+960) and 16 prompts of 100..1024 tokens (varlen16, the offline-256 workload's).
 
-    16x1024, 4x4096, 1x8192   full causal prefill
-    4x1024+3072               prefix-cache hit: 1024 new tokens over 3072 cached ones
-    32x64+960                 short chunks over a long context (max_q_len < 128: the
-                              short-chunk default row)
-    varlen16                  16 prompts of 100..1024 tokens (the offline-256 workload's)
+Each call is replayed from a CUDA graph, as the engine's prefill graphs run it (host-side
+launch work not counted; ``--timing do_bench``: eager calls after an L2 flush). FLOPs count
+causal work only: 4 * H * D * q_len * (prefix + q_len / 2) per sequence. SDPA runs on
+contiguous (B, H, S, D) copies with the K/V heads expanded (no row for the varlen batch);
+"%SDPA" is against its default backend. Every config is checked against the float32
+reference first; a failing one is reported and skipped. Each shape also times its default
+config launched through a tile map, as the prefill graphs launch it
+(``executor/prefill_graph.py``). ``*`` marks ``default_config``'s pick; ``--quick``: the
+defaults and SDPA's default backend only.
 
-Timing (``--timing``): by default each call is replayed from a CUDA graph, as the
-engine's prefill graphs run it, so host-side launch work (Python, TMA descriptor
-encoding) is not counted; ``do_bench`` times eager calls after an L2 flush, and counts
-a launch that takes longer on the host than the flush does on the GPU (the sixth
-session's numbers, all do_bench). SDPA is timed the same way.
-
-FLOPs count causal work only: 4 * H * D * q_len * (prefix + q_len / 2) per sequence,
-i.e. 2*2*B*H*D*S*S/2 without a prefix. SDPA (``F.scaled_dot_product_attention``)
-runs on contiguous (B, H, S, D) tensors with the K/V heads expanded to H, causal
-(lower-right aligned when there is a prefix; no SDPA row for the varlen batch);
-"%SDPA" is against SDPA's default backend, and the flash / cuDNN / efficient
-backends are listed too. Every candidate ``PrefillConfig`` is checked against the
-fp32 torch reference on the same data before it is timed; a failing config (wrong
-result, or too much shared memory) is reported and skipped. Times are medians.
-
-Each shape also times its default config launched through a tile map (``... map``), as
-the engine's prefill graphs launch it (``executor/prefill_graph.py``). The output marks
-with ``*`` the config that ``default_config`` picks for the shape
-and ends with the best config per shape; with ``$OUT`` set, the same goes to
-``$OUT/prefill_attention_bs<block size>.json``. Exit status 1 if a default config fails
-its check.
+Summary: ``$OUT/prefill_attention.json`` (``_bs<N>`` for another block size). Exit status 1
+if a default config fails its check.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -50,6 +37,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.gpu_timing import graph_us
+from benchmarks.report import write_summary
 from minivllm.kernels.prefill_attention import (
     CONFIG_TABLE, PrefillConfig, TensorDescriptor, build_tile_map, default_config, prefill_attention, tile_rows,
 )
@@ -354,13 +342,8 @@ def main() -> None:
         print_shape(results[-1])
         torch.cuda.empty_cache()
     ok = summarize(results)
-    if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], f"prefill_attention_bs{BLOCK_SIZE}.json")
-        meta = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
-                "block_size": BLOCK_SIZE, "timing": TIMING}
-        with open(path, "w") as f:
-            json.dump({**meta, "results": results}, f, indent=1)
-        print(f"wrote {path}")
+    name = "prefill_attention" + ("" if BLOCK_SIZE == CUDA_BLOCK_SIZE else f"_bs{BLOCK_SIZE}")
+    write_summary(name, {"block_size": BLOCK_SIZE, "timing": TIMING, "results": results})
     if not ok:
         raise SystemExit("a default config failed its check (see above)")
 

@@ -1,12 +1,12 @@
 """Random-weight checkpoints at real model shapes, written with transformers.
 
-No machine here can download weights, so benchmarks and the GPU suite build
-the model they need. Each entry of ``SHAPES`` is a published config.json in
-numbers (transformers config keyword arguments): Qwen3-0.6B, Qwen3-8B (untied
-head, about 16 GB in bf16: the tensor-parallel benchmark), one TP=2 rank's share of
-Qwen3-8B as a model of its own (not published: a stand-in), Qwen2.5-0.5B (q/k/v
-bias, no ``head_dim`` key: 896 / 14 = 64) and Llama-3.2-1B (``llama3`` RoPE
-scaling, factor 32).
+Benchmarks and the GPU suite build the model they need instead of downloading weights.
+Each entry of ``SHAPES`` is a published config.json in numbers (transformers config
+keyword arguments): Qwen3-0.6B, Qwen3-8B (untied head, about 16 GB in bf16: the
+tensor-parallel benchmark), one TP=2 rank's share of Qwen3-8B as a model of its own (not
+published: a stand-in), Qwen2.5-0.5B (q/k/v bias, no ``head_dim`` key: 896 / 14 = 64) and
+Llama-3.2-1B (``llama3`` RoPE scaling, factor 32). ``SMOKE_SHAPES`` overrides any of them
+into a tiny model for CPU runs of the benchmarks' code paths.
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ LLAMA_3_2_1B: dict[str, Any] = dict(
     bos_token_id=128000, eos_token_id=128001,
 )
 
+# A tiny model of any family above (smoke runs on the CPU: every code path, none of the cost).
+SMOKE_SHAPES: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    bos_token_id=1, eos_token_id=2,
+)
+
 # --shapes name -> (architecture, i.e. the transformers model class, its config numbers)
 SHAPES: Mapping[str, tuple[str, dict[str, Any]]] = {
     "qwen3-0.6b": ("Qwen3ForCausalLM", QWEN3_0_6B),
@@ -84,9 +91,8 @@ def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = 
     cfg.architectures = [architecture]
     torch.manual_seed(seed)
     # Built directly in the target dtype: an 8B model in float32 would need 32 GB of host
-    # memory. On a GPU when there is one: initialising 8B parameters on the CPU took
-    # minutes (its 150 s benchmark limits ran out on the two-H200 machine); safetensors
-    # copies each tensor to the host as it writes.
+    # memory. On a GPU when there is one: initialising 8B parameters on the CPU takes
+    # minutes; safetensors copies each tensor to the host as it writes.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
@@ -94,7 +100,7 @@ def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = 
         try:
             with torch.device(device):
                 model = model_class(cfg)
-        except (RuntimeError, TypeError, ValueError) as e:  # not yet run on a GPU: say so, go on
+        except (RuntimeError, TypeError, ValueError) as e:  # say so, and build on the CPU
             if device == "cpu":
                 raise
             print(f"building {shapes} on the GPU failed ({type(e).__name__}: {e}); on the CPU instead")
@@ -108,8 +114,3 @@ def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = 
         torch.cuda.empty_cache()  # the engine that loads it sizes its KV pool from free memory
     return path
 
-
-def write_random_qwen3(path: str, dtype: str = "bfloat16", std: float = 0.02, seed: int = 0,
-                       **overrides: Any) -> str:
-    """Save a random ``Qwen3ForCausalLM`` (Qwen3-0.6B shapes unless overridden) to ``path``."""
-    return write_random_checkpoint(path, "qwen3-0.6b", dtype, std, seed, **overrides)

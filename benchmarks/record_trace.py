@@ -1,11 +1,11 @@
-"""Record a trace of real traffic on this machine's device (issue 11), for replay on a laptop.
+"""Record a trace of real traffic on a GPU, for replay by the simulator on any machine.
 
     python3 -m benchmarks.record_trace [--model DIR] [--out trace.jsonl] [--async on|off]
 
 The tiny Qwen3 fixture (or ``--model``) serves 24 requests with shared prefixes, seeded
 sampling, ``n = 2``, a stop string and an abort, through a KV pool small enough to preempt
 and a token budget small enough to chunk prefills, CUDA graphs on where the device has
-them. ``LLM(record_trace=...)`` writes every step's decisions and sampled tokens; the
+them. ``LLM(observer=TraceRecorder(...))`` writes every step's decisions and sampled tokens; the
 simulator's engine replays them without the model (``python -m sim replay FILE --plot
 OUT.png``), and ``tests/test_record_trace.py`` replays the committed H200 recording.
 """
@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 from minivllm import LLM, SamplingParams
+from sim.recorder import TraceRecorder
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
 
@@ -23,7 +24,8 @@ FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
 def record(model: str, out: str, device: str, async_scheduling: bool) -> dict[str, int]:
     """Run the traffic; returns the engine's counters of what happened."""
     with LLM(model, device=device, block_size=4, num_blocks=40, max_num_seqs=8,
-             max_num_batched_tokens=24, async_scheduling=async_scheduling, record_trace=out) as llm:
+             max_num_batched_tokens=24, async_scheduling=async_scheduling,
+             observer=TraceRecorder(out)) as llm:
         stems = ["12+34=", "The cat sat on the", "9" * 12, "hello world, hello"]
         prompts = [stems[i % 4] + str(i) for i in range(20)]
         params = [SamplingParams(temperature=1.0 if i % 3 else 0.0, top_k=20 if i % 5 == 1 else -1,

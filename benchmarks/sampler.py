@@ -1,28 +1,21 @@
-"""Sampler time on the GPU: the previous all-torch path vs the fused path, Qwen3 vocab, bf16 logits.
-
-For S in {1, 8, 256} rows x V = 151936 and four workloads (all greedy; temperature
-1.0 unseeded, the offline benchmark's setting; temperature 1.0 with per-request
-seeds; top_k=50 + top_p=0.9), times ``reference_sample`` (the old sampler: float
-copy, full sort for filters, (S, V) noise) and ``Sampler.forward`` (argmax fast
-path / ``torch.topk`` floors + the fused Gumbel kernel) with
-``triton.testing.do_bench`` (median, L2 flushed), and the host time of
-``SamplingTensors.build``. Before timing it checks, per case: seeded rows give the
-old sampler's tokens, the kernel gives its torch reference's tokens, every
-filtered token is one the old filters keep, and the new path runs under
-``torch.cuda.set_sync_debug_mode("error")`` (no host sync).
+"""Sampler time on the GPU at the Qwen3 vocabulary, bf16 logits: the all-torch reference
+(``reference_sample``: float copy, full sort for filters, (S, V) noise) against the fused
+path (``Sampler.forward``: argmax fast path, ``torch.topk`` floors and the Gumbel kernel).
 
     PYTHONPATH=. python3 -m benchmarks.sampler [--sweep]
 
-``--sweep`` also times ``GumbelConfig`` variants of the kernel (tuning aid). With
-``$OUT`` set, the results go to ``$OUT/sampler.json`` too. Exit status 1 if a
-check fails.
+S in {1, 8, 256} rows x V = 151936, four workloads (greedy; temperature 1.0 unseeded, the
+offline benchmark's; per-request seeds; top_k=50 + top_p=0.9), ``do_bench`` medians (L2
+flushed), and the host time of ``SamplingTensors.build``. Checked first, per case: seeded
+rows give the reference's tokens, the kernel gives its torch reference's tokens, every
+filtered token is one the reference filters keep, and the fused path makes no host sync
+(``torch.cuda.set_sync_debug_mode("error")``). ``--sweep`` also times ``GumbelConfig``
+variants (tuning). Summary: ``$OUT/sampler.json``. Exit status 1 if a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +24,7 @@ from typing import Callable
 import torch
 import triton
 
+from benchmarks.report import write_summary
 from minivllm.kernels.gumbel_sample import GumbelConfig, gumbel_sample, gumbel_sample_reference
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_filters, filter_floor, reference_sample
 from minivllm.sampling import SamplingParams
@@ -76,7 +70,7 @@ def check(case: str, params: list[SamplingParams], positions: list[int], logits:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if case == "seeded" and not torch.equal(new, reference_sample(logits, t)):
-        failures.append(f"{case}: seeded rows differ from the old sampler in "
+        failures.append(f"{case}: seeded rows differ from the reference sampler in "
                         f"{int((new != reference_sample(logits, t)).sum())} of {len(new)} rows")
     if not t.all_greedy:
         ref = gumbel_sample_reference(logits, t.temperature, filter_floor(logits, t), t.greedy, t.seeded,
@@ -84,8 +78,8 @@ def check(case: str, params: list[SamplingParams], positions: list[int], logits:
         if not torch.equal(new, ref):
             failures.append(f"{case}: kernel differs from its torch reference in "
                             f"{int((new != ref).sum())} of {len(new)} rows")
-    # bf16 logits tie a lot: the old filters keep exactly k of the tied boundary
-    # tokens, the new ones all of them, so compare values, not token sets.
+    # bf16 logits tie a lot: the reference filters keep exactly k of the tied boundary
+    # tokens, the fused ones all of them, so compare values, not token sets.
     scaled = logits.float() / t.temperature[:, None]
     kept = apply_filters(scaled, t) > -torch.inf
     lowest_kept = torch.where(kept, scaled, torch.inf).amin(dim=1)
@@ -99,7 +93,7 @@ def run_cases() -> tuple[list[dict], list[str]]:
     results, failures = [], []
     gen = torch.Generator("cuda").manual_seed(0)
     sampler = Sampler(torch.Generator("cuda").manual_seed(0))
-    print(f"{'rows':>5} {'case':>18} {'old ms':>9} {'new ms':>9} {'speedup':>8} {'build us':>9}")
+    print(f"{'rows':>5} {'case':>18} {'torch ms':>9} {'fused ms':>9} {'speedup':>8} {'build us':>9}")
     for rows in ROWS:
         logits = (torch.randn(rows, VOCAB, device="cuda", generator=gen) * 3).to(torch.bfloat16)
         positions = list(range(100, 100 + rows))
@@ -107,11 +101,12 @@ def run_cases() -> tuple[list[dict], list[str]]:
             params = [make(i) for i in range(rows)]
             failures += check(case, params, positions, logits, sampler)
             t = SamplingTensors.build(params, positions, VOCAB, "cuda")
-            old = bench_ms(lambda: reference_sample(logits, t, gen))
-            new = bench_ms(lambda: sampler(logits, t, step_seed=1))
+            ref = bench_ms(lambda: reference_sample(logits, t, gen))
+            fused = bench_ms(lambda: sampler(logits, t, step_seed=1))
             host = build_us(params, positions)
-            results.append(dict(rows=rows, case=case, old_ms=old, new_ms=new, build_us=host))
-            print(f"{rows:>5} {case:>18} {old:>9.3f} {new:>9.3f} {old / new:>7.1f}x {host:>9.1f}")
+            results.append(dict(rows=rows, case=case, reference_ms=ref, fused_ms=fused, speedup=ref / fused,
+                                build_us=host))
+            print(f"{rows:>5} {case:>18} {ref:>9.3f} {fused:>9.3f} {ref / fused:>7.1f}x {host:>9.1f}")
     return results, failures
 
 
@@ -146,11 +141,8 @@ def main() -> None:
         swept = sweep() if args.sweep else []
     for f in failures:
         print("CHECK FAILED:", f)
-    if os.environ.get("OUT"):
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                    vocab=VOCAB, dtype="bfloat16")
-        with open(os.path.join(os.environ["OUT"], "sampler.json"), "w") as f:
-            json.dump({**meta, "results": results, "sweep": swept, "failures": failures}, f, indent=1)
+    write_summary("sampler", {"vocab": VOCAB, "dtype": "bfloat16", "results": results, "sweep": swept,
+                              "failures": failures})
     sys.exit(1 if failures else 0)
 
 

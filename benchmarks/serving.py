@@ -4,51 +4,21 @@
         [--max-duration 20] [--seed 0] [--model DIR] [--device auto] [--client-procs N]
         [--tokenizer auto|synthetic] [--out FILE] [--smoke]
 
-The workload is offline-256 of ``benchmarks/throughput.py`` (prompt lengths uniform in
-[100, 1024], max_tokens uniform in [100, 1024], token ids < 10000, eos ignored,
-temperature 1) on Qwen3-0.6B shapes with random weights, unless ``--model`` names a
-checkpoint. The server is ``python -m minivllm serve`` in its own process group on
-127.0.0.1; the client (httpx, asyncio) sends every request as token ids to
-``/v1/completions`` with ``stream: true``, ``ignore_eos: true`` and ``max_tokens`` =
-the request's output length, so every request produces exactly that many tokens.
-The client runs in ``--client-procs`` processes (4 on cuda): one process parsing
-every chunk of 256 streams is a busy core, and its recorded times would lag.
+The workload is throughput.py's offline-256 (Qwen3-0.6B shapes, random weights, unless
+``--model``). ``python -m minivllm serve`` runs in its own process group on 127.0.0.1; the
+client (httpx, asyncio, in ``--client-procs`` processes: one process parsing 256 streams is
+a busy core, and its recorded times would lag) streams every request as token ids to
+``/v1/completions`` with ``ignore_eos`` and the request's ``max_tokens``. At each rate the
+requests arrive as a seeded Poisson process (``inf``: all at once; a finite rate sends the
+first ``rate * --max-duration``), on fresh token ids, after one untimed warm-up. Per rate:
+req/s and output tok/s (over first send to last token), TTFT, TPOT and ITL percentiles. A
+request that ends otherwise than by length, or with another token count (the usage chunk),
+is a failure. Then the ``inf`` requests go through ``LLM.generate()`` with the same engine
+options, and the ratio server / offline tok/s is reported (target >= 0.9).
 
-At each rate (requests/s) the requests arrive as a Poisson process (seeded
-exponential gaps); ``inf`` sends all at once. A finite rate sends only the first
-``rate * --max-duration`` requests (at least one), which bounds its time; ``inf``
-sends all of them. Each rate gets fresh token ids (no prefix-cache hits between
-rates); one untimed warm-up of short requests precedes the first rate. Per rate:
-
-- request throughput and output tok/s: completed requests and their output
-  tokens / (last token received - first request sent);
-- TTFT: first streamed chunk - request sent;
-- TPOT: (last chunk - first chunk) / (output tokens - 1), per request (0 when all of a
-  request's tokens arrived at once);
-- ITL: the gap between consecutive chunks of a request, over all requests.
-
-The server sends one SSE chunk per engine step that adds text; a token whose text
-is empty (an incomplete character, a special token) rides on the next chunk, and a
-stream whose HTTP side falls behind the engine gets the steps waiting for it in one
-chunk, so the chunk count can fall short of the token count. A request's output tokens are
-its ``max_tokens``, checked against the usage chunk where the server takes
-``stream_options.include_usage`` (probed once); a request that ends otherwise than
-by length, or with another count, is a failure.
-
-After the server has exited (its GPU memory freed), the same requests of the
-``inf`` run go through ``LLM.generate()`` in this process, timed as throughput.py
-times offline-256, and the ratio server tok/s at ``inf`` / offline tok/s is
-reported (target >= 0.9). Both use the same engine options.
-
-The server needs a tokenizer to stream text; a checkpoint without one (the random
-ones) is served from a temporary directory that links its files beside a
-synthetic word-level tokenizer of the model's vocabulary, which decodes token
-``i`` as ``" t<i>"``: every token has non-empty text, so chunks = tokens
-(``--tokenizer synthetic`` uses it for any checkpoint).
-
-``--device cpu`` (or ``--smoke``: a tiny random model) uses throughput.py's smoke
-workload sizes; the numbers then check the code paths only. With ``$OUT`` set the
-summary goes to ``$OUT/serving.json``; ``--out FILE`` writes it to FILE as well.
+A checkpoint without a tokenizer (the random ones) is served beside a synthetic word-level
+tokenizer that decodes id ``i`` as ``" t<i>"``: every token has text, so chunks = tokens.
+Summary: ``$OUT/serving.json``, or ``--out FILE``. ``--smoke``/``--device cpu``: tiny sizes.
 """
 
 from __future__ import annotations
@@ -70,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.plots import figure_beside
+from benchmarks.report import write_summary
 from benchmarks.throughput import (Workload, add_common_args, bench_device, met, model_path,
-                                   offline_workload, run_offline, write_summary)
+                                   offline_workload, run_offline)
 from minivllm.executor.distributed import free_port
 
 TARGET_RATIO = 0.9
@@ -679,12 +649,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(math.isinf(r) for r in args.rates):
         results["offline"] = run_offline_llm(args, su)
         compare(results)
-    if args.out:  # instead of $OUT/serving.json: two runs in one $OUT must not overwrite each other
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2, default=str)
-        figure_beside(args.out)
-    else:
-        write_summary("serving", results)
+    # --out instead of $OUT/serving.json: two runs in one $OUT must not overwrite each other
+    write_summary("serving", results, path=args.out)
     if any(r["failures"] for r in results["rates"]):
         raise SystemExit(1)
 

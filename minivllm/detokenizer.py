@@ -87,8 +87,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         # A fast HF tokenizer's Rust backend decodes the same text (we never ask for the
-        # clean-up) without the Python wrapper's ~25 us per call: the server decodes every
-        # streaming request every step.
+        # clean-up) without the Python wrapper's cost, which dominates a call: the server
+        # decodes every streaming request every step (docs/tuning.md, "Host path").
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend_decode = getattr(backend, "decode", None)
         # Only the tail of the prompt is ever decoded, so only it is kept.

@@ -24,14 +24,11 @@ _CACHE_KEYS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _EXEC_KEYS = {f.name for f in dataclasses.fields(ExecutorConfig)}
 # A step's token budget on CUDA unless given: vLLM's for its offline LLM class on
-# H100/H200-class GPUs (offline-256 on one H200: 25,015-25,221 tok/s with it and prefill
-# graphs, 23,624-24,984 with 8192 and none; BENCHMARKS.md, fourth session).
+# H100/H200-class GPUs (docs/tuning.md, "Block size and token budget").
 CUDA_MAX_NUM_BATCHED_TOKENS = 16384
 # Tokens per KV block on CUDA unless given: blocks of 64 hold whole 64-key tiles, so the
-# prefill kernel loads its unmasked K/V tiles by tensor-memory copy (TMA). Offline-256 on
-# one H200, blocks of 64 against 16 in the same call: 25,511 vs 24,216 tok/s, and with
-# today's prefill tiles 25,422 and 25,471 vs 25,100 (BENCHMARKS.md, sixth session).
-# The price: prefix-cache hits come in steps of 64 tokens instead of 16.
+# prefill kernel loads its unmasked K/V tiles by tensor-memory copy (TMA); the price:
+# prefix-cache hits come in steps of 64 tokens instead of 16 (same section).
 CUDA_BLOCK_SIZE = 64
 # Files a Hugging Face tokenizer is built from: a directory holding every file of one of
 # these sets has a tokenizer (tokenizer.json: a fast tokenizer; tokenizer.model:

@@ -137,7 +137,7 @@ def test_model_config_errors(tmp_path, over, match) -> None:
         ModelConfig.from_hf_json(path)
 
 
-# ---- issue 10: Qwen2/2.5 and Llama-3.x configs; RoPE in both spellings; what is refused ----
+# ---- Qwen2/2.5 and Llama-3.x configs; RoPE in both spellings; what is refused ----
 
 # Llama-3.2-1B's config.json as published (transformers 4.45: rope_theta + rope_scaling).
 LLAMA_3_2_1B_PUBLISHED = dict(

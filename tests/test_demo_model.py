@@ -86,8 +86,7 @@ def test_cli_engine_options_reach_the_engine() -> None:
 
 
 def test_serve_runs_the_engine_in_its_own_process_unless_told() -> None:
-    """vLLM's layout by default (measured 0.96 of offline generate() on an H200, 0.69 in
-    the server's thread: BENCHMARKS.md)."""
+    """vLLM's layout by default (why: ``docs/tuning.md``, "Host path")."""
     from minivllm.__main__ import _parser
 
     assert _parser().parse_args(["serve", FIXTURE]).engine_process is True

@@ -1,5 +1,5 @@
 """The kernel benchmarks' code paths on the CPU (Triton interpreter, tiny shapes, timing
-stubbed), so that a GPU call is never spent on a Python error in a sweep."""
+stubbed), so that GPU time is never spent on a Python error in a sweep."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_gemv_sweep_rows_on_the_cpu(monkeypatch, capsys) -> None:
     monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 1)
     monkeypatch.setattr(bench, "graph_us", lambda call, calls: (call(0), 1000.0)[1])
     configs = [bench.default_config(1, 48, 64), bench.FEW_ROWS_CONFIG, GemvConfig(16, 32, 4, 2, one_row=True),
-               GemvConfig(32, 32, 4, 2, tma=True)]
+               GemvConfig(32, 32, 4, 2)]
     for rows in (1, 3):
         row = bench.bench_shape("tiny o", 48, 64, rows, configs)
         bench.print_row(row)
@@ -49,3 +49,20 @@ def test_prefill_sweep_rows_on_the_cpu(monkeypatch, timing) -> None:
     # the config given, then the shape's default launched through a tile map (the engine's graphs)
     assert [r["ms"] for r in result["configs"]] == [1.0, 1.0], result
     assert [r["map"] for r in result["configs"]] == [False, True]
+
+
+def test_decode_attention_rows_on_the_cpu(monkeypatch, capsys) -> None:
+    import benchmarks.decode_attention as bench
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "BLOCK_SIZE", 16)
+    monkeypatch.setattr(bench, "graph_us", lambda call, calls: (call(0), 10.0)[1])
+    monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.02)[1])  # ms
+    p = bench.make_problem(2, 32)
+    row = bench.timed_row(p, 2, 32, num_sms=4, copy_gbs=100.0)
+    bench.print_rows([row], 100.0)
+    assert (row["eager_us"], row["graph_us"]) == (20.0, 10.0)
+    assert row["graph_gbs"] == pytest.approx(p.bytes_moved / 10e-6 / 1e9)
+    assert row["graph_pct_copy"] == pytest.approx(row["graph_gbs"])   # of 100 GB/s
+    assert row["max_err"] <= 1.6e-2
+    assert "copy bandwidth 100 GB/s" in capsys.readouterr().out

@@ -41,7 +41,8 @@ def without_tokenizer(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("skip_tokenizer_init", [False, True], ids=["tokenizer", "no-tokenizer"])
 def test_a_dropped_llm_frees_its_executor_without_a_collection(skip_tokenizer_init: bool) -> None:
-    """With a tokenizer, a request with a stop string gets a text stream from the engine."""
+    """The executor, the model and every weight are freed by ``del llm`` alone. With a
+    tokenizer, a request with a stop string gets a text stream from the engine."""
     llm = make_llm(skip_tokenizer_init=skip_tokenizer_init)
     if skip_tokenizer_init:
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
@@ -50,10 +51,14 @@ def test_a_dropped_llm_frees_its_executor_without_a_collection(skip_tokenizer_in
                      use_tqdm=False)
     executor = weakref.ref(llm.engine.executor)
     model = weakref.ref(llm.engine.executor.model)
+    # Every weight too: a parameter must not keep its layer (nor the layer its parameters)
+    # alive through a cycle, or the weights outlive the model until a collection runs.
+    weights = [weakref.ref(p) for p in llm.engine.executor.model.parameters()]
     gc.disable()  # what is freed below is freed by reference counting alone
     try:
         del llm
         assert executor() is None and model() is None
+        assert not [w for w in weights if w() is not None]
     finally:
         gc.enable()
 

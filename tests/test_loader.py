@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 from safetensors import safe_open
 
 from minivllm.config import ModelConfig
+from minivllm.layers.all_reduce import Communicator
 from minivllm.layers.linear import get_weight_loader
+from minivllm.layers.ops import Ops
 from minivllm.model.decoder import PACKED_MODULES
 from minivllm.model.loader import LazyTensor, checkpoint_files, load_weights, map_name
 from minivllm.model.qwen3 import Qwen3ForCausalLM
@@ -41,7 +43,10 @@ def rewrite(src: str, dst: str, edit) -> str:
 
 
 def fresh_model(path: str, tp_rank: int = 0, tp_size: int = 1) -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM(ModelConfig.from_hf_json(path), tp_rank=tp_rank, tp_size=tp_size)
+    # A communicator only for the shapes: loading runs no collective.
+    comm = Communicator(tp_rank, tp_size) if tp_size > 1 else None
+    ops = Ops(triton=False, use_gemv=False, pdl=False, comm=comm)
+    return Qwen3ForCausalLM(ModelConfig.from_hf_json(path), ops=ops, tp_rank=tp_rank, tp_size=tp_size)
 
 
 def load_whole_tensors(model: Qwen3ForCausalLM, path: str) -> None:
@@ -189,7 +194,7 @@ def test_lazy_tensor_reads_the_requested_slice(tmp_path):
 
 
 def test_tensor_stored_in_two_checkpoint_shards_is_duplicated(tmp_path):
-    """Issue 10: a tensor in two files of a sharded checkpoint is an error, not a silent overwrite."""
+    """A tensor in two files of a sharded checkpoint is an error, not a silent overwrite."""
     path = save_hf_model(make_hf_model(SMALL), tmp_path / "one")
     dup = str(tmp_path / "dup")
     os.makedirs(dup)

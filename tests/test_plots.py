@@ -239,9 +239,6 @@ SUMMARIES: dict[str, dict[str, Any]] = {
                                 "async on": {"offline": {"tok_s": 16200.0}, "batch1": {"ms_per_token": 2.2}},
                                 "async off": {"offline": {"tok_s": 14900.0}, "batch1": {"ms_per_token": 2.5}}},
                    "ratio_minivllm_hf": 15.8},
-    "host_overlap": {"args": {"batch": 256}, "results": {
-        "async on": {"wall_ms_per_step": 7.0, "gpu_busy_ms_per_step": 5.9, "exposed_host_ms_per_step": 1.1},
-        "async off": {"wall_ms_per_step": 10.2, "gpu_busy_ms_per_step": 6.0, "exposed_host_ms_per_step": 4.2}}},
     "serving": {"rates": [{"rate": "8", "ttft_ms": pct(30, 80), "tpot_ms": pct(8, 12), "output_tok_s": 4000.0},
                           {"rate": "inf", "ttft_ms": pct(900, 2500), "tpot_ms": pct(None, None),
                            "output_tok_s": 7500.0}],
@@ -249,11 +246,6 @@ SUMMARIES: dict[str, dict[str, Any]] = {
     "all_reduce": {"args": {"world_size": 2, "dtype": "bfloat16"}, "rows": [
         {"rows": 1, "kb": 8.0, "nccl_us": 12.7, "one_shot_us": 6.7, "two_shot_us": 8.3},
         {"rows": 1024, "kb": 8192.0, "nccl_us": 53.3, "one_shot_us": 63.9, "two_shot_us": 36.2}]},
-    "step_timeline": {"wall_s": 0.05, "steps": [{"ms": 30.0, "seqs": 3, "prefill": 900, "decode": 0},
-                                                {"ms": 6.0, "seqs": 3, "prefill": 0, "decode": 3},
-                                                {"ms": 2.0, "seqs": 1, "prefill": 0, "decode": 1}],
-                      "groups": [{"group": "steps with prefill", "steps": 1, "seconds": 0.03},
-                                 {"group": "decode, batch 1-8", "steps": 2, "seconds": 0.008}]},
 }
 
 
@@ -265,12 +257,10 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     for name, data in SUMMARIES.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     (tmp_path / "throughput_tp2.json").write_text(json.dumps(SUMMARIES["throughput"]))
-    (tmp_path / "kernel_count.json").write_text("{}")  # not drawn
+    (tmp_path / "sampler.json").write_text("{}")  # not drawn
     assert bench_plots.main([str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
-        "all_reduce.png", "decode_attention.png", "host_overlap.png", "serving.png", "step_timeline.png",
-        "throughput.png",
-        "throughput_tp2.png"]
+        "all_reduce.png", "decode_attention.png", "serving.png", "throughput.png", "throughput_tp2.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in tmp_path.glob("*.png"))
 
     da = SUMMARIES["decode_attention"]
@@ -283,9 +273,6 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     assert bar_heights(ax["throughput"]) == [1025.0, 14900.0, 16200.0]
     assert bar_heights(ax["batch1"]) == [2.5, 2.2]
 
-    ax = panels(bench_plots.plot_host_overlap(SUMMARIES["host_overlap"]))["step_time"]
-    assert np.allclose(bar_heights(ax), [6.0, 5.9, 4.2, 1.1])  # GPU busy per mode, then the exposed host time on top
-
     ax = panels(bench_plots.plot_all_reduce(SUMMARIES["all_reduce"]))["latency"]
     assert [list(line.get_ydata()) for line in ax.lines] == [[12.7, 53.3], [6.7, 63.9], [8.3, 36.2]]
     assert list(ax.lines[0].get_xdata()) == [8.0, 8192.0]
@@ -296,12 +283,6 @@ def test_benchmark_pictures_from_their_json(tmp_path: Path) -> None:
     tpot = {line.get_label(): line.get_ydata() for line in ax["tpot"].lines}
     assert tpot["p50"][0] == 8 and np.isnan(tpot["p50"][1])  # no percentile: no point
     assert [list(line.get_ydata()) for line in ax["output_tok_s"].lines] == [[4000.0, 7500.0], [15500.0, 15500.0]]
-
-    ax = panels(bench_plots.plot_step_timeline(SUMMARIES["step_timeline"]))
-    assert list(ax["timeline"].lines[0].get_ydata()) == [30.0, 6.0, 2.0]
-    assert ax["timeline"].collections[0].get_offsets().tolist() == [[0.0, 30.0]]  # the prefill step marked
-    assert list(ax["batch"].lines[0].get_ydata()) == [0, 3, 1]
-    assert np.allclose([p.get_width() for c in ax["groups"].containers for p in c], [0.03, 0.008])
 
 
 def test_tp_scaling_figure_groups_tp_sizes_by_shapes(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The unpaged oracle follows DESIGN.md's finishing rules."""
+"""The unpaged oracle follows the finishing rules of ``docs/design.md`` ("Scheduler")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Qwen2.5 and Llama-3.2 at their real shapes on the GPU against Hugging Face (issue 10).
+"""Qwen2.5 and Llama-3.2 at their real shapes on the GPU against Hugging Face.
 
 Random-weight checkpoints of Qwen2.5-0.5B (q/k/v bias, head_dim 64, 14 query heads
 over 2 KV heads) and Llama-3.2-1B (``llama3`` RoPE scaling factor 32, head_dim 64,
@@ -7,13 +7,12 @@ over 2 KV heads) and Llama-3.2-1B (``llama3`` RoPE scaling factor 32, head_dim 6
 helpers: float32 logits relative <= 1e-4 over a 300-token context; float32 greedy
 through ``LLM`` (CUDA graphs, prefix cache, async scheduling; and a tiny pool that
 forces preemption) token-identical to HF ``generate``; bf16 by the top-5 rule at the
-first differing token. Weights std 0.5 with norm weights near 1 (DESIGN.md: well
-separated logits make float32 greedy equality meaningful), except q_proj / k_proj
-(weights and biases) scaled by ``QK_SCALE``: these families have no q/k norm, so
-std 0.5 gives pre-softmax scores of std ~200 (Qwen3, normed: ~1), a hard argmax over
-keys whose winner flips on the last bit. On two H200s that made Qwen2.5's float32
-logits differ from HF's SDPA by 1.3e-4 and its bf16 walk fail the top-5 rule while the
-CPU agreed to 5e-6: the comparison measured luck, not our code.
+first differing token. Weights std 0.5 with norm weights near 1 (``docs/design.md``,
+"Correctness against Hugging Face": well separated logits make float32 greedy equality
+meaningful), except q_proj / k_proj (weights and biases) scaled by ``QK_SCALE``: these
+families have no q/k norm, so std 0.5 gives pre-softmax scores of std ~200 (Qwen3,
+normed: ~1), a hard argmax over keys whose winner flips on the last bit: the comparison
+would measure luck, not our code (``docs/tuning.md``, "Rounding and precision").
 """
 
 from __future__ import annotations
@@ -80,7 +79,7 @@ def checkpoint(request, tmp_path_factory):
 
 def test_logits_match_hf_fp32(checkpoint) -> None:
     name, hf, path, _, _ = checkpoint
-    ex = make_model_executor(path, device="cuda", dtype="float32", attention_backend="triton",
+    ex = make_model_executor(path, device="cuda", dtype="float32", kernels="triton",
                              block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024,
                              max_model_len=1024, enforce_eager=True)
     assert ex.model.architecture == SHAPES[name][0]
@@ -119,7 +118,7 @@ def test_bf16_top5_at_first_difference(checkpoint) -> None:
     """Last: it rounds the HF model's weights to bf16 (the fixture's other users ran before)."""
     name, hf, path, _, _ = checkpoint
     hf16 = hf.to(torch.bfloat16)
-    ex = make_model_executor(path, device="cuda", dtype="bfloat16", attention_backend="triton",
+    ex = make_model_executor(path, device="cuda", dtype="bfloat16", kernels="triton",
                              block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024,
                              max_model_len=1024, enforce_eager=True)
     prompt = np.random.default_rng(1).integers(0, hf.config.vocab_size, 40).tolist()

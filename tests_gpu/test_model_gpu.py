@@ -4,8 +4,8 @@ Random-weight Qwen3 checkpoints (Qwen3-0.6B's exact shapes and two smaller
 configs) are written with ``save_pretrained`` here; nothing is downloaded.
 Weights use std 0.5 with norm weights near 1 so logits are well separated and
 float32 greedy equality is meaningful (near-uniform logits would make argmax
-ties, DESIGN.md). Tolerances: float32 logits relative (max |diff| / max |ref|)
-<= 1e-4; bf16 checked the vLLM way (at the first differing greedy token each
+ties; ``docs/design.md``, "Correctness against Hugging Face"). Tolerances: float32
+logits relative (max |diff| / max |ref|) <= 1e-4; bf16 checked the vLLM way (at the first differing greedy token each
 side's token is in the other's top-5).
 """
 
@@ -75,7 +75,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 def test_logits_match_hf_fp32(checkpoint) -> None:
     name, hf, path = checkpoint
-    ex = make_model_executor(path, device="cuda", dtype="float32", attention_backend="triton",
+    ex = make_model_executor(path, device="cuda", dtype="float32", kernels="triton",
                              block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024,
                              enforce_eager=True)
     rng = np.random.default_rng(0)
@@ -92,7 +92,7 @@ def test_bf16_top5_at_first_difference(checkpoint) -> None:
     name, hf, path = checkpoint
     hf16 = hf.to(torch.bfloat16)
     try:
-        ex = make_model_executor(path, device="cuda", dtype="bfloat16", attention_backend="triton",
+        ex = make_model_executor(path, device="cuda", dtype="bfloat16", kernels="triton",
                                  block_size=16, num_blocks=64, max_num_seqs=4,
                                  max_num_batched_tokens=1024, enforce_eager=True)
         prompt = np.random.default_rng(1).integers(0, CONFIGS[name]["vocab_size"], 40).tolist()
@@ -151,10 +151,9 @@ ENGINES = {
     "tiny-pool-preemption-block64": dict(num_blocks=12),
     "chunked-prefill-budget-64": dict(POOL, max_num_batched_tokens=64),
     "prefill-first": dict(POOL, policy="prefill_first"),
-    # Prefill and mixed steps in CUDA graphs too (the default on one GPU: every engine
-    # above without enforce_eager), with 64-token chunks; and without them.
-    "prefill-graphs-chunked-64": dict(POOL, prefill_graphs=True, max_num_batched_tokens=64),
-    "no-prefill-graphs": dict(POOL, prefill_graphs=False),
+    # Prefill and mixed steps run in CUDA graphs too (every engine above without
+    # enforce_eager), here with 64-token chunks.
+    "prefill-graphs-chunked-64": dict(POOL, max_num_batched_tokens=64),
 }
 
 
@@ -177,7 +176,7 @@ def test_greedy_fp32_matches_hf(reference, engine: str) -> None:
         if engine == "chunked-prefill-budget-64":
             assert s.num_chunked_prefills > 0
         prefill_runner = llm.engine.executor.prefill_graph_runner
-        if "enforce_eager" in ENGINES[engine] or ENGINES[engine].get("prefill_graphs") is False:
+        if "enforce_eager" in ENGINES[engine]:
             assert prefill_runner is None
         else:
             assert prefill_runner is not None and prefill_runner.num_replays > 0

@@ -1,4 +1,4 @@
-"""The sampling features of issue 9 on the GPU path (CUDA graphs, pinned output ring,
+"""The sampling features on the GPU path (CUDA graphs, pinned output ring,
 one step in flight): n completions, logprobs, prompt logprobs and penalties give what
 the CPU executor gives on the tiny fixture model (float32)."""
 

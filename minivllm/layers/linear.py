@@ -33,6 +33,8 @@ any process starts; the layers raise the same errors from the same functions.
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -78,11 +80,30 @@ def read_whole(loaded: Loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
 
 
+class _LayerLoader:
+    """A layer's ``weight_loader`` method as its parameter holds it: the layer by weak
+    reference, so a layer and its parameters form no reference cycle and a model is freed
+    (GPU memory included) as soon as the last reference to it goes, without a collection."""
+
+    __slots__ = ("layer", "method")
+
+    def __init__(self, bound: Callable) -> None:
+        self.layer = weakref.ref(bound.__self__)  # type: ignore[attr-defined]
+        self.method = bound.__func__  # type: ignore[attr-defined]
+
+    def __call__(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+        layer = self.layer()
+        if layer is None:
+            raise RuntimeError("the layer this parameter belonged to is gone")
+        self.method(layer, param, loaded, shard_id)
+
+
 def set_weight_loader(
     param: nn.Parameter, loader: WeightLoader, shard_ids: tuple[ShardId, ...] = (None,)
 ) -> nn.Parameter:
-    """Attach ``loader`` and the shard ids it expects to ``param`` (returned for chaining)."""
-    param.weight_loader = loader  # type: ignore[attr-defined]
+    """Attach ``loader`` and the shard ids it expects to ``param`` (returned for chaining).
+    A layer's own method is held without a reference back to the layer (``_LayerLoader``)."""
+    param.weight_loader = _LayerLoader(loader) if inspect.ismethod(loader) else loader  # type: ignore[attr-defined]
     param.shard_ids = shard_ids  # type: ignore[attr-defined]
     return param
 

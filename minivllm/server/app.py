@@ -90,8 +90,8 @@ def _sse(payload: Any) -> str:
 class _ChunkWriter:
     """The SSE text of a stream's common chunks (a choice's new text, its finish reason),
     written from strings serialized once per response instead of a pydantic model per
-    chunk: 256 streams get a chunk each per engine step, and the model costs about 16 us
-    a chunk on the event loop where this costs 2 (CPU). The text equals ``_sse`` of the
+    chunk: a stream gets a chunk per engine step, and the model is several times dearer
+    on the event loop (``docs/tuning.md``, "Host path"). The text equals ``_sse`` of the
     model's dump, field for field (``tests/test_server.py`` compares them); chunks with
     logprobs, and the usage chunk, still go through the models.
     """

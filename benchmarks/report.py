@@ -1,0 +1,343 @@
+"""The benchmarks' JSON summaries, written and read: ``write_summary`` is what every
+benchmark calls, and ``python -m benchmarks.report DIR`` turns the summaries in DIR into
+``docs/performance.md`` (``make bench`` runs it after the benchmarks).
+
+    python -m benchmarks.report DIR [--out docs/performance.md]   # --out -: stdout
+
+A summary is ``<name>.json``: the benchmark's own data plus ``meta`` (the command that
+produced it, the machine, the commit, the date). The page is tables only, every number
+copied from a summary: an index naming each summary's benchmark, make target and command,
+then one section per benchmark. A summary the page does not know is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PAGE = REPO_ROOT / "docs" / "performance.md"
+OUT_ENV = "OUT"  # the folder summaries go to (``make bench`` sets it); unset: none written
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+def write_summary(name: str, data: dict[str, Any], path: str | os.PathLike[str] | None = None) -> Path | None:
+    """Write ``data`` with its ``meta`` to ``path``, or to ``$OUT/<name>.json`` when OUT is
+    set (else nothing); draw its figure beside it (``benchmarks.plots``). Returns the file."""
+    if path is None:
+        out = os.environ.get(OUT_ENV)
+        if not out:
+            return None
+        path = Path(out) / f"{name}.json"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**data, "meta": run_meta()}, f, indent=1, default=str)
+    print(f"summary written to {path}")
+    from benchmarks.plots import figure_beside
+
+    figure_beside(path)
+    return path
+
+
+def run_meta() -> dict[str, Any]:
+    """What reproduces a summary: the command, the machine, the commit and the date."""
+    return {"command": command_line(), "machine": machine(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def command_line() -> str:
+    """``python -m benchmarks.<module> ARGS`` for a module run with ``-m``, else argv."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name.startswith("benchmarks."):
+        return shlex.join(["python", "-m", spec.name, *sys.argv[1:]])
+    return shlex.join(["python", *sys.argv])
+
+
+def machine() -> dict[str, Any]:
+    """GPU model and count, CUDA, torch and triton versions (the CPU when there is no GPU)."""
+    try:
+        import torch
+    except ImportError:  # engine_host needs no torch
+        return {"cpu": platform.processor() or platform.machine()}
+    info: dict[str, Any] = {"torch": torch.__version__}
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (``+`` when files differ from it), or None outside a git tree."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+def get(d: Any, *keys: str | int) -> Any:
+    """``d[k0][k1]...``, or None where any level is missing."""
+    for k in keys:
+        try:
+            d = d[k]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return d
+
+
+def fmt(value: Any, spec: str = "") -> str:
+    """A table cell: ``-`` for a missing value, else ``value`` formatted by ``spec``."""
+    if value is None:
+        return "-"
+    if isinstance(value, float) and spec == "":
+        spec = ".3g"
+    return format(value, spec)
+
+
+def pair(p: Any, spec: str = ".1f") -> str:
+    """``p50 / p99`` of a percentile entry."""
+    return f"{fmt(get(p, 'p50'), spec)} / {fmt(get(p, 'p99'), spec)}"
+
+
+def table(headers: list[str], rows: Iterable[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+Summaries = list[tuple[str, dict[str, Any]]]  # (file stem, content), in file-name order
+
+
+def throughput_section(runs: Summaries) -> list[str]:
+    rows = []
+    for stem, d in runs:
+        shapes, tp = get(d, "args", "shapes"), get(d, "args", "tensor_parallel_size")
+        if "tok_s" in (d.get("hf") or {}):
+            rows.append([stem, fmt(d.get("workload")), fmt(shapes), "-",
+                         f"HF transformers ({fmt(d['hf'].get('requests'))} requests)",
+                         fmt(d["hf"]["tok_s"], ",.0f"), "-", "-"])
+        for mode in ("async on", "async off"):
+            m = get(d, "minivllm", mode)
+            if m is not None:
+                rows.append([stem, fmt(d.get("workload")), fmt(shapes), fmt(tp), f"minivllm, {mode}",
+                             fmt(get(m, "offline", "tok_s"), ",.0f"), fmt(get(m, "batch1", "ms_per_token"), ".3f"),
+                             fmt(m.get("vs_hf"), ".1f")])
+    return table(["summary", "workload", "shapes", "TP", "engine", "offline tok/s", "batch-1 ms/token", "x HF"], rows)
+
+
+def serving_section(runs: Summaries) -> list[str]:
+    lines: list[str] = []
+    for stem, d in runs:
+        lines += table(["summary", "rate (req/s)", "requests", "failures", "req/s", "output tok/s",
+                        "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p50 / p99 ms"],
+                       [[stem, fmt(r.get("rate")), fmt(r.get("requests")), fmt(r.get("failures")),
+                         fmt(r.get("request_throughput"), ".2f"), fmt(r.get("output_tok_s"), ",.0f"),
+                         pair(r.get("ttft_ms")), pair(r.get("tpot_ms"), ".2f"), pair(r.get("itl_ms"), ".2f")]
+                        for r in d.get("rates", [])])
+        lines += [""] + table(["summary", "offline generate() tok/s", "server at rate inf / offline"],
+                              [[stem, fmt(get(d, "offline", "tok_s"), ",.0f"),
+                                fmt(d.get("ratio_server_offline"), ".3f")]]) + [""]
+    return lines[:-1]
+
+
+def long_context_section(runs: Summaries) -> list[str]:
+    return table(["summary", "prompts", "prefill tok/s", "HF SDPA forward tok/s", "x HF", "decode ms/step",
+                  "decode floor ms", "decode context"],
+                 [[stem, fmt(d.get("shape")), fmt(get(d, "prefill", "minivllm", "tok_s"), ",.0f"),
+                   fmt(get(d, "prefill", "hf", "tok_s"), ",.0f"), fmt(get(d, "prefill", "vs_hf"), ".2f"),
+                   fmt(get(d, "decode", "median_ms"), ".3f"), fmt(get(d, "decode", "floor_ms"), ".3f"),
+                   fmt(get(d, "decode", "context"), ",.0f")] for stem, d in runs])
+
+
+def engine_host_section(runs: Summaries) -> list[str]:
+    return table(["summary", "batch", "output kind", "steps", "engine host ms/step"],
+                 [[stem, fmt(d.get("batch")), fmt(d.get("output_kind")), fmt(d.get("steps")),
+                   fmt(d.get("ms_per_step"), ".3f")] for stem, d in runs])
+
+
+def decode_attention_section(runs: Summaries) -> list[str]:
+    lines: list[str] = []
+    for stem, d in runs:
+        lines += table(["summary", "block size", "batch", "context", "splits", "eager us", "eager GB/s",
+                        "graph us", "graph GB/s", f"graph % of copy ({fmt(d.get('copy_gbs'), ',.0f')} GB/s)"],
+                       [[stem, fmt(d.get("block_size")), fmt(r.get("batch")), fmt(r.get("context")),
+                         fmt(r.get("splits")), fmt(r.get("eager_us"), ".1f"), fmt(r.get("eager_gbs"), ",.0f"),
+                         fmt(r.get("graph_us"), ".1f"), fmt(r.get("graph_gbs"), ",.0f"),
+                         fmt(r.get("graph_pct_copy"), ".1f")] for r in d.get("rows", [])]) + [""]
+    return lines[:-1]
+
+
+def prefill_attention_section(runs: Summaries) -> list[str]:
+    rows = []
+    for stem, d in runs:
+        for r in d.get("results", []):
+            default = next((c for c in r.get("configs", []) if c.get("default")), {})
+            best = next((c for c in r.get("configs", []) if c.get("name") == r.get("best")), {})
+            sdpa = next(iter(r.get("sdpa", [])), {})
+            rows.append([stem, fmt(d.get("block_size")), fmt(r.get("shape")), fmt(r.get("default")),
+                         fmt(default.get("ms"), ".3f"), fmt(default.get("tflops"), ".0f"),
+                         fmt(sdpa.get("ms"), ".3f"), fmt(default.get("pct_sdpa"), ".0f"),
+                         fmt(r.get("best")), fmt(best.get("tflops"), ".0f")])
+    return table(["summary", "block size", "shape", "default config", "ms", "TFLOP/s", "SDPA ms", "% of SDPA",
+                  "best config", "best TFLOP/s"], rows)
+
+
+def gemv_section(runs: Summaries) -> list[str]:
+    rows = []
+    for stem, d in runs:
+        for r in d.get("rows", []):
+            default = next((c for c in r.get("configs", []) if c.get("default")), {})
+            rows.append([stem, fmt(r.get("shape")), fmt(r.get("rows")), f"{fmt(r.get('N'))} x {fmt(r.get('K'))}",
+                         fmt(r.get("cublas_us"), ".2f"), fmt(default.get("us"), ".2f"), fmt(default.get("GBs"), ",.0f"),
+                         fmt(default.get("speedup"), ".2f"), "yes" if r.get("taken_by_default") else "no"])
+        total = d.get("total_us") or {}
+        rows.append([stem, "sum", "", "", fmt(total.get("cublas"), ".1f"), fmt(total.get("gemv"), ".1f"), "", "", ""])
+    return table(["summary", "shape", "rows", "N x K", "cuBLAS us", "gemv us (default config)", "GB/s",
+                  "x cuBLAS", "taken by the engine"], rows)
+
+
+def sampler_section(runs: Summaries) -> list[str]:
+    return table(["summary", "rows", "case", "torch reference ms", "fused ms", "speedup", "host build us"],
+                 [[stem, fmt(r.get("rows")), fmt(r.get("case")), fmt(r.get("reference_ms"), ".3f"),
+                   fmt(r.get("fused_ms"), ".3f"), fmt(r.get("speedup"), ".1f"), fmt(r.get("build_us"), ".1f")]
+                  for stem, d in runs for r in d.get("results", [])])
+
+
+def accuracy_section(runs: Summaries) -> list[str]:
+    rows = []
+    for stem, d in runs:
+        for side, name in (("ours", "minivllm"), ("hf", "HF transformers")):
+            tf, greedy = get(d, "teacher_forced", side) or {}, get(d, "greedy", side) or {}
+            rows.append([stem, name, fmt(tf.get("flip"), ".3f"), fmt(tf.get("outside_top5"), ".3f"),
+                         fmt(tf.get("logits_rel"), ".2e"), fmt(greedy.get("mean_leading"), ".2f"),
+                         f"{fmt(greedy.get('top5_hits'))} / {fmt(greedy.get('prompts'))}"])
+    return table(["summary", "engine", "bf16 argmax != fp32 (teacher-forced)", "outside fp32 top-5",
+                  "logits rel. error", "greedy tokens identical to fp32 (mean)", "first difference in fp32 top-5"],
+                 rows)
+
+
+def tp_scaling_section(runs: Summaries) -> list[str]:
+    rows = []
+    for stem, d in runs:
+        for i, p in enumerate(d.get("pairs", []), 1):
+            rows.append([stem, str(i), fmt(get(p, "tp1", "tok_s"), ",.0f"), fmt(get(p, "tp2", "tok_s"), ",.0f"),
+                         fmt(p.get("throughput"), ".3f"), fmt(get(p, "tp1", "ms_per_token"), ".3f"),
+                         fmt(get(p, "tp2", "ms_per_token"), ".3f"), fmt(p.get("batch1"), ".3f")])
+        rows.append([stem, "median", "", "", fmt(get(d, "median", "throughput"), ".3f"), "", "",
+                     fmt(get(d, "median", "batch1"), ".3f")])
+    return table(["summary", "pair", "TP=1 tok/s", "TP=2 tok/s", "throughput TP=2 / TP=1", "TP=1 ms/token",
+                  "TP=2 ms/token", "batch-1 TP=2 / TP=1"], rows)
+
+
+def all_reduce_section(runs: Summaries) -> list[str]:
+    return table(["summary", "ranks", "rows", "KB", "NCCL us", "one-shot us", "two-shot us", "engine's pick us",
+                  "fused with add + RMSNorm us", "all-reduce, then add + RMSNorm us"],
+                 [[stem, fmt(get(d, "args", "world_size")), fmt(r.get("rows")), fmt(r.get("kb"), ",.0f"),
+                   fmt(r.get("nccl_us"), ".2f"), fmt(r.get("one_shot_us"), ".2f"), fmt(r.get("two_shot_us"), ".2f"),
+                   fmt(r.get("engine_us"), ".2f"), fmt(r.get("fused_norm_us"), ".2f"),
+                   fmt(r.get("unfused_norm_us"), ".2f")]
+                  for stem, d in runs for r in d.get("rows", [])])
+
+
+# name -> (what it measures, the make target that runs it, its section), in page order
+SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
+    "throughput": ("offline throughput and batch-1 decode, against HF transformers", "make bench",
+                   throughput_section),
+    "serving": ("the OpenAI server under Poisson arrivals", "make bench", serving_section),
+    "long_context": ("prefill and decode at long context", "make bench", long_context_section),
+    "engine_host": ("host cost of the engine per decode step", "make bench", engine_host_section),
+    "decode_attention": ("paged decode attention", "make bench", decode_attention_section),
+    "prefill_attention": ("paged prefill attention against SDPA", "make bench", prefill_attention_section),
+    "gemv": ("the GEMV kernel against cuBLAS at decode shapes", "make bench", gemv_section),
+    "sampler": ("the sampler", "make bench", sampler_section),
+    "accuracy": ("bf16 against float32, minivllm and HF transformers", "make bench", accuracy_section),
+    "tp_scaling": ("TP=2 against TP=1, Qwen3-8B shapes", "make bench-tp", tp_scaling_section),
+    "all_reduce": ("the tensor-parallel all-reduce", "make bench-tp", all_reduce_section),
+}
+
+
+def section_of(stem: str) -> str | None:
+    """The section of a summary file: its name, or a name then ``_`` (``throughput_tp2``)."""
+    return next((name for name in SECTIONS if stem == name or stem.startswith(name + "_")), None)
+
+
+def load(directory: str | os.PathLike[str]) -> dict[str, Summaries]:
+    """The known summaries in ``directory``, by section, each section's files in name order."""
+    found: dict[str, Summaries] = {}
+    for path in sorted(Path(directory).glob("*.json")):
+        name = section_of(path.stem)
+        if name is not None:
+            with open(path) as f:
+                found.setdefault(name, []).append((path.stem, json.load(f)))
+    return found
+
+
+def machine_line(m: dict[str, Any] | None) -> str:
+    """``1 x NVIDIA H200, CUDA 12.8, torch 2.11.0, triton 3.6.0`` from a summary's machine."""
+    if not m:
+        return "unknown"
+    parts = [f"{m.get('gpus')} x {m['gpu']}, CUDA {m.get('cuda')}" if m.get("gpu") else f"CPU {m.get('cpu')}"]
+    return ", ".join(parts + [f"{key} {m[key]}" for key in ("torch", "triton") if key in m])
+
+
+def render(found: dict[str, Summaries]) -> str:
+    """The page: title, hardware, the index of summaries, then one section per benchmark."""
+    everything = [(name, stem, d) for name in SECTIONS for stem, d in found.get(name, [])]
+    machines = sorted({machine_line(get(d, "meta", "machine")) for _, _, d in everything})
+    commits = sorted({c for _, _, d in everything if (c := get(d, "meta", "commit"))})
+    lines = ["# Performance", "",
+             "Generated by `python -m benchmarks.report DIR` (`make bench`) from the benchmarks' JSON "
+             "summaries; edits here are overwritten.", "",
+             f"Hardware: {'; '.join(machines) or '-'}. Commit: {', '.join(commits) or '-'}.", ""]
+    lines += table(["benchmark", "summary", "measures", "make target", "command", "date"],
+                   [[f"`benchmarks.{name}`", stem, SECTIONS[name][0], f"`{SECTIONS[name][1]}`",
+                     f"`{fmt(get(d, 'meta', 'command'))}`", fmt(get(d, "meta", "date"))]
+                    for name, stem, d in everything])
+    for name, (what, _, section) in SECTIONS.items():
+        if name in found:
+            lines += ["", f"## {name}: {what}", ""] + section(found[name])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("directory", help="the folder of the summaries (make bench: $(OUT), default bench-results)")
+    ap.add_argument("--out", default=str(DEFAULT_PAGE), help="the page to write; '-': standard output")
+    args = ap.parse_args(argv)
+    found = load(args.directory)
+    if not found:
+        print(f"no benchmark summary in {args.directory} (known: {', '.join(SECTIONS)})", file=sys.stderr)
+        return 1
+    page = render(found)
+    if args.out == "-":
+        sys.stdout.write(page)
+    else:
+        Path(args.out).write_text(page)
+        print(f"wrote {args.out} from {sum(map(len, found.values()))} summaries")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""``benchmarks.report``: the summaries it writes carry what reproduces them, and the page it
+makes from a folder of them is tables of exactly their numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import report
+
+GPU = {"gpu": "NVIDIA H200", "gpus": 1, "cuda": "12.8", "torch": "2.11.0", "triton": "3.6.0"}
+TWO_GPUS = dict(GPU, gpus=2)
+
+
+def meta(command: str, machine: dict[str, Any] = GPU) -> dict[str, Any]:
+    return {"meta": {"command": command, "machine": machine, "commit": "abc1234", "date": "2026-12-01 10:00 UTC"}}
+
+
+SUMMARIES: dict[str, dict[str, Any]] = {
+    "throughput": {"args": {"shapes": "qwen3-0.6b", "tensor_parallel_size": 1}, "workload": "offline-256",
+                   "hf": {"requests": 32, "tok_s": 1379.4},
+                   "minivllm": {"async on": {"offline": {"tok_s": 25012.3}, "batch1": {"ms_per_token": 0.9712},
+                                             "vs_hf": 18.13},
+                                "async off": {"offline": {"tok_s": 21001.0}, "batch1": {"ms_per_token": 1.2034},
+                                              "vs_hf": 15.22}},
+                   **meta("python -m benchmarks.throughput")},
+    "throughput_tp2": {"args": {"shapes": "qwen3-0.6b", "tensor_parallel_size": 2}, "workload": "offline-256",
+                       "minivllm": {"async on": {"offline": {"tok_s": 30100.0}, "batch1": {"ms_per_token": 0.8}}},
+                       **meta("python -m benchmarks.throughput --tensor-parallel-size 2", TWO_GPUS)},
+    "serving": {"rates": [{"rate": "8", "requests": 160, "failures": 0, "request_throughput": 7.91,
+                           "output_tok_s": 4420.5, "ttft_ms": {"p50": 31.2, "p99": 80.9},
+                           "tpot_ms": {"p50": 8.11, "p99": 12.42}, "itl_ms": {"p50": 7.9, "p99": 15.1}},
+                          {"rate": "inf", "requests": 256, "failures": 1, "request_throughput": 12.5,
+                           "output_tok_s": 23000.0, "ttft_ms": {"p50": 900.0, "p99": 2500.0},
+                           "tpot_ms": {"p50": None, "p99": None}, "itl_ms": {"p50": 9.0, "p99": 20.0}}],
+                "offline": {"tok_s": 24800.0}, "ratio_server_offline": 0.927,
+                **meta("python -m benchmarks.serving")},
+    "decode_attention": {"copy_gbs": 4221.4, "block_size": 64, "rows": [
+        {"batch": 16, "context": 8192, "splits": 4, "eager_us": 140.25, "eager_gbs": 3830.0, "graph_us": 128.5,
+         "graph_gbs": 4180.2, "graph_pct_copy": 99.02}], **meta("python -m benchmarks.decode_attention")},
+    "gemv": {"rows": [{"shape": "0.6b o", "rows": 1, "N": 1024, "K": 2048, "cublas_us": 9.51, "taken_by_default": True,
+                       "configs": [{"default": False, "us": 3.0}, {"default": True, "us": 3.41, "GBs": 1230.0,
+                                                                    "speedup": 2.79}]}],
+             "total_us": {"cublas": 9.51, "gemv": 3.41}, **meta("python -m benchmarks.gemv --quick")},
+    "tp_scaling": {"pairs": [{"tp1": {"tok_s": 10000.0, "ms_per_token": 4.9}, "tp2": {"tok_s": 16500.0,
+                                                                                    "ms_per_token": 3.1},
+                              "throughput": 1.65, "batch1": 0.6327}],
+                   "median": {"throughput": 1.65, "batch1": 0.6327},
+                   **meta("python -m benchmarks.tp_scaling --pairs 1", TWO_GPUS)},
+    "accuracy": {"teacher_forced": {"ours": {"flip": 0.1201, "outside_top5": 0.0, "logits_rel": 0.053},
+                                    "hf": {"flip": 0.1544, "outside_top5": 0.003, "logits_rel": 0.068}},
+                 "greedy": {"ours": {"mean_leading": 5.69, "top5_hits": 16, "prompts": 16},
+                            "hf": {"mean_leading": 7.81, "top5_hits": 16, "prompts": 16}},
+                 **meta("python -m benchmarks.accuracy")},
+}
+
+
+@pytest.fixture
+def page(tmp_path: Path) -> str:
+    for name, data in SUMMARIES.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    (tmp_path / "something_else.json").write_text("{}")  # not a benchmark the page knows: left out
+    out = tmp_path / "performance.md"
+    assert report.main([str(tmp_path), "--out", str(out)]) == 0
+    return out.read_text()
+
+
+def rows_of(page: str, first_cell: str) -> list[list[str]]:
+    """The cells of every table row whose first cell is ``first_cell``."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in page.splitlines()
+            if line.startswith("|")]
+    return [r for r in rows if r[0] == first_cell]
+
+
+def test_page_has_a_hardware_line_and_an_index_naming_how_to_reproduce_each_summary(page: str) -> None:
+    assert page.startswith("# Performance\n")
+    assert ("Hardware: 1 x NVIDIA H200, CUDA 12.8, torch 2.11.0, triton 3.6.0; "
+            "2 x NVIDIA H200, CUDA 12.8, torch 2.11.0, triton 3.6.0. Commit: abc1234.") in page
+    index = {r[1]: r for r in (row for line in page.splitlines() if line.startswith("| `benchmarks.")
+                               for row in [[c.strip() for c in line.strip().strip("|").split("|")]])}
+    assert sorted(index) == sorted(SUMMARIES)
+    for stem, data in SUMMARIES.items():
+        assert index[stem][4] == f"`{data['meta']['command']}`"
+        assert index[stem][5] == "2026-12-01 10:00 UTC"
+    assert index["throughput_tp2"][0] == "`benchmarks.throughput`"
+    assert index["tp_scaling"][3] == "`make bench-tp`" and index["gemv"][3] == "`make bench`"
+    assert "something_else" not in page
+
+
+def test_tables_hold_the_summaries_numbers(page: str) -> None:
+    tput = rows_of(page, "throughput")
+    assert ["throughput", "offline-256", "qwen3-0.6b", "-", "HF transformers (32 requests)", "1,379", "-", "-"] in tput
+    assert ["throughput", "offline-256", "qwen3-0.6b", "1", "minivllm, async on", "25,012", "0.971", "18.1"] in tput
+    assert rows_of(page, "throughput_tp2") == [
+        ["throughput_tp2", "offline-256", "qwen3-0.6b", "2", "minivllm, async on", "30,100", "0.800", "-"]]
+    serving = rows_of(page, "serving")
+    assert ["serving", "8", "160", "0", "7.91", "4,420", "31.2 / 80.9", "8.11 / 12.42", "7.90 / 15.10"] in serving
+    assert ["serving", "inf", "256", "1", "12.50", "23,000", "900.0 / 2500.0", "- / -", "9.00 / 20.00"] in serving
+    assert ["serving", "24,800", "0.927"] in serving
+    assert "graph % of copy (4,221 GB/s)" in page
+    assert rows_of(page, "decode_attention") == [
+        ["decode_attention", "64", "16", "8192", "4", "140.2", "3,830", "128.5", "4,180", "99.0"]]
+    assert rows_of(page, "gemv") == [["gemv", "0.6b o", "1", "1024 x 2048", "9.51", "3.41", "1,230", "2.79", "yes"],
+                                     ["gemv", "sum", "", "", "9.5", "3.4", "", "", ""]]
+    assert rows_of(page, "tp_scaling") == [
+        ["tp_scaling", "1", "10,000", "16,500", "1.650", "4.900", "3.100", "0.633"],
+        ["tp_scaling", "median", "", "", "1.650", "", "", "0.633"]]
+    assert rows_of(page, "accuracy") == [
+        ["accuracy", "minivllm", "0.120", "0.000", "5.30e-02", "5.69", "16 / 16"],
+        ["accuracy", "HF transformers", "0.154", "0.003", "6.80e-02", "7.81", "16 / 16"]]
+
+
+def test_sections_follow_one_order_and_only_for_summaries_present(page: str) -> None:
+    headings = [line.split(":")[0] for line in page.splitlines() if line.startswith("## ")]
+    assert headings == ["## throughput", "## serving", "## decode_attention", "## gemv", "## accuracy",
+                        "## tp_scaling"]
+
+
+def test_missing_values_are_dashes(tmp_path: Path) -> None:
+    (tmp_path / "long_context.json").write_text(json.dumps({"shape": "16 x 8,192", "prefill": {
+        "minivllm": {"tok_s": 250000.0}}}))
+    page = report.render(report.load(tmp_path))
+    assert "Hardware: unknown. Commit: -." in page
+    assert rows_of(page, "long_context") == [["long_context", "16 x 8,192", "250,000", "-", "-", "-", "-", "-"]]
+
+
+def test_a_folder_without_summaries_is_an_error(tmp_path: Path, capsys) -> None:
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "page.md")]) == 1
+    assert not (tmp_path / "page.md").exists()
+    assert "no benchmark summary" in capsys.readouterr().err
+
+
+def test_write_summary_adds_what_reproduces_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(report.OUT_ENV, raising=False)
+    assert report.write_summary("engine_host", {"ms_per_step": 1.0}) is None  # nowhere to write
+    monkeypatch.setenv(report.OUT_ENV, str(tmp_path / "out"))
+    path = report.write_summary("engine_host", {"ms_per_step": 1.0})
+    assert path == tmp_path / "out" / "engine_host.json"
+    data = json.loads(path.read_text())
+    assert data["ms_per_step"] == 1.0
+    assert set(data["meta"]) == {"command", "machine", "commit", "date"} and "torch" in data["meta"]["machine"]
+    other = report.write_summary("serving", {"rates": []}, path=tmp_path / "elsewhere.json")
+    assert other == tmp_path / "elsewhere.json" and other.exists()
+    assert report.section_of("engine_host") == "engine_host" and report.load(tmp_path / "out")["engine_host"]
