@@ -1,5 +1,5 @@
-"""bf16 against float32 on the same weights, minivllm beside HF transformers, measured as
-DESIGN.md states the accuracy target (``tests_gpu/test_bf16_accuracy.py`` asserts on it).
+"""bf16 against float32 on the same weights, minivllm beside HF transformers (greedy tokens
+kept identical, teacher-forced flips; ``tests_gpu/test_bf16_accuracy.py`` asserts on them).
 
     PYTHONPATH=. python3 -m benchmarks.accuracy [--prompts 16] [--prompt-len 32] [--steps 64]
         [--std 0.1] [--smoke]

@@ -1,5 +1,7 @@
-"""Offline throughput ("offline-256" of DESIGN.md) and batch-1 decode latency, minivllm
-(one step in flight and synchronous) against Hugging Face transformers.
+"""Offline throughput and batch-1 decode latency, minivllm (one step in flight and
+synchronous) against Hugging Face transformers. The workload "offline-256": 256 requests,
+prompt lengths uniform in [100, 1024] of random token ids < 10000, max_tokens uniform in
+[100, 1024], eos ignored, Qwen3-0.6B shapes in bf16.
 
     PYTHONPATH=. python3 -m benchmarks.throughput [--engines minivllm,hf] [--async both]
         [--num-requests 256] [--hf-requests 32] [--seed 0] [--kernels auto|triton|torch]

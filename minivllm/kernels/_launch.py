@@ -8,9 +8,10 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import os
 
 import torch
+
+from minivllm.envs import triton_interpreted
 
 try:   # host-side TMA descriptors: triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -44,7 +45,7 @@ def takes_pdl(pdl: bool, t: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _pdl_supported_on(device_index: int) -> bool:
     # Triton reads TRITON_INTERPRET when a kernel is decorated, so it cannot change later.
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_interpreted():
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
