@@ -18,10 +18,9 @@ all-reduced hidden states of every rank. So TP=N producing TP=1's tokens
 
 The plan (plain data) is pickled once per step and written to one pipe per
 worker (``PlanPipes``); nothing else is exchanged outside the model's own
-collectives. A pipe, not a gloo ``broadcast_object_list``: on a 2-core CPU the
-driver spends 85 us per batch-1 plan (gloo: 942 us) and 721 us per batch-256 plan,
-pickling included (gloo: 1,990 us), and a pipe reports a peer's death itself (EOF,
-broken pipe). ``python -m benchmarks.plan_broadcast`` measures both.
+collectives. A pipe, not a gloo ``broadcast_object_list``: it costs the driver a
+fraction of the broadcast's host time (docs/tuning.md, "Tensor parallelism"), and a
+pipe reports a peer's death itself (EOF, broken pipe).
 
 Start-up: the driver serves the rendezvous ``TCPStore`` (on a port the OS picks)
 before it spawns the workers, and each worker checks in on it before joining the
