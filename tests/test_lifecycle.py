@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
 def make_llm(path: Path = TINY, **opts: Any) -> LLM:
-    return LLM(str(path), device="cpu", kernels="torch", block_size=4, num_blocks=16, **opts)
+    return LLM(str(path), **{"device": "cpu", "kernels": "torch", "block_size": 4, "num_blocks": 16, **opts})
 
 
 @pytest.fixture
@@ -132,3 +132,27 @@ def test_a_tokenizer_of_special_tokens_only_is_refused(without_tokenizer: Path) 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "bpe-tokenizer"])
 def test_the_fixture_tokenizers_are_accepted(name: str) -> None:
     assert len(load_tokenizer(str(FIXTURES / name))) >= 100
+
+
+def test_two_engines_in_one_process_do_not_influence_each_other() -> None:
+    """Two LLMs alive at once with different kernels and dtypes (torch references in
+    float32; Triton kernels, the GEMV and the small-batch forward in bfloat16, under the
+    interpreter), their steps interleaved: each gives exactly the tokens and logprobs it
+    gives alone. Nothing that picks a kernel, PDL or a communicator is process-wide."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    options = {"ref": dict(kernels="torch", dtype="float32"), "triton": dict(kernels="triton", dtype="bfloat16")}
+
+    def run(llm: LLM) -> list:
+        return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    alone = {}
+    for name, opts in options.items():
+        with make_llm(skip_tokenizer_init=True, **opts) as llm:
+            alone[name] = run(llm)
+    with make_llm(skip_tokenizer_init=True, **options["ref"]) as ref, \
+            make_llm(skip_tokenizer_init=True, **options["triton"]) as tri:
+        assert ref.engine.executor.ops.triton is False and tri.engine.executor.ops.use_gemv is True
+        together = {"triton": run(tri), "ref": run(ref)}
+        together_again = {"ref": run(ref), "triton": run(tri)}
+    assert together == alone and together_again == alone
