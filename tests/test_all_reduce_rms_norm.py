@@ -137,7 +137,7 @@ def test_a_peer_one_call_ahead_passes_the_barrier() -> None:
     bufs = [torch.zeros(rows * hidden), parts[1].reshape(-1).clone()]
     pads = [torch.zeros(signal_pad_numel(world), dtype=torch.int32) for _ in range(world)]
     for pid in range(rows):
-        flag(pads[0], pid, 1, world).fill_(2)  # rank 1 already at call 2; rank 0 makes call 1
+        flag(pads[0], pid, 1, world).fill_(2)  # rank 1 already at its second call; rank 0 makes its first
     done = threading.Event()
 
     def call() -> None:

@@ -284,7 +284,7 @@ def check_fused_dispatch(rank: int, world: int, c: Case, fail: Fail) -> None:
     for limit, fused in ((10 ** 6, True), (1, False)):
         stub = StubSymm(limit)
         ops = Ops(triton=False, use_gemv=False, pdl=False, comm=comm_of(rank, world, stub))
-        out = ops.partial_out(x.shape[0], layer.weight.shape[0], x.dtype)
+        out = ops.partial_out(x, layer.weight)
         if (out is not None) != fused:
             fail(f"fused {fused}: partial_out gave {'a slot' if out is not None else 'none'}")
         partial = ops.linear(x, layer.weight, layer.partial_bias, out=out)

@@ -221,7 +221,7 @@ def _worker_main(rank: int, spec: RankSpec, errors: Any, plans: Connection) -> N
             if fault == f"step{step}":
                 raise RuntimeError(f"injected fault at step {step} (TPExecutor fault)")
             executor.submit(plan)  # its samples stay on its device: its next inputs
-        _release_graphs(executor)
+        executor.close()  # graphs (they hold captured collectives) and buffers, before the group is left
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         errors.close()
@@ -283,7 +283,7 @@ class TPExecutor:
             self._wait_for_workers()
             self.group = _init_group(self.spec, 0, self._store)
             self.local = _build_executor(self.spec, 0, self.group)
-            _note_symm_mem(self.local)
+            _note_symm_mem(self._symm_mem)
         except BaseException as e:
             self._closed = True
             _leave_group()
@@ -321,8 +321,8 @@ class TPExecutor:
         """Whether rank 0's all-reduces run on symmetric memory (a dead peer then leaves its
         kernel spinning: nothing aborts it)."""
         local = getattr(self, "local", None)
-        comm = local.ops.comm if local is not None and local.model is not None else None
-        return comm is not None and comm.symm is not None
+        comm = local.ops.comm if local is not None else None
+        return comm is not None and comm.symm is not None  # None again once closed
 
     @property
     def graph_runner(self) -> Any:
@@ -411,7 +411,7 @@ class TPExecutor:
             except Exception:  # a peer already gone: terminate below
                 self._healthy = False
         if self._healthy:
-            _release_graphs(self.local)
+            self.local.close()
         _leave_group()  # while the workers leave it too
         for p in self.workers:
             p.join(timeout=JOIN_TIMEOUT_S if self._healthy else 0.5)
@@ -488,12 +488,6 @@ class _CheckedHandle:
         return out
 
 
-def _release_graphs(executor: ModelExecutor) -> None:
-    """Free this rank's CUDA graphs (they hold captured collectives), symmetric buffers,
-    KV pool and weights once its last step is done, before the group is left."""
-    executor.close()
-
-
 # Whether this process has set up symmetric memory before. torch keeps its group state by
 # group name, and a later process group reuses the name ("0") with a new store: the second
 # tensor-parallel LLM of one process hung in its rendezvous (torch 2.11). So once per
@@ -501,11 +495,9 @@ def _release_graphs(executor: ModelExecutor) -> None:
 _symm_mem_used = False
 
 
-def _note_symm_mem(executor: ModelExecutor) -> None:
+def _note_symm_mem(used: bool) -> None:
     global _symm_mem_used
-    comm = executor.ops.comm
-    if comm is not None and comm.symm is not None:
-        _symm_mem_used = True
+    _symm_mem_used = _symm_mem_used or used
 
 
 def _leave_group() -> None:

@@ -207,7 +207,7 @@ class ModelExecutor:
         self.model_config = model_config
         self.config = config
         self.dtype = _resolve_dtype(config.dtype, self.device)
-        comm, self.all_reduce_note = self._communicator(config)
+        comm, self.all_reduce_path = self._communicator(config)
         self.ops = Ops.build(config.kernels, self.device, self.dtype, comm)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if use_graphs and not self.ops.triton:
@@ -250,18 +250,14 @@ class ModelExecutor:
             self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
 
     def _communicator(self, config: ExecutorConfig) -> tuple[Communicator | None, str]:
-        """This rank's tensor-parallel communicator (None with one rank) and a note on how its
-        all-reduces travel, before the model is built (its ops hold it; graphs bake it in)."""
+        """This rank's tensor-parallel communicator (None with one rank) and how its all-reduces
+        travel, in words (``all_reduce_path``); built before the model (its ops hold it, and
+        graphs bake it in)."""
         if self.tp_size == 1:
             return None, "none (one rank)"
         comm, why_not = build_communicator(self.device, self.dtype,
                                            custom_all_reduce=not config.disable_custom_all_reduce)
         return comm, comm.path + (f" ({why_not})" if why_not else "")
-
-    @property
-    def all_reduce_path(self) -> str:
-        """How this rank's all-reduces travel, in words."""
-        return self.all_reduce_note
 
     def close(self) -> None:
         """Give back everything this executor holds on the device: CUDA graphs and their memory

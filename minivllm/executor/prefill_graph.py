@@ -1,8 +1,9 @@
 """CUDA graphs for prefill and mixed steps, per token-count bucket (on CUDA unless ``enforce_eager``).
 
 A step that is not a pure decode would run eagerly: about 260 launches whose host
-cost exceeds the GPU's time for the step (docs/tuning.md, "CUDA graphs"). Here a step of T tokens and B sequences is padded to the smallest captured
-bucket Tb >= T and replayed from one graph, like a decode step:
+cost exceeds the GPU's time for the step (docs/tuning.md, "CUDA graphs"). Here a step
+of T tokens and B sequences is padded to the smallest captured bucket Tb >= T and
+replayed from one graph, like a decode step:
 
     tokens      [0, T): the step's          [T, Tb): padding (id 0, position 0, slot -1)
     sequences   [0, B): the step's          B: the padding tokens, kv_len 0 (attention

@@ -196,7 +196,8 @@ class Communicator:
         self.symm = None
 
 
-def build_communicator(device: torch.device, dtype: torch.dtype, custom_all_reduce: bool) -> tuple[Communicator, str | None]:
+def build_communicator(device: torch.device, dtype: torch.dtype,
+                       custom_all_reduce: bool) -> tuple[Communicator, str | None]:
     """The default process group's communicator for this rank; with ``custom_all_reduce`` on
     CUDA, with the symmetric-memory paths. Every rank must call it (the buffers' rendezvous
     is a collective). Returns it and, where the symmetric paths were asked for but are not

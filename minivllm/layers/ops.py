@@ -157,10 +157,11 @@ class Ops:
             out += bias
         return out
 
-    def partial_out(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Where a row-parallel layer writes its (rows, cols) partial sum: the communicator's
-        buffer that the next ``add_rms_norm`` reads without a copy, or None (a new tensor)."""
-        return self.comm.partial_slot((rows, cols), dtype) if self.comm is not None else None
+    def partial_out(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Where a row-parallel layer of ``weight`` (N, K) writes its partial sum of ``x`` (T, K):
+        the communicator's (T, N) buffer that the next ``add_rms_norm`` reads without a copy,
+        or None (a new tensor)."""
+        return self.comm.partial_slot((x.shape[0], weight.shape[0]), x.dtype) if self.comm is not None else None
 
     # ---- attention ---------------------------------------------------------------
 

@@ -147,12 +147,12 @@ class DecoderLayer(nn.Module):
             h, residual = ops.add_rms_norm(hidden, residual, norm1.weight, norm1.eps)
         o = attn.attend(ops, positions, ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias), meta)
         partial = ops.linear(o, attn.o_proj.weight, attn.o_proj.partial_bias,
-                             out=ops.partial_out(o.shape[0], attn.o_proj.weight.shape[0], o.dtype))
+                             out=ops.partial_out(o, attn.o_proj.weight))
         h, residual = ops.add_rms_norm(partial, residual, norm2.weight, norm2.eps)
         gate_up = ops.linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         down = mlp.down_proj
-        partial = ops.linear(ops.silu_and_mul(gate_up), down.weight, down.partial_bias,
-                             out=ops.partial_out(h.shape[0], down.weight.shape[0], h.dtype))
+        act = ops.silu_and_mul(gate_up)
+        partial = ops.linear(act, down.weight, down.partial_bias, out=ops.partial_out(act, down.weight))
         return partial, residual
 
     def forward_few_rows(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -166,12 +166,12 @@ class DecoderLayer(nn.Module):
                                       attn.qkv_proj.weight, attn.qkv_proj.bias)
         o = attn.attend(ops, positions, qkv, meta)
         partial = ops.gemv(o, attn.o_proj.weight, attn.o_proj.partial_bias,
-                           out=ops.partial_out(o.shape[0], attn.o_proj.weight.shape[0], o.dtype))
+                           out=ops.partial_out(o, attn.o_proj.weight))
         gate_up, residual = ops.norm_gemv(partial, residual, norm2.weight, norm2.eps,
                                           mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         down = mlp.down_proj
         partial = ops.gemv(gate_up, down.weight, down.partial_bias, gated=True,
-                           out=ops.partial_out(gate_up.shape[0], down.weight.shape[0], gate_up.dtype))
+                           out=ops.partial_out(gate_up, down.weight))
         return partial, residual
 
 
