@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -56,6 +57,68 @@ def eos_token_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 def is_greedy_temperature(temperature: float | np.ndarray) -> bool | np.ndarray:
     """The one rule for "greedy" (``SamplingParams.greedy`` and the sampler's batched numpy use it)."""
     return temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on what a request may generate (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of the fields is set. The grammar is compiled by ``xgrammar`` against
+    the tokenizer's vocabulary (``minivllm/structured.py``); the engine masks every
+    sampled position to the tokens the grammar allows, and allows eos only where the
+    grammar may end.
+
+    Attributes:
+        json: a JSON schema, as a dict or a JSON string (kept as canonical JSON text,
+            so the params stay hashable).
+        json_object: any JSON object (OpenAI's ``response_format: json_object``).
+        regex: the output matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's dialect, GBNF-style, with a ``root`` rule).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))  # input type only
+        elif self.json is not None:
+            if not isinstance(self.json, str):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}")
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))  # input type only
+        set_ = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {set_ or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        return next(f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.kind: list(self.choice) if self.choice is not None else getattr(self, self.kind)}
 
 
 class RequestOutputKind(enum.Enum):
@@ -111,6 +174,9 @@ class SamplingParams:
         output_kind: a ``RequestOutputKind`` or its value: ``"delta"`` (streamed every
             step, the default) or ``"final_only"`` (one output at the end; the engine
             skips building the others, which matters at a few hundred requests a step).
+        structured_outputs: a ``StructuredOutputs`` (or its dict form) constraining the
+            completion to a grammar; needs an engine with a grammar backend and an eos
+            token, and excludes ``ignore_eos``.
     """
 
     temperature: float = 1.0
@@ -130,6 +196,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -184,6 +251,17 @@ class SamplingParams:
                 raise ValueError(f"output_kind must be a RequestOutputKind or one of {kinds}, "
                                  f"got {self.output_kind!r}")
             object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))  # input type only
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            unknown = sorted(set(so) - {f.name for f in dataclasses.fields(StructuredOutputs)})
+            if unknown:
+                raise ValueError(f"unknown structured_outputs key(s): {unknown}")
+            object.__setattr__(self, "structured_outputs", StructuredOutputs(**so))  # input type only
+        elif so is not None and not isinstance(so, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, a dict or None, got {so!r}")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("structured_outputs and ignore_eos cannot be combined: the grammar ends "
+                             "the completion with eos")
 
     @property
     def has_penalties(self) -> bool:
@@ -200,6 +278,8 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
         d["output_kind"] = self.output_kind.value
+        d["structured_outputs"] = (self.structured_outputs.to_dict()
+                                   if self.structured_outputs is not None else None)
         return d
 
     @classmethod
