@@ -1,8 +1,10 @@
-"""Incremental detokenization against the tiny byte-level BPE in fixtures/bpe-tokenizer.
+"""Incremental detokenization against the tiny tokenizers in fixtures/.
 
-The fixture's vocabulary is so small that accented letters, CJK and emoji are split
-over several tokens; ``test_fixture_splits_characters`` guards that, so the other
-tests cannot pass vacuously.
+``bpe-tokenizer`` (byte-level BPE): its vocabulary is so small that accented letters,
+CJK and emoji are split over several tokens; ``test_fixture_splits_characters``
+guards that, so the other tests cannot pass vacuously. ``metaspace-tokenizer``
+(SentencePiece-style): its decoder drops the leading space of the first token of a
+decode; ``test_metaspace_fixture_drops_first_space`` guards that.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from minivllm.detokenizer import PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR, Increm
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "bpe-tokenizer"
+METASPACE_FIXTURE = ROOT / "fixtures" / "metaspace-tokenizer"
+METASPACE = "\u2581"
 EOS = "<|endoftext|>"
 
 TEXTS = [
@@ -180,3 +184,85 @@ def test_module_imports_no_torch() -> None:
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---- SentencePiece-style (Metaspace) tokenizer ------------------------------------
+
+# (prompt, completion): the completion's ids are those of prompt + completion after
+# the prompt's, as a model continuing the prompt would produce them.
+METASPACE_CASES = [
+    ("Hello", " world!"),
+    ("Hello", " world! the server streams  the text, then stops."),
+    ("Hello", "  two spaces first, a b  c"),
+    ("Hello", "d! glued to the last word"),
+    ("the model writes text, then the server", " streams the text to the client."),
+]
+
+
+@lru_cache(maxsize=1)
+def metaspace_tokenizer() -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(METASPACE_FIXTURE))
+
+
+def metaspace_split(prompt_text: str, completion_text: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of ``prompt_text + completion_text``."""
+    tok = metaspace_tokenizer()
+    prompt = tok.encode(prompt_text, add_special_tokens=False)
+    full = tok.encode(prompt_text + completion_text, add_special_tokens=False)
+    assert full[:len(prompt)] == prompt, (prompt_text, completion_text)
+    return prompt, full[len(prompt):]
+
+
+def metaspace_stream(prompt: Sequence[int], ids: Sequence[int], rng: random.Random | None) -> list[str]:
+    detok = IncrementalDetokenizer(metaspace_tokenizer(), prompt)
+    deltas = [detok.add(chunk) for chunk in chunks(ids, rng)]
+    deltas.append(detok.flush())
+    assert detok.num_pending_tokens == 0
+    return deltas
+
+
+def test_metaspace_fixture_drops_first_space() -> None:
+    """Guards the tests below: a standalone decode of the completion loses its space."""
+    tok = metaspace_tokenizer()
+    prompt, ids = metaspace_split("Hello", " world!")
+    assert tok.convert_ids_to_tokens(ids[0]).startswith(METASPACE)
+    assert len(ids) >= 2
+    assert tok.decode(ids) == "world!"
+    assert tok.decode(prompt + ids) == "Hello world!"
+
+
+def test_metaspace_first_token_keeps_space() -> None:
+    """The first token after the prompt is released with its leading space."""
+    tok = metaspace_tokenizer()
+    prompt, ids = metaspace_split("Hello", " world!")
+    first = IncrementalDetokenizer(tok, prompt).add(ids[:1])
+    assert first == " " + tok.decode(ids[:1])
+    assert metaspace_stream(prompt, ids, None)[0] == first
+    for rng in (None, random.Random(0)):
+        assert "".join(metaspace_stream(prompt, ids, rng)) == " world!"
+    assert IncrementalDetokenizer(tok, prompt).add(ids) == " world!"
+
+
+@pytest.mark.parametrize(("prompt_text", "completion_text"), METASPACE_CASES)
+@pytest.mark.parametrize("seed", [None, 0, 1, 2, 3, 4])
+def test_metaspace_stream_matches_decode(prompt_text: str, completion_text: str, seed: int | None) -> None:
+    """Deltas concatenate to the completion's decode, with the space it drops restored."""
+    tok = metaspace_tokenizer()
+    prompt, ids = metaspace_split(prompt_text, completion_text)
+    standalone = tok.decode(ids)
+    dropped = " " if tok.convert_ids_to_tokens(ids[0]).startswith(METASPACE) else ""
+    deltas = metaspace_stream(prompt, ids, None if seed is None else random.Random(seed))
+    assert "".join(deltas) == dropped + standalone == completion_text
+
+
+@pytest.mark.parametrize("prompt", [[], ["<s>"]], ids=["no-prompt", "bos-only"])
+def test_metaspace_without_prompt_text_decodes_as_tokenizer(prompt: list[str]) -> None:
+    """With no prompt text to continue, the stream is exactly the tokenizer's decode."""
+    tok = metaspace_tokenizer()
+    prompt_ids = tok.convert_tokens_to_ids(prompt)
+    _, ids = metaspace_split("", " world! the server streams  the text.")
+    for seed in (None, 0, 1):
+        deltas = metaspace_stream(prompt_ids, ids, None if seed is None else random.Random(seed))
+        assert "".join(deltas) == tok.decode(ids) == "world! the server streams  the text."
