@@ -315,6 +315,9 @@ class ModelConfig:
             raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
         _refuse_unsupported(hf, path)
         heads = hf["num_attention_heads"]
+        # HF's rule: absent or null means one KV head per query head; a 0 stays 0 and
+        # is refused by validation rather than read as the default.
+        kv_heads = hf.get("num_key_value_heads")
         max_positions = hf.get("max_position_embeddings", 40960)
         rope_theta, rope_scaling = _read_rope(hf, max_positions, path)
         eos = _read_eos(hf, os.path.dirname(path), path)
@@ -324,7 +327,7 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            num_key_value_heads=heads if kv_heads is None else kv_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rope_theta=rope_theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),

@@ -137,6 +137,23 @@ def test_model_config_errors(tmp_path, over, match) -> None:
         ModelConfig.from_hf_json(path)
 
 
+@pytest.mark.parametrize("kv_heads", ["absent", None])
+def test_missing_num_key_value_heads_means_multi_head_attention(tmp_path, kv_heads) -> None:
+    """HF's rule: no (or a null) ``num_key_value_heads`` is one KV head per query head."""
+    path = _hf(tmp_path, num_attention_heads=8, head_dim=4, num_key_value_heads=kv_heads)
+    if kv_heads == "absent":
+        data = json.loads((tmp_path / "config.json").read_text())
+        del data["num_key_value_heads"]
+        _write(tmp_path, data)
+    cfg = ModelConfig.from_hf_json(path)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (8, 8)
+
+
+def test_zero_num_key_value_heads_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelConfig.from_hf_json(_hf(tmp_path, num_key_value_heads=0))
+
+
 # ---- Qwen2/2.5 and Llama-3.x configs; RoPE in both spellings; what is refused ----
 
 # Llama-3.2-1B's config.json as published (transformers 4.45: rope_theta + rope_scaling).
