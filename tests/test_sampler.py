@@ -222,6 +222,47 @@ def test_active_filters_keep_exactly_their_set(edge_draws, name, expected):
     assert edge_draws[name] == expected
 
 
+# Min-p keeps p >= min_p * p_max of softmax(logits / T): raw logits >= max + T * log(min_p).
+# Groups of equal logits whose kept set moves with T (min_p 0.3, T * log(min_p) = -0.60 at
+# T = 0.5, -1.20 at T = 1, -2.41 at T = 2); a floor that ignored T would keep the T = 1 set.
+MIN_P = 0.3
+MIN_P_LOGITS = [0.0] + [-0.3] * 3 + [-0.9] * 6 + [-1.8] * 3 + [-3.0] * 3
+MIN_P_KEPT = {  # temperature -> the raw logits that stay
+    0.5: {0.0, -0.3},
+    1.0: {0.0, -0.3, -0.9},
+    2.0: {0.0, -0.3, -0.9, -1.8},
+}
+MIN_P_DRAWS = 128  # per temperature; every kept token is drawn (seeded, so always the same draws)
+
+
+
+
+def test_min_p_fixture_sets_depend_on_temperature():
+    """Guards the test below: each kept set differs from the one a T-blind floor keeps."""
+    for temperature, kept in MIN_P_KEPT.items():
+        floor = max(MIN_P_LOGITS) + temperature * math.log(MIN_P)
+        assert kept == {z for z in MIN_P_LOGITS if z >= floor}
+        assert min(abs(z - floor) for z in MIN_P_LOGITS) > 0.05  # far from float rounding
+    assert MIN_P_KEPT[0.5] != MIN_P_KEPT[1.0] != MIN_P_KEPT[2.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+@pytest.mark.parametrize("top_k", [-1, len(MIN_P_LOGITS) - 1], ids=["min-p-only", "with-top-k"])
+def test_min_p_floor_is_on_temperature_scaled_probabilities(backend, temperature, top_k):
+    """The kept set, as the floor, the reference filters and the support of seeded draws see it."""
+    params = [SamplingParams(temperature=temperature, min_p=MIN_P, top_k=top_k, seed=i) for i in range(MIN_P_DRAWS)]
+    logits = torch.tensor([MIN_P_LOGITS] * MIN_P_DRAWS)
+    kept = {i for i, z in enumerate(MIN_P_LOGITS) if z in MIN_P_KEPT[temperature]}
+    t = SamplingTensors.build(params, list(range(MIN_P_DRAWS)), len(MIN_P_LOGITS), "cpu")
+    assert t.any_min_p and t.num_candidates == (0 if top_k < 0 else top_k)  # both floor paths
+    floor = filter_floor(logits, t)
+    assert set(torch.nonzero(logits[0] >= floor[0]).flatten().tolist()) == kept
+    reference = apply_filters(logits / t.temperature[:, None], t)
+    assert set(torch.nonzero(reference[0] > -math.inf).flatten().tolist()) == kept
+    assert set(sample(logits, params, backend=backend).tolist()) == kept
+
+
 def test_top_k_one_and_tiny_top_p_are_argmax_on_random_logits():
     logits = make_logits(11, 40, 30, 3.0, ties=False)
     params = [SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6, seed=3)] * 20
