@@ -235,8 +235,6 @@ MIN_P_KEPT = {  # temperature -> the raw logits that stay
 MIN_P_DRAWS = 128  # per temperature; every kept token is drawn (seeded, so always the same draws)
 
 
-
-
 def test_min_p_fixture_sets_depend_on_temperature():
     """Guards the test below: each kept set differs from the one a T-blind floor keeps."""
     for temperature, kept in MIN_P_KEPT.items():
