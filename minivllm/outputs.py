@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Union
 
 FinishReason = Literal["stop", "length", "abort"]
+# What ended a request that finished with "stop": the stop token id or the stop string
+# (vLLM's ``stop_reason``); None for eos, length and abort.
+StopReason = Union[int, str, None]
 
 
 def sequence_name(request_id: str, index: int) -> str:
@@ -43,6 +46,9 @@ class RequestOutput:
         first_token_time: ``time.monotonic()`` when the engine applied the first
             completion token (None before it): a server's time to first token, also
             for requests reported only at the end. Not part of ``==``.
+        stop_reason: once finished with ``stop``, the stop token id (one of
+            ``stop_token_ids``) or the stop string that ended it; None while running
+            and when eos, length or an abort ended it (vLLM's ``stop_reason``).
 
     A plain slotted dataclass, as vLLM's ``RequestOutput`` is a plain class: cheaper to
     build than a frozen one, and a streaming engine builds one per request per step
@@ -60,6 +66,7 @@ class RequestOutput:
     logprobs: tuple[dict[int, float], ...] | None = None
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
     first_token_time: float | None = field(default=None, compare=False)
+    stop_reason: StopReason = None
 
     @property
     def name(self) -> str:

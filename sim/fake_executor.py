@@ -34,6 +34,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
+from minivllm.engine.grammar import ALL_ALLOWED, allowed_tokens, bitmask_width
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.step_types import TokenLogprobs
@@ -43,6 +44,22 @@ def fake_next_token(context: Sequence[int] | np.ndarray, vocab_size: int) -> int
     """The fake model's next token after ``context`` (positions 0..n-1)."""
     data = np.asarray(context, dtype=np.int64).tobytes()
     return xxhash.xxh64_intdigest(data) % vocab_size
+
+
+def fake_masked_next_token(context: Sequence[int] | np.ndarray, allowed: np.ndarray) -> int:
+    """The fake model's next token after ``context`` under a grammar: of the ``allowed`` token
+    ids, the one with the smallest ``xxh64(context + [token])`` (the smallest id on a tie)."""
+    if not len(allowed):
+        raise PagingError("a token bitmask row allows no token")
+    prefix = xxhash.xxh64(np.asarray(context, dtype=np.int64).tobytes())
+    best, best_hash = -1, -1
+    for t in allowed.tolist():
+        h = prefix.copy()
+        h.update(np.int64(t).tobytes())
+        d = h.intdigest()
+        if best < 0 or d < best_hash:
+            best, best_hash = t, d
+    return best
 
 
 def fake_logprob(context: Sequence[int] | np.ndarray, token: int, vocab_size: int) -> float:
@@ -145,6 +162,9 @@ class FakeExecutor:
         """Check and queue ``plan``; it is computed when a result at or after it is asked for."""
         if plan.block_size != self.block_size:
             raise PagingError(f"plan block_size {plan.block_size} != executor block_size {self.block_size}")
+        if self._queue and self._queue[-1].plan.num_masked_rows and self._queue[-1].bitmask is None:
+            raise PagingError("a plan submitted before the previous step's token bitmask was given "
+                              "(the previous step's samples, which this plan may feed, depend on it)")
         inputs = prepare_inputs(plan)
         self._check_references(plan)
         for earlier in self._queue:
@@ -173,13 +193,16 @@ class FakeExecutor:
         """Compute every queued step up to and including ``step``, in submission order."""
         for queued in self._queue:
             if queued.value is None:
-                queued.value = self._compute(queued.plan, queued.inputs)
+                if queued.plan.num_masked_rows and queued.bitmask is None:
+                    raise PagingError("a step with masked rows runs before its token bitmask was given")
+                queued.value = self._compute(queued.plan, queued.inputs, queued.bitmask)
             if queued is step:
                 return
         raise PagingError("result() of a step whose result was already taken")
 
-    def _compute(self, plan: StepPlan, inputs: BatchInputs) -> StepResult:
-        """Write the fed tokens (references resolved), read back sampling contexts, hash them."""
+    def _compute(self, plan: StepPlan, inputs: BatchInputs, bitmask: np.ndarray | None) -> StepResult:
+        """Write the fed tokens (references resolved), read back sampling contexts, hash them
+        (a masked row: ``fake_masked_next_token`` over the tokens its bitmask row allows)."""
         ids = inputs.input_ids
         if plan.feeds_prev_sample.any():
             ids = ids.copy()
@@ -188,7 +211,13 @@ class FakeExecutor:
         self._write(inputs.slot_mapping, ids)
         rows = np.flatnonzero(plan.sample)
         contexts = self._read(inputs.block_tables[rows], inputs.kv_lens[rows])
-        sampled = {plan.seq_ids[r]: self._next_token(plan.seq_ids[r], ctx) for r, ctx in zip(rows.tolist(), contexts)}
+        if bitmask is None:
+            sampled = {plan.seq_ids[r]: self._next_token(plan.seq_ids[r], ctx)
+                       for r, ctx in zip(rows.tolist(), contexts)}
+        else:
+            sampled = {plan.seq_ids[r]: (fake_masked_next_token(ctx, allowed_tokens(bitmask[i], self.vocab_size))
+                                         if plan.masked[r] else self._next_token(plan.seq_ids[r], ctx))
+                       for i, (r, ctx) in enumerate(zip(rows.tolist(), contexts))}
         logprobs = {}
         for r, ctx in zip(rows.tolist(), contexts):
             k = plan.sampling_params[r].logprobs
@@ -265,6 +294,23 @@ class _FakeStep:
         self.plan = plan
         self.inputs = inputs
         self.value: StepResult | None = None
+        self.bitmask: np.ndarray | None = None
+
+    def set_token_bitmask(self, bitmask: np.ndarray) -> None:
+        """Check and keep the grammar masks (``StepHandle.set_token_bitmask``): one row per
+        sampling row, every bit set on rows without a grammar, given once, before the step runs."""
+        plan = self.plan
+        if not plan.num_masked_rows:
+            raise PagingError("a token bitmask for a step without masked rows")
+        if self.bitmask is not None or self.value is not None:
+            raise PagingError("a token bitmask given twice, or after the step ran")
+        want = (int(plan.sample.sum()), bitmask_width(self.executor.vocab_size))
+        if bitmask.shape != want or bitmask.dtype != np.int32:
+            raise PagingError(f"token bitmask of shape {bitmask.shape} {bitmask.dtype}, want {want} int32")
+        unmasked = ~plan.masked[plan.sample]
+        if (bitmask[unmasked] != ALL_ALLOWED).any():
+            raise PagingError("a row without a grammar has a restricted token bitmask")
+        self.bitmask = bitmask.copy()
 
     def result(self) -> StepResult:
         try:

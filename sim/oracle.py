@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
+from minivllm.engine.grammar import GrammarBackend, allowed_tokens, bitmask_width
 from minivllm.sampling import SamplingParams, eos_token_set
-from sim.fake_executor import fake_logprob, fake_next_token, fake_top_logprobs
+from sim.fake_executor import fake_logprob, fake_masked_next_token, fake_next_token, fake_top_logprobs
 
 # The fake tokenizer: token t reads as one character, FAKE_ALPHABET[t % 10], so short
 # stop strings over this alphabet end requests often enough to matter.
@@ -77,11 +80,14 @@ def oracle_generate(
     max_model_len: int,
     vocab_size: int,
     next_token: Callable[[list[int]], int] | None = None,
+    grammar_backend: GrammarBackend | None = None,
 ) -> Expected:
     """Generate the completion the fake model gives an unpaged, unbatched request.
 
     ``next_token`` replaces the hash model (``fake_next_token``), e.g. by the
     recorded model of a live trace (``sim.fake_executor.recorded_next_token``).
+    A request with ``structured_outputs`` samples under its grammar's mask from
+    ``grammar_backend`` (``fake_masked_next_token``), position by position.
 
     Stops at the first of: eos (unless ``ignore_eos``), a stop token, a stop
     string in the (fake) text, ``max_tokens`` completion tokens,
@@ -94,10 +100,29 @@ def oracle_generate(
         ValueError: empty prompt, or a prompt already at ``max_model_len`` (no
             room for one completion token).
     """
-    if next_token is None:
+    if params.structured_outputs is not None:
+        if grammar_backend is None:
+            raise ValueError("a request with structured_outputs needs a grammar backend")
+        next_token = _masked_model(grammar_backend, params, vocab_size)
+    elif next_token is None:
         next_token = lambda context: fake_next_token(context, vocab_size)  # noqa: E731
     e = _generate(list(prompt_token_ids), params, eos_token_id, max_model_len, next_token)
     return _with_logprobs(e, list(prompt_token_ids), params, vocab_size)
+
+
+def _masked_model(backend: GrammarBackend, params: SamplingParams, vocab_size: int
+                  ) -> Callable[[list[int]], int]:
+    """The fake model under the request's grammar: mask, pick, advance the matcher."""
+    assert params.structured_outputs is not None
+    matcher = backend.matcher(params.structured_outputs)
+    mask = np.empty((1, bitmask_width(vocab_size)), dtype=np.int32)
+
+    def next_token(context: list[int]) -> int:
+        matcher.fill_bitmask(mask, 0)
+        token = fake_masked_next_token(context, allowed_tokens(mask[0], vocab_size))
+        assert matcher.accept_token(token)
+        return token
+    return next_token
 
 
 def _generate(prompt: list[int], params: SamplingParams, eos_token_id: int | Sequence[int] | None, max_model_len: int,

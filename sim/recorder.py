@@ -141,7 +141,8 @@ def recorded_contexts(trace: Trace) -> dict[str, tuple[int, ...]]:
 
 def replay_inputs(trace: Trace) -> Trace:
     """A recorded trace with its stop strings made replayable on the fake tokenizer
-    (module docstring); a trace of the hash model is returned as is."""
+    (module docstring) and its grammars dropped (the recorded tokens obey them); a trace
+    of the hash model is returned as is."""
     if trace.fake_model != "recorded":
         return trace
     finished: dict[str, tuple[int, ...]] = {}
@@ -151,6 +152,10 @@ def replay_inputs(trace: Trace) -> Trace:
         reasons.update(e.finish_reasons or {})
     events = []
     for ev in trace.events:
+        if isinstance(ev, AddEvent) and ev.sampling.structured_outputs is not None:
+            # The recorded tokens already obey the grammar, and the engine's decisions depend
+            # on it only through them; the fake backend could not compile a real one.
+            ev = dataclasses.replace(ev, sampling=dataclasses.replace(ev.sampling, structured_outputs=None))
         if isinstance(ev, AddEvent) and ev.sampling.stop:
             p = ev.sampling
             stops = []

@@ -25,9 +25,10 @@ from typing import Literal
 from minivllm.config import cdiv
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput, sequence_name
-from minivllm.sampling import RequestOutputKind
+from minivllm.sampling import RequestOutputKind, eos_token_set
 from sim.fake_executor import FakeExecutor, recorded_next_token
-from sim.oracle import Expected, FakeTextStream, oracle_generate
+from sim.grammar import FakeGrammarBackend
+from sim.oracle import Expected, FakeTextStream, fake_text, oracle_generate
 from sim.recorder import recorded_contexts, replay_inputs
 from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
 
@@ -100,6 +101,8 @@ def classify_add(trace: Trace, ev: AddEvent) -> Verdict:
     n = len(ev.prompt_token_ids) + ev.sampling.max_tokens
     if not ev.prompt_token_ids or n > trace.scheduler.max_model_len:
         return "reject"
+    if ev.sampling.structured_outputs is not None and not eos_token_set(trace.eos_token_id):
+        return "reject"  # a grammar ends with eos
     bs, pool = trace.cache.block_size, trace.num_blocks
     if cdiv(n - 1, bs) > pool:
         return "reject"
@@ -119,8 +122,9 @@ class _Run:
         self.live_tokens = recorded_contexts(trace) if trace.fake_model == "recorded" else None
         executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks,
                                 self.live_tokens, self.sequence_name if self.live_tokens is not None else None)
+        self.grammars = FakeGrammarBackend(trace.vocab_size, trace.eos_token_id)
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
-                                text_streams=FakeTextStream)
+                                text_streams=FakeTextStream, grammar_backend=self.grammars)
         # Requests by id; their completions (n of them) by sequence name (``sequence_name``).
         self.accepted: dict[str, AddEvent] = {}
         self.owner: dict[str, str] = {}      # sequence name -> request id
@@ -209,7 +213,8 @@ class _Run:
                 live = self.live_tokens.get(name)
                 next_token = lambda context: recorded_next_token(context, live, t.vocab_size)  # noqa: E731
             self.expected[key] = oracle_generate(ev.prompt_token_ids, ev.sampling, t.eos_token_id,
-                                                 t.scheduler.max_model_len, t.vocab_size, next_token)
+                                                 t.scheduler.max_model_len, t.vocab_size, next_token,
+                                                 self.grammars)
         return self.expected[key]
 
     def check_stream(self, step: int, out: RequestOutput, seen: set[str]) -> None:
@@ -273,6 +278,18 @@ class _Run:
         elif (got, out.finish_reason, out.text) != (want.token_ids, want.finish_reason, want.text):
             self.violation(step, f"{rid!r}: got {out.finish_reason} {list(got)} text {out.text!r}, "
                                  f"oracle {want.finish_reason} {list(want.token_ids)} text {want.text!r}")
+        else:
+            self.check_grammar(step, rid, ev, got)
+
+    def check_grammar(self, step: int, rid: str, ev: AddEvent, got: tuple[int, ...]) -> None:
+        """A constrained completion that ended with eos is a whole sentence of its grammar."""
+        spec = ev.sampling.structured_outputs
+        if spec is None or not got or got[-1] not in eos_token_set(self.trace.eos_token_id):
+            return
+        text = fake_text(got[:-1])
+        if not self.grammars.compile(spec).fullmatch(text):
+            self.violation(step, f"{rid!r}: ended with eos but {text!r} is not in its grammar "
+                                 f"{self.grammars.pattern(spec)!r}")
 
     # ---- the step -----------------------------------------------------------
 

@@ -343,8 +343,9 @@ class _Draw:
     # Its own stream for the sampling features (n, logprobs), so adding them kept every
     # seed's requests as they were.
     features: random.Random = field(default_factory=random.Random)
-    # And one for the output kind (drawn later still).
+    # And one for the output kind (drawn later still), and one for grammars (later again).
     output_kinds: random.Random = field(default_factory=random.Random)
+    grammars: random.Random = field(default_factory=random.Random)
     events: list[InputEvent] = field(default_factory=list)
     valid: list[AddEvent] = field(default_factory=list)
 
@@ -419,7 +420,8 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
     sched = SchedulerConfig.from_dict({k: c[k] for k in _SCHED_KEYS})
     num_blocks = cache.num_blocks if cache.num_blocks is not None else c["executor_num_blocks"]
     d = _Draw(rng, c["vocab_size"], cache.block_size, sched.max_model_len, num_blocks,
-              features=random.Random(f"features-{seed}"), output_kinds=random.Random(f"output-kinds-{seed}"))
+              features=random.Random(f"features-{seed}"), output_kinds=random.Random(f"output-kinds-{seed}"),
+              grammars=random.Random(f"grammars-{seed}"))
     if rng.random() < 0.15:
         d.alphabet = rng.randint(1, 3)
     if d.cap >= 2:
@@ -466,11 +468,13 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
         stop = ()
         if rng.random() < 0.25:
             stop = tuple(rng.randrange(d.vocab_size) for _ in range(rng.randint(1, 3)))
+        ignore_eos = rng.random() < 0.2
         params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.2, stop_token_ids=stop,
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop,
             **_draw_stop_strings(rng), **_draw_features(d.features),
             # A quarter report only when they end, as offline generate() asks.
             output_kind="final_only" if d.output_kinds.random() < 0.25 else "delta",
+            structured_outputs=_draw_grammar(d.grammars) if eos_token_id is not None and not ignore_eos else None,
         )
         step = 0 if rng.random() < 0.4 else rng.randint(0, horizon)
         add = AddEvent(step, f"r{i}", tuple(prompt), params)
@@ -490,6 +494,33 @@ def _draw_features(rng: random.Random) -> dict[str, Any]:
     if rng.random() < 0.1:
         f["prompt_logprobs"] = rng.randint(0, 2)
     return f
+
+
+def _draw_grammar(rng: random.Random) -> dict[str, Any] | None:
+    """A grammar for a quarter of the requests that can have one (an eos to end it, eos not
+    ignored): a choice of 1-4 words or a small regex over the fake letters (``sim.grammar``),
+    some finite (they end with eos), some not (they end at max_tokens)."""
+    if rng.random() >= 0.25:
+        return None
+    letters = "abcdefghij"
+    if rng.random() < 0.4:
+        return {"choice": ["".join(rng.choice(letters) for _ in range(rng.randint(1, 5)))
+                           for _ in range(rng.randint(1, 4))]}
+
+    def atom() -> str:
+        u = rng.random()
+        if u < 0.5:
+            return rng.choice(letters)
+        if u < 0.7:
+            lo = rng.randrange(len(letters))
+            return f"[{letters[lo]}-{letters[min(len(letters) - 1, lo + rng.randint(0, 4))]}]"
+        if u < 0.8:
+            return "."
+        return "(" + "|".join(rng.choice(letters) * rng.randint(1, 2) for _ in range(rng.randint(2, 3))) + ")"
+
+    def sequence() -> str:
+        return "".join(atom() + rng.choice(["", "", "", "?", "*", "+"]) for _ in range(rng.randint(1, 4)))
+    return {"regex": "|".join(sequence() for _ in range(rng.choice([1, 1, 2])))}
 
 
 def _draw_stop_strings(rng: random.Random) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from minivllm.engine.observer import EngineObserver
 from minivllm.sampling import SamplingParams
 from sim.__main__ import main as sim_main
 from sim.fake_executor import FakeExecutor, PagingError, fake_next_token, recorded_next_token
+from sim.grammar import FakeGrammarBackend
 from sim.oracle import FakeTextStream, is_stop_token
 from sim.recorder import TraceRecorder, replay_inputs
 from sim.runner import run_trace
@@ -70,7 +71,8 @@ def recording_engine(trace: Trace, path: Path, **kwargs: Any) -> LLMEngine:
 
 def drive(trace: Trace, path: Path) -> LLMEngine:
     """Feed ``trace``'s inputs to a recording engine on the hash model, as the runner does."""
-    engine = recording_engine(trace, path, eos_token_id=trace.eos_token_id, text_streams=FakeTextStream)
+    engine = recording_engine(trace, path, eos_token_id=trace.eos_token_id, text_streams=FakeTextStream,
+                              grammar_backend=FakeGrammarBackend(trace.vocab_size, trace.eos_token_id))
     step = 0
     while step <= trace.last_input_step or engine.has_unfinished_requests():
         feed_inputs(engine, trace, step)

@@ -34,12 +34,13 @@ import numpy as np
 
 from minivllm.config import CacheConfig, SchedulerConfig, cdiv
 from minivllm.engine.block_manager import InvariantError
+from minivllm.engine.grammar import ALL_ALLOWED, GrammarBackend, bitmask_width
 from minivllm.engine.observer import EngineObserver
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.executor.base import Executor, StepHandle
-from minivllm.outputs import FinishReason, RequestOutput
+from minivllm.outputs import FinishReason, RequestOutput, StopReason
 from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
 from minivllm.step_types import TokenHistory
 
@@ -50,6 +51,10 @@ __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 MAX_FINISHED_IDS = 100_000
 MAX_INTERNED_PARAMS = 4096  # distinct SamplingParams kept for sharing; then the table restarts
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+# ``_finish_reason``'s answers without a stop reason, built once (it runs for every sampled token).
+_RUNNING: tuple[FinishReason | None, StopReason] = (None, None)
+_STOPPED_BY_EOS: tuple[FinishReason | None, StopReason] = ("stop", None)
+_LENGTH: tuple[FinishReason | None, StopReason] = ("length", None)
 
 
 class TextStream(Protocol):
@@ -106,6 +111,9 @@ class _InFlight:
     # Sequences that finished (or were aborted) while this step may still write
     # their blocks: freed when it completes.
     retired: list[Sequence] = field(default_factory=list)
+    # Per sampling row, the sequence whose grammar masks it (None: unconstrained); None
+    # when no row is masked, or once the bitmask was given.
+    masked: list[Sequence | None] | None = None
 
 
 class LLMEngine:
@@ -123,6 +131,8 @@ class LLMEngine:
             (a trace records it).
         observer: told of every accepted change (``EngineObserver``), e.g. a trace
             recorder; ``close()`` closes it.
+        grammar_backend: compiles the grammars of requests with ``structured_outputs``
+            (``engine/grammar.py``); without one such requests are refused.
 
     Raises:
         ValueError: the configured pool is larger than the executor holds, or the
@@ -132,7 +142,8 @@ class LLMEngine:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  executor: Executor, eos_token_id: int | Seq[int] | None = None,
                  text_streams: TextStreamFactory | None = None, vocab_size: int | None = None,
-                 observer: EngineObserver | None = None) -> None:
+                 observer: EngineObserver | None = None, grammar_backend: GrammarBackend | None = None
+                 ) -> None:
         available = executor.num_kv_blocks()
         num_blocks = cache_config.num_blocks if cache_config.num_blocks is not None else available
         if num_blocks > available:
@@ -158,6 +169,7 @@ class LLMEngine:
         self.last_step: StepRecord | None = None
         self._last_out: SchedulerOutput | None = None
         self.vocab_size = vocab_size
+        self.grammar_backend = grammar_backend
         self.observer = observer
         if observer is not None:
             observer.attach(self)
@@ -192,6 +204,9 @@ class LLMEngine:
         if len(self._params) > MAX_INTERNED_PARAMS:
             self._params.clear()
         seq = Sequence(self._next_seq_id, request_id, prompt, params, index)
+        if params.structured_outputs is not None:
+            assert self.grammar_backend is not None  # validate_request checked
+            seq.grammar = self.grammar_backend.matcher(params.structured_outputs)
         if params.stop and self.text_streams is not None:
             seq.text_stream = self.text_streams(list(prompt))
         self._next_seq_id += 1
@@ -227,6 +242,8 @@ class LLMEngine:
         if params.stop and self.text_streams is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this engine "
                              "has none (text_streams)")
+        if params.structured_outputs is not None:
+            self._validate_grammar(request_id, params)
         if len(prompt) == 0:
             raise ValueError(f"request {request_id!r}: prompt is empty")
         ids = np.asarray(prompt)
@@ -241,6 +258,19 @@ class LLMEngine:
         if need > self.num_blocks:
             raise ValueError(f"request {request_id!r}: needs up to {need} KV blocks but the "
                              f"whole pool has {self.num_blocks}")
+
+    def _validate_grammar(self, request_id: str, params: SamplingParams) -> None:
+        if self.grammar_backend is None:
+            raise ValueError(f"request {request_id!r}: structured_outputs need an engine with a grammar "
+                             "backend, and this one has none")
+        if not self._eos:
+            raise ValueError(f"request {request_id!r}: structured_outputs need an eos token to end the "
+                             "grammar, and this engine has none")
+        assert params.structured_outputs is not None
+        try:
+            self.grammar_backend.matcher(params.structured_outputs)  # compiled once, then cached
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting or running request; its output (``abort``) comes with the next ``step()``.
@@ -304,6 +334,7 @@ class LLMEngine:
             inflight.retired.append(seq)
         else:
             self.scheduler.finish(seq)
+        seq.grammar = None  # a row of it still in flight samples unmasked; its token is dropped
         rid = seq.request_id
         names = self._members.get(rid, [])
         if seq.name in names:
@@ -346,8 +377,13 @@ class LLMEngine:
         if out.scheduled:
             plan = self._build_plan(out)
             self._inflight = _InFlight(out, self.executor.submit(plan), frozenset(plan.seq_ids))
+            if plan.num_masked_rows:
+                self._inflight.masked = [c.seq if c.seq.grammar is not None else None
+                                         for c in out.scheduled if c.samples]
         if previous is not None:
             outputs.extend(self._complete(previous))
+        if self._inflight is not None and self._inflight.masked is not None:
+            self._send_bitmask(self._inflight)  # every token before it is applied now
         if not self.async_scheduling and self._inflight is not None:
             outputs.extend(self._complete(self._take_inflight()))
         self._record(out, outputs)
@@ -355,6 +391,17 @@ class LLMEngine:
             assert self.last_step is not None
             self.observer.on_step(self, self.last_step)
         return outputs
+
+    def _send_bitmask(self, step: _InFlight) -> None:
+        """Fill the step's grammar masks from its sequences' matchers and hand them over."""
+        assert step.masked is not None and self.grammar_backend is not None
+        bitmask = np.full((len(step.masked), bitmask_width(self.grammar_backend.vocab_size)),
+                          ALL_ALLOWED, dtype=np.int32)
+        for row, seq in enumerate(step.masked):
+            if seq is not None and seq.grammar is not None:  # None: retired since the plan
+                seq.grammar.fill_bitmask(bitmask, row)
+        step.masked = None
+        step.handle.set_token_bitmask(bitmask)
 
     def _take_inflight(self) -> _InFlight | None:
         step, self._inflight = self._inflight, None
@@ -378,6 +425,7 @@ class LLMEngine:
     def _build_plan(self, out: SchedulerOutput) -> StepPlan:
         # One pass over the batch (it runs every step for every sequence).
         seq_ids, chunks, starts, tables, sample, params, refs = [], [], [], [], [], [], []
+        masked: list[bool] | None = None
         histories: list[TokenHistory | None] | None = None
         targets: list[np.ndarray | None] | None = None
         for i, c in enumerate(out.scheduled):
@@ -392,6 +440,9 @@ class LLMEngine:
             tables.append(tuple(seq.block_table))
             sample.append(c.samples)
             params.append(seq.sampling_params)
+            if c.samples and seq.grammar is not None:
+                masked = masked or [False] * len(out.scheduled)
+                masked[i] = True
             if c.samples and seq.has_penalties:
                 histories = histories or [None] * len(out.scheduled)
                 histories[i] = TokenHistory(np.array(known, dtype=np.int64), seq.num_prompt_tokens)
@@ -410,6 +461,7 @@ class LLMEngine:
             feeds_prev_sample=refs,
             histories=histories,
             prompt_logprob_targets=targets,
+            masked=masked,
         )
 
     @staticmethod
@@ -441,21 +493,30 @@ class LLMEngine:
             if self._unspawned and seq.index == 0 and seq.request_id in self._unspawned:
                 self._spawn(seq)  # the prompt is computed and its blocks cached now
             token = result.sampled[seq.seq_id]
+            if seq.grammar is not None:
+                self._advance_grammar(seq, token)
             seq.num_pending_tokens -= 1
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.logprobs is not None:
                 seq.logprobs.extend(result.logprobs[seq.seq_id].as_dicts([token]))
-            reason = self._finish_reason(seq, token)
+            reason, stop_reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
                 del self.requests[seq.name]
                 self._retire(seq)  # a pending token of the step in flight is dropped
             elif seq.sampling_params.output_kind is FINAL_ONLY:
                 continue
-            outputs.append(self._output(seq))
+            outputs.append(self._output(seq, stop_reason))
         return outputs
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> None:
+        if not seq.grammar.accept_token(token):
+            raise RuntimeError(f"{seq}: the executor sampled token {token}, which its grammar does not "
+                               "allow (its bitmask was not applied, or applied to another row)")
+        seq.num_grammar_tokens += 1
 
     @staticmethod
     def _add_prompt_logprobs(seq: Sequence, start: int, result: StepResult) -> None:
@@ -466,22 +527,25 @@ class LLMEngine:
         if seq.prompt_logprobs is not None:
             seq.prompt_logprobs[first:first + len(targets)] = lp.as_dicts(targets)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Judged on the known tokens only (a pending one is not there yet), in vLLM's order:
-        eos / stop token (kept out of the text), stop string, length."""
+    def _finish_reason(self, seq: Sequence, token: int) -> tuple[FinishReason | None, StopReason]:
+        """The finish reason (None: still running) and the stop reason, judged on the known
+        tokens only (a pending one is not there yet), in vLLM's order: eos, stop token (both
+        kept out of the text), stop string, length."""
         p = seq.sampling_params
-        if (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if seq.text_stream is not None and self._stop_string_found(seq, token):
-            return "stop"
+        if token in self._eos and not p.ignore_eos:
+            return _STOPPED_BY_EOS
+        if token in p.stop_token_ids:
+            return "stop", token
+        if seq.text_stream is not None and (stop := self._stop_string_found(seq, token)) is not None:
+            return "stop", stop
         known = len(seq.token_ids)
         if known - seq.num_prompt_tokens >= p.max_tokens or known >= self.scheduler_config.max_model_len:
-            return "length"
-        return None
+            return _LENGTH
+        return _RUNNING
 
     @staticmethod
-    def _stop_string_found(seq: Sequence, token: int) -> bool:
-        """Grow ``seq.text`` by ``token``; True (and the cut set) if it now contains a stop string.
+    def _stop_string_found(seq: Sequence, token: int) -> str | None:
+        """Grow ``seq.text`` by ``token``; the stop string it now contains (and the cut set), if any.
 
         Only occurrences that end in the new text are new; the earliest one wins.
         """
@@ -489,18 +553,18 @@ class LLMEngine:
         delta = seq.text_stream.add([token])
         seq.text += delta
         if not delta:
-            return False
+            return None
         p, n = seq.sampling_params, len(seq.text)
         found = [(i, s) for s in p.stop
                  if (i := seq.text.find(s, max(0, n - len(delta) - len(s) + 1))) >= 0]
         if not found:
-            return False
+            return None
         i, s = min(found)
         seq.text_end = i + len(s) if p.include_stop_str_in_output else i
-        return True
+        return s
 
     @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
+    def _output(seq: Sequence, stop_reason: StopReason = None) -> RequestOutput:
         """The request's progress; its new tokens are those not reported before. A request the
         engine watches the text of (stop strings) ends with that text, cut at its stop string."""
         tokens = seq.output_token_ids
@@ -513,7 +577,7 @@ class LLMEngine:
                              seq.finish_reason, text=text, new_token_ids=new, index=seq.index,
                              logprobs=seq.output_logprobs,
                              prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
-                             first_token_time=seq.first_token_time)
+                             first_token_time=seq.first_token_time, stop_reason=stop_reason)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         decode = chunked = 0
@@ -561,6 +625,11 @@ class LLMEngine:
         for s in running:
             if s.status is not SequenceStatus.RUNNING or s.num_uncomputed_tokens < 1:
                 raise InvariantError(f"{s}: running but not RUNNING, or nothing left to compute")
+        for s in [*waiting, *running]:
+            if (s.grammar is None) != (s.sampling_params.structured_outputs is None) or (
+                    s.grammar is not None and s.num_grammar_tokens != len(s.token_ids) - s.num_prompt_tokens):
+                raise InvariantError(f"{s}: its grammar matcher has accepted {s.num_grammar_tokens} tokens, "
+                                     f"not its {len(s.token_ids) - s.num_prompt_tokens} known completion tokens")
         if len(running) > cfg.max_num_seqs:
             raise InvariantError(f"{len(running)} running > max_num_seqs {cfg.max_num_seqs}")
         self._check_pending(running)

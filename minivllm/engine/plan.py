@@ -27,6 +27,10 @@ Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
                            tokens (``TokenHistory``); None elsewhere. A token
                            fed by reference is not in it: the executor adds
                            the resolved value (it is a completion token)
+    masked           (B,)  True where the row samples under a grammar: its token bitmask
+                           is filled once the tokens before it are known and comes to
+                           the executor through ``StepHandle.set_token_bitmask``
+                           (``engine/grammar.py``), before the step's result is asked for
     prompt_logprob_targets B entries (or ()): for a sequence asking for
                            prompt_logprobs whose chunk feeds prompt positions,
                            int64 (P,) with P <= query_len: the prompt token that
@@ -75,6 +79,8 @@ class StepPlan:
     # Per sequence (or () when none): penalty histories / prompt-logprob targets.
     histories: tuple[TokenHistory | None, ...] = ()
     prompt_logprob_targets: tuple[np.ndarray | None, ...] = ()
+    # bool (B,), or () when no row is: samples under a token bitmask given later.
+    masked: np.ndarray | tuple[()] = ()
 
     @staticmethod
     def build(
@@ -88,12 +94,13 @@ class StepPlan:
         feeds_prev_sample: list[bool] | None = None,
         histories: list[TokenHistory | None] | None = None,
         prompt_logprob_targets: list[np.ndarray | None] | None = None,
+        masked: list[bool] | None = None,
     ) -> "StepPlan":
         """Assemble a plan from per-sequence lists (one concatenation, no per-token loop).
 
         A chunk whose sequence ``feeds_prev_sample`` ends with the placeholder -1.
-        ``histories`` / ``prompt_logprob_targets``: per sequence, or None when no
-        sequence has one (stored as ()).
+        ``histories`` / ``prompt_logprob_targets`` / ``masked``: per sequence, or None when
+        no sequence has one (stored as ()).
         """
         lens = np.fromiter((len(c) for c in token_chunks), dtype=np.int32, count=len(token_chunks))
         flat = np.fromiter(chain.from_iterable(token_chunks), dtype=np.int64, count=int(lens.sum()))
@@ -111,6 +118,7 @@ class StepPlan:
             histories=tuple(histories) if histories is not None and any(h is not None for h in histories) else (),
             prompt_logprob_targets=(tuple(prompt_logprob_targets) if prompt_logprob_targets is not None
                                     and any(t is not None for t in prompt_logprob_targets) else ()),
+            masked=_frozen(np.asarray(masked, dtype=bool)) if masked is not None and any(masked) else (),
         )
 
     @property
@@ -118,6 +126,11 @@ class StepPlan:
         """int64 (R,): indices into ``token_ids`` of the tokens fed by reference."""
         ends = np.cumsum(self.query_lens, dtype=np.int64) - 1
         return ends[self.feeds_prev_sample]
+
+    @property
+    def num_masked_rows(self) -> int:
+        """Rows sampling under a grammar (0: the step needs no token bitmask)."""
+        return int(np.count_nonzero(self.masked)) if len(self.masked) else 0
 
     @property
     def num_seqs(self) -> int:

@@ -102,6 +102,10 @@ class Sequence:
         if self.computes_prompt_logprobs:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
         self.has_penalties = sampling_params.has_penalties
+        # Structured outputs: the matcher (engine/grammar.py), which has accepted exactly
+        # the known completion tokens (``num_grammar_tokens`` of them); None when unconstrained.
+        self.grammar: Any = None
+        self.num_grammar_tokens = 0
 
     @property
     def reads_prefix_cache(self) -> bool:

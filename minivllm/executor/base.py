@@ -6,15 +6,27 @@ import atexit
 import gc
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from minivllm.engine.plan import StepPlan, StepResult
 
 
 @runtime_checkable
 class StepHandle(Protocol):
-    """A submitted step; ``result()`` waits for it (steps complete in submission order)."""
+    """A submitted step; ``result()`` waits for it (steps complete in submission order).
+
+    A plan with masked rows (``StepPlan.masked``) samples only once the engine has given
+    its token bitmask (``set_token_bitmask``), which it does before asking for the result
+    and before submitting the next plan.
+    """
 
     def result(self) -> StepResult:
         """Block until the step has run; return what it sampled."""
+        ...
+
+    def set_token_bitmask(self, bitmask: np.ndarray) -> None:
+        """Give the step's grammar masks: int32 (S, W), one row per sampling row in plan
+        order (every bit set for a row without a grammar; ``engine/grammar.py``)."""
         ...
 
 
@@ -51,6 +63,10 @@ class DoneStep:
 
     def result(self) -> StepResult:
         return self._result
+
+    def set_token_bitmask(self, bitmask: np.ndarray) -> None:
+        raise RuntimeError("this step has already sampled: a plan with masked rows must not "
+                           "compute on submit")
 
 
 _froze = False
