@@ -1,0 +1,124 @@
+"""Qwen3's reasoning parser: a choice's text split into ``reasoning_content`` and ``content``.
+
+Qwen3 writes its reasoning as ``<think>...</think>`` before the answer. Semantics (one
+reasoning block at most, decided from the text so far and the prompt, so the streamed
+split always equals the whole one):
+
+- ``in_reasoning`` false (the prompt leaves no ``<think>`` open, e.g. Qwen3 with thinking
+  on, whose output starts with ``<think>``, or off, whose prompt holds an empty block):
+  text before the first ``<think>`` is content, the text after it is reasoning up to the
+  first ``</think>``, the rest is content. Text without ``<think>`` is all content.
+- ``in_reasoning`` true (the template opened ``<think>`` in the prompt, as the Qwen3
+  thinking-only models' templates do): the text is reasoning up to the first
+  ``</think>``, the rest is content.
+- Without its ``</think>`` (cut by ``max_tokens``) the reasoning runs to the end.
+- After ``</think>`` every tag is plain content. The tags themselves are dropped;
+  whitespace is kept as written (as vLLM keeps it).
+
+vLLM's ``qwen3`` parser agrees when the output holds ``</think>``. It differs in three
+cases, each chosen so that streaming and a whole response agree: vLLM's whole response
+calls everything content when ``</think>`` is missing, while its stream calls it
+reasoning (here: reasoning, both ways); vLLM calls the text before a ``</think>``
+reasoning even when no ``<think>`` opened it and the prompt did not either (here:
+content, tag included, since a stream has sent that text as content before the tag
+comes); and vLLM drops text written before ``<think>`` (here: content).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def prompt_opens_reasoning(prompt: str) -> bool:
+    """Whether the rendered prompt ends inside a ``<think>`` block (its completion then
+    starts in the reasoning)."""
+    return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    """A choice's text split in two; an empty part is None (as the OpenAI API sends it)."""
+
+    reasoning_content: str | None
+    content: str | None
+
+
+def split_reasoning(text: str, in_reasoning: bool = False) -> ReasoningSplit:
+    """Split a whole completion (see the module docstring for the rules)."""
+    before = ""
+    if not in_reasoning:
+        before, tag, text = text.partition(THINK_START)
+        if not tag:
+            return ReasoningSplit(None, before or None)
+    reasoning, _, after = text.partition(THINK_END)
+    return ReasoningSplit(reasoning or None, before + after or None)
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """What one piece of streamed text adds to each part ("" when nothing)."""
+
+    reasoning_content: str = ""
+    content: str = ""
+
+
+class _Phase(enum.Enum):
+    BEFORE = "before"        # content; a <think> opens the reasoning
+    REASONING = "reasoning"  # reasoning; a </think> ends it
+    AFTER = "after"          # content, tags included
+
+
+def held_back(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that could be the start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """The incremental form of ``split_reasoning``: fed a choice's text piece by piece, it
+    says what each piece adds to the reasoning and to the content. Text that could be the
+    start of the tag it waits for (``<thi``) is held back until the next piece decides it;
+    ``finish()`` releases it. Concatenated, the deltas equal ``split_reasoning`` of the
+    whole text (None parts as "").
+    """
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        self._phase = _Phase.REASONING if in_reasoning else _Phase.BEFORE
+        self._pending = ""  # text not yet assigned: a possible tag start
+
+    def feed(self, piece: str) -> ReasoningDelta:
+        """The parts of ``piece`` that are decided now."""
+        reasoning: list[str] = []
+        content: list[str] = []
+        text = self._pending + piece
+        self._pending = ""
+        while text:
+            if self._phase is _Phase.AFTER:
+                content.append(text)
+                break
+            tag = THINK_START if self._phase is _Phase.BEFORE else THINK_END
+            out = content if self._phase is _Phase.BEFORE else reasoning
+            head, found, tail = text.partition(tag)
+            if found:
+                out.append(head)
+                self._phase = _Phase.REASONING if self._phase is _Phase.BEFORE else _Phase.AFTER
+                text = tail
+                continue
+            keep = held_back(text, tag)
+            out.append(text[:len(text) - keep])
+            self._pending = text[len(text) - keep:]
+            break
+        return ReasoningDelta("".join(reasoning), "".join(content))
+
+    def finish(self) -> ReasoningDelta:
+        """The held-back text, at the end of the choice: a tag that never completed is text."""
+        rest, self._pending = self._pending, ""
+        if self._phase is _Phase.REASONING:
+            return ReasoningDelta(reasoning_content=rest)
+        return ReasoningDelta(content=rest)
