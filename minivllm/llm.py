@@ -12,11 +12,12 @@ import time
 from typing import Any, Sequence, Union
 
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from minivllm.engine.grammar import GrammarBackend
 from minivllm.engine.llm_engine import LLMEngine, TextStream
 from minivllm.engine.observer import EngineObserver
 from minivllm.executor.base import freeze_imported_objects
 from minivllm.outputs import RequestOutput
-from minivllm.sampling import RequestOutputKind, SamplingParams
+from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
 
 Prompt = Union[str, Sequence[int]]
 
@@ -206,12 +207,23 @@ class LLM:
         try:
             self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
                                     text_streams=streams, vocab_size=self.model_config.vocab_size,
-                                    observer=observer)
+                                    observer=observer, grammar_backend=self._grammars(executor_config, eos))
         except BaseException:  # e.g. too many num_blocks: no LLM owns the executor to close it
             _close_executor(executor)
             raise
         self._next_request = 0
         self._closed = False
+
+    def _grammars(self, config: ExecutorConfig, eos: int | list[int] | None) -> GrammarBackend:
+        """xgrammar over the tokenizer, or a backend that says why structured outputs are off."""
+        from minivllm.structured import NoGrammars, XGrammarBackend
+
+        vocab = self.model_config.vocab_size
+        if self.tokenizer is None:
+            return NoGrammars(vocab, "this LLM has no tokenizer (skip_tokenizer_init=True)")
+        if config.tensor_parallel_size > 1:
+            return NoGrammars(vocab, "tensor_parallel_size > 1 does not apply token masks")
+        return XGrammarBackend.for_tokenizer(self.tokenizer, vocab, sorted(eos_token_set(eos)))
 
     # ---- lifecycle ----------------------------------------------------------
 

@@ -75,6 +75,8 @@ class StructuredOutputs:
         regex: the output matches this regular expression.
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (xgrammar's dialect, GBNF-style, with a ``root`` rule).
+        disable_any_whitespace: JSON without whitespace between its tokens (vLLM's option;
+            by default any whitespace is allowed there, which a weak model can fill forever).
     """
 
     json: str | None = None
@@ -82,6 +84,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -107,7 +110,10 @@ class StructuredOutputs:
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                                  f"got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))  # input type only
-        set_ = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a bool, "
+                             f"got {self.disable_any_whitespace!r}")
+        set_ = [name for name in _KINDS if getattr(self, name) not in (None, False)]
         if len(set_) != 1:
             raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, "
                              f"grammar; got {set_ or 'none'}")
@@ -115,10 +121,14 @@ class StructuredOutputs:
     @property
     def kind(self) -> str:
         """The field that is set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
-        return next(f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False))
+        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
 
     def to_dict(self) -> dict[str, Any]:
-        return {self.kind: list(self.choice) if self.choice is not None else getattr(self, self.kind)}
+        d = {self.kind: list(self.choice) if self.choice is not None else getattr(self, self.kind)}
+        return {**d, "disable_any_whitespace": True} if self.disable_any_whitespace else d
+
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # StructuredOutputs: exactly one is set
 
 
 class RequestOutputKind(enum.Enum):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minivllm.engine.grammar import bitmask_width
+from minivllm.engine.grammar import bitmask_width, fill_each
 from minivllm.sampling import StructuredOutputs, eos_token_set
 from sim.oracle import FAKE_ALPHABET as LETTERS
 
@@ -175,9 +175,14 @@ class FakeRegex:
         return self.accepts(states)
 
 
-def choice_pattern(choices: tuple[str, ...]) -> str:
-    """``choice`` as an alternation of its literals (letters only)."""
-    return "|".join(f"({c})" for c in choices)
+def grammar_pattern(spec: StructuredOutputs) -> str:
+    """The regular expression of a ``regex`` or ``choice`` spec (a choice: an alternation of
+    its literals, which are letters only)."""
+    if spec.regex is not None:
+        return spec.regex
+    if spec.choice is not None:
+        return "|".join(f"({c})" for c in spec.choice)
+    raise ValueError(f"the simulator's grammar backend supports regex and choice, not {spec.kind}")
 
 
 class FakeMatcher:
@@ -233,21 +238,17 @@ class FakeGrammarBackend:
     def letter(token_id: int) -> str:
         return LETTERS[token_id % len(LETTERS)]
 
-    def pattern(self, spec: StructuredOutputs) -> str:
-        if spec.regex is not None:
-            return spec.regex
-        if spec.choice is not None:
-            return choice_pattern(spec.choice)
-        raise ValueError(f"the simulator's grammar backend supports regex and choice, not {spec.kind}")
-
     def compile(self, spec: StructuredOutputs) -> FakeRegex:
-        pattern = self.pattern(spec)
+        pattern = grammar_pattern(spec)
         if pattern not in self._compiled:
             self._compiled[pattern] = FakeRegex(pattern)
         return self._compiled[pattern]
 
     def matcher(self, spec: StructuredOutputs) -> FakeMatcher:
         return FakeMatcher(self, self.compile(spec))
+
+    def fill_bitmasks(self, matchers: list[FakeMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        fill_each(matchers, bitmask, rows)  # type: ignore[arg-type]
 
 
 def _bits(token_ids: np.ndarray, width: int) -> np.ndarray:

@@ -18,6 +18,7 @@ the recorded tokens (``sim.recorder``), judged by an oracle on the same tokens.
 
 from __future__ import annotations
 
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,7 +28,8 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput, sequence_name
 from minivllm.sampling import RequestOutputKind, eos_token_set
 from sim.fake_executor import FakeExecutor, recorded_next_token
-from sim.grammar import FakeGrammarBackend
+from minivllm.engine.grammar import GrammarBackend
+from sim.grammar import FakeGrammarBackend, grammar_pattern
 from sim.oracle import Expected, FakeTextStream, fake_text, oracle_generate
 from sim.recorder import recorded_contexts, replay_inputs
 from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
@@ -113,7 +115,7 @@ class _Run:
     """One trace run: engine, bookkeeping of every request, and the checks."""
 
     def __init__(self, trace: Trace, mode: Literal["check", "record", "replay"], max_steps: int | None,
-                 timeline: bool = False) -> None:
+                 timeline: bool = False, grammar_backend: GrammarBackend | None = None) -> None:
         trace = replay_inputs(trace)
         self.trace = trace
         self.mode = mode
@@ -122,7 +124,7 @@ class _Run:
         self.live_tokens = recorded_contexts(trace) if trace.fake_model == "recorded" else None
         executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks,
                                 self.live_tokens, self.sequence_name if self.live_tokens is not None else None)
-        self.grammars = FakeGrammarBackend(trace.vocab_size, trace.eos_token_id)
+        self.grammars = grammar_backend or FakeGrammarBackend(trace.vocab_size, trace.eos_token_id)
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
                                 text_streams=FakeTextStream, grammar_backend=self.grammars)
         # Requests by id; their completions (n of them) by sequence name (``sequence_name``).
@@ -286,10 +288,9 @@ class _Run:
         spec = ev.sampling.structured_outputs
         if spec is None or not got or got[-1] not in eos_token_set(self.trace.eos_token_id):
             return
-        text = fake_text(got[:-1])
-        if not self.grammars.compile(spec).fullmatch(text):
-            self.violation(step, f"{rid!r}: ended with eos but {text!r} is not in its grammar "
-                                 f"{self.grammars.pattern(spec)!r}")
+        text, pattern = fake_text(got[:-1]), grammar_pattern(spec)
+        if not re.fullmatch(pattern, text):  # Python's own regex engine: independent of the backends
+            self.violation(step, f"{rid!r}: ended with eos but {text!r} is not in its grammar {pattern!r}")
 
     # ---- the step -----------------------------------------------------------
 
@@ -435,7 +436,8 @@ class _Run:
 
 
 def run_trace(trace: Trace, mode: Literal["check", "record", "replay"] = "check",
-              max_steps: int | None = None, timeline: bool = False) -> RunResult:
+              max_steps: int | None = None, timeline: bool = False,
+              grammar_backend: GrammarBackend | None = None) -> RunResult:
     """Run ``trace`` through a fresh engine and return what was found.
 
     Args:
@@ -445,9 +447,11 @@ def run_trace(trace: Trace, mode: Literal["check", "record", "replay"] = "check"
         max_steps: give up (a liveness violation) after this many steps; the
             default is generous: the last input step + 200 + 10 x all tokens.
         timeline: also fill ``result.timeline`` (one ``TimelineStep`` per step).
+        grammar_backend: the grammars of engine and oracle over the fake vocabulary; default
+            ``sim.grammar.FakeGrammarBackend`` (tests pass xgrammar's).
     """
     try:
-        run = _Run(trace, mode, max_steps, timeline)
+        run = _Run(trace, mode, max_steps, timeline, grammar_backend)
     except Exception as exc:  # a valid trace must build an engine; the failure is the finding
         return RunResult(seed=trace.seed, violations=[f"engine construction: {type(exc).__name__}: {exc}"])
     return run.run()

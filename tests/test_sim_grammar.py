@@ -167,3 +167,25 @@ def test_engine_refuses_grammars_it_cannot_run() -> None:
             structured_outputs={"regex": "a("}))
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
+
+
+def test_random_traces_under_xgrammar() -> None:
+    """The same traces with xgrammar as engine's and oracle's grammar backend, over the fake
+    vocabulary (token t reads as one letter, eos as none): the product's grammar engine in the
+    simulator, both scheduling modes."""
+    from minivllm.structured import XGrammarBackend
+    from sim.oracle import fake_text
+
+    backends = {}
+
+    def xgrammar_for(trace):
+        key = (trace.vocab_size, trace.eos_token_id)
+        if key not in backends:
+            vocab = ["" if t == trace.eos_token_id else fake_text([t]) for t in range(trace.vocab_size)]
+            backends[key] = XGrammarBackend.for_vocab(vocab, [trace.eos_token_id])
+        return backends[key]
+    seeds = _grammar_traces(60)
+    for i, seed in enumerate(seeds):
+        trace = generate_trace(seed, {"async_scheduling": i % 2 == 0})
+        result = run_trace(trace, grammar_backend=xgrammar_for(trace))
+        assert result.ok, f"seed {seed}: {result.violations[:3]}"

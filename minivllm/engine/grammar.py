@@ -70,3 +70,13 @@ class GrammarBackend(Protocol):
             ValueError: the grammar is invalid or of a kind this backend does not support.
         """
         ...
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` from ``matchers[i]`` (this backend's): one call per step."""
+        ...
+
+
+def fill_each(matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+    """``fill_bitmasks`` one matcher at a time (a backend without a batched fill)."""
+    for matcher, row in zip(matchers, rows):
+        matcher.fill_bitmask(bitmask, row)

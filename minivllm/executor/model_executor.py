@@ -60,7 +60,7 @@ from minivllm.layers.all_reduce import Communicator, build_communicator
 from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
-from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.loader import load_weights
 from minivllm.layers.ops import Ops
@@ -168,6 +168,30 @@ class _CudaStep:
         return self.outputs.unpack(self.host.numpy())
 
 
+class _MaskedStep:
+    """A submitted step whose forward is running and whose sampler waits for the token bitmask."""
+
+    def __init__(self, finish: Callable[[np.ndarray], StepHandle], executor: "ModelExecutor") -> None:
+        self._finish: Callable[[np.ndarray], StepHandle] | None = finish
+        self._executor = executor
+        self._handle: StepHandle | None = None
+
+    def set_token_bitmask(self, bitmask: np.ndarray) -> None:
+        if self._finish is None:
+            raise RuntimeError("the token bitmask of this step was already given")
+        finish, self._finish = self._finish, None
+        self._executor._awaiting_bitmask = None
+        self._handle = finish(bitmask)
+
+    def ready(self) -> bool:
+        return self._handle is not None and getattr(self._handle, "ready", lambda: True)()
+
+    def result(self) -> StepResult:
+        if self._handle is None:
+            raise RuntimeError("result() of a step with masked rows before its token bitmask was given")
+        return self._handle.result()
+
+
 class ModelExecutor:
     """Runs ``StepPlan``s on Qwen3 over a paged KV cache it owns.
 
@@ -238,6 +262,7 @@ class ModelExecutor:
         # The last step's sampled ids, by sampling row (``prev_sample_row`` maps sequences to rows).
         self.prev_sampled = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         self.prev_sample_row: dict[int, int] = {}
+        self._awaiting_bitmask: _MaskedStep | None = None  # a step whose sampler waits for its masks
         self._staging = _PinnedRing(self.device)
         self._extras_staging = _PinnedRing(self.device)  # its own ring: one upload a step each
         self._outputs = _PinnedRing(self.device)
@@ -425,6 +450,9 @@ class ModelExecutor:
                 its penalty histories or prompt-logprob targets do not match its
                 sequences (see ``_extras``).
         """
+        if self._awaiting_bitmask is not None:
+            raise RuntimeError("a plan submitted before the previous step's token bitmask was given "
+                               "(its samples, which this plan may feed, are not drawn yet)")
         if plan.num_seqs == 0:
             return DoneStep(StepResult(sampled={}))
         batch, inputs = self.prepare(plan)
@@ -432,8 +460,19 @@ class ModelExecutor:
         params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
         extras = self._extras(plan, inputs, batch, seq_ids, params)
         hidden = self._forward(batch)                                     # (T, hidden)
+        if plan.num_masked_rows:  # the sampler waits for the masks; the forward runs meanwhile
+            step = _MaskedStep(lambda bitmask: self._finish_step(plan, inputs, batch, hidden, seq_ids, params,
+                                                                 extras, bitmask), self)
+            self._awaiting_bitmask = step
+            return step
+        return self._finish_step(plan, inputs, batch, hidden, seq_ids, params, extras, None)
+
+    def _finish_step(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
+                     seq_ids: list[int], params: list[SamplingParams], extras: _Extras,
+                     bitmask: np.ndarray | None) -> StepHandle:
+        """Sample (under ``bitmask``'s grammar masks, if given), then bring the results down."""
         if seq_ids:
-            tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras)
+            tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask)
             self.prev_sampled[:len(seq_ids)].copy_(tokens)
             self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}
         else:
@@ -450,15 +489,20 @@ class ModelExecutor:
                              [tokens] + [t.packed() for t in (logprobs, prompt) if t is not None])
 
     def _sample(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
-                params: list[SamplingParams], extras: _Extras) -> tuple[torch.Tensor, LogprobTensors | None]:
-        """Sample the plan's sampling rows: token ids (S,) on the device, and their logprobs where asked."""
+                params: list[SamplingParams], extras: _Extras, bitmask: np.ndarray | None = None
+                ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """Sample the plan's sampling rows: token ids (S,) on the device, and their logprobs where
+        asked; ``bitmask`` (int32 (S, W)) masks the raw logits first, so logprobs are those of
+        the constrained distribution, as in vLLM."""
         # A sampled token's position is its sequence's length so far: the seeded-row counter.
         tensors = SamplingTensors.build(params, inputs.kv_lens[plan.sample], self.model_config.vocab_size,
                                         self.device)
-        if self._samples_from_shards(tensors, extras):
+        if bitmask is None and self._samples_from_shards(tensors, extras):
             shard = self.model.compute_logits(hidden[batch.sample_indices], gather=False)  # (S, V / tp)
             return self.sampler.forward_vocab_parallel(shard, tensors, self.model.lm_head.vocab_start), None
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # (S, V), raw
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, torch.from_numpy(bitmask).to(self.device, non_blocking=True))
         tokens = self.sampler(logits, tensors, penalties=extras.penalties)  # (S,) int64 on the device
         if extras.logprobs is None:
             return tokens, None

@@ -80,6 +80,16 @@ _ROW_ATTRS = attrgetter("temperature", "top_k", "top_p", "min_p", "seed")
 
 # ----------------------------------------------------------------------------- seeds (host)
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` (S, V) with -inf where ``bitmask`` (int32 (S, W), W * 32 >= V; token t is
+    allowed iff bit t % 32 of word t // 32 is set: ``engine/grammar.py``) disallows a token."""
+    s, v = logits.shape
+    assert bitmask.dtype == torch.int32 and bitmask.shape[0] == s and bitmask.shape[1] * 32 >= v, bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(s, -1)[:, :v].bool()   # (S, V)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _splitmix64(x: int) -> int:
     """Host-side 64-bit mix of a Python int (splitmix64 finaliser)."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
