@@ -397,9 +397,10 @@ class LLMEngine:
         assert step.masked is not None and self.grammar_backend is not None
         bitmask = np.full((len(step.masked), bitmask_width(self.grammar_backend.vocab_size)),
                           ALL_ALLOWED, dtype=np.int32)
-        for row, seq in enumerate(step.masked):
-            if seq is not None and seq.grammar is not None:  # None: retired since the plan
-                seq.grammar.fill_bitmask(bitmask, row)
+        live = [(row, seq.grammar) for row, seq in enumerate(step.masked)
+                if seq is not None and seq.grammar is not None]  # None: retired since the plan
+        if live:
+            self.grammar_backend.fill_bitmasks([m for _, m in live], bitmask, [r for r, _ in live])
         step.masked = None
         step.handle.set_token_bitmask(bitmask)
 
