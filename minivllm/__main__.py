@@ -1,12 +1,20 @@
-"""Command line: ``python -m minivllm generate --model DIR "prompt" ...`` or
-``python -m minivllm serve DIR [--host 127.0.0.1] [--port 8000]``."""
+"""Command line: ``python -m minivllm generate --model DIR "prompt" ...``,
+``python -m minivllm serve DIR [--host 127.0.0.1] [--port 8000]`` or
+``python -m minivllm chat MODEL`` (a conversation on stdin and stdout)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import sys
+from typing import TYPE_CHECKING, TextIO
 
 from minivllm import envs
+
+if TYPE_CHECKING:
+    from minivllm.llm import LLM
+    from minivllm.sampling import SamplingParams
 
 
 SERVE_MAX_NUM_BATCHED_TOKENS = 8192
@@ -46,6 +54,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; a larger one is answered 413")
     _add_engine_args(s)
+    c = sub.add_parser("chat", help="chat on stdin/stdout: each line is a user turn, the reply "
+                                    "streams back; EOF or /exit ends it",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c.add_argument("model", help="HF-format model directory, hub id or .gguf file")
+    c.add_argument("--system", default=None, help="system message opening the conversation")
+    c.add_argument("--temperature", type=float, default=0.0, help="below 1e-5 = greedy")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
+    c.add_argument("--seed", type=int, default=None, help="sampling seed of every reply")
+    _add_engine_args(c)
     return p
 
 
@@ -101,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "chat":
+        return _chat(args)
     from minivllm.llm import LLM
     from minivllm.sampling import SamplingParams
 
@@ -122,6 +142,76 @@ def main(argv: list[str] | None = None) -> int:
     for prompt, out in zip(args.prompts, outs):
         print(f"{prompt!r} -> {out.text!r}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
     return 0
+
+
+CHAT_EXIT = "/exit"
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from minivllm.llm import LLM
+    from minivllm.sampling import RequestOutputKind, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed, output_kind=RequestOutputKind.DELTA)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
+                  **_engine_options(args))
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with llm:
+        chat_loop(llm, params, sys.stdin, sys.stdout, system=args.system)
+    return 0
+
+
+def chat_loop(llm: "LLM", params: "SamplingParams", stdin: TextIO, stdout: TextIO,
+              system: str | None = None) -> None:
+    """Read user turns from ``stdin`` until EOF or ``/exit``; stream each reply to ``stdout``.
+
+    Each reply is generated for the whole conversation so far (through the tokenizer's
+    chat template) and joins it. A turn the engine refuses (e.g. the conversation has
+    outgrown ``max_model_len``) is reported on stderr and left out of the conversation.
+    """
+    conversation = [{"role": "system", "content": system}] if system else []
+    prompt = "> " if stdin.isatty() else ""
+    for turn in itertools.count():
+        stdout.write(prompt)
+        stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() == CHAT_EXIT:
+            return
+        if not line.strip():
+            continue
+        asked = conversation + [{"role": "user", "content": line.rstrip("\n")}]
+        try:
+            reply = _stream_reply(llm, llm.chat_prompt_ids(asked), params, f"chat-{turn}", stdout)
+        except (ValueError, TypeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        conversation = asked + [{"role": "assistant", "content": reply}]
+
+
+def _stream_reply(llm: "LLM", prompt_ids: list[int], params: "SamplingParams", request_id: str,
+                  out: TextIO) -> str:
+    """Generate one reply, writing its text to ``out`` as each token arrives; the reply.
+
+    ``params.max_tokens`` is cut to the room the conversation leaves in ``max_model_len``,
+    so a long conversation still gets a (shorter) reply.
+    """
+    from minivllm.detokenizer import IncrementalDetokenizer
+
+    room = llm.scheduler_config.max_model_len - len(prompt_ids)
+    if 0 < room < params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=room)
+    text = IncrementalDetokenizer(llm.tokenizer, prompt_ids, skip_special_tokens=True)
+    llm.engine.add_request(request_id, prompt_ids, params)
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            out.write(text.add(output.new_token_ids))
+            out.flush()
+    out.write(text.flush() + "\n")
+    out.flush()
+    return text.text
 
 
 def _serve(args: argparse.Namespace) -> int:

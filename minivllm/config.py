@@ -289,7 +289,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_json(cls, path: str | os.PathLike[str]) -> "ModelConfig":
-        """Read a Hugging Face ``config.json`` (or the directory holding it).
+        """Read a Hugging Face ``config.json`` (or the directory holding it), or the same
+        keys derived from a ``.gguf`` file's metadata (``minivllm.model.gguf.hf_config``).
 
         RoPE settings are read in both spellings (see ``_read_rope``). What we cannot
         honour is refused rather than run wrong: a RoPE type other than
@@ -299,10 +300,15 @@ class ModelConfig:
         Raises:
             ValueError: unsupported architecture or feature, or a missing/invalid field.
         """
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
+        from minivllm.model.gguf import hf_config, is_gguf_file  # numpy and gguf only, no torch
+
+        if is_gguf_file(path):
+            hf = hf_config(path)
+        else:
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path, encoding="utf-8") as f:
+                hf = json.load(f)
         archs = hf.get("architectures") or []
         if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

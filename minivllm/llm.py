@@ -46,13 +46,20 @@ _NO_TOKENIZER_HINT = "pass skip_tokenizer_init=True to run on token ids without 
 
 
 def resolve_model_path(model: str) -> str:
-    """A local directory as is; otherwise a Hugging Face hub id resolved through its cache.
+    """A ``.gguf`` file as is; a local directory as is, or the one GGUF file in it when it
+    holds no safetensors (``minivllm.model.gguf.find_gguf``); otherwise a Hugging Face hub
+    id resolved through its cache.
 
     Raises:
-        ValueError: not a directory and not obtainable (offline and not cached).
+        ValueError: a directory with several GGUF files, or not a directory and not
+            obtainable (offline and not cached).
     """
-    if os.path.isdir(model):
+    from minivllm.model.gguf import find_gguf, is_gguf_file
+
+    if is_gguf_file(model):
         return model
+    if os.path.isdir(model):
+        return find_gguf(model) or model
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt",
@@ -69,7 +76,8 @@ def has_tokenizer_files(path: str) -> bool:
 
 
 def load_tokenizer(path: str) -> Any:
-    """The Hugging Face tokenizer of the checkpoint in directory ``path``.
+    """The Hugging Face tokenizer of the checkpoint in directory ``path`` (or of GGUF file
+    ``path``: built from its metadata).
 
     A tokenizer whose every token is a special one (what transformers builds from a
     config without vocabulary files) is refused: it would encode any text to nothing.
@@ -79,6 +87,13 @@ def load_tokenizer(path: str) -> Any:
             them, or it has no vocabulary; the message names ``path`` and says to pass
             ``skip_tokenizer_init=True``.
     """
+    from minivllm.model.gguf import is_gguf_file, load_gguf_tokenizer
+
+    if is_gguf_file(path):  # vocabulary, merges, special tokens and chat template are in its metadata
+        try:
+            return load_gguf_tokenizer(path)
+        except ValueError as e:
+            raise ValueError(f"{e}; {_NO_TOKENIZER_HINT}") from e
     if not has_tokenizer_files(path):
         wanted = " or ".join("+".join(files) for files in TOKENIZER_FILE_SETS[:3])
         raise ValueError(f"model directory {path!r} has no tokenizer files ({wanted}, or "

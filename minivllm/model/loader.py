@@ -34,6 +34,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.layers.linear import ShardId, get_shard_ids, get_weight_loader
+from minivllm.model.gguf import GGUFTensor, is_gguf_file, iter_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
@@ -110,9 +111,7 @@ class LazyTensor:
         Raises:
             ValueError: ``dim`` or the range is outside the tensor.
         """
-        if not 0 <= dim < len(self.shape) or start < 0 or length < 0 or start + length > self.shape[dim]:
-            raise ValueError(f"{self.name}: cannot narrow shape {tuple(self.shape)} "
-                             f"to [{start}, {start + length}) along dim {dim}")
+        check_narrow(self.name, self.shape, dim, start, length)
         index = (slice(None),) * dim + (slice(start, start + length),)
         return self._count(self._slice[index])
 
@@ -125,8 +124,19 @@ class LazyTensor:
         return t
 
 
-def iter_checkpoint(path: str | os.PathLike[str]) -> Iterator[LazyTensor]:
-    """Yield every tensor of every checkpoint file, unread (a ``LazyTensor`` on the CPU)."""
+def check_narrow(name: str, shape: torch.Size, dim: int, start: int, length: int) -> None:
+    """Raise ``ValueError`` unless ``[start, start + length)`` along ``dim`` lies inside ``shape``."""
+    if not 0 <= dim < len(shape) or start < 0 or length < 0 or start + length > shape[dim]:
+        raise ValueError(f"{name}: cannot narrow shape {tuple(shape)} "
+                         f"to [{start}, {start + length}) along dim {dim}")
+
+
+def iter_checkpoint(path: str | os.PathLike[str]) -> Iterator[LazyTensor | GGUFTensor]:
+    """Yield every tensor of every checkpoint file, unread (a ``LazyTensor`` on the CPU);
+    for a GGUF file, its tensors under their Hugging Face names (``minivllm.model.gguf``)."""
+    if is_gguf_file(path):
+        yield from iter_gguf(path)
+        return
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -167,7 +177,7 @@ def load_weights(model: LoadableModel, path: str | os.PathLike[str], *,
     Args:
         model: a model with ``packed_modules_mapping`` and ``tie_word_embeddings``.
         path: a directory with ``*.safetensors`` (and ``model.safetensors.index.json``
-            when sharded).
+            when sharded), or a ``.gguf`` file (dequantized as read).
         tp_rank, tp_size: named in errors; by default taken from the model's layers
             (their ``tp_rank``/``tp_size``; 0 and 1 when it has none).
 
