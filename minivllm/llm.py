@@ -43,6 +43,11 @@ TOKENIZER_FILE_SETS: tuple[tuple[str, ...], ...] = (
       ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")),
 )
 _NO_TOKENIZER_HINT = "pass skip_tokenizer_init=True to run on token ids without one"
+# apply_chat_template's own arguments: not template variables that chat_template_kwargs may set.
+CHAT_TEMPLATE_OWN_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def resolve_model_path(model: str) -> str:
@@ -361,20 +366,42 @@ class LLM:
             bar.close()
         return done
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, via the tokenizer's chat template."""
+             use_tqdm: bool = True, *, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the tokenizer's chat
+        template (``tools`` and ``chat_template_kwargs`` as for ``chat_prompt_text``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt_ids(c) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.chat_prompt_ids(c, tools, chat_template_kwargs) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt_ids(self, conversation: list[dict[str, str]]) -> list[int]:
-        """The token ids of ``conversation`` through the tokenizer's chat template, ready for
-        the assistant's reply (the template's own special tokens, none added)."""
-        tok = self._require_tokenizer()
-        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return tok.encode(text, add_special_tokens=False)
+    def chat_prompt_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                         chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """``conversation`` through the tokenizer's chat template, ready for the assistant's reply.
+
+        Args:
+            tools: OpenAI tool definitions, for the template to describe (``tools``).
+            chat_template_kwargs: more template variables, e.g. ``{"enable_thinking": False}``
+                for Qwen3.
+
+        Raises:
+            ValueError: ``chat_template_kwargs`` sets one of ``apply_chat_template``'s own
+                arguments. jinja2.TemplateError: the template refuses the conversation.
+        """
+        kwargs = dict(chat_template_kwargs or {})
+        clash = sorted(set(kwargs) & CHAT_TEMPLATE_OWN_ARGUMENTS)
+        if clash:
+            raise ValueError(f"chat_template_kwargs: {clash} are apply_chat_template's own arguments, "
+                             "not template variables")
+        return self._require_tokenizer().apply_chat_template(
+            conversation, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    def chat_prompt_ids(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The token ids of ``chat_prompt_text`` (the template's own special tokens, none added)."""
+        text = self.chat_prompt_text(conversation, tools, chat_template_kwargs)
+        return self._require_tokenizer().encode(text, add_special_tokens=False)
 
 
 def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
