@@ -46,8 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="sampler seed for unseeded requests")
     # The env var is read in _serve, not here: a default would be printed by --help.
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(else $MINIVLLM_API_KEY if set; neither: no key)")
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (/health and "
+                        "/metrics stay open) (else $MINIVLLM_API_KEY if set; neither: no key)")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, as vLLM does (the HTTP loop and the "
                         "engine stop sharing one GIL; docs/tuning.md, 'Host path')")
@@ -216,9 +216,7 @@ def _stream_reply(llm: "LLM", prompt_ids: list[int], params: "SamplingParams", r
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
-        from minivllm.server.app import build_app
+        from minivllm.server.app import build_app, serve
         from minivllm.server.protocol import ServerConfig
     except ImportError as e:
         print(f"error: serving needs the 'serve' extra (pip install -e '.[serve]'): {e}",
@@ -245,13 +243,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # 1 when the server stopped because its engine failed (app.serve).
     if args.engine_process:  # the app's lifespan stops the engine process
-        uvicorn.run(build_app(front, config, engine), host=args.host, port=args.port, log_level="info")
-        return 0
+        return serve(build_app(front, config, engine), args.host, args.port)
     with llm:
-        app = build_app(llm, config)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-    return 0
+        return serve(build_app(llm, config), args.host, args.port)
 
 
 if __name__ == "__main__":

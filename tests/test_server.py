@@ -309,8 +309,14 @@ LONG_PROMPT = "1+" * 40 + "1="   # 82 tokens > max_model_len 64
     ("/v1/completions", {"model": "gpt-4", "prompt": "1"}, 404, "'gpt-4' does not exist", "model"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "prompt"),
     ("/v1/completions", {"prompt": [500]}, 400, "outside the vocabulary", "prompt"),
-    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "exceeds max_model_len", "prompt"),
-    ("/v1/completions", {"prompt": "1+1=", "max_tokens": 100}, 400, "max_model_len", "prompt"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400,
+     "maximum context length (max_model_len) is 64 tokens, and the prompt has 82 tokens", "prompt"),
+    ("/v1/completions", {"prompt": ["1", LONG_PROMPT]}, 400, "the prompt 1 has 82 tokens", "prompt"),
+    ("/v1/completions", {"prompt": "1+1=", "max_tokens": 100}, 400,
+     "you requested 104 tokens (4 in the prompt, 100 in max_tokens)", "max_tokens"),
+    # The default of 16 does not fit either: named as the default, not as if it had been sent.
+    ("/v1/completions", {"prompt": "1+" * 26 + "1="}, 400, "fewer than the default max_tokens of 16",
+     "max_tokens"),
     ("/v1/completions", {"prompt": "1+1=", "max_tokens": 0}, 400, "max_tokens must be", "max_tokens"),
     ("/v1/completions", {"prompt": "1+1=", "max_tokens": "5"}, 400, "max_tokens: Input should be",
      "max_tokens"),
@@ -325,6 +331,10 @@ LONG_PROMPT = "1+" * 40 + "1="   # 82 tokens > max_model_len 64
      "n"),
     ("/v1/completions", {"prompt": "1+1=", "top_k": 1 << 70}, 400, "top_k: Input should be less than", "top_k"),
     ("/v1/completions", {"prompt": "1+1=", "stop_token_ids": [1 << 64]}, 400, "stop_token_ids.0: Input",
+     "stop_token_ids"),
+    ("/v1/completions", {"prompt": "1+1=", "stop_token_ids": [3, 100]}, 400,
+     "stop_token_ids: [100] outside the vocabulary [0, 100)", "stop_token_ids"),
+    ("/v1/completions", {"prompt": "1+1=", "stop_token_ids": [-1]}, 400, "outside the vocabulary",
      "stop_token_ids"),
     ("/v1/completions", {"prompt": "1+1=", "stop": ""}, 400, "stop must be", "stop"),
     ("/v1/completions", {"prompt": "1+1=", "stop": ["x", ""]}, 400, "stop must be", "stop"),
@@ -363,7 +373,30 @@ LONG_PROMPT = "1+" * 40 + "1="   # 82 tokens > max_model_len 64
      "top_logprobs: Input should be less than or equal to 20", "top_logprobs"),
     ("/v1/chat/completions", CHAT | {"logprobs": 1}, 400, "logprobs: Input should be", "logprobs"),
     ("/v1/chat/completions", CHAT | {"n": -1}, 400, "n must be", "n"),
-    ("/v1/chat/completions", CHAT | {"max_completion_tokens": 0}, 400, "max_tokens must be", "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_completion_tokens": 0}, 400, "max_completion_tokens must be",
+     "max_completion_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": 0}, 400, "max_tokens must be", "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_completion_tokens": 61}, 400,
+     "you requested 65 tokens (4 in the messages, 61 in max_completion_tokens)", "max_completion_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": 61}, 400, "61 in max_tokens", "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400,
+     "the messages has 82 tokens, which leaves no room", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "1+1="}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     400, "messages.0.content: part 1: content parts of type 'image_url' are not supported", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages.0.content: part 0: a text part is", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ["1+1="]}]}, 400,
+     "part 0: a content part is an object", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content: Input should be a valid string", "messages"),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_schema"}}, 400,
+     "json_schema: required when type is 'json_schema'", "response_format"),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "yaml"}}, 400, "response_format.type:",
+     "response_format"),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     400, "one structured-output constraint, this one has 2 (response_format, guided_regex)",
+     "response_format"),
     ("/v1/chat/completions", CHAT | {"frequency_penalty": 9}, 400, "frequency_penalty must be",
      "frequency_penalty"),
 ])
@@ -373,17 +406,32 @@ def test_bad_request_is_refused(server, path, body, status, words, param) -> Non
 
 def test_malformed_json_unknown_route_and_wrong_method(server) -> None:
     r = server.client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert_error(r, 400, "JSON")
+    assert_error(r, 400, "the request body is not valid JSON: Expecting property name enclosed in double "
+                         "quotes (at character 1)")
+    assert r.json()["error"]["param"] is None   # not the character offset
+    r = server.client.post("/v1/chat/completions", content=b'{"messages": []]',
+                           headers={"content-type": "application/json"})
+    assert_error(r, 400, "not valid JSON")
+    assert r.json()["error"]["param"] is None
+    r = server.client.post("/v1/completions", content=b"", headers={"content-type": "application/json"})
+    assert_error(r, 400, "the request body is empty")
+    assert r.json()["error"]["param"] is None
     assert_error(server.client.post("/v1/completions", json=[1, 2]), 400, "valid dictionary")
     assert_error(server.client.get("/v1/nothing"), 404, "Not Found")
     assert_error(server.client.get("/v1/completions"), 405, "Method Not Allowed")
 
 
-def test_api_key_is_required_except_for_health(server) -> None:
+def test_api_key_guards_v1_only(server) -> None:
+    """As in vLLM: every /v1 route needs the key (an unknown one too: no probing without
+    it); /health and /metrics stay open to probes and scrapers that carry none."""
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as bare:
         assert bare.get("/health").json() == {"status": "ok"}
+        r = bare.get("/metrics")
+        assert r.status_code == 200 and "minivllm_requests_running" in r.text
+        assert_error(bare.get("/nothing"), 404, "Not Found")
+        assert_error(bare.get("/v1nothing"), 404, "Not Found")   # not under /v1/
         for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                             ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/v1/nothing")]:
+                             ("GET", "/v1/models"), ("GET", "/v1/nothing"), ("GET", "/v1")]:
             r = bare.request(method, path, json={"prompt": "1+1="})
             assert_error(r, 401, "missing API key")
             assert r.headers["www-authenticate"] == "Bearer"
@@ -634,26 +682,29 @@ def test_a_consumer_behind_the_engine_gets_each_choices_waiting_deltas_merged() 
 def test_chunk_writer_writes_what_the_models_dump(include_usage: bool) -> None:
     """The streamed chunks written from strings equal the pydantic models' SSE, byte for
     byte: quotes, newlines, non-ASCII and emoji in the text, an empty text, each finish
-    reason, and (chat) a delta without content."""
+    reason, stop reasons (none, a token id, a string), and (chat) a delta without content."""
     from minivllm.server.app import _ChunkWriter, _chunk_json, _sse
     from minivllm.server.protocol import (ChatCompletionChunk, ChatStreamChoice, CompletionChoice,
                                           CompletionStreamResponse, DeltaMessage)
 
     rid, created, model = 'cmpl-"x"\\1', 1_700_000_000, "tiny/qwen3 \u00e9"
     texts = ["", " t12", 'say "hi"\n\tnow\\', "caf\u00e9 \u4e2d\u6587 \U0001F600"]
-    cases = [(i, t, f) for i, t in enumerate(texts) for f in (None, "length", "stop")]
+    ends = [(None, None), ("length", None), ("stop", None), ("stop", 7), ("stop", 'x"\u00e9\n')]
+    cases = [(i, t, f, r) for i, t in enumerate(texts) for f, r in ends]
     cw = _ChunkWriter("text_completion", rid, created, model, include_usage)
     hw = _ChunkWriter("chat.completion.chunk", rid, created, model, include_usage)
-    for index, text, finish in cases:
+    for index, text, finish, reason in cases:
         want = _sse(_chunk_json(CompletionStreamResponse(
             id=rid, created=created, model=model,
-            choices=[CompletionChoice(index=index, text=text, finish_reason=finish)]), include_usage))
-        assert cw.completion(index, text, finish) == want
+            choices=[CompletionChoice(index=index, text=text, finish_reason=finish, stop_reason=reason)]),
+            include_usage))
+        assert cw.completion(index, text, finish, reason) == want
         delta = DeltaMessage(content=text) if text else DeltaMessage()
         body = _chunk_json(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-            ChatStreamChoice(index=index, delta=delta, finish_reason=finish)]), include_usage)
+            ChatStreamChoice(index=index, delta=delta, finish_reason=finish, stop_reason=reason)]),
+            include_usage)
         body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-        assert hw.chat(index, text or None, finish) == _sse(body)
+        assert hw.chat(index, text or None, finish, reason) == _sse(body)
 
 
 def test_each_app_has_its_own_registry(llm: LLM) -> None:

@@ -4,27 +4,33 @@ Every error leaves as the OpenAI body ``{"error": {"message", "type", "param",
 "code"}}``: 400 for a request the protocol models or the engine refuse (nothing
 of it is queued), 401 without the API key, 404 for an unknown model or route,
 413 for a body over the limit, 500 when the engine has failed. A client that
-disconnects, streaming or not, aborts its requests.
+disconnects, streaming or not, aborts its requests. ``serve`` runs the app and
+shuts it down once its engine has failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minivllm.outputs import FinishReason
+from jinja2 import TemplateError
+
+from minivllm.outputs import FinishReason, StopReason
 from minivllm.server.engine_loop import (AsyncEngine, Delta, EngineDeadError, RequestGroup,
                                          RequestLostError, merge_deltas)
 from minivllm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -37,6 +43,11 @@ from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatCompleti
                                       error_body)
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+# How long a server whose engine failed waits for its open responses before it exits.
+SHUTDOWN_GRACE_S = 30
 
 # Request fields an error message may name (its ``param``).
 _FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
@@ -55,20 +66,46 @@ class APIError(Exception):
         self.param = param
 
 
+class ClientDisconnected(Exception):
+    """The client left before its response was ready (its requests are aborted)."""
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
 def _param_named(message: str) -> str | None:
-    """The first request field ``message`` names (after a ``request '<id>':`` prefix), if any."""
-    message = re.sub(r"^request '[^']*': ", "", message)
+    """The first request field ``message`` names, if any."""
     return next((w for w in re.findall(r"[a-z_]+", message) if w in _FIELDS), None)
+
+
+def _refusal(message: str, request_ids: Sequence[str], req: _Request) -> APIError:
+    """The 400 of an engine or ``SamplingParams`` refusal: without the engine's request ids
+    (internal), ``param`` the field the message names, and ``max_tokens`` or
+    ``structured_outputs`` under the name the request used for it."""
+    for rid in request_ids:
+        message = message.replace(f"request {rid!r}: ", "")
+    param = _param_named(message)
+    field, _ = req.completion_limit()
+    if param == "max_tokens" and field != param:
+        param = field
+        if message.startswith("max_tokens "):
+            message = field + message.removeprefix("max_tokens")
+    elif param == "structured_outputs":
+        param = req.structured_field() or param
+    return APIError(400, message, param)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     """``field: problem; ...``, one problem per top-level field; ``param`` the first field."""
     problems: dict[str, list[str]] = {}
     for err in exc.errors():
+        if err.get("type") == "json_invalid":  # loc is ("body", character offset): no field
+            detail = err.get("ctx", {}).get("error", "")
+            return APIError(400, f"the request body is not valid JSON: {detail} (at character "
+                                 f"{err['loc'][-1]})")
+        if err.get("type") == "missing" and tuple(err.get("loc", ())) == ("body",):
+            return APIError(400, "the request body is empty: send a JSON object")
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
@@ -101,13 +138,16 @@ class _ChunkWriter:
                      f'"model":{json.dumps(model)},"choices":[{{"index":')
         self.tail = ',"logprobs":null}],"usage":null}\n\n' if include_usage else ',"logprobs":null}]}\n\n'
 
-    def completion(self, index: int, text: str, finish_reason: str | None) -> str:
+    def completion(self, index: int, text: str, finish_reason: str | None,
+                   stop_reason: StopReason = None) -> str:
         return (f'{self.head}{index},"text":{json.dumps(text)},"finish_reason":'
-                f'{json.dumps(finish_reason)}{self.tail}')
+                f'{json.dumps(finish_reason)},"stop_reason":{json.dumps(stop_reason)}{self.tail}')
 
-    def chat(self, index: int, content: str | None, finish_reason: str | None) -> str:
+    def chat(self, index: int, content: str | None, finish_reason: str | None,
+             stop_reason: StopReason = None) -> str:
         delta = "{}" if content is None else f'{{"content":{json.dumps(content)}}}'
-        return f'{self.head}{index},"delta":{delta},"finish_reason":{json.dumps(finish_reason)}{self.tail}'
+        return (f'{self.head}{index},"delta":{delta},"finish_reason":{json.dumps(finish_reason)},'
+                f'"stop_reason":{json.dumps(stop_reason)}{self.tail}')
 
 
 def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -141,16 +181,60 @@ class _Server:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "prompt: is empty", "prompt")
-        return [self._token_ids(i, p) for i, p in enumerate(prompts)]
+        return [self._token_ids(i, p, "prompt") for i, p in enumerate(prompts)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        return self._token_ids(0, self.llm.chat_prompt_ids([m.model_dump() for m in req.messages]))
+        try:
+            ids = self.llm.chat_prompt_ids([m.template_message() for m in req.messages])
+        except TemplateError as e:  # the template's own check (say, roles that must alternate)
+            raise APIError(400, f"messages: refused by the model's chat template: {e}", "messages") from e
+        return self._token_ids(0, ids, "messages")
 
-    def _token_ids(self, i: int, prompt: Any) -> list[int]:
+    def _token_ids(self, i: int, prompt: Any, field: str) -> list[int]:
         try:  # LLM's one prompt check: tokenize, non-empty, ids inside the vocabulary
             return self.llm.prompt_token_ids(i, prompt)
         except (ValueError, TypeError) as e:
-            raise APIError(400, f"prompt: {e}", "prompt") from e
+            raise APIError(400, f"{field}: {e}", field) from e
+
+    def max_tokens(self, req: _Request, prompts: list[list[int]]) -> int:
+        """The request's completion limit: the one it sends, else its endpoint's default.
+
+        The engine refuses a request that does not fit its context too; checked here first
+        to blame the right field: the prompt when it leaves no room for one token, else
+        the limit (as vLLM's server does).
+
+        Raises:
+            APIError: 400, naming ``prompt``/``messages`` or the limit's field.
+        """
+        max_len = self.engine.max_model_len
+        i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+        num, what = len(prompts[i]), f"prompt {i}" if len(prompts) > 1 else req.prompt_field
+        context = f"This model's maximum context length (max_model_len) is {max_len} tokens"
+        if num >= max_len:
+            raise APIError(400, f"{context}, and the {what} has {num} tokens, which leaves no room "
+                                "for a completion: shorten it", req.prompt_field)
+        field, limit = req.completion_limit()
+        room = max_len - num
+        if limit is None:
+            limit = req.default_max_tokens(room)
+            if limit > room:
+                raise APIError(400, f"{context}, and the {what} has {num} tokens: {room} are left for the "
+                                    f"completion, fewer than the default {field} of {limit}; send a "
+                                    f"smaller {field}", field)
+        elif limit > room:
+            raise APIError(400, f"{context}. However, you requested {num + limit} tokens ({num} in the "
+                                f"{what}, {limit} in {field}): reduce {field} or the {what}", field)
+        return limit
+
+    def check_stop_token_ids(self, req: _Request) -> None:
+        """Stop token ids must be in the vocabulary (the engine would never see them sampled)."""
+        if not req.stop_token_ids:
+            return
+        vocab = self.llm.model_config.vocab_size
+        bad = [t for t in req.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})",
+                           "stop_token_ids")
 
     # ---- logprobs ------------------------------------------------------------
 
@@ -208,12 +292,14 @@ class _Server:
         """Queue one request per prompt; returns the response id (``kind-<hex>``), its
         creation time and the requests' group."""
         request_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        max_tokens = self.max_tokens(req, prompts)
+        self.check_stop_token_ids(req)
         try:
-            params = req.to_sampling_params()
-            ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+            params = req.to_sampling_params(max_tokens)
             return request_id, created, await self.engine.add_requests(ids, prompts, params)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), _param_named(str(e))) from e
+            raise _refusal(str(e), ids, req) from e
         except EngineDeadError as e:
             raise APIError(500, str(e)) from e
 
@@ -230,16 +316,19 @@ class _Server:
 
     async def until_disconnect(self, request: Request, group: RequestGroup,
                                work: Awaitable[T]) -> T:
-        """Await ``work``; if the client disconnects first, abort ``group`` and cancel it."""
+        """Await ``work``; if the client disconnects first, abort ``group``, cancel ``work``
+        and raise ``ClientDisconnected`` (answered with nothing: nobody is listening)."""
         work_task = asyncio.ensure_future(work)
         watch = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watch.cancel()
             if not work_task.done():
                 work_task.cancel()
                 self.engine.abort(group.request_ids)
-            watch.cancel()
+        if not work_task.done():  # cancelled, and ends at the loop's next turn
+            raise ClientDisconnected
         try:
             return work_task.result()
         except (EngineDeadError, RequestLostError) as e:
@@ -327,6 +416,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param)
 
+    @app.exception_handler(ClientDisconnected)
+    async def gone(request: Request, exc: ClientDisconnected) -> Response:
+        # Never sent (the server drops what goes to a closed connection); nginx's code for it.
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = _validation_error(exc)
@@ -383,12 +477,12 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
             if not d.text and d.finish_reason is None and not (want_logprobs and d.token_ids):
                 return []
             if not want_logprobs:
-                return [writer.completion(d.index, d.text, d.finish_reason)]
+                return [writer.completion(d.index, d.text, d.finish_reason, d.stop_reason)]
             offset = offsets.get(d.index, 0)
             logprobs = server.completion_logprobs(d, offset)
             offsets[d.index] = offset + sum(len(t) for t in logprobs.tokens)
             choice = CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
-                                      logprobs=logprobs)
+                                      stop_reason=d.stop_reason, logprobs=logprobs)
             return [_sse(body([choice]))]
 
         def usage_chunk(usage: Usage) -> str:
@@ -402,7 +496,7 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
         for ds in deltas:
             d = merge_deltas(ds)
             choices.append(CompletionChoice(
-                index=d.index, text=d.text, finish_reason=d.finish_reason,
+                index=d.index, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                 logprobs=server.completion_logprobs(d, 0) if want_logprobs else None))
         return JSONResponse(CompletionResponse(id=rid, created=created, model=server.model_name,
                                                choices=choices, usage=_usage(_final(deltas), group.n)
@@ -417,9 +511,9 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
         top_k = req.num_logprobs()
 
         def event(index: int, delta: DeltaMessage, finish_reason: FinishReason | None = None,
-                  logprobs: ChoiceLogprobs | None = None) -> str:
+                  logprobs: ChoiceLogprobs | None = None, stop_reason: StopReason = None) -> str:
             choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
-                                      logprobs=logprobs)
+                                      stop_reason=stop_reason, logprobs=logprobs)
             body = _chunk_json(ChatCompletionChunk(id=rid, created=created, model=server.model_name,
                                                    choices=[choice]), req.include_usage)
             # A delta names only what it adds; finish_reason stays, as null, as OpenAI sends it.
@@ -432,10 +526,10 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
             if not d.text and d.finish_reason is None and not (top_k is not None and d.token_ids):
                 return []
             if top_k is None:
-                return [writer.chat(d.index, d.text or None, d.finish_reason)]
+                return [writer.chat(d.index, d.text or None, d.finish_reason, d.stop_reason)]
             logprobs = server.chat_logprobs(d, top_k)
             return [event(d.index, DeltaMessage(content=d.text) if d.text else DeltaMessage(),
-                          d.finish_reason, logprobs)]
+                          d.finish_reason, logprobs, d.stop_reason)]
 
         def usage_chunk(usage: Usage) -> str:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=server.model_name, choices=[],
@@ -452,7 +546,32 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
             d = merge_deltas(ds)
             choices.append(ChatChoice(
                 index=d.index, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason,
                 logprobs=server.chat_logprobs(d, top_k) if top_k is not None else None))
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=server.model_name,
                                                    choices=choices, usage=_usage(_final(deltas), group.n)
                                                    ).model_dump())
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
+    """Run ``app`` (from ``build_app``) under uvicorn until it is stopped (returns 0) or its
+    engine fails (returns 1).
+
+    A server whose engine is dead shuts down, as vLLM's does, rather than answer 500 for
+    ever: it stops accepting connections, answers the open requests (500, which the
+    engine's failure gave them), and exits, so that a supervisor can restart it.
+    """
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    failed = threading.Event()
+
+    def stop(error: BaseException) -> None:  # on the engine thread; uvicorn polls should_exit
+        failed.set()
+        server.should_exit = True
+
+    app.state.server.engine.on_failure(stop)
+    server.run()
+    if failed.is_set():
+        logger.error("the server stopped because its engine failed: %s", app.state.server.engine.error)
+        return 1
+    return 0

@@ -16,7 +16,8 @@ server burns no CPU. Admission is checked on the engine thread too (by the
 engine's own ``validate_request``), so it never reads engine state that a step
 is changing; the handler awaits the verdict. An exception out of the engine
 ends the thread and is handed to every waiting request (``EngineDeadError``):
-they fail rather than hang, and later requests are refused.
+they fail rather than hang, later requests are refused, and the ``on_failure``
+callbacks run (``app.serve`` shuts the server down).
 
 A request with ``n`` completions is one engine request whose outputs carry their
 ``index``; each completion is a *choice* here (OpenAI's ``choices[i]``: prompt i's
@@ -48,7 +49,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 from minivllm.detokenizer import IncrementalDetokenizer, Tokenizer
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.outputs import FinishReason, RequestOutput
+from minivllm.outputs import FinishReason, RequestOutput, StopReason
 from minivllm.sampling import SamplingParams
 from minivllm.server.metrics import ServerMetrics, StepCounts
 
@@ -73,6 +74,7 @@ class Delta:
         num_prompt_tokens: the prompt's length.
         num_completion_tokens: completion tokens so far (the stop token included).
         finish_reason: None while the choice runs.
+        stop_reason: as in ``RequestOutput`` (set in the last delta only).
     """
 
     index: int
@@ -82,15 +84,17 @@ class Delta:
     num_prompt_tokens: int
     num_completion_tokens: int
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 def merge_deltas(ds: Sequence[Delta]) -> Delta:
     """Consecutive deltas of one choice as one: texts, tokens and logprobs joined, the
-    counts and finish reason of the last."""
+    counts, finish and stop reason of the last."""
     last = ds[-1]
     logprobs = None if last.logprobs is None else tuple(x for d in ds for x in d.logprobs or ())
     return Delta(last.index, "".join(d.text for d in ds), tuple(t for d in ds for t in d.token_ids),
-                 logprobs, last.num_prompt_tokens, last.num_completion_tokens, last.finish_reason)
+                 logprobs, last.num_prompt_tokens, last.num_completion_tokens, last.finish_reason,
+                 last.stop_reason)
 
 
 class StepOutput(NamedTuple):
@@ -99,7 +103,7 @@ class StepOutput(NamedTuple):
     ``minivllm.server.engine_process``).
 
     Attributes:
-        request_id, index, finish_reason: as in ``RequestOutput``.
+        request_id, index, finish_reason, stop_reason: as in ``RequestOutput``.
         new_token_ids: completion tokens new in this step.
         num_tokens: completion tokens so far.
         text: the engine's final text (requests with stop strings, once finished), else None.
@@ -116,13 +120,14 @@ class StepOutput(NamedTuple):
     text: str | None
     new_logprobs: tuple[dict[int, float], ...] | None
     first_token_time: float | None
+    stop_reason: StopReason = None
 
 
 def step_output(out: RequestOutput) -> StepOutput:
     new = out.new_token_ids
     logprobs = out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None
     return StepOutput(out.request_id, out.index, tuple(new), len(out.token_ids), out.finish_reason,
-                      out.text, logprobs, out.first_token_time)
+                      out.text, logprobs, out.first_token_time, out.stop_reason)
 
 
 def admit_into(engine: LLMEngine, request_ids: Sequence[str], prompts: Sequence[Sequence[int]],
@@ -300,6 +305,7 @@ class AsyncEngine:
         self._idle = threading.Event()     # set: inbox empty and nothing unfinished
         # Engine thread only: per unfinished request id, its choices (None once finished).
         self._tracked: dict[str, list[_Choice | None]] = {}
+        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
 
     @classmethod
@@ -337,6 +343,11 @@ class AsyncEngine:
     def error(self) -> EngineDeadError | None:
         """Why the engine thread stopped, or None while it serves."""
         return self._error
+
+    def on_failure(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Have ``callback(error)`` called, on the engine thread, if the engine fails (not
+        when it is closed), after every waiting request has been handed the error."""
+        self._failure_callbacks.append(callback)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no request is queued or unfinished; False on timeout (for tests)."""
@@ -411,7 +422,10 @@ class AsyncEngine:
                 self._record_step(stepped)
         except Exception as e:  # surfaced to every waiting request, never swallowed
             logger.exception("engine thread failed")
-            self._fail(EngineDeadError(f"engine failed: {type(e).__name__}: {e}"))
+            error = EngineDeadError(f"engine failed: {type(e).__name__}: {e}")
+            self._fail(error)
+            for callback in self._failure_callbacks:
+                callback(error)
         else:
             self._fail(EngineDeadError("engine shut down"))
 
@@ -498,7 +512,7 @@ class AsyncEngine:
             if done:
                 self._finished(out, c, now)
             delta = Delta(c.index, text, tuple(new), logprobs, c.num_prompt_tokens, c.num_tokens,
-                          out.finish_reason)
+                          out.finish_reason, out.stop_reason)
             batches.setdefault(c.loop, []).append((c.group.queue, delta))
         if generated:
             self.metrics.generation_tokens.inc(generated)

@@ -20,7 +20,8 @@ still all-or-none per HTTP call, answered by the engine process within a step.
 The engine-facing hooks of ``AsyncEngine`` (``_admit``, ``_abort``, ``_has_work``,
 ``_step``, ``_counts``) are all this class replaces; the rest (queues, detokenizers,
 stop-string holdback, metrics) is shared. If the engine process dies or raises,
-every waiting request fails with ``EngineDeadError`` (``/health`` answers 500).
+every waiting request fails with ``EngineDeadError`` (``/health`` answers 500), also
+when it dies while idle: a watcher thread wakes the engine thread at its exit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import threading
 import traceback
 import weakref
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 from minivllm.config import ModelConfig
@@ -60,7 +62,6 @@ class LLMFront:
 
     prompt_token_ids = LLM.prompt_token_ids
     chat_prompt_ids = LLM.chat_prompt_ids
-    chat_prompt_text = LLM.chat_prompt_text
     _require_tokenizer = LLM._require_tokenizer
 
     def __init__(self, model: str) -> None:
@@ -114,6 +115,8 @@ class ProcessAsyncEngine(AsyncEngine):
             raise
         self._max_model_len = int(message[1])
         self.pid = self._proc.pid
+        self._exited = threading.Event()  # set once the engine process has ended
+        threading.Thread(target=self._watch_process, name="minivllm-engine-watch", daemon=True).start()
 
     @property
     def max_model_len(self) -> int:
@@ -148,6 +151,8 @@ class ProcessAsyncEngine(AsyncEngine):
         self._outbox.put(("abort", request_ids))
 
     def _has_work(self) -> bool:
+        if self._exited.is_set():
+            self._raise_exit()
         return bool(self._pending) or self._work
 
     def _step(self) -> list[StepOutput]:
@@ -180,6 +185,19 @@ class ProcessAsyncEngine(AsyncEngine):
         if message[0] == "failed":
             raise RuntimeError(f"the engine process failed:\n{message[1]}")
         return message
+
+    def _watch_process(self) -> None:
+        """Wake the engine thread when the engine process ends, so that a death while the
+        server is idle fails the engine at once (``_has_work``), not at the next request."""
+        wait_ready([self._proc.sentinel])
+        self._exited.set()
+        self._wakeup.set()
+
+    def _raise_exit(self) -> None:
+        """The engine process is gone: raise its failure (with its traceback, if it sent one)."""
+        while self._outs.poll():
+            self._recv()  # raises at the failure message, or at the pipe's end
+        raise RuntimeError(f"the engine process exited (code {self._proc.exitcode})")
 
     def _send_loop(self) -> None:
         while True:

@@ -20,8 +20,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# Routes open without the API key (a load balancer's liveness probe has none).
-OPEN_PATHS = frozenset({"/health"})
+# The API key guards the OpenAI API, /v1 and below, as in vLLM; /health, /metrics and the
+# rest stay open (a load balancer's probe and a metrics scraper carry no key).
+PROTECTED_PREFIX = "/v1"
 
 # After a body grows past the limit, this many more bytes are read and dropped before
 # the 413 goes out: a client still sending when the server closes the connection gets
@@ -46,8 +47,12 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def _protected(path: str) -> bool:
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+
+
 class ApiKeyMiddleware:
-    """Every HTTP route but ``OPEN_PATHS`` requires ``Authorization: Bearer <api_key>``;
+    """Every HTTP route under ``/v1`` requires ``Authorization: Bearer <api_key>``;
     otherwise 401 (the key is compared in constant time)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -55,7 +60,7 @@ class ApiKeyMiddleware:
         self._expected = b"Bearer " + api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not _protected(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization")

@@ -2,22 +2,24 @@
 
 Requests forbid unknown fields and are strict about types (``"16"`` is not an
 int, ``1`` is not a bool), so a misspelt option or a wrong type is a 400 and
-never silently ignored or coerced. A field of the OpenAI API that this server
-does not implement is declared only to be refused with a message naming it.
-Sampling values are checked once, by ``SamplingParams`` (``to_sampling_params``);
-only what has no ``SamplingParams`` counterpart (``top_logprobs``,
-``stream_options``) is checked here.
+never silently ignored or coerced; ``null`` for a field means its default, as
+OpenAI clients send it for what they leave unset. A field of the OpenAI API that
+this server does not implement is declared only to be refused with a message
+naming it. Sampling values are checked once, by ``SamplingParams``
+(``to_sampling_params``); only what has no ``SamplingParams`` counterpart
+(``top_logprobs``, ``stream_options``, message content) is checked here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from functools import partial
+from typing import Annotated, Any, Callable, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from minivllm.outputs import FinishReason
-from minivllm.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+from minivllm.outputs import FinishReason, StopReason
+from minivllm.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
 
 # A completion prompt: text, several texts, token ids, or several token-id lists.
 PromptInput = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
@@ -41,8 +43,8 @@ class ServerConfig:
 
     Attributes:
         model_name: the name clients send as ``model`` (another name is a 404).
-        api_key: when set, every route but ``/health`` requires
-            ``Authorization: Bearer <api_key>``.
+        api_key: when set, every ``/v1/*`` route requires ``Authorization: Bearer
+            <api_key>`` (``/health`` and ``/metrics`` stay open, as in vLLM).
         max_body_bytes: largest request body accepted; a larger one is a 413.
     """
 
@@ -60,18 +62,77 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be an int >= 1, got {b!r}")
 
 
-class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage (no choices)."""
+class _Body(BaseModel):
+    """A JSON object of a request: unknown fields and wrong types are refused; ``null`` for
+    a field means its default (OpenAI clients send null for what they leave unset)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (no choices)."""
 
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    """Fields common to both endpoints. None means "the default", as OpenAI clients send it."""
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: a named JSON schema. ``strict`` is accepted; the
+    schema is always enforced."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: required when type is 'json_schema', and only then")
+        return self
+
+    def constraint(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.json_schema is not None:
+            return StructuredOutputs(json=self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputsRequest(_Body):
+    """vLLM's ``structured_outputs`` request field: one of these constraints."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputs:
+        return StructuredOutputs(json=self.json_, json_object=bool(self.json_object), regex=self.regex,
+                                 choice=self.choice, grammar=self.grammar)  # type: ignore[arg-type]
+
+
+# vLLM's older names of the structured-output constraints -> the StructuredOutputs field.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+class _Request(_Body):
+    """Fields common to both endpoints."""
 
     model: str | None = None
     max_tokens: Int64 | None = None
@@ -91,6 +152,12 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None        # extension
     user: str | None = None              # accepted, unused (an end-user id for the caller's logs)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None   # extension (vLLM)
+    guided_json: dict[str, Any] | str | None = None              # extension (vLLM's older names)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_Request":
@@ -102,29 +169,77 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def completion_limit(self) -> int | None:
-        return self.max_tokens
+    prompt_field: ClassVar[str] = "prompt"   # the field that holds the prompt (error messages name it)
+
+    def completion_limit(self) -> tuple[str, int | None]:
+        """The field that sets the completion's length, and its value (None: not sent)."""
+        return "max_tokens", self.max_tokens
+
+    def default_max_tokens(self, room: int) -> int:
+        """``max_tokens`` when the request sends none (``room``: the context the prompt
+        leaves): 16 here, as the OpenAI completions API says."""
+        return DEFAULT_MAX_TOKENS
 
     def num_logprobs(self) -> int | None:
         """Top log-probabilities per token asked for (``SamplingParams.logprobs``)."""
         return None
 
-    def to_sampling_params(self) -> SamplingParams:
-        """The request's ``SamplingParams``.
+    def _structured_asked(self) -> list[tuple[str, Callable[[], StructuredOutputs | None]]]:
+        """Each field that asks for a structured-output constraint, and how to build it."""
+        asked: list[tuple[str, Callable[[], StructuredOutputs | None]]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append(("response_format", self.response_format.constraint))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs.constraint))
+        for name, kind in GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, partial(StructuredOutputs, **{kind: value})))
+        return asked
+
+    def structured_field(self) -> str | None:
+        """The field the structured-output constraint came from (the first, if several)."""
+        asked = self._structured_asked()
+        return asked[0][0] if asked else None
+
+    def structured_constraint(self) -> StructuredOutputs | None:
+        """The structured-output constraint asked for (``response_format``,
+        ``structured_outputs`` or a ``guided_*`` field), if any.
 
         Raises:
-            ValueError: a sampling value out of range (``SamplingParams`` names it).
+            ValueError: more than one is asked for, or the one asked for is malformed
+                (the message starts with its field).
         """
-        limit = self.completion_limit()
+        asked = self._structured_asked()
+        if len(asked) > 1:
+            raise ValueError(f"{asked[0][0]}: a request takes one structured-output constraint, this "
+                             f"one has {len(asked)} ({', '.join(name for name, _ in asked)})")
+        if not asked:
+            return None
+        name, build = asked[0]
+        try:
+            return build()
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The request's ``SamplingParams``, with ``max_tokens`` as the server resolved it
+        (the limit sent, or the default that fits the context).
+
+        Raises:
+            ValueError: a sampling value out of range (``SamplingParams`` names it), or a
+                structured-output request that is malformed or asks for two constraints.
+        """
         given = dict(temperature=self.temperature, top_p=self.top_p, n=self.n, seed=self.seed,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      repetition_penalty=self.repetition_penalty, stop=self.stop,
                      stop_token_ids=self.stop_token_ids)
         return SamplingParams(
-            max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit, top_k=self.top_k,
+            max_tokens=max_tokens, top_k=self.top_k,
             min_p=self.min_p, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=self.num_logprobs(), **{k: v for k, v in given.items() if v is not None},
+            logprobs=self.num_logprobs(), structured_outputs=self.structured_constraint(),
+            **{k: v for k, v in given.items() if v is not None},
             # A response sent whole needs the engine's output once, at the end (as vLLM's server).
             output_kind="delta" if self.stream else "final_only")
 
@@ -147,13 +262,40 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
-class ChatMessage(BaseModel):
-    """One chat turn, as the chat template reads it."""
+class ChatMessage(_Body):
+    """One chat turn. ``content`` is text or a list of ``{"type": "text", "text": ...}``
+    parts (joined by newlines, as vLLM does); other part types (images, audio, files)
+    are refused, as this server serves text models only."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):
+                raise ValueError(f"part {i}: a content part is an object with a string 'type'")
+            if kind != "text":
+                raise ValueError(f"part {i}: content parts of type {kind!r} are not supported "
+                                 "(this server takes text parts only)")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError(f"part {i}: a text part is {{\"type\": \"text\", \"text\": <string>}}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    def template_message(self) -> dict[str, str]:
+        """The message as the chat template reads it: ``developer`` (OpenAI's newer name of
+        ``system``) as ``system``, the name only when given."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_Request):
@@ -163,6 +305,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Int64 | None = None   # the newer name of max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_field: ClassVar[str] = "messages"
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
@@ -170,8 +313,14 @@ class ChatCompletionRequest(_Request):
             raise ValueError("top_logprobs: only allowed when logprobs is true")
         return self
 
-    def completion_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def completion_limit(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    def default_max_tokens(self, room: int) -> int:
+        """The whole ``room`` left in the context, as vLLM's chat does."""
+        return room
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -199,6 +348,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None   # vLLM's: the stop token id or stop string that ended it
     logprobs: CompletionLogprobs | None = None
 
 
@@ -250,6 +400,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
     logprobs: ChoiceLogprobs | None = None
 
 
@@ -273,6 +424,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
     logprobs: ChoiceLogprobs | None = None
 
 
