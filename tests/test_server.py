@@ -380,7 +380,7 @@ LONG_PROMPT = "1+" * 40 + "1="   # 82 tokens > max_model_len 64
      "you requested 65 tokens (4 in the messages, 61 in max_completion_tokens)", "max_completion_tokens"),
     ("/v1/chat/completions", CHAT | {"max_tokens": 61}, 400, "61 in max_tokens", "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400,
-     "the messages has 82 tokens, which leaves no room", "messages"),
+     "the messages have 82 tokens, which leaves no room", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "1+1="}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
      400, "messages.0.content: part 1: content parts of type 'image_url' are not supported", "messages"),

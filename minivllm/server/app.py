@@ -209,16 +209,17 @@ class _Server:
         max_len = self.engine.max_model_len
         i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
         num, what = len(prompts[i]), f"prompt {i}" if len(prompts) > 1 else req.prompt_field
+        has = "have" if what == "messages" else "has"
         context = f"This model's maximum context length (max_model_len) is {max_len} tokens"
         if num >= max_len:
-            raise APIError(400, f"{context}, and the {what} has {num} tokens, which leaves no room "
+            raise APIError(400, f"{context}, and the {what} {has} {num} tokens, which leaves no room "
                                 "for a completion: shorten it", req.prompt_field)
         field, limit = req.completion_limit()
         room = max_len - num
         if limit is None:
             limit = req.default_max_tokens(room)
             if limit > room:
-                raise APIError(400, f"{context}, and the {what} has {num} tokens: {room} are left for the "
+                raise APIError(400, f"{context}, and the {what} {has} {num} tokens: {room} are left for the "
                                     f"completion, fewer than the default {field} of {limit}; send a "
                                     f"smaller {field}", field)
         elif limit > room:
