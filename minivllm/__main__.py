@@ -53,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                         "engine stop sharing one GIL; docs/tuning.md, 'Host path')")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; a larger one is answered 413")
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                   help="split <think>...</think> out of chat replies as reasoning_content")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="turn <tool_call> blocks of chat replies into tool_calls (tool_choice auto)")
     _add_engine_args(s)
     c = sub.add_parser("chat", help="chat on stdin/stdout: each line is a user turn, the reply "
                                     "streams back; EOF or /exit ends it",
@@ -227,7 +231,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig(model_name=args.served_model_name or args.model,
                               api_key=args.api_key or envs.api_key(),
-                              max_body_bytes=args.max_body_bytes)
+                              max_body_bytes=args.max_body_bytes,
+                              reasoning_parser=args.reasoning_parser,
+                              tool_call_parser=args.tool_call_parser)
         llm_options = dict(device=args.device, dtype=args.dtype, kernels=args.kernels,
                            seed=args.seed, **_engine_options(args, args.seed))
         # vLLM's server budget (its offline LLM takes 16384, as ours does on CUDA): a

@@ -11,6 +11,7 @@ shuts it down once its engine has failed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -31,10 +32,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
 
 from minivllm.outputs import FinishReason, StopReason
+from minivllm.sampling import StructuredOutputs
+from minivllm.server.chat_output import chat_output_parser
 from minivllm.server.engine_loop import (AsyncEngine, Delta, EngineDeadError, RequestGroup,
                                          RequestLostError, merge_deltas)
 from minivllm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
+from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatFinishReason, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse,
                                       ChatStreamChoice, ChoiceLogprobs, CompletionChoice,
                                       CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -183,12 +186,17 @@ class _Server:
             raise APIError(400, "prompt: is empty", "prompt")
         return [self._token_ids(i, p, "prompt") for i, p in enumerate(prompts)]
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
+        """The prompt's token ids and text: the messages through the chat template, with the
+        request's tools and ``chat_template_kwargs``."""
         try:
-            ids = self.llm.chat_prompt_ids([m.template_message() for m in req.messages])
+            text = self.llm.chat_prompt_text([m.template_message() for m in req.messages],
+                                             req.template_tools(), req.chat_template_kwargs)
         except TemplateError as e:  # the template's own check (say, roles that must alternate)
             raise APIError(400, f"messages: refused by the model's chat template: {e}", "messages") from e
-        return self._token_ids(0, ids, "messages")
+        except ValueError as e:  # chat_template_kwargs that set apply_chat_template's own arguments
+            raise APIError(400, str(e), _param_named(str(e))) from e
+        return self._token_ids(0, text, "messages"), text
 
     def _token_ids(self, i: int, prompt: Any, field: str) -> list[int]:
         try:  # LLM's one prompt check: tokenize, non-empty, ids inside the vocabulary
@@ -288,16 +296,22 @@ class _Server:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model")
 
-    async def submit(self, kind: str, prompts: list[list[int]], req: _Request
-                     ) -> tuple[str, int, RequestGroup]:
+    async def submit(self, kind: str, prompts: list[list[int]], req: _Request,
+                     tool_constraint: StructuredOutputs | None = None) -> tuple[str, int, RequestGroup]:
         """Queue one request per prompt; returns the response id (``kind-<hex>``), its
-        creation time and the requests' group."""
+        creation time and the requests' group. ``tool_constraint``: the grammar of a forced
+        tool call (``tool_choice``), which no other constraint may accompany."""
         request_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         max_tokens = self.max_tokens(req, prompts)
         self.check_stop_token_ids(req)
         try:
             params = req.to_sampling_params(max_tokens)
+            if tool_constraint is not None:
+                if params.structured_outputs is not None:
+                    raise ValueError("tool_choice: a forced tool call cannot be combined with another "
+                                     "structured-output constraint (response_format, structured_outputs)")
+                params = dataclasses.replace(params, structured_outputs=tool_constraint)
             return request_id, created, await self.engine.add_requests(ids, prompts, params)
         except (ValueError, TypeError) as e:
             raise _refusal(str(e), ids, req) from e
@@ -378,6 +392,11 @@ def _usage(last: dict[int, Delta], n: int) -> Usage:
 
 def _final(deltas: list[list[Delta]]) -> dict[int, Delta]:
     return {i: ds[-1] for i, ds in enumerate(deltas)}
+
+
+def _chat_finish(reason: FinishReason | None, called: bool) -> ChatFinishReason | None:
+    """A choice that called tools and then stopped reports ``tool_calls``, as OpenAI does."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def build_app(llm: Any, config: ServerConfig, engine: AsyncEngine | None = None) -> FastAPI:
@@ -508,10 +527,16 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(req)
-        rid, created, group = await server.submit("chatcmpl", [server.chat_prompt(req)], req)
+        prompt, prompt_text = server.chat_prompt(req)
+        try:
+            parser = chat_output_parser(server.config, req, prompt_text)
+        except ValueError as e:
+            raise APIError(400, str(e), _param_named(str(e))) from e
+        rid, created, group = await server.submit("chatcmpl", [prompt], req,
+                                                  parser.constraint if parser is not None else None)
         top_k = req.num_logprobs()
 
-        def event(index: int, delta: DeltaMessage, finish_reason: FinishReason | None = None,
+        def event(index: int, delta: DeltaMessage, finish_reason: ChatFinishReason | None = None,
                   logprobs: ChoiceLogprobs | None = None, stop_reason: StopReason = None) -> str:
             choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
                                       stop_reason=stop_reason, logprobs=logprobs)
@@ -532,21 +557,38 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
             return [event(d.index, DeltaMessage(content=d.text) if d.text else DeltaMessage(),
                           d.finish_reason, logprobs, d.stop_reason)]
 
+        streams = {i: parser.stream(i) for i in range(group.num_choices)} if parser is not None else {}
+
+        def parsed_chunk(d: Delta) -> list[str]:
+            # The parsers' deltas, one chunk each; the last carries the logprobs and finish.
+            stream = streams[d.index]
+            messages = stream.feed(d.text) + (stream.finish() if d.finish_reason is not None else [])
+            logprobs = server.chat_logprobs(d, top_k) if top_k is not None and d.token_ids else None
+            if not messages and d.finish_reason is None and logprobs is None:
+                return []
+            messages = messages or [DeltaMessage()]
+            last = len(messages) - 1
+            return [event(d.index, m) for m in messages[:last]] + [
+                event(d.index, messages[last], _chat_finish(d.finish_reason, stream.called), logprobs,
+                      d.stop_reason)]
+
         def usage_chunk(usage: Usage) -> str:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=server.model_name, choices=[],
                                             usage=usage).model_dump())
 
         if req.stream:
             first = [event(i, DeltaMessage(role="assistant", content="")) for i in range(group.num_choices)]
-            return StreamingResponse(server.stream(group, chunk, first,
+            return StreamingResponse(server.stream(group, chunk if parser is None else parsed_chunk, first,
                                                    usage_chunk if req.include_usage else None),
                                      media_type="text/event-stream")
         deltas = await server.collect(request, group)
         choices = []
         for ds in deltas:
             d = merge_deltas(ds)
+            message, called = (AssistantMessage(content=d.text), False) if parser is None else \
+                parser.message(d.index, d.text)
             choices.append(ChatChoice(
-                index=d.index, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason,
+                index=d.index, message=message, finish_reason=_chat_finish(d.finish_reason, called),
                 stop_reason=d.stop_reason,
                 logprobs=server.chat_logprobs(d, top_k) if top_k is not None else None))
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=server.model_name,
