@@ -114,3 +114,40 @@ def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = 
         torch.cuda.empty_cache()  # the engine that loads it sizes its KV pool from free memory
     return path
 
+
+
+def write_byte_level_tokenizer(path: str, vocab_size: int, eos_token_id: int, seed: int = 0) -> str:
+    """A byte-level BPE tokenizer of ``vocab_size`` ids in ``path`` (next to a random
+    checkpoint), for what needs real token text: every byte, then random pieces of words,
+    numbers and punctuation as BPE vocabularies hold them (some with a leading space), and
+    ``<|im_end|>`` at ``eos_token_id``. No merges: prompts are token ids. Double quotes and
+    backslashes occur only as the single-byte tokens, as a model that rarely ends a JSON
+    string would have it."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()                                   # the 256 byte characters
+    pieces = "abcdefghijklmnopqrstuvwxyz" * 4 + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "0123456789" * 2 + ",.:;-_()[]{}"
+    rng = random.Random(seed)
+    vocab: dict[str, int] = {}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    while len(vocab) < vocab_size - 1:
+        word = "".join(rng.choice(pieces) for _ in range(rng.randint(2, 8)))
+        vocab.setdefault(("\u0120" if rng.random() < 0.5 else "") + word, len(vocab))
+    ids = sorted(vocab, key=vocab.get)  # type: ignore[arg-type]
+    eos = "<|im_end|>"
+    ids.insert(eos_token_id, eos)
+    vocab = {tok: i for i, tok in enumerate(ids[:vocab_size])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([eos])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                   "clean_up_tokenization_spaces": False}, f)
+    return path

@@ -225,6 +225,20 @@ def sampler_section(runs: Summaries) -> list[str]:
                   for stem, d in runs for r in d.get("results", [])])
 
 
+def structured_outputs_section(runs: Summaries) -> list[str]:
+    rows = []
+    for stem, d in runs:
+        for name in ("unconstrained", "json_schema"):
+            for i, r in enumerate(get(d, "rounds", name) or []):
+                rows.append([stem, fmt(d.get("workload")), name, str(i), fmt(r.get("completion_tokens"), ",d"),
+                             fmt(r.get("tok_s"), ",.0f"),
+                             fmt(r.get("mask_ms_per_step"), ".3f") if name == "json_schema" else "-"])
+        rows.append([stem, fmt(d.get("workload")), "JSON / unconstrained (medians)", "", "",
+                     fmt(d.get("ratio"), ".3f"), fmt(d.get("mask_ms_per_step"), ".3f")])
+    return table(["summary", "workload", "requests", "round", "completion tokens", "tok/s",
+                  "host mask ms per step"], rows)
+
+
 def accuracy_section(runs: Summaries) -> list[str]:
     rows = []
     for stem, d in runs:
@@ -272,6 +286,8 @@ SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
     "prefill_attention": ("paged prefill attention against SDPA", "make bench", prefill_attention_section),
     "gemv": ("the GEMV kernel against cuBLAS at decode shapes", "make bench", gemv_section),
     "sampler": ("the sampler", "make bench", sampler_section),
+    "structured_outputs": ("offline-256 under a JSON schema against unconstrained", "make bench",
+                           structured_outputs_section),
     "accuracy": ("bf16 against float32, minivllm and HF transformers", "make bench", accuracy_section),
     "tp_scaling": ("TP=2 against TP=1, Qwen3-8B shapes", "make bench-tp", tp_scaling_section),
     "all_reduce": ("the tensor-parallel all-reduce", "make bench-tp", all_reduce_section),

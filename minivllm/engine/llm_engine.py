@@ -80,6 +80,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_chunked_prefills: int = 0  # scheduled sequences that got a partial chunk
     num_aborts: int = 0
+    num_masked_steps: int = 0      # steps with grammar-masked rows
+    grammar_mask_s: float = 0.0    # host seconds filling their token bitmasks
 
 
 @dataclass(frozen=True)
@@ -395,6 +397,7 @@ class LLMEngine:
     def _send_bitmask(self, step: _InFlight) -> None:
         """Fill the step's grammar masks from its sequences' matchers and hand them over."""
         assert step.masked is not None and self.grammar_backend is not None
+        t0 = time.perf_counter()
         bitmask = np.full((len(step.masked), bitmask_width(self.grammar_backend.vocab_size)),
                           ALL_ALLOWED, dtype=np.int32)
         live = [(row, seq.grammar) for row, seq in enumerate(step.masked)
@@ -402,6 +405,8 @@ class LLMEngine:
         if live:
             self.grammar_backend.fill_bitmasks([m for _, m in live], bitmask, [r for r, _ in live])
         step.masked = None
+        self.stats.num_masked_steps += 1
+        self.stats.grammar_mask_s += time.perf_counter() - t0
         step.handle.set_token_bitmask(bitmask)
 
     def _take_inflight(self) -> _InFlight | None:

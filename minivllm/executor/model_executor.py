@@ -265,6 +265,7 @@ class ModelExecutor:
         self._awaiting_bitmask: _MaskedStep | None = None  # a step whose sampler waits for its masks
         self._staging = _PinnedRing(self.device)
         self._extras_staging = _PinnedRing(self.device)  # its own ring: one upload a step each
+        self._mask_staging = _PinnedRing(self.device)
         self._outputs = _PinnedRing(self.device)
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
@@ -297,7 +298,8 @@ class ModelExecutor:
         self.model = None  # type: ignore[assignment]
         self.kv_cache = None  # type: ignore[assignment]
         self.prev_sampled = None  # type: ignore[assignment]
-        self._staging = self._extras_staging = self._outputs = None  # type: ignore[assignment]
+        self._staging = self._extras_staging = self._outputs = self._mask_staging = None  # type: ignore[assignment]
+        self._awaiting_bitmask = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -502,7 +504,7 @@ class ModelExecutor:
             return self.sampler.forward_vocab_parallel(shard, tensors, self.model.lm_head.vocab_start), None
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # (S, V), raw
         if bitmask is not None:
-            logits = apply_token_bitmask(logits, torch.from_numpy(bitmask).to(self.device, non_blocking=True))
+            logits = apply_token_bitmask(logits, self._upload_bitmask(bitmask))
         tokens = self.sampler(logits, tensors, penalties=extras.penalties)  # (S,) int64 on the device
         if extras.logprobs is None:
             return tokens, None
@@ -677,6 +679,17 @@ class ModelExecutor:
                                  "but the previous step did not sample for them")
             rows[plan.prev_sample_slots] = [self.prev_sample_row[sid] for sid in refs]
         return rows
+
+    def _upload_bitmask(self, bitmask: np.ndarray) -> torch.Tensor:
+        """The int32 token bitmask on the device (on CUDA through a pinned ring of its own)."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(bitmask)
+        n = bitmask.size
+        staging = self._mask_staging.next((n + 1) // 2).view(torch.int32)[:n]
+        staging.numpy()[:] = bitmask.reshape(-1)
+        on_device = staging.to(self.device, non_blocking=True)
+        self._mask_staging.record()
+        return on_device.view(bitmask.shape)
 
     def _upload_all(self, *arrays: np.ndarray, ring: _PinnedRing | None = None) -> list[torch.Tensor]:
         """Host arrays -> int64 device tensors of the same shapes, in ONE copy.
