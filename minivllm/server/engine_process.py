@@ -62,6 +62,7 @@ class LLMFront:
 
     prompt_token_ids = LLM.prompt_token_ids
     chat_prompt_ids = LLM.chat_prompt_ids
+    chat_prompt_text = LLM.chat_prompt_text
     _require_tokenizer = LLM._require_tokenizer
 
     def __init__(self, model: str) -> None:
