@@ -292,6 +292,8 @@ CHAT = {"messages": [{"role": "user", "content": "12+34="}]}
     ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputs(json=SCHEMA)),
     ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutputs(json=json.dumps(SCHEMA))),
     ({"structured_outputs": {"json_object": True}}, StructuredOutputs(json_object=True)),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)),
     ({"structured_outputs": {"regex": "[0-9]+", "json": None}}, StructuredOutputs(regex="[0-9]+")),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutputs(choice=("yes", "no"))),
     ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredOutputs(grammar='root ::= "a"')),
