@@ -195,24 +195,24 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "llama",
-               raw_types: dict[str, gguf.GGMLQuantizationType] | None = None, **extra: int) -> Path:
+               raw_types: dict[str, gguf.GGMLQuantizationType] | None = None, omit: tuple[str, ...] = (),
+               **extra: int) -> Path:
     """A GGUF file of TINY's shapes holding ``tensors`` (GGUF names; uint8 rows where
-    ``raw_types`` names a quantized type); ``extra``: more ``{arch}.KEY`` integers."""
+    ``raw_types`` names a quantized type), without the ``{arch}.KEY`` keys in ``omit`` and
+    with ``extra`` ones."""
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(TINY.num_hidden_layers)
-    w.add_context_length(TINY.max_position_embeddings)
-    w.add_embedding_length(TINY.hidden_size)
-    w.add_feed_forward_length(TINY.intermediate_size)
-    w.add_head_count(TINY.num_attention_heads)
-    w.add_head_count_kv(TINY.num_key_value_heads)
-    w.add_key_length(TINY.head_dim)
-    w.add_value_length(TINY.head_dim)
-    w.add_rope_dimension_count(TINY.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(TINY.rope_theta)
-    w.add_vocab_size(TINY.vocab_size)
-    for key, value in extra.items():
-        w.add_uint32(f"{arch}.{key}", value)
+    ints = {"block_count": TINY.num_hidden_layers, "context_length": TINY.max_position_embeddings,
+            "embedding_length": TINY.hidden_size, "feed_forward_length": TINY.intermediate_size,
+            "attention.head_count": TINY.num_attention_heads, "attention.head_count_kv": TINY.num_key_value_heads,
+            "attention.key_length": TINY.head_dim, "attention.value_length": TINY.head_dim,
+            "rope.dimension_count": TINY.head_dim, "vocab_size": TINY.vocab_size, **extra}
+    floats = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": TINY.rope_theta}
+    for key, value in ints.items():
+        if key not in omit:
+            w.add_uint32(f"{arch}.{key}", value)
+    for key, value in floats.items():
+        if key not in omit:
+            w.add_float32(f"{arch}.{key}", value)
     for name, array in tensors.items():
         w.add_tensor(name, array, raw_dtype=(raw_types or {}).get(name))
     w.write_header_to_file()
@@ -316,6 +316,13 @@ def test_mixture_of_experts_and_scaled_rope_are_refused(tiny, tmp_path) -> None:
         ModelConfig.from_hf_json(write_gguf(tmp_path / "freqs.gguf", freqs))
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         ModelConfig.from_hf_json(write_gguf(tmp_path / "partial.gguf", tensors, **{"rope.dimension_count": 4}))
+
+
+def test_missing_metadata_is_named(tiny, tmp_path) -> None:
+    _, tensors = tiny
+    path = write_gguf(tmp_path / "no-ffn.gguf", tensors, omit=("feed_forward_length",))
+    with pytest.raises(ValueError, match="GGUF metadata lacks 'llama.feed_forward_length'"):
+        ModelConfig.from_hf_json(path)
 
 
 def test_a_directory_holds_one_gguf(tiny, tmp_path) -> None:

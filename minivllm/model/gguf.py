@@ -66,6 +66,9 @@ _GLOBAL_NAMES: Mapping[str, str] = {"token_embd": "model.embed_tokens", "output_
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
+_MISSING = object()  # "no default": an absent metadata key is an error
+
+
 def is_gguf_file(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a file named ``*.gguf``."""
     return os.path.isfile(path) and os.fspath(path).endswith(GGUF_SUFFIX)
@@ -125,7 +128,7 @@ def hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     reader = open_gguf(path)
     arch = _value(reader, "general.architecture", path)
 
-    def get(key: str, default: Any = None) -> Any:
+    def get(key: str, default: Any = _MISSING) -> Any:
         return _value(reader, f"{arch}.{key}", path, default)
 
     if get("expert_count", 0):
@@ -167,9 +170,6 @@ def hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         "eos_token_id": list(dict.fromkeys(eos)) or None,
         "bos_token_id": _value(reader, "tokenizer.ggml.bos_token_id", path, None),
     }
-
-
-_MISSING = object()
 
 
 def _head_dim(reader: gguf.GGUFReader, arch: str, path: str | os.PathLike[str]) -> int:
