@@ -12,6 +12,7 @@ naming it. Sampling values are checked once, by ``SamplingParams``
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any, Callable, ClassVar, Literal, Union
@@ -32,6 +33,11 @@ Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
+REASONING_PARSERS = (None, "qwen3")
+TOOL_CALL_PARSERS = (None, "hermes")
+# OpenAI's rule for a function's name (it is also written into prompts and grammars).
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error", 500: "internal_server_error"}
@@ -46,11 +52,18 @@ class ServerConfig:
         api_key: when set, every ``/v1/*`` route requires ``Authorization: Bearer
             <api_key>`` (``/health`` and ``/metrics`` stay open, as in vLLM).
         max_body_bytes: largest request body accepted; a larger one is a 413.
+        reasoning_parser: ``"qwen3"``: chat responses split ``<think>...</think>`` into
+            ``reasoning_content`` (``minivllm/server/reasoning.py``); None: all content.
+        tool_call_parser: ``"hermes"``: ``<tool_call>`` blocks become ``tool_calls``
+            when a request gives tools (``minivllm/server/tool_calls.py``); None: a request
+            whose tool_choice is ``auto`` is refused, as vLLM refuses it.
     """
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    reasoning_parser: Literal["qwen3"] | None = None
+    tool_call_parser: Literal["hermes"] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -60,6 +73,10 @@ class ServerConfig:
         b = self.max_body_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"max_body_bytes must be an int >= 1, got {b!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
 
 
 class _Body(BaseModel):
@@ -265,14 +282,61 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
+class FunctionCallParam(_Body):
+    """The function of a call in an assistant message: its name and arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_a_json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError as e:
+            raise ValueError(f"function.arguments: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError("function.arguments: must be a JSON object")
+        return arguments
+
+
+class ToolCallParam(_Body):
+    """A call an earlier assistant turn made (``messages[i].tool_calls[j]``)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCallParam
+
+
 class ChatMessage(_Body):
     """One chat turn. ``content`` is text or a list of ``{"type": "text", "text": ...}``
     parts (joined by newlines, as vLLM does); other part types (images, audio, files)
-    are refused, as this server serves text models only."""
+    are refused, as this server serves text models only. An assistant turn may carry the
+    ``tool_calls`` it made (its content may then be null: read as ""); a ``tool`` turn answers
+    the call named by its ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = Field(default=None, min_length=1)
+    tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_need_no_content(cls, data: Any) -> Any:
+        # OpenAI clients send an assistant turn that only called tools with content null.
+        if isinstance(data, dict) and data.get("content") is None and data.get("tool_calls"):
+            return {**data, "content": ""}
+        return data
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message has them, not a {self.role} message")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool message needs one (the id of the call it answers), "
+                             "and only a tool message has one")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -292,13 +356,53 @@ class ChatMessage(_Body):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    def template_message(self) -> dict[str, str]:
+    def template_message(self) -> dict[str, Any]:
         """The message as the chat template reads it: ``developer`` (OpenAI's newer name of
-        ``system``) as ``system``, the name only when given."""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        ``system``) as ``system``; the name, tool calls and tool call id only when
+        given; a call's arguments as an object (templates write it with ``tojson``), as vLLM
+        hands them over."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(_Body):
+    """A tool's function: its name, what it does, and its parameters' JSON schema."""
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None   # accepted; a forced call always follows the schema
+
+
+class ChatTool(_Body):
+    """One of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` that forces one function: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class ChatCompletionRequest(_Request):
@@ -308,6 +412,10 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Int64 | None = None   # the newer name of max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None   # default: auto with tools, none without
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None   # extension: template variables
     prompt_field: ClassVar[str] = "messages"
 
     @model_validator(mode="after")
@@ -315,6 +423,30 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only allowed when logprobs is true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be unique, got {names}")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: only allowed with tools, and the request gives none")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not among the tools {names}")
+        return self
+
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """``tool_choice`` as sent, or its default: ``auto`` with tools, ``none`` without."""
+        if not self.tools:
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as the chat template reads them (fields not sent left out)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def completion_limit(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -394,15 +526,37 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str   # JSON text
+
+
+class ToolCall(BaseModel):
+    """A call the model made (``message.tool_calls[i]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """The reply: with the server's parsers, its reasoning and tool calls apart from the
+    content (None when the choice has none)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+# A chat choice also ends with "tool_calls": it stopped after calling tools.
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     stop_reason: StopReason = None
     logprobs: ChoiceLogprobs | None = None
 
@@ -416,17 +570,34 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call's part: the first names ``id``, ``type`` and ``function.name`` (with
+    ``arguments`` ""), later ones append to ``function.arguments``; ``index`` says which call."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     """What a chunk adds to the assistant message (fields left out are unchanged)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: StopReason = None
     logprobs: ChoiceLogprobs | None = None
 
