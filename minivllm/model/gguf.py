@@ -35,10 +35,10 @@ import glob
 import os
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
-import gguf
 import numpy as np
 
 if TYPE_CHECKING:
+    import gguf  # imported where a GGUF file is read: a safetensors checkpoint needs no gguf package
     import torch
 
 GGUF_SUFFIX = ".gguf"
@@ -46,12 +46,11 @@ GGUF_SUFFIX = ".gguf"
 ARCHITECTURES: Mapping[str, str] = {"llama": "LlamaForCausalLM"}
 # Architectures whose converter permutes the q/k rows (see the module docstring).
 _PERMUTED_QK = frozenset({"llama"})
-_Q = gguf.GGMLQuantizationType
-# The float types and llama.cpp's legacy and k-quant types: what the common llama.cpp
-# file types (F16, Q4_0 .. Q8_0, Q2_K .. Q6_K and their mixes) are made of.
-SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({
-    _Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
-    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+# The float types and llama.cpp's legacy and k-quant types (``gguf.GGMLQuantizationType``
+# names): what the common llama.cpp file types (F16, Q4_0 .. Q8_0, Q2_K .. Q6_K and their
+# mixes) are made of.
+SUPPORTED_TYPES: frozenset[str] = frozenset({
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 })
 # Per-layer GGUF tensor name -> Hugging Face module path inside model.layers.N.
 _LAYER_NAMES: Mapping[str, str] = {
@@ -98,6 +97,8 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
         ValueError: not a readable GGUF file, an unsupported architecture, or tensors of
             unsupported types (each type named, with the tensors that use it).
     """
+    import gguf
+
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, KeyError) as e:
@@ -108,13 +109,13 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
                          f"supported: {tuple(ARCHITECTURES)}")
     unsupported: dict[str, list[str]] = {}
     for t in reader.tensors:
-        if t.tensor_type not in SUPPORTED_TYPES:
+        if t.tensor_type.name not in SUPPORTED_TYPES:
             unsupported.setdefault(t.tensor_type.name, []).append(t.name)
     if unsupported:
         found = "; ".join(f"{kind} ({len(names)} tensors, e.g. {names[0]})"
                           for kind, names in sorted(unsupported.items()))
         raise ValueError(f"{os.fspath(path)}: unsupported GGUF tensor type(s): {found}; supported: "
-                         f"{sorted(k.name for k in SUPPORTED_TYPES)}")
+                         f"{sorted(SUPPORTED_TYPES)}")
     return reader
 
 
@@ -261,11 +262,15 @@ class GGUFTensor:
 
     def _rows(self, start: int, length: int) -> "torch.Tensor":
         # data: (rows, bytes or elements per row); a quantized row holds whole blocks.
-        rows = gguf.quants.dequantize(self._tensor.data[start:start + length], self._tensor.tensor_type)
+        from gguf.quants import dequantize
+
+        rows = dequantize(self._tensor.data[start:start + length], self._tensor.tensor_type)
         return self._finish(rows.reshape(length, *self.shape[1:]))
 
     def _all(self) -> "torch.Tensor":
-        values = gguf.quants.dequantize(self._tensor.data, self._tensor.tensor_type)
+        from gguf.quants import dequantize
+
+        values = dequantize(self._tensor.data, self._tensor.tensor_type)
         return self._finish(values.reshape(self.shape))
 
     def _finish(self, values: np.ndarray) -> "torch.Tensor":
