@@ -328,9 +328,15 @@ class LLM:
         if self.tokenizer is None:
             return ordered
         # Requests with stop strings come back with the engine's text (cut at the stop string).
-        return [o if o.text is not None else
-                dataclasses.replace(o, text=self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True))
-                for o in ordered]
+        return [o if o.text is not None else dataclasses.replace(o, text=self._text(o)) for o in ordered]
+
+    def _text(self, out: RequestOutput) -> str:
+        """The completion's text: an eos or stop token that ended it stays in ``token_ids``
+        but not in the text (``docs/design.md``, "Finishing a request")."""
+        ids = list(out.token_ids)
+        if out.finish_reason == "stop":  # without a stop string: the last token is eos or a stop id
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -44,7 +44,12 @@ def test_chat_template_and_stop_tokens() -> None:
     six = llm.tokenizer.encode("6", add_special_tokens=False)[0]
     out = llm.generate("23+45=", SamplingParams(temperature=0, max_tokens=5, stop_token_ids=(six,)),
                        use_tqdm=False)[0]
-    assert out.token_ids == (six,) and out.finish_reason == "stop"
+    assert out.token_ids == (six,) and out.finish_reason == "stop" and out.stop_reason == six
+    assert out.text == ""  # the stop token stays in token_ids, not in the text (as eos)
+    eight = llm.tokenizer.encode("8", add_special_tokens=False)[0]
+    out = llm.generate("23+45=", SamplingParams(temperature=0, max_tokens=5, stop_token_ids=(eight,)),
+                       use_tqdm=False)[0]
+    assert (out.text, out.token_ids[-1], out.stop_reason) == ("6", eight, eight)
 
 
 def test_stop_strings_cut_the_text() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
 import socket
 import threading
@@ -336,7 +337,9 @@ def test_a_directory_holds_one_gguf(tiny, tmp_path) -> None:
 
 # ---- last: the server takes over llm's engine -----------------------------------------------
 
-def test_openai_server_answers_a_chat_request(llm) -> None:
+@pytest.fixture(scope="module")
+def smollm2_server(llm):
+    """The OpenAI server over the SmolLM2 LLM, on 127.0.0.1: its /v1 URL."""
     app = build_app(llm, ServerConfig("smollm2"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -345,13 +348,33 @@ def test_openai_server_answers_a_chat_request(llm) -> None:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-        with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60) as client:
-            reply = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=24,
-                                                   messages=[{"role": "user", "content": FRANCE}])
-        assert "Paris" in reply.choices[0].message.content
-        assert reply.choices[0].finish_reason == "stop"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def test_openai_server_answers_a_chat_request(smollm2_server) -> None:
+    with openai.OpenAI(base_url=smollm2_server, api_key="none", max_retries=0, timeout=60) as client:
+        reply = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=24,
+                                               messages=[{"role": "user", "content": FRANCE}])
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_openai_server_answers_under_a_json_schema(smollm2_server) -> None:
+    """A trained model under response_format json_schema: the reply parses, has the schema's
+    fields, and (greedy) names the capital."""
+    schema = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 16},
+                                               "capital": {"type": "string", "maxLength": 16}},
+              "required": ["country", "capital"], "additionalProperties": False}
+    with openai.OpenAI(base_url=smollm2_server, api_key="none", max_retries=0, timeout=60) as client:
+        reply = client.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=64,
+            messages=[{"role": "user", "content": FRANCE + " Answer in JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    answer = json.loads(choice.message.content)
+    assert set(answer) == {"country", "capital"} and "Paris" in answer["capital"], answer
