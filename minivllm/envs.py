@@ -18,6 +18,9 @@ TP_TIMEOUT_S = "MINIVLLM_TP_TIMEOUT_S"
 # Triton's own switch, read here too: "1" runs Triton kernels on the CPU through its
 # interpreter (how the CPU tests run them).
 TRITON_INTERPRET = "TRITON_INTERPRET"
+# OpenMP's own thread count, read here too: set, the server's engine process keeps the
+# torch thread count it gives instead of sizing it from the CPUs it may use.
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 DEFAULT_TP_TIMEOUT_S = 300.0
 
@@ -43,6 +46,11 @@ def tp_timeout_s() -> float:
     if not value > 0:
         raise ValueError(f"{TP_TIMEOUT_S} must be a positive number of seconds, got {raw!r}")
     return value
+
+
+def omp_num_threads_set() -> bool:
+    """Whether the user chose OpenMP's (and so torch's) thread count with ``OMP_NUM_THREADS``."""
+    return bool(os.environ.get(OMP_NUM_THREADS))
 
 
 def triton_interpreted() -> bool:

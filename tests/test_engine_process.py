@@ -4,7 +4,8 @@ The same tiny trained fixture as ``test_server.py`` (it adds numbers: "12+34=" -
 "46"). Checked: answers equal the in-process engine's (greedy, seeded sampling with
 n = 2, stop strings, logprobs), streamed and not; many concurrent requests; refused
 requests; an abort frees its blocks; a dead engine process fails requests at once
-(500) instead of hanging them; closing leaves no process behind.
+(500) instead of hanging them; closing leaves no process behind; the engine process
+sizes torch's threads from the CPUs it may use unless OMP_NUM_THREADS is set.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import concurrent.futures
 import json
 import os
 import signal
+import subprocess
+import sys
+import types
 from typing import Any, Iterator
 
 import pytest
@@ -25,7 +29,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.server.app import build_app  # noqa: E402
 from minivllm.server.engine_loop import EngineDeadError  # noqa: E402
-from minivllm.server.engine_process import LLMFront, ProcessAsyncEngine  # noqa: E402
+from minivllm.server.engine_process import LLMFront, ProcessAsyncEngine, engine_num_threads  # noqa: E402
 from minivllm.server.protocol import ServerConfig  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
@@ -183,3 +187,58 @@ def test_tensor_parallel_engine_process_and_exit_without_close(tmp_path) -> None
     assert len(pids) >= 2, "no tensor-parallel worker under the engine process"
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "State:\tZ" in open(f"/proc/{pid}/status").read()
+
+
+# ---- torch threads of the engine process -------------------------------------------
+
+@pytest.mark.parametrize("cpus, default, threads", [
+    ({0, 1}, 2, 1),                  # two cores: one for the engine, one for the server
+    (set(range(16)), 16, 15),
+    ({4, 5, 6, 7}, 4, 3),            # an affinity mask, not the machine's cores
+    (set(range(64)), 32, 32),        # never more than torch's default (one per physical core)
+    ({3}, 1, 1),                     # at least one
+])
+def test_engine_threads_are_the_usable_cpus_less_the_server_share(cpus, default, threads) -> None:
+    assert engine_num_threads(cpus, default) == threads
+
+
+class ThreadCountLLM:
+    """An ``LLM`` stand-in for the engine process whose ``max_model_len`` (the number the
+    process sends at start) is torch's thread count there when the model is built."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.scheduler_config = types.SimpleNamespace(max_model_len=torch.get_num_threads())
+        self.engine = types.SimpleNamespace(has_unfinished_requests=lambda: False)
+
+    def close(self) -> None:
+        """Nothing to free."""
+
+
+def engine_process_threads() -> int:
+    engine = ProcessAsyncEngine(ThreadCountLLM, {}, None)
+    try:
+        return engine.max_model_len
+    finally:
+        engine.close()
+
+
+def fresh_torch_threads() -> int:
+    """torch's thread count in a new process under this environment, before anyone sets it."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           capture_output=True, text=True, timeout=120, check=True)
+    return int(probe.stdout)
+
+
+def test_engine_process_sizes_torch_threads_from_its_cpus(monkeypatch) -> None:
+    """Unset, the engine process takes the usable CPUs less the server's share; a user's
+    OMP_NUM_THREADS (conftest sets 1 for the suite) is left as it is."""
+    cpus = os.sched_getaffinity(0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    sized = engine_num_threads(cpus, fresh_torch_threads())
+    assert engine_process_threads() == sized
+    monkeypatch.setenv("OMP_NUM_THREADS", str(len(cpus)))  # all of them: not what sizing gives
+    chosen = fresh_torch_threads()
+    assert chosen != sized or len(cpus) == 1
+    assert engine_process_threads() == chosen

@@ -36,10 +36,12 @@ import signal
 import threading
 import traceback
 import weakref
+from collections.abc import Collection
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
+from minivllm import envs
 from minivllm.config import ModelConfig
 from minivllm.llm import LLM, load_tokenizer, resolve_model_path
 from minivllm.sampling import SamplingParams
@@ -49,6 +51,9 @@ from minivllm.server.metrics import ServerMetrics, StepCounts
 
 STARTUP_TIMEOUT_S = 600.0
 JOIN_TIMEOUT_S = 10.0
+# Cores the server process keeps busy beside the engine process: its event loop and
+# engine thread (HTTP, detokenizing, the pipes) share one GIL, so about one.
+SERVER_PROCESS_CORES = 1
 
 
 class LLMFront:
@@ -229,11 +234,39 @@ def _stop_at_exit(ref: "weakref.ReferenceType[ProcessAsyncEngine]") -> None:
         engine.close()
 
 
+def engine_num_threads(cpus: Collection[int], default: int) -> int:
+    """Torch intra-op threads for the engine process: the CPUs it may run on (``cpus``)
+    less the server process's share, no more than torch's ``default``, at least 1.
+
+    torch's default is a thread per core, the server process's included; its OpenMP
+    workers spin while they wait, so the server process's threads wait for a core
+    behind them (``docs/tuning.md``, "Host path").
+    """
+    return max(1, min(default, len(cpus) - SERVER_PROCESS_CORES))
+
+
+def _usable_cpus() -> Collection[int]:
+    """The CPUs this process may run on: its affinity mask where the OS has one."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return range(os.cpu_count() or 1)
+
+
+def _size_torch_threads() -> None:
+    """Size torch's thread pool before the model is built, unless ``OMP_NUM_THREADS`` did."""
+    if envs.omp_num_threads_set():
+        return
+    import torch  # here: the server process never imports torch
+
+    torch.set_num_threads(engine_num_threads(_usable_cpus(), torch.get_num_threads()))
+
+
 def _core_main(cmds: Connection, outs: Connection, model: str | Callable[..., Any],
                llm_options: dict[str, Any]) -> None:
     """The engine process: build the LLM, then apply commands and step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; it stops us
     try:
+        _size_torch_threads()
         llm = model(**llm_options) if callable(model) else LLM(model, **llm_options)
         engine = llm.engine
         outs.send(("ready", llm.scheduler_config.max_model_len))
