@@ -21,6 +21,7 @@ from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from sim import plot  # noqa: E402
 from sim.__main__ import main as sim_main  # noqa: E402
 from sim.fake_executor import FakeExecutor  # noqa: E402
+from sim.grammar import FakeGrammarBackend  # noqa: E402
 from sim.oracle import FakeTextStream  # noqa: E402
 from sim.runner import RunResult, run_trace  # noqa: E402
 from sim.traces import Trace, generate_trace  # noqa: E402
@@ -59,7 +60,8 @@ def test_timeline_equals_the_engines_records_step_by_step(recorded) -> None:
     trace, r = recorded
     engine = LLMEngine(trace.scheduler, trace.cache,
                        FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks),
-                       eos_token_id=trace.eos_token_id, text_streams=FakeTextStream)
+                       eos_token_id=trace.eos_token_id, text_streams=FakeTextStream,
+                       grammar_backend=FakeGrammarBackend(trace.vocab_size, trace.eos_token_id))
     bm = engine.scheduler.block_manager
     assert r.timeline is not None and len(r.timeline) == r.steps == len(trace.expects)
     for t, expect in zip(r.timeline, trace.expects):
