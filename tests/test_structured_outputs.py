@@ -21,8 +21,9 @@ from minivllm.engine.grammar import allowed_tokens, bitmask_width  # noqa: E402
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
-SCHEMA = {"type": "object", "properties": {"sum": {"type": "integer", "minimum": 0, "maximum": 999}, "word": {"type": "string", "maxLength": 6},
-                                           "ok": {"type": "boolean"}},
+SCHEMA = {"type": "object",
+          "properties": {"sum": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "word": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
           "required": ["sum", "word", "ok"], "additionalProperties": False}
 
 
