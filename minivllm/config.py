@@ -177,7 +177,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 # The model classes there are (``minivllm/model/registry.py`` maps each name to its class).
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM",
+                                             "LlamaForCausalLM")
 # RoPE types we implement (``rope_type`` in config.json; "default" is plain RoPE).
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 # Hugging Face's theta when config.json names none.
@@ -238,6 +239,13 @@ class ModelConfig:
         attention_bias: config.json's ``attention_bias`` (Llama, Qwen3: bias on
             q/k/v/o; Qwen2 has no such switch, its q/k/v always carry a bias).
         architecture: ``architectures[0]``, one of ``SUPPORTED_ARCHITECTURES``.
+        num_experts: experts of a sparse MLP layer (Qwen3-MoE); 0: every layer is dense.
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: each expert's intermediate size.
+        norm_topk_prob: the top-k routing weights are renormalised to sum to 1.
+        decoder_sparse_step, mlp_only_layers: layer i is sparse iff i is not in
+            ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``
+            (``is_sparse_layer``); the others have the dense MLP of ``intermediate_size``.
     """
 
     vocab_size: int
@@ -259,6 +267,12 @@ class ModelConfig:
     architecture: str = "Qwen3ForCausalLM"
     torch_dtype: str | None = None
     rope_scaling: Llama3RopeScaling | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -286,6 +300,31 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
             )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        _check_int("num_experts", self.num_experts, 0)
+        if self.num_experts == 0:
+            return
+        if self.architecture != "Qwen3MoeForCausalLM":
+            raise ValueError(f"num_experts={self.num_experts}: only Qwen3MoeForCausalLM has experts")
+        _check_int("num_experts_per_tok", self.num_experts_per_tok, 1)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                             f"({self.num_experts})")
+        _check_int("moe_intermediate_size", self.moe_intermediate_size, 1)
+        _check_int("decoder_sparse_step", self.decoder_sparse_step, 1)
+        _check_bool("norm_topk_prob", self.norm_topk_prob)
+        if not isinstance(self.mlp_only_layers, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_hidden_layers
+                for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers must be a tuple of layer indices in [0, {self.num_hidden_layers}), "
+                             f"got {self.mlp_only_layers!r}")
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` routes to experts (transformers' rule for Qwen3-MoE)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_json(cls, path: str | os.PathLike[str]) -> "ModelConfig":
@@ -345,7 +384,31 @@ class ModelConfig:
             architecture=archs[0],
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             rope_scaling=rope_scaling,
+            **_read_experts(hf, archs[0], path),
         )
+
+
+def _read_experts(hf: Mapping[str, Any], architecture: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Qwen3-MoE's routing fields (none for a dense architecture). ``router_aux_loss_coef``
+    and ``output_router_logits`` are training-only and ignored.
+
+    Raises:
+        ValueError: a missing field, or a shared expert (Qwen2-MoE's), which the layers lack.
+    """
+    if architecture != "Qwen3MoeForCausalLM":
+        return {}
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{path}: shared_expert_intermediate_size is set; shared experts are not supported")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the second name
+    missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", hf.get("moe_intermediate_size"))) if v is None]
+    if missing:
+        raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
+    return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
 
 
 def _read_eos(hf: dict[str, Any], directory: str, path: str) -> int | tuple[int, ...] | None:

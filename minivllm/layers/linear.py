@@ -45,7 +45,7 @@ from torch import nn
 if TYPE_CHECKING:
     from minivllm.config import ModelConfig
 
-ShardId = str | int | None
+ShardId = str | int | tuple[int, int] | None
 
 
 @runtime_checkable
@@ -209,7 +209,8 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
     - ``num_attention_heads % tp_size == 0`` (query heads and o_proj's input);
     - ``num_key_value_heads % tp_size == 0`` or ``tp_size % num_key_value_heads == 0``
       (fewer KV heads than ranks: each is replicated);
-    - ``intermediate_size % tp_size == 0`` (gate/up and down_proj).
+    - ``intermediate_size % tp_size == 0`` (gate/up and down_proj), and
+      ``moe_intermediate_size % tp_size == 0`` (every expert's, split the same way).
 
     Nothing of the vocabulary: ``VocabParallelEmbedding`` gives every rank
     ``ceil(vocab / tp_size)`` rows and zero-pads the last shard(s), and the LM head
@@ -220,6 +221,8 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
     divide(model_config.num_attention_heads, tp_size, "num_attention_heads")
     kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
     divide(model_config.intermediate_size, tp_size, "intermediate_size")
+    if model_config.num_experts:
+        divide(model_config.moe_intermediate_size, tp_size, "moe_intermediate_size")
 
 
 class LinearBase(nn.Module):

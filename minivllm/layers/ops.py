@@ -163,6 +163,15 @@ class Ops:
         or None (a new tensor)."""
         return self.comm.partial_slot((x.shape[0], weight.shape[0]), x.dtype) if self.comm is not None else None
 
+    def moe(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+            top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+        """A sparse MLP: (T, H) -> this rank's (T, H) partial sum of the top-k experts of every
+        token (``layers/moe.py``; the torch reference routes on the host, so it is not
+        captured in CUDA graphs)."""
+        from minivllm.layers.moe import moe_reference
+
+        return moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
+
     # ---- attention ---------------------------------------------------------------
 
     def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,

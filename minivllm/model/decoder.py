@@ -46,6 +46,7 @@ from minivllm.layers.linear import (
     RowParallelLinear,
     ShardId,
 )
+from minivllm.layers.moe import SparseMoeBlock
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.ops import Ops
 from minivllm.layers.rotary import RotaryEmbedding
@@ -132,7 +133,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.ops = ops
         self.self_attn = DecoderAttention(config, spec, layer_idx, rotary, tp_rank, tp_size)
-        self.mlp = DecoderMLP(config, tp_rank, tp_size)
+        self.mlp: DecoderMLP | SparseMoeBlock = (SparseMoeBlock(config, tp_rank, tp_size)
+                                                 if config.is_sparse_layer(layer_idx)
+                                                 else DecoderMLP(config, tp_rank, tp_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -149,11 +152,20 @@ class DecoderLayer(nn.Module):
         partial = ops.linear(o, attn.o_proj.weight, attn.o_proj.partial_bias,
                              out=ops.partial_out(o, attn.o_proj.weight))
         h, residual = ops.add_rms_norm(partial, residual, norm2.weight, norm2.eps)
+        if isinstance(mlp, SparseMoeBlock):
+            return self.experts(h), residual
         gate_up = ops.linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         down = mlp.down_proj
         act = ops.silu_and_mul(gate_up)
         partial = ops.linear(act, down.weight, down.partial_bias, out=ops.partial_out(act, down.weight))
         return partial, residual
+
+    def experts(self, h: torch.Tensor) -> torch.Tensor:
+        """A sparse layer's MLP: the routed experts' partial sum of the normed ``h`` (T, hidden)."""
+        mlp = self.mlp
+        assert isinstance(mlp, SparseMoeBlock)
+        return self.ops.moe(h, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj,
+                            mlp.top_k, mlp.norm_topk_prob)
 
     def forward_few_rows(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +179,9 @@ class DecoderLayer(nn.Module):
         o = attn.attend(ops, positions, qkv, meta)
         partial = ops.gemv(o, attn.o_proj.weight, attn.o_proj.partial_bias,
                            out=ops.partial_out(o, attn.o_proj.weight))
+        if isinstance(mlp, SparseMoeBlock):
+            h, residual = ops.add_rms_norm(partial, residual, norm2.weight, norm2.eps)
+            return self.experts(h), residual
         gate_up, residual = ops.norm_gemv(partial, residual, norm2.weight, norm2.eps,
                                           mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         down = mlp.down_proj

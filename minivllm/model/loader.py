@@ -34,6 +34,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.layers.linear import ShardId, get_shard_ids, get_weight_loader
+from minivllm.layers.moe import expert_shard
 from minivllm.model.gguf import GGUFTensor, is_gguf_file, iter_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -144,8 +145,17 @@ def iter_checkpoint(path: str | os.PathLike[str]) -> Iterator[LazyTensor | GGUFT
 
 
 def map_name(name: str, packed: Mapping[str, tuple[str, ShardId]]) -> tuple[str, ShardId]:
-    """Checkpoint tensor name -> (our parameter name, shard id)."""
+    """Checkpoint tensor name -> (our parameter name, shard id). An expert's tensor goes to
+    the stacked experts (``layers/moe.py``)::
+
+        model.layers.0.mlp.experts.3.up_proj.weight -> model.layers.0.mlp.experts.gate_up_proj, (3, 1)
+    """
     parts = name.split(".")
+    expert = expert_shard(parts)
+    if expert is not None:
+        i, shard_id = expert
+        stacked = "down_proj" if parts[i + 2] == "down_proj" else "gate_up_proj"
+        return ".".join(parts[:i + 1] + [stacked]), shard_id
     for i, part in enumerate(parts):
         if part in packed:
             module, shard_id = packed[part]

@@ -15,9 +15,10 @@ from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.qwen2 import Qwen2ForCausalLM
 from minivllm.model.qwen3 import Qwen3ForCausalLM
+from minivllm.model.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: Mapping[str, type[DecoderForCausalLM]] = MappingProxyType({
-    cls.architecture: cls for cls in (Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)
+    cls.architecture: cls for cls in (Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)
 })
 
 
