@@ -93,6 +93,9 @@ def moe_reference(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, 
     ``Qwen3MoeSparseMoeBlock`` computes it: router logits in x's dtype, softmax and top-k in
     float32 (renormalised when ``norm_topk_prob``), the weights back in x's dtype, each
     expert a SiLU-gated MLP over its tokens, weighted and summed per token."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the torch reference experts route on the host and cannot be captured in a "
+                           "CUDA graph: use the Triton kernels or enforce_eager=True")
     logits = torch.nn.functional.linear(x, router)                              # (T, E)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)                             # (T, k)
