@@ -148,3 +148,27 @@ def make_model_executor(path: str, *, block_size: int, num_blocks: int | None, m
                             max_model_len=max_model_len or model_config.max_position_embeddings)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
     return ModelExecutor(model_config, path, sched, cache, ExecutorConfig(**executor))  # type: ignore[arg-type]
+
+
+def hf_generate(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """HF greedy; the explicit mask keeps generate from masking prompt tokens equal to pad_token_id."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def chunked_then_decoded_diff(ex: "ModelExecutor", hf: transformers.PreTrainedModel, seq: list[int], split: int,
+                              table: tuple[int, ...], block_size: int, decodes: int = 4) -> float:
+    """Max |logits - HF's| over a prompt fed in two chunks (the second over the cached first,
+    through ``table``) and ``decodes`` greedy steps after it (``seq`` grows by them)."""
+    ex.compute_logits(make_plan([(seq[:split], 0, table, False)], block_size))
+    worst = (all_row_logits(ex, make_plan([(seq[split:], split, table, True)], block_size))
+             - hf_logits(hf, seq)[split:]).abs().max()
+    for _ in range(decodes):
+        seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+        ours = ex.compute_logits(make_plan([([seq[-1]], len(seq) - 1, table, True)], block_size))[0]
+        worst = max(worst, (ours - hf_logits(hf, seq)[-1]).abs().max())
+    return float(worst)
+

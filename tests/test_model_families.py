@@ -27,8 +27,8 @@ from minivllm.config import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelCon
 from minivllm.layers.rotary import RotaryEmbedding, llama3_scaled_frequencies
 from minivllm.model.loader import load_weights
 from minivllm.model.registry import MODEL_CLASSES, build_model, model_class
-from model_utils import (LLAMA3_SCALING, TinyConfig, all_row_logits, hf_logits, make_hf_model, make_model_executor,
-                         make_plan, random_tokens, save_hf_model)
+from model_utils import (LLAMA3_SCALING, TinyConfig, chunked_then_decoded_diff, hf_generate,
+                         make_hf_model, make_model_executor, random_tokens, save_hf_model)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_TOKENIZER = ROOT / "fixtures" / "tiny-qwen3"
@@ -126,12 +126,7 @@ def test_logits_far_past_the_pretraining_context_match_hf(family) -> None:
                              num_blocks=32, max_num_seqs=2, max_num_batched_tokens=64)
     seq = random_tokens(np.random.default_rng(4), 84, hf.config.vocab_size)
     table = tuple(range(31, 8, -1))  # 23 scattered-order blocks: 92 slots
-    ex.compute_logits(make_plan([(seq[:50], 0, table, False)], BS))
-    worst = (all_row_logits(ex, make_plan([(seq[50:], 50, table, True)], BS)) - hf_logits(hf, seq)[50:]).abs().max()
-    for _ in range(4):
-        seq.append(int(hf_logits(hf, seq)[-1].argmax()))
-        ours = ex.compute_logits(make_plan([([seq[-1]], len(seq) - 1, table, True)], BS))[0]
-        worst = max(worst, (ours - hf_logits(hf, seq)[-1]).abs().max())
+    worst = chunked_then_decoded_diff(ex, hf, seq, 50, table, BS)
     print(f"\n[families] {name}: 84-88 positions max|diff| = {float(worst):.3e}")
     assert worst <= 1e-4
 
@@ -143,15 +138,6 @@ def long_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, vocab, 64).tolist() for _ in range(2)]
     return [prefixes[i % 2] + rng.integers(0, vocab, int(rng.integers(10, 20))).tolist() for i in range(4)]
-
-
-def hf_generate(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
-    """HF greedy; the explicit mask keeps generate from masking prompt tokens equal to pad_token_id."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_engine_greedy_matches_hf_generate(family) -> None:

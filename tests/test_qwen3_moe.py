@@ -17,14 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
-from tests.model_utils import (
-    all_row_logits,
-    hf_logits,
-    make_model_executor,
-    make_plan,
-    random_tokens,
-    randomize_weights,
-)
+from tests.model_utils import chunked_then_decoded_diff, hf_generate, make_model_executor, random_tokens, randomize_weights
 
 BS = 4
 NEW = 16
@@ -79,13 +72,7 @@ def test_logits_match_transformers(moe) -> None:
     ex = make_model_executor(path, device="cpu", dtype="float32", kernels="torch", block_size=BS,
                              num_blocks=16, max_num_seqs=2, max_num_batched_tokens=64)
     seq = random_tokens(np.random.default_rng(1), 30, hf.config.vocab_size)
-    table = tuple(range(15, 3, -1))
-    ex.compute_logits(make_plan([(seq[:17], 0, table, False)], BS))
-    worst = (all_row_logits(ex, make_plan([(seq[17:], 17, table, True)], BS)) - hf_logits(hf, seq)[17:]).abs().max()
-    for _ in range(4):
-        seq.append(int(hf_logits(hf, seq)[-1].argmax()))
-        ours = ex.compute_logits(make_plan([([seq[-1]], len(seq) - 1, table, True)], BS))[0]
-        worst = max(worst, (ours - hf_logits(hf, seq)[-1]).abs().max())
+    worst = chunked_then_decoded_diff(ex, hf, seq, 17, tuple(range(15, 3, -1)), BS)
     print(f"\n[moe] {name}: max|logits diff| = {float(worst):.3e}")
     assert worst <= 1e-4
 
@@ -94,14 +81,6 @@ def shared_prefix_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, vocab, 24).tolist() for _ in range(2)]
     return [prefixes[i % 2] + rng.integers(0, vocab, int(rng.integers(3, 9))).tolist() for i in range(6)]
-
-
-def hf_generate(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 ENGINE = dict(device="cpu", dtype="float32", kernels="torch", skip_tokenizer_init=True, block_size=BS,
