@@ -152,3 +152,46 @@ def vocab_shard_embedding_reference(ids: torch.Tensor, weight: torch.Tensor, voc
     mine = (ids >= vocab_start) & (ids < vocab_end)
     out = torch.nn.functional.embedding((ids - vocab_start) * mine, weight)
     return out * mine.unsqueeze(-1).to(out.dtype)
+
+
+def moe_topk_reference(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``kernels/moe_topk.py`` returns for router logits (T, E): ``(weights, ids)``
+    (T, top_k), largest first, as transformers' Qwen3-MoE router: softmax in float32, top-k,
+    divided by the sum when ``norm_topk_prob``; ids int32."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def moe_align_reference(topk_ids: torch.Tensor, num_experts: int,
+                        block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The used part of ``kernels/moe_align.py``'s layout for ``topk_ids`` (T, k):
+    ``(sorted_pair_ids, block_expert)``, the pair ids t * k + j of each expert in ascending
+    order, padded with T * k to a multiple of ``block_m``, and the expert of each block."""
+    flat = topk_ids.reshape(-1).long()
+    pad = flat.numel()
+    rows, owners = [], []
+    for e in range(num_experts):
+        pairs = torch.nonzero(flat == e).flatten()
+        blocks = -(-pairs.numel() // block_m)
+        rows.append(torch.cat([pairs, pairs.new_full((blocks * block_m - pairs.numel(),), pad)]))
+        owners.append(torch.full((blocks,), e, dtype=torch.long))
+    return torch.cat(rows).to(torch.int32), torch.cat(owners).to(torch.int32)
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """What ``kernels/fused_moe.py`` returns: x (T, H), w13 (E, 2I, H) [gate | up], w2
+    (E, H, I), topk_weights (T, k) float32, topk_ids (T, k) -> (T, H) in x's dtype. Each
+    expert in x's dtype as transformers' Qwen3MoeExperts; the weighted rows summed in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        token, slot = torch.where(topk_ids == e)
+        if token.numel() == 0:
+            continue
+        act = silu_and_mul_ref(F.linear(x[token], w13[e]))                 # (n, I)
+        y = F.linear(act, w2[e]).float() * topk_weights[token, slot, None]  # (n, H)
+        out.index_add_(0, token, y)
+    return out.to(x.dtype)

@@ -1,0 +1,179 @@
+"""The sparse-MLP kernels (``kernels/moe_topk.py``, ``moe_align.py``, ``fused_moe.py``;
+TRITON_INTERPRET=1 here) against their torch references, and the references against
+transformers' ``Qwen3MoeSparseMoeBlock``."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest sets it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from minivllm.kernels.fused_moe import FusedMoeConfig, fused_moe  # noqa: E402
+from minivllm.kernels.moe_align import MoeAlignment, max_blocks, moe_align  # noqa: E402
+from minivllm.kernels.moe_topk import moe_topk  # noqa: E402
+from minivllm.kernels.reference import (  # noqa: E402
+    fused_moe_reference, moe_align_reference, moe_topk_reference,
+)
+
+SMALL = FusedMoeConfig(block_n=16, block_k=16)  # several column blocks and K steps at H = 32
+
+
+def crafted_ids(tokens: int, experts: int, top_k: int) -> torch.Tensor:
+    """(T, k) int32 ids, distinct per token: expert 0 receives every token, the last expert
+    none (when E > k), the others in turn."""
+    others = experts - 1 if experts > top_k else experts
+    rows = [[0] + [1 + (t + j) % (others - 1) for j in range(top_k - 1)] if others > 1 else [0]
+            for t in range(tokens)]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def expert_weights(experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,norm", [
+    (1, 8, 2, True),     # decode
+    (17, 8, 2, False),
+    (9, 6, 3, True),     # E not a power of two: padded lanes never chosen
+    (5, 4, 4, False),    # k = E: every expert, largest first
+    (3, 1, 1, True),
+])
+def test_topk_is_reference(tokens, experts, top_k, norm) -> None:
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)) * 3
+    weights, ids = moe_topk(logits, top_k, norm)
+    ref_weights, ref_ids = moe_topk_reference(logits, top_k, norm)
+    assert weights.shape == ids.shape == (tokens, top_k) and ids.dtype == torch.int32
+    assert [set(r) for r in ids.tolist()] == [set(r) for r in ref_ids.tolist()]
+    torch.testing.assert_close(weights, ref_weights, rtol=0, atol=1e-6)
+    # Largest first, as torch.topk: the columns line up, not just the sets.
+    assert torch.equal(ids, ref_ids)
+
+
+def check_layout(al: MoeAlignment, ids: torch.Tensor, experts: int) -> None:
+    """The aligned layout's invariants, then its exact value (the reference)."""
+    pairs, bm = ids.numel(), al.block_m
+    used = int(al.num_blocks.item())
+    assert al.block_expert.shape == (max_blocks(pairs, experts, bm),)
+    assert al.sorted_pair_ids.shape == (al.block_expert.shape[0] * bm,)
+    rows = al.sorted_pair_ids[:used * bm]
+    assert sorted(rows[rows < pairs].tolist()) == list(range(pairs))          # a permutation of all pairs
+    assert torch.all(rows <= pairs) and torch.all(al.sorted_pair_ids[used * bm:] == pairs)
+    owners = al.block_expert[:used]
+    assert torch.all(owners[1:] >= owners[:-1])                               # one segment per expert, ascending
+    assert torch.all(al.block_expert[used:] == -1)
+    flat = ids.reshape(-1)
+    for b, e in enumerate(owners.tolist()):
+        block = rows[b * bm:(b + 1) * bm]
+        real = block[block < pairs].long()
+        assert torch.all(flat[real] == e) and real.numel() > 0
+        # Padding only at a segment's end: in the expert's last block, after its pairs.
+        assert torch.all(block[:real.numel()] < pairs)
+        if b + 1 < used and owners[b + 1] == e:
+            assert real.numel() == bm
+    ref_rows, ref_owners = moe_align_reference(ids, experts, bm)
+    assert torch.equal(rows, ref_rows) and torch.equal(owners, ref_owners)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m,chunk", [
+    (1, 8, 2, 16, None),   # decode: 2 pairs, 2 blocks
+    (17, 8, 2, 16, 16),    # 34 pairs over several chunks; every-token and no-token experts
+    (17, 4, 4, 16, 16),    # k = E: every expert receives every token (17 = a full block and one)
+    (16, 1, 1, 16, None),  # one expert, exactly one full block
+    (13, 8, 3, 32, 32),
+])
+def test_align_layout(tokens, experts, top_k, block_m, chunk) -> None:
+    ids = crafted_ids(tokens, experts, top_k)
+    check_layout(moe_align(ids, experts, block_m, chunk=chunk), ids, experts)
+
+
+def test_align_random_ids() -> None:
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:2] for t in range(11)])
+    check_layout(moe_align(ids.to(torch.int32).contiguous(), 8, 16, chunk=16), ids, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,top_k,inter", [
+    (1, 8, 2, 16),      # decode
+    (17, 4, 2, 24),     # expert 0 every token, expert 3 none; partial column and K tiles
+    (5, 4, 4, 48),      # k = E
+    (3, 1, 1, 16),      # k = 1: stage 2 writes the output
+])
+def test_fused_moe_is_reference(dtype, tokens, experts, top_k, inter) -> None:
+    hidden = 32
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids = crafted_ids(tokens, experts, top_k)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    w13, w2 = expert_weights(experts, hidden, inter, dtype)
+    out = fused_moe(x, w13, w2, weights, moe_align(ids, experts, 16), SMALL)
+    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == (tokens, hidden)
+    # bf16: rounding points differ by one (the weight multiply before the down rounding;
+    # the interpreter truncates bf16 casts), a few ulps of 2**-8.
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_routed_block_is_transformers_qwen3_moe() -> None:
+    """Router, alignment and experts together, and the torch references, against
+    transformers' own sparse MoE block in float32."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config).eval()
+    w13, w2 = expert_weights(8, 32, 16, torch.float32, seed=1)
+    router = torch.randn(8, 32)
+    hf_w13, hf_w2 = _hf_expert_tensors(block)
+    with torch.no_grad():
+        block.gate.weight.copy_(router)
+        hf_w13.copy_(w13)  # transformers stacks them as we do: (E, 2I, H) [gate | up], (E, H, I)
+        hf_w2.copy_(w2)
+        x = torch.randn(7, 32)
+        expected = block(x[None])[0]
+    logits = F.linear(x, router)
+    weights, ids = moe_topk(logits, 2, True)
+    out = fused_moe(x, w13, w2, weights, moe_align(ids, 8, 16), SMALL)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    ref = fused_moe_reference(x, w13, w2, *moe_topk_reference(logits, 2, True))
+    torch.testing.assert_close(ref, expected, rtol=1e-5, atol=1e-5)
+
+
+def _hf_expert_tensors(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked expert parameters of transformers' block (E, 2I, H) and (E, H, I)."""
+    experts = block.experts
+    if not hasattr(experts, "gate_up_proj"):
+        pytest.skip("this transformers keeps experts as a ModuleList, not stacked tensors")
+    return experts.gate_up_proj.data, experts.down_proj.data
+
+
+def test_launchers_refuse_bad_arguments() -> None:
+    logits = torch.randn(3, 4)
+    with pytest.raises(TypeError, match="logits"):
+        moe_topk(logits.half(), 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_topk(logits, 5, True)
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_m"):
+        moe_align(ids, 4, 8)
+    with pytest.raises(TypeError, match="topk_ids"):
+        moe_align(ids.long(), 4)
+    x = torch.randn(3, 32)
+    w13, w2 = expert_weights(4, 32, 16, torch.float32)
+    weights = torch.rand(3, 2)
+    al = moe_align(ids, 4)
+    with pytest.raises(TypeError, match="w13"):
+        fused_moe(x, w13.half(), w2, weights, al)
+    with pytest.raises(ValueError, match="w13"):
+        fused_moe(x, w13[:, :30], w2, weights, al)
+    with pytest.raises(ValueError, match="alignment"):
+        fused_moe(x[:2], w13, w2, weights[:2], al)
