@@ -66,14 +66,16 @@ def test_config_reads_the_routing_and_the_sparse_layers(moe) -> None:
     assert [c.is_sparse_layer(i) for i in range(c.num_hidden_layers)] == sparse and any(sparse)
 
 
-def test_logits_match_transformers(moe) -> None:
-    """A 30-token prompt in two chunks (the second over the cached first), then decodes."""
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_logits_match_transformers(moe, kernels: str) -> None:
+    """A 30-token prompt in two chunks (the second over the cached first), then decodes; the
+    torch reference experts and the Triton kernels (interpreted here, with every other op's)."""
     name, hf, path = moe
-    ex = make_model_executor(path, device="cpu", dtype="float32", kernels="torch", block_size=BS,
+    ex = make_model_executor(path, device="cpu", dtype="float32", kernels=kernels, block_size=BS,
                              num_blocks=16, max_num_seqs=2, max_num_batched_tokens=64)
     seq = random_tokens(np.random.default_rng(1), 30, hf.config.vocab_size)
     worst = chunked_then_decoded_diff(ex, hf, seq, 17, tuple(range(15, 3, -1)), BS)
-    print(f"\n[moe] {name}: max|logits diff| = {float(worst):.3e}")
+    print(f"\n[moe] {name}, {kernels}: max|logits diff| = {float(worst):.3e}")
     assert worst <= 1e-4
 
 

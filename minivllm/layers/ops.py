@@ -166,11 +166,21 @@ class Ops:
     def moe(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             top_k: int, norm_topk_prob: bool) -> torch.Tensor:
         """A sparse MLP: (T, H) -> this rank's (T, H) partial sum of the top-k experts of every
-        token (``layers/moe.py``; the torch reference routes on the host, so it is not
-        captured in CUDA graphs)."""
-        from minivllm.layers.moe import moe_reference
+        token (``layers/moe.py``). Triton: routing, the expert-contiguous layout and the grouped
+        GEMMs on the device, no host sync (CUDA graphs capture it); the torch reference routes
+        on the host and is not captured."""
+        if not self.triton:
+            from minivllm.layers.moe import moe_reference
 
-        return moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
+            return moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
+        from minivllm.kernels.fused_moe import fused_moe
+        from minivllm.kernels.moe_align import moe_align
+        from minivllm.kernels.moe_topk import moe_topk
+
+        logits = F.linear(x, router).float()              # (T, E): in x's dtype, as transformers
+        weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)
+        layout = moe_align(ids, gate_up.shape[0], pdl=self.pdl)
+        return fused_moe(x, gate_up, down, weights, layout, pdl=self.pdl)
 
     # ---- attention ---------------------------------------------------------------
 
