@@ -2,6 +2,7 @@
 and the decode step of those 16 sequences against its memory-bandwidth floor.
 
     PYTHONPATH=. python3 -m benchmarks.long_context [--num-prompts 16] [--prompt-len 8192] [--smoke]
+        [--no-hf --load-format dummy]
 
 Qwen3-0.6B shapes, random weights, bf16, prefix caching off, one step in flight, a KV pool
 just large enough (so the HF model fits beside it).
@@ -17,6 +18,7 @@ just large enough (so the HF model fits beside it).
   bandwidth (``benchmarks.gpu_timing``).
 
 Summary: ``$OUT/long_context.json``. ``--smoke``: a tiny model on the CPU.
+``--load-format dummy`` (with ``--no-hf``): random weights filled on the device, no checkpoint written.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 
 from benchmarks.gpu_timing import copy_bandwidth_gbs
 from benchmarks.report import write_summary
-from benchmarks.throughput import add_common_args, bench_device, met, model_path, sync
+from benchmarks.throughput import (add_common_args, bench_device, met, model_path,
+                                   require_checkpoint_unless_dummy, sync)
 
 GOAL_FACTOR = 1.5  # prefill, times HF's SDPA forward
 GOAL_DECODE_MS = 5.0
@@ -185,6 +188,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per KV cache block (default: the LLM's, 64 on CUDA)")
     args = ap.parse_args()
+    require_checkpoint_unless_dummy(ap, args, hf=not args.no_hf, hf_off="--no-hf")
     if args.smoke:
         args.num_prompts, args.prompt_len, args.decode_tokens = 2, 64, 16
         args.max_num_batched_tokens, args.repeats, args.hf_batch = 64, 2, 1
@@ -203,7 +207,7 @@ def main() -> None:
     llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True, max_num_seqs=args.num_prompts,
               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, async_scheduling=True, block_size=args.block_size,
-              num_blocks=args.num_prompts * cdiv(max_len, args.block_size) + 64)
+              num_blocks=args.num_prompts * cdiv(max_len, args.block_size) + 64, load_format=args.load_format)
     print(f"start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks", flush=True)
     res: dict[str, Any] = {"args": vars(args), "shape": f"{args.num_prompts} x {args.prompt_len:,}"}
     res["prefill"] = {"minivllm": minivllm_prefill(llm, args)}

@@ -80,15 +80,10 @@ def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = 
     import torch
     import transformers
 
-    if shapes not in SHAPES:
-        raise ValueError(f"unknown shapes {shapes!r}; known: {sorted(SHAPES)}")
+    cfg = _hf_config(shapes, std, overrides)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    architecture, numbers = SHAPES[shapes]
-    model_class = getattr(transformers, architecture)
-    # A copy: transformers fills in nested dicts (rope_parameters) in place.
-    cfg = model_class.config_class(**copy.deepcopy({**numbers, **overrides}), initializer_range=std)
-    cfg.architectures = [architecture]
+    model_class = getattr(transformers, cfg.architectures[0])
     torch.manual_seed(seed)
     # Built directly in the target dtype: an 8B model in float32 would need 32 GB of host
     # memory. On a GPU when there is one: initialising 8B parameters on the CPU takes
@@ -114,6 +109,38 @@ def write_random_checkpoint(path: str, shapes: str = "qwen3-0.6b", dtype: str = 
         torch.cuda.empty_cache()  # the engine that loads it sizes its KV pool from free memory
     return path
 
+
+def write_random_config(path: str, shapes: str = "qwen3-0.6b", dtype: str = "bfloat16", **overrides: Any) -> str:
+    """Save only the config.json of ``SHAPES[shapes]`` (with ``overrides``) to ``path``, unless
+    ``path`` already holds one: what ``load_format="dummy"`` needs, in milliseconds at any size.
+
+    Raises:
+        ValueError: an unknown ``shapes`` name.
+    """
+    cfg = _hf_config(shapes, 0.02, overrides)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    cfg.dtype = dtype
+    cfg.save_pretrained(path)
+    return path
+
+
+def _hf_config(shapes: str, std: float, overrides: dict[str, Any]) -> Any:
+    """The transformers config of ``SHAPES[shapes]`` with ``overrides``, naming its architecture.
+
+    Raises:
+        ValueError: an unknown ``shapes`` name.
+    """
+    import transformers
+
+    if shapes not in SHAPES:
+        raise ValueError(f"unknown shapes {shapes!r}; known: {sorted(SHAPES)}")
+    architecture, numbers = SHAPES[shapes]
+    # A copy: transformers fills in nested dicts (rope_parameters) in place.
+    cfg = getattr(transformers, architecture).config_class(**copy.deepcopy({**numbers, **overrides}),
+                                                           initializer_range=std)
+    cfg.architectures = [architecture]
+    return cfg
 
 
 def write_byte_level_tokenizer(path: str, vocab_size: int, eos_token_id: int, seed: int = 0) -> str:

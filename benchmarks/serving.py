@@ -19,6 +19,7 @@ options, and the ratio server / offline tok/s is reported (target >= 0.9).
 A checkpoint without a tokenizer (the random ones) is served beside a synthetic word-level
 tokenizer that decodes id ``i`` as ``" t<i>"``: every token has text, so chunks = tokens.
 Summary: ``$OUT/serving.json``, or ``--out FILE``. ``--smoke``/``--device cpu``: tiny sizes.
+``--load-format dummy``: server and offline engine fill random weights on the device, no checkpoint written.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def engine_options(args: argparse.Namespace, max_model_len: int) -> dict[str, An
                                 max_num_batched_tokens=args.max_num_batched_tokens)
     if args.enforce_eager:
         opts["enforce_eager"] = True
+    if args.load_format != "auto":
+        opts["load_format"] = args.load_format
     return opts
 
 

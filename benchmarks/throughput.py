@@ -6,6 +6,7 @@ prompt lengths uniform in [100, 1024] of random token ids < 10000, max_tokens un
     PYTHONPATH=. python3 -m benchmarks.throughput [--engines minivllm,hf] [--async both]
         [--num-requests 256] [--hf-requests 32] [--seed 0] [--kernels auto|triton|torch]
         [--shapes qwen3-0.6b|qwen2.5-0.5b|llama-3.2-1b|qwen3-8b] [--tensor-parallel-size N] [--smoke]
+        [--load-format auto|dummy]
 
 Throughput = completion tokens / wall time of one ``generate()`` of the whole workload,
 once per scheduling mode, each on fresh token ids (no prefix-cache hits between runs) after
@@ -20,6 +21,7 @@ request's own max_tokens count. It runs first, on the first ``--hf-requests`` re
 (its figure is a rate, compared as such), and is freed before minivllm sizes its KV pool.
 
 Summary: ``$OUT/throughput[_<shapes>][_tpN].json``. ``--smoke``: a tiny model on the CPU.
+``--load-format dummy`` (with ``--engines minivllm``): random weights filled on the device, no checkpoint written.
 The module also holds what the other end-to-end benchmarks share (options, model, device,
 mode switch, the offline workload).
 """
@@ -39,8 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.qwen3_shapes import SHAPES, SMOKE_SHAPES, write_random_checkpoint
+from benchmarks.qwen3_shapes import SHAPES, SMOKE_SHAPES, write_random_checkpoint, write_random_config
 from benchmarks.report import write_summary
+from minivllm.config import LOAD_FORMATS
 
 GOAL_TOK_S, STRETCH_TOK_S = 25_000, 30_000
 # offline-256 goals (tok/s on one H200) by shapes.
@@ -53,7 +56,7 @@ GOAL_RATIO = 25.0
 # ---- helpers shared by the end-to-end benchmarks ------------------------------
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
-    """--shapes, --model-dir, --seed, --smoke."""
+    """--shapes, --model-dir, --seed, --smoke, --load-format."""
     ap.add_argument("--shapes", choices=sorted(SHAPES), default=DEFAULT_SHAPES,
                     help="the random checkpoint's model and shapes (benchmarks/qwen3_shapes.py)")
     ap.add_argument("--model-dir", default=None,
@@ -61,18 +64,32 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random model on the CPU, small workload: checks the code paths only")
+    ap.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                    help="dummy: minivllm fills random weights on the device from config.json alone "
+                         "(no checkpoint written; minivllm only, the HF baseline needs one)")
+
+
+def require_checkpoint_unless_dummy(ap: argparse.ArgumentParser, args: argparse.Namespace, hf: bool,
+                                    hf_off: str) -> None:
+    """--load-format dummy writes no weights, so it runs without the HF side (``hf``: it is on;
+    ``hf_off``: the option that turns it off)."""
+    if args.load_format == "dummy" and hf:
+        ap.error(f"--load-format dummy runs minivllm only: the HF baseline needs a checkpoint (pass {hf_off})")
 
 
 def model_path(args: argparse.Namespace) -> str:
     """``--shapes`` (default Qwen3-0.6B) in bf16, or (--smoke) a tiny float32 model of the
-    same family; written once."""
+    same family; written once (``--load-format dummy``: its config.json only)."""
     shapes = args.shapes
+    dummy = args.load_format == "dummy"
+    write, kind = (write_random_config, "config") if dummy else (write_random_checkpoint, "random")
     if args.smoke:
         tiny = dict(SMOKE_SHAPES)
         if shapes == "qwen2.5-0.5b":  # Qwen2 derives head_dim (64 / 4 heads = 16)
             del tiny["head_dim"]
-        return write_random_checkpoint(f"/tmp/minivllm-smoke-{shapes}", shapes, dtype="float32", **tiny)
-    return write_random_checkpoint(args.model_dir or f"/tmp/{shapes}-random", shapes)
+        smoke_dir = f"/tmp/minivllm-smoke-{shapes}" + ("-config" if dummy else "")
+        return write(smoke_dir, shapes, dtype="float32", **tiny)
+    return write(args.model_dir or f"/tmp/{shapes}-{kind}", shapes)
 
 
 def bench_device(args: argparse.Namespace) -> str:
@@ -158,7 +175,7 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
               max_num_seqs=args.max_num_seqs, max_model_len=64 if args.smoke else 2048,
               enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
-              disable_custom_all_reduce=args.disable_custom_all_reduce)
+              disable_custom_all_reduce=args.disable_custom_all_reduce, load_format=args.load_format)
     print(f"minivllm start-up {time.perf_counter() - t0:.1f}s, KV pool {llm.engine.num_blocks} blocks "
           f"of {llm.engine.cache_config.block_size}, "
           f"step budget {llm.scheduler_config.max_num_batched_tokens} tokens", flush=True)
@@ -438,6 +455,7 @@ def parse_args() -> argparse.Namespace:
     if not engines or set(engines) - {"minivllm", "hf"}:
         ap.error(f"--engines: expected a comma list of minivllm, hf; got {args.engines!r}")
     args.engines = engines
+    require_checkpoint_unless_dummy(ap, args, hf="hf" in engines, hf_off="--engines minivllm")
     if args.smoke:
         args.num_requests, args.hf_requests = min(args.num_requests, 6), min(args.hf_requests, 4)
         args.hf_batch, args.max_num_seqs = min(args.hf_batch, 2), min(args.max_num_seqs, 4)

@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from minivllm import envs
+from minivllm.config import LOAD_FORMATS
 
 if TYPE_CHECKING:
     from minivllm.llm import LLM
@@ -93,6 +94,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks (processes; one GPU each on CUDA) the model is split over")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="with --tensor-parallel-size > 1 on CUDA: every all-reduce through NCCL")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights, only config.json read (no weight files needed)")
     p.add_argument("--record-trace", default=None, metavar="FILE.jsonl",
                    help="write the engine's traffic as a trace that python -m sim replay replays")
 
@@ -113,6 +116,8 @@ def _engine_options(args: argparse.Namespace, seed: int = 0) -> dict[str, object
         opts["tensor_parallel_size"] = args.tensor_parallel_size
     if args.disable_custom_all_reduce:
         opts["disable_custom_all_reduce"] = True
+    if args.load_format != "auto":
+        opts["load_format"] = args.load_format
     if args.record_trace is not None:
         from sim.recorder import TraceRecorder
         opts["observer"] = TraceRecorder(args.record_trace, seed=seed)

@@ -120,6 +120,8 @@ class SchedulerConfig:
 
 DTYPE_NAMES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
+LoadFormat = Literal["auto", "dummy"]
+LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,9 @@ class ExecutorConfig:
         disable_custom_all_reduce: with ``tensor_parallel_size > 1`` on CUDA, send every
             all-reduce through NCCL instead of the symmetric-memory kernels
             (``layers/all_reduce.py``; vLLM's option of the same name).
+        load_format: ``auto`` (the checkpoint's safetensors or GGUF weights) or ``dummy``
+            (random weights filled on the device, ``model/loader.py: fill_dummy_weights``:
+            only config.json is read; vLLM's option of the same name).
     """
 
     device: str = "auto"
@@ -150,6 +155,7 @@ class ExecutorConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
+    load_format: LoadFormat = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -165,6 +171,8 @@ class ExecutorConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":

@@ -50,10 +50,11 @@ CHAT_TEMPLATE_OWN_ARGUMENTS = frozenset({
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, weights: bool = True) -> str:
     """A ``.gguf`` file as is; a local directory as is, or the one GGUF file in it when it
     holds no safetensors (``minivllm.model.gguf.find_gguf``); otherwise a Hugging Face hub
-    id resolved through its cache.
+    id resolved through its cache (without its safetensors when ``weights`` is False:
+    ``load_format="dummy"`` reads none).
 
     Raises:
         ValueError: a directory with several GGUF files, or not a directory and not
@@ -67,8 +68,8 @@ def resolve_model_path(model: str) -> str:
         return find_gguf(model) or model
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                        "tokenizer.model"])
+        patterns = ["*.json", "*.txt", "tokenizer.model"] + (["*.safetensors"] if weights else [])
+        return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # any hub/network failure becomes one clear message
         raise ValueError(
             f"model {model!r} is not a local directory and could not be fetched from the "
@@ -177,7 +178,8 @@ class LLM:
             CUDA) and
             ``ExecutorConfig`` (enforce_eager, gpu_memory_utilization,
             tensor_parallel_size: N ranks in N processes, one GPU each on CUDA,
-            disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce).
+            disable_custom_all_reduce: NCCL for every tensor-parallel all-reduce,
+            load_format: "dummy" for random weights, only config.json read).
 
     Raises:
         TypeError: unknown option. ValueError: a bad option value or model, or a model
@@ -197,7 +199,7 @@ class LLM:
             {**exec_opts, "device": device, "dtype": dtype, "kernels": kernels, "seed": seed})
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, weights=executor_config.load_format == "auto")
         self.model_config = ModelConfig.from_hf_json(path)
         sched_opts.setdefault("max_model_len", self.model_config.max_position_embeddings)
         # One step in flight pays where a device runs beside the host.

@@ -240,7 +240,8 @@ class TPExecutor:
             at load or at its K-th step.
 
     Raises:
-        ValueError: the model cannot be split that many ways, or too few GPUs.
+        ValueError: the model cannot be split that many ways, too few GPUs, or no weights
+            (``load_format="auto"``).
         RuntimeError: a worker failed while starting (its traceback included).
     """
 
@@ -248,6 +249,7 @@ class TPExecutor:
                  cache_config: CacheConfig, config: ExecutorConfig,
                  fault: tuple[int, str] | None = None) -> None:
         from minivllm.layers.linear import check_tp_divisibility
+        from minivllm.model.loader import require_weights
 
         tp = config.tensor_parallel_size
         check_tp_divisibility(model_config, tp)
@@ -257,6 +259,8 @@ class TPExecutor:
         if config.device not in ("cpu", "cuda"):
             raise ValueError(f"tensor parallelism runs on device 'cpu' or 'cuda' (rank r on cuda:r), "
                              f"got {config.device!r}")
+        if config.load_format == "auto":
+            require_weights(model_path)  # here, as a ValueError, rather than from every worker
         self._all_reduce_note = ""
         if config.device.startswith("cuda") and not config.disable_custom_all_reduce and _symm_mem_used:
             config = replace(config, disable_custom_all_reduce=True)  # every rank must agree: tell them all

@@ -62,7 +62,7 @@ from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, 
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
 from minivllm.model.decoder import DecoderForCausalLM
-from minivllm.model.loader import load_weights
+from minivllm.model.loader import fill_dummy_weights, load_weights, require_weights
 from minivllm.layers.ops import Ops
 from minivllm.model.registry import build_model
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
@@ -333,9 +333,17 @@ class ModelExecutor:
                 * torch.finfo(self.dtype).bits // 8)
 
     def _load_model(self, model_path: str | os.PathLike[str]) -> DecoderForCausalLM:
+        """The model on the device, its weights from ``model_path`` or, with
+        ``load_format="dummy"``, random (``fill_dummy_weights``; the same seed on every rank)."""
+        dummy = self.config.load_format == "dummy"
+        if not dummy:
+            require_weights(model_path)  # before a model is built for weights that are not there
         with _default_dtype(self.dtype), self.device:
             model = build_model(self.model_config, ops=self.ops, tp_rank=self.tp_rank, tp_size=self.tp_size)
-        load_weights(model, model_path)
+        if dummy:
+            fill_dummy_weights(model, self.config.seed)
+        else:
+            load_weights(model, model_path)
         return model.eval()
 
     def size_kv_pool_from_free_memory(self, gpu_memory_utilization: float) -> int:

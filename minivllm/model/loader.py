@@ -19,11 +19,15 @@ of the whole checkpoint. ``load_weights`` returns how much it read.
 One deliberate exception, stated here so nothing is skipped silently: with
 tied embeddings the head *is* the embedding, so an ``lm_head.weight`` stored
 anyway (some exporters write the copy) is not loaded a second time.
+
+``fill_dummy_weights`` is the checkpoint-free alternative (``load_format="dummy"``):
+random values of a trained model's scale, drawn on the device.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -33,8 +37,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from minivllm.layers.embedding import VocabParallelEmbedding
 from minivllm.layers.linear import ShardId, get_shard_ids, get_weight_loader
 from minivllm.layers.moe import expert_shard
+from minivllm.layers.norm import RMSNorm
 from minivllm.model.gguf import GGUFTensor, is_gguf_file, iter_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,6 +83,23 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {path}")
     return files
+
+
+def require_weights(path: str | os.PathLike[str]) -> None:
+    """Check that ``path`` holds weights to load (a ``.gguf`` file, or safetensors files),
+    before a model is built for them.
+
+    Raises:
+        ValueError: no weights; the message names the path, the files looked for and
+            ``load_format="dummy"`` (random weights, no files needed).
+    """
+    if is_gguf_file(path):
+        return
+    try:
+        checkpoint_files(path)
+    except FileNotFoundError as e:
+        raise ValueError(f"no model weights to load: {e} (looked for *.safetensors or {INDEX_FILE}); "
+                         "pass load_format='dummy' to run on random weights without them") from e
 
 
 class LazyTensor:
@@ -271,3 +294,69 @@ def _raise_if_any(path: str | os.PathLike[str], missing: list[str], unexpected: 
             lines.append(f"  {title} ({len(names)}):")
             lines.extend(f"    {n}" for n in names)
     raise ValueError("\n".join(lines))
+
+
+# The std of a random matrix: Hugging Face's ``initializer_range`` default, the scale a
+# model starts training from. With unit RMSNorm weights, q.k and the logits then come
+# out of order 1 at hidden sizes of 1-8k, so attention and sampling see varied
+# distributions; vLLM's uniform(-1e-3, 1e-3) makes every logit nearly equal instead.
+DUMMY_STD = 0.02
+
+
+def fill_dummy_weights(model: nn.Module, seed: int) -> int:
+    """Fill every parameter of ``model`` in place, on its device and in its dtype, with
+    random weights (``load_format="dummy"``); nothing is read and nothing passes through
+    host memory.
+
+    Norm weights are 1, biases 0, every other matrix normal(0, ``DUMMY_STD``); the
+    vocabulary shards' padding rows are zeroed as ``load_weights`` zeroes them. Each
+    parameter draws from its own generator, seeded from ``seed`` and its name, so the
+    values depend on neither the order nor the number of parameters, and are the same
+    for the same seed on the same kind of device. Tensor parallelism: every rank draws
+    the same values for a parameter of a given name, so replicated parameters agree;
+    each rank's shard of a sharded one then holds the same values as the other ranks'
+    (a valid model of the same shapes, but not a split of the one-rank dummy model).
+    Tied embeddings stay tied (the shared tensor is filled once).
+
+    Returns:
+        The number of parameters filled.
+
+    Raises:
+        ValueError: a parameter that is not a floating-point norm weight, bias or matrix
+            (no rule says what its random value should be).
+    """
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for short, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue  # a tied weight, filled under its first name
+            seen.add(id(param))
+            name = f"{module_name}.{short}" if module_name else short
+            _fill_dummy(module, short, name, param, seed)
+    return len(seen)
+
+
+def _fill_dummy(module: nn.Module, short: str, name: str, param: nn.Parameter, seed: int) -> None:
+    if not param.dtype.is_floating_point:
+        raise ValueError(f"{name}: no dummy fill for a {param.dtype} parameter")
+    with torch.no_grad():
+        if isinstance(module, RMSNorm):
+            param.fill_(1.0)
+        elif short == "bias":
+            param.zero_()
+        elif param.dim() >= 2:
+            param.normal_(0.0, DUMMY_STD, generator=_dummy_generator(seed, name, param.device))
+            if isinstance(module, VocabParallelEmbedding):
+                param[module.vocab_end - module.vocab_start:].zero_()
+        else:
+            raise ValueError(f"{name}: no dummy fill rule for a {tuple(param.shape)} parameter "
+                             f"of {type(module).__name__} (norm weights, biases and matrices have one)")
+
+
+def _dummy_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded from (``seed``, ``name``); blake2b, not ``hash()``,
+    whose value changes from one process to the next."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little"))
+    return generator
