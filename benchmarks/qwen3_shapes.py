@@ -5,8 +5,9 @@ Each entry of ``SHAPES`` is a published config.json in numbers (transformers con
 keyword arguments): Qwen3-0.6B, Qwen3-8B (untied head, about 16 GB in bf16: the
 tensor-parallel benchmark), one TP=2 rank's share of Qwen3-8B as a model of its own (not
 published: a stand-in), Qwen2.5-0.5B (q/k/v bias, no ``head_dim`` key: 896 / 14 = 64) and
-Llama-3.2-1B (``llama3`` RoPE scaling, factor 32). ``SMOKE_SHAPES`` overrides any of them
-into a tiny model for CPU runs of the benchmarks' code paths.
+Llama-3.2-1B (``llama3`` RoPE scaling, factor 32) and Qwen3-30B-A3B (Qwen3-MoE, 128
+experts, 8 per token). ``SMOKE_SHAPES`` overrides any of them into a tiny model for CPU
+runs of the benchmarks' code paths (with ``SMOKE_MOE_SHAPES``, a tiny MoE too).
 """
 
 from __future__ import annotations
@@ -52,12 +53,21 @@ LLAMA_3_2_1B: dict[str, Any] = dict(
     bos_token_id=128000, eos_token_id=128001,
 )
 
+# Qwen3-30B-A3B: 48 layers, every one sparse; 128 experts of 768, 8 per token, renormalised.
+QWEN3_30B_A3B: dict[str, Any] = dict(
+    QWEN3_0_6B, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, tie_word_embeddings=False, moe_intermediate_size=768,
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+)
+
 # A tiny model of any family above (smoke runs on the CPU: every code path, none of the cost).
 SMOKE_SHAPES: dict[str, Any] = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
     bos_token_id=1, eos_token_id=2,
 )
+# With SMOKE_SHAPES, what makes a Qwen3-MoE tiny too: 8 experts of 32, 2 per token.
+SMOKE_MOE_SHAPES: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 # --shapes name -> (architecture, i.e. the transformers model class, its config numbers)
 SHAPES: Mapping[str, tuple[str, dict[str, Any]]] = {
@@ -66,6 +76,7 @@ SHAPES: Mapping[str, tuple[str, dict[str, Any]]] = {
     "qwen3-8b-rank-of-2": ("Qwen3ForCausalLM", QWEN3_8B_RANK_OF_2),
     "qwen2.5-0.5b": ("Qwen2ForCausalLM", QWEN2_5_0_5B),
     "llama-3.2-1b": ("LlamaForCausalLM", LLAMA_3_2_1B),
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", QWEN3_30B_A3B),
 }
 
 

@@ -171,6 +171,35 @@ def long_context_section(runs: Summaries) -> list[str]:
                    fmt(get(d, "decode", "context"), ",.0f")] for stem, d in runs])
 
 
+def moe_section(runs: Summaries) -> list[str]:
+    """Batch-1 and offline beside their floors, then the experts of one layer alone."""
+    rows = []
+    for stem, d in runs:
+        b = d.get("batch1")
+        if b is not None:
+            rows.append([stem, "batch-1 ms/token", fmt(b.get("ms_per_token"), ".3f"), fmt(b.get("floor_ms"), ".3f"),
+                         fmt(b.get("floor_fraction"), ".2f"), f"<= {fmt(b.get('goal_ms'), '.1f')} ms/token",
+                         _met(b.get("met"))])
+        for r in d.get("offline", []):
+            rows.append([stem, f"{fmt(r.get('workload'))} tok/s", fmt(r.get("tok_s"), ",.0f"),
+                         fmt(r.get("floor_tok_s"), ",.0f"), fmt(r.get("floor_fraction"), ".2f"),
+                         f">= {fmt(r.get('goal_fraction'), '.2f')} of the floor", _met(r.get("met"))])
+    lines = table(["summary", "run", "measured", "floor", "fraction of the floor's speed", "goal", "met"], rows)
+    for stem, d in runs:
+        lines += [""] + table(
+            ["summary", "tokens", "distinct experts", "expert MB", "graph us", "floor us", "GB/s",
+             f"% of copy ({fmt(d.get('copy_gbs'), ',.0f')} GB/s)", "torch loop us", "x torch loop"],
+            [[stem, fmt(r.get("tokens")), fmt(r.get("distinct_experts"), ".1f"),
+              fmt(r["expert_bytes"] / 1e6 if "expert_bytes" in r else None, ".1f"), fmt(r.get("graph_us"), ".1f"),
+              fmt(r.get("floor_us"), ".1f"), fmt(r.get("GBs"), ",.0f"), fmt(r.get("pct_copy"), ".1f"),
+              fmt(r.get("torch_us"), ".1f"), fmt(r.get("speedup"), ".1f")] for r in d.get("kernel", [])])
+    return lines
+
+
+def _met(ok: bool | None) -> str:
+    return "-" if ok is None else ("MET" if ok else "not met")
+
+
 def engine_host_section(runs: Summaries) -> list[str]:
     return table(["summary", "batch", "output kind", "steps", "engine host ms/step"],
                  [[stem, fmt(d.get("batch")), fmt(d.get("output_kind")), fmt(d.get("steps")),
@@ -281,6 +310,8 @@ SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
                    throughput_section),
     "serving": ("the OpenAI server under Poisson arrivals", "make bench", serving_section),
     "long_context": ("prefill and decode at long context", "make bench", long_context_section),
+    "moe": ("Qwen3-30B-A3B: batch-1, offline and the experts of one layer, against bandwidth floors",
+            "make bench", moe_section),
     "engine_host": ("host cost of the engine per decode step", "make bench", engine_host_section),
     "decode_attention": ("paged decode attention", "make bench", decode_attention_section),
     "prefill_attention": ("paged prefill attention against SDPA", "make bench", prefill_attention_section),
