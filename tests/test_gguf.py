@@ -12,8 +12,6 @@ import importlib.util
 import io
 import json
 import os
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +21,6 @@ import openai
 import pytest
 import torch
 import transformers
-import uvicorn
 
 from minivllm import LLM, RequestOutputKind, SamplingParams
 from minivllm.__main__ import chat_loop, main
@@ -35,6 +32,7 @@ from minivllm.model.registry import build_model
 from minivllm.server.app import build_app
 from minivllm.server.protocol import ServerConfig
 from model_utils import TinyConfig, make_hf_model
+from server_utils import served
 
 TINY_QWEN3 = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
 # Found, not imported: the package's __init__ is a plugin of the llm tool, which is not
@@ -340,19 +338,8 @@ def test_a_directory_holds_one_gguf(tiny, tmp_path) -> None:
 @pytest.fixture(scope="module")
 def smollm2_server(llm):
     """The OpenAI server over the SmolLM2 LLM, on 127.0.0.1: its /v1 URL."""
-    app = build_app(llm, ServerConfig("smollm2"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with served(build_app(llm, ServerConfig("smollm2"))) as (url, _):
+        yield url + "/v1"
 
 
 def test_openai_server_answers_a_chat_request(smollm2_server) -> None:

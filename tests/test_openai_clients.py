@@ -30,7 +30,6 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import uvicorn  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
@@ -38,6 +37,7 @@ from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.sampling import StructuredOutputs  # noqa: E402
 from minivllm.server.app import build_app  # noqa: E402
 from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, ServerConfig  # noqa: E402
+from server_utils import served  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 FIXTURE = os.path.join(ROOT, "fixtures", "tiny-qwen3")
@@ -59,21 +59,10 @@ def offline() -> Iterator[LLM]:
 def server() -> Iterator[types.SimpleNamespace]:
     with LLM(FIXTURE, device="cpu", num_blocks=64, max_num_seqs=16, max_model_len=MAX_MODEL_LEN) as llm:
         app = build_app(llm, ServerConfig(MODEL))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        port = sock.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=url, timeout=TIMEOUT) as client, \
+        with served(app, TIMEOUT) as (url, srv), httpx.Client(base_url=url, timeout=TIMEOUT) as client, \
                 openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as oai:
-            yield types.SimpleNamespace(url=url, port=port, client=client, openai=oai, llm=llm, uvicorn=srv,
-                                        engine=app.state.server.engine)
-        srv.should_exit = True
-        thread.join(TIMEOUT)
-        sock.close()
+            yield types.SimpleNamespace(url=url, port=int(url.rsplit(":", 1)[1]), client=client, openai=oai,
+                                        llm=llm, uvicorn=srv, engine=app.state.server.engine)
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -12,10 +12,9 @@ write them at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
-import socket
-import threading
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +26,6 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import uvicorn  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall  # noqa: E402
 
 from minivllm.config import CacheConfig, SchedulerConfig  # noqa: E402
@@ -41,6 +39,7 @@ from minivllm.server.engine_process import LLMFront  # noqa: E402
 from minivllm.server.protocol import ServerConfig  # noqa: E402
 from minivllm.server.tool_calls import tool_choice_constraint  # noqa: E402
 from minivllm.structured import XGrammarBackend  # noqa: E402
+from server_utils import served  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "fixtures" / "qwen3-chat-tokenizer"
@@ -174,19 +173,9 @@ def start_server(model_dir: Path, config: ServerConfig) -> tuple[Any, ScriptedEx
                        text_streams=DetokenizingTextStreams(front.tokenizer),
                        grammar_backend=XGrammarBackend.for_tokenizer(front.tokenizer, VOCAB_SIZE, [EOS]))
     app = build_app(front, config, AsyncEngine(engine, front.tokenizer))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        srv.should_exit = True
-        thread.join(TIMEOUT)
-        sock.close()
-
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", executor, stop
+    stack = contextlib.ExitStack()
+    url, _ = stack.enter_context(served(app, TIMEOUT))
+    return url, executor, stack.close
 
 
 @pytest.fixture(scope="module")
