@@ -71,7 +71,7 @@ class LLMFront:
     _require_tokenizer = LLM._require_tokenizer
 
     def __init__(self, model: str) -> None:
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, weights=False)  # the engine process loads (or fills) them
         self.model_config = ModelConfig.from_hf_json(path)
         self.tokenizer = load_tokenizer(path)
 
