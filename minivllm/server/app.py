@@ -523,6 +523,82 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
                                                ).model_dump())
 
 
+class _ChatChunks:
+    """The chunks of one streamed chat request: plain text deltas, or the parsers' deltas
+    (reasoning, tool calls) when the request has a parser; logprobs and the finish on the
+    last chunk of a delta."""
+
+    def __init__(self, server: _Server, req: ChatCompletionRequest, rid: str, created: int,
+                 parser: Any, num_choices: int) -> None:
+        self.server, self.req, self.rid, self.created = server, req, rid, created
+        self.top_k = req.num_logprobs()
+        self.writer = _ChunkWriter("chat.completion.chunk", rid, created, server.model_name, req.include_usage)
+        self.streams = {i: parser.stream(i) for i in range(num_choices)} if parser is not None else None
+
+    def event(self, index: int, delta: DeltaMessage, finish_reason: ChatFinishReason | None = None,
+              logprobs: ChoiceLogprobs | None = None, stop_reason: StopReason = None) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                  stop_reason=stop_reason, logprobs=logprobs)
+        body = _chunk_json(ChatCompletionChunk(id=self.rid, created=self.created, model=self.server.model_name,
+                                               choices=[choice]), self.req.include_usage)
+        # A delta names only what it adds; finish_reason stays, as null, as OpenAI sends it.
+        body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+        return _sse(body)
+
+    def first(self, num_choices: int) -> list[str]:
+        return [self.event(i, DeltaMessage(role="assistant", content="")) for i in range(num_choices)]
+
+    def __call__(self, d: Delta) -> list[str]:
+        return self.plain(d) if self.streams is None else self.parsed(d)
+
+    def plain(self, d: Delta) -> list[str]:
+        top_k = self.top_k
+        if not d.text and d.finish_reason is None and not (top_k is not None and d.token_ids):
+            return []
+        if top_k is None:
+            return [self.writer.chat(d.index, d.text or None, d.finish_reason, d.stop_reason)]
+        logprobs = self.server.chat_logprobs(d, top_k)
+        return [self.event(d.index, DeltaMessage(content=d.text) if d.text else DeltaMessage(),
+                           d.finish_reason, logprobs, d.stop_reason)]
+
+    def parsed(self, d: Delta) -> list[str]:
+        """The parsers' deltas, one chunk each; the last carries the logprobs and finish."""
+        assert self.streams is not None
+        stream = self.streams[d.index]
+        messages = stream.feed(d.text) + (stream.finish() if d.finish_reason is not None else [])
+        top_k = self.top_k
+        logprobs = self.server.chat_logprobs(d, top_k) if top_k is not None and d.token_ids else None
+        if not messages and d.finish_reason is None and logprobs is None:
+            return []
+        messages = messages or [DeltaMessage()]
+        last = len(messages) - 1
+        return [self.event(d.index, m) for m in messages[:last]] + [
+            self.event(d.index, messages[last], _chat_finish(d.finish_reason, stream.called), logprobs,
+                       d.stop_reason)]
+
+    def usage(self, usage: Usage) -> str:
+        return _sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.server.model_name,
+                                        choices=[], usage=usage).model_dump())
+
+
+def _chat_reply(server: _Server, req: ChatCompletionRequest, rid: str, created: int, parser: Any,
+                deltas: list[list[Delta]], n: int) -> JSONResponse:
+    """The non-streamed reply: each choice's text (parsed into reasoning and tool calls when
+    the request has a parser), finish and stop reasons, logprobs, and the usage."""
+    top_k = req.num_logprobs()
+    choices = []
+    for ds in deltas:
+        d = merge_deltas(ds)
+        message, called = (AssistantMessage(content=d.text), False) if parser is None else \
+            parser.message(d.index, d.text)
+        choices.append(ChatChoice(
+            index=d.index, message=message, finish_reason=_chat_finish(d.finish_reason, called),
+            stop_reason=d.stop_reason,
+            logprobs=server.chat_logprobs(d, top_k) if top_k is not None else None))
+    return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=server.model_name,
+                                               choices=choices, usage=_usage(_final(deltas), n)).model_dump())
+
+
 def _add_chat_route(app: FastAPI, server: _Server) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
@@ -534,66 +610,13 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
             raise APIError(400, str(e), _param_named(str(e))) from e
         rid, created, group = await server.submit("chatcmpl", [prompt], req,
                                                   parser.constraint if parser is not None else None)
-        top_k = req.num_logprobs()
-
-        def event(index: int, delta: DeltaMessage, finish_reason: ChatFinishReason | None = None,
-                  logprobs: ChoiceLogprobs | None = None, stop_reason: StopReason = None) -> str:
-            choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
-                                      stop_reason=stop_reason, logprobs=logprobs)
-            body = _chunk_json(ChatCompletionChunk(id=rid, created=created, model=server.model_name,
-                                                   choices=[choice]), req.include_usage)
-            # A delta names only what it adds; finish_reason stays, as null, as OpenAI sends it.
-            body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-            return _sse(body)
-
-        writer = _ChunkWriter("chat.completion.chunk", rid, created, server.model_name, req.include_usage)
-
-        def chunk(d: Delta) -> list[str]:
-            if not d.text and d.finish_reason is None and not (top_k is not None and d.token_ids):
-                return []
-            if top_k is None:
-                return [writer.chat(d.index, d.text or None, d.finish_reason, d.stop_reason)]
-            logprobs = server.chat_logprobs(d, top_k)
-            return [event(d.index, DeltaMessage(content=d.text) if d.text else DeltaMessage(),
-                          d.finish_reason, logprobs, d.stop_reason)]
-
-        streams = {i: parser.stream(i) for i in range(group.num_choices)} if parser is not None else {}
-
-        def parsed_chunk(d: Delta) -> list[str]:
-            # The parsers' deltas, one chunk each; the last carries the logprobs and finish.
-            stream = streams[d.index]
-            messages = stream.feed(d.text) + (stream.finish() if d.finish_reason is not None else [])
-            logprobs = server.chat_logprobs(d, top_k) if top_k is not None and d.token_ids else None
-            if not messages and d.finish_reason is None and logprobs is None:
-                return []
-            messages = messages or [DeltaMessage()]
-            last = len(messages) - 1
-            return [event(d.index, m) for m in messages[:last]] + [
-                event(d.index, messages[last], _chat_finish(d.finish_reason, stream.called), logprobs,
-                      d.stop_reason)]
-
-        def usage_chunk(usage: Usage) -> str:
-            return _sse(ChatCompletionChunk(id=rid, created=created, model=server.model_name, choices=[],
-                                            usage=usage).model_dump())
-
         if req.stream:
-            first = [event(i, DeltaMessage(role="assistant", content="")) for i in range(group.num_choices)]
-            return StreamingResponse(server.stream(group, chunk if parser is None else parsed_chunk, first,
-                                                   usage_chunk if req.include_usage else None),
+            chunks = _ChatChunks(server, req, rid, created, parser, group.num_choices)
+            return StreamingResponse(server.stream(group, chunks, chunks.first(group.num_choices),
+                                                   chunks.usage if req.include_usage else None),
                                      media_type="text/event-stream")
         deltas = await server.collect(request, group)
-        choices = []
-        for ds in deltas:
-            d = merge_deltas(ds)
-            message, called = (AssistantMessage(content=d.text), False) if parser is None else \
-                parser.message(d.index, d.text)
-            choices.append(ChatChoice(
-                index=d.index, message=message, finish_reason=_chat_finish(d.finish_reason, called),
-                stop_reason=d.stop_reason,
-                logprobs=server.chat_logprobs(d, top_k) if top_k is not None else None))
-        return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=server.model_name,
-                                                   choices=choices, usage=_usage(_final(deltas), group.n)
-                                                   ).model_dump())
+        return _chat_reply(server, req, rid, created, parser, deltas, group.n)
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
