@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import uvicorn
 
@@ -26,3 +27,13 @@ def served(app: Any, timeout: float = 60.0) -> Iterator[tuple[str, uvicorn.Serve
         server.should_exit = True
         thread.join(timeout)
         sock.close()
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> None:
+    """Poll ``predicate`` until true, at most ``timeout`` seconds (for state the server
+    changes in its own threads, with no event to wait on)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

@@ -151,9 +151,11 @@ def test_routed_block_is_transformers_qwen3_moe() -> None:
 def _hf_expert_tensors(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The stacked expert parameters of transformers' block (E, 2I, H) and (E, H, I)."""
     experts = block.experts
-    if not hasattr(experts, "gate_up_proj"):
-        pytest.skip("this transformers keeps experts as a ModuleList, not stacked tensors")
-    return experts.gate_up_proj.data, experts.down_proj.data
+    if hasattr(experts, "gate_up_proj"):  # transformers 5 stacks them as we do
+        return experts.gate_up_proj.data, experts.down_proj.data
+    # Older transformers: a ModuleList of dense MLPs, stacked here the way the loader does.
+    w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]).data
+    return w13, torch.stack([e.down_proj.weight for e in experts]).data
 
 
 def test_launchers_refuse_bad_arguments() -> None:

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import types
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.sampling import StructuredOutputs  # noqa: E402
 from minivllm.server.app import build_app  # noqa: E402
 from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, ServerConfig  # noqa: E402
-from server_utils import served  # noqa: E402
+from server_utils import served, wait_for  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 FIXTURE = os.path.join(ROOT, "fixtures", "tiny-qwen3")
@@ -69,15 +68,6 @@ def metrics(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
             if not s.labels}
-
-
-def wait_for(predicate: Any, what: str, timeout: float = TIMEOUT) -> None:
-    """Poll ``predicate`` until true, at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def post(server: types.SimpleNamespace, path: str, body: dict) -> dict:

@@ -39,6 +39,7 @@ from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.server.app import build_app  # noqa: E402
 from minivllm.server.engine_loop import AsyncEngine, EngineDeadError  # noqa: E402
 from minivllm.server.protocol import ServerConfig  # noqa: E402
+from server_utils import wait_for  # noqa: E402
 from sim.fake_executor import FakeExecutor  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-qwen3")
@@ -137,15 +138,6 @@ def metrics(server: types.SimpleNamespace) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
-
-
-def wait_for(predicate: Any, what: str) -> None:
-    """Poll ``predicate`` until true, at most TIMEOUT seconds."""
-    deadline = time.monotonic() + TIMEOUT
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def assert_error(resp: httpx.Response, status: int, words: str, param: str | None = None) -> None:
