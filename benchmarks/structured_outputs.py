@@ -22,13 +22,12 @@ import argparse
 import dataclasses
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.qwen3_shapes import SHAPES, write_byte_level_tokenizer, write_random_checkpoint
 from benchmarks.report import write_summary
-from benchmarks.throughput import offline_workload
+from benchmarks.throughput import offline_workload, timed_generate
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 GOAL_RATIO = 0.9
@@ -53,11 +52,7 @@ def run(llm: Any, prompts: list[list[int]], max_tokens: list[int], constrained: 
                   for m in max_tokens]
     else:
         params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    before = dataclasses.replace(llm.engine.stats)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    s = llm.engine.stats
+    outs, wall, before, s = timed_generate(llm, prompts, params)
     ntok = sum(len(o.token_ids) for o in outs)
     masked = s.num_masked_steps - before.num_masked_steps
     mask_ms = 1e3 * (s.grammar_mask_s - before.grammar_mask_s) / masked if masked else 0.0

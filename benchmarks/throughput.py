@@ -182,6 +182,14 @@ def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
     return llm
 
 
+def timed_generate(llm: Any, prompts: list[list[int]], params: list[Any]) -> tuple[list[Any], float, Any, Any]:
+    """``(outputs, wall seconds, engine stats before, after)`` of one ``generate()``."""
+    before = dataclasses.replace(llm.engine.stats)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, time.perf_counter() - t0, before, llm.engine.stats
+
+
 def run_offline(llm: Any, wl: Workload, stream: int, label: str) -> dict[str, Any]:
     """One timed generate() of the whole workload; tok/s = completion tokens / wall."""
     from minivllm import SamplingParams
@@ -191,11 +199,7 @@ def run_offline(llm: Any, wl: Workload, stream: int, label: str) -> dict[str, An
                         for m in wl.max_tokens[:len(warm)]], use_tqdm=False)
     prompts = wl.prompts(stream=stream)
     params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
-    before = dataclasses.replace(llm.engine.stats)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    s = llm.engine.stats
+    outs, wall, before, s = timed_generate(llm, prompts, params)
     ntok = sum(len(o.token_ids) for o in outs)
     if ntok != sum(wl.max_tokens):
         print(f"WARNING: {ntok} completion tokens, expected {sum(wl.max_tokens)} (eos is ignored)")

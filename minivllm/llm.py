@@ -16,7 +16,7 @@ from minivllm.engine.grammar import GrammarBackend
 from minivllm.engine.llm_engine import LLMEngine, TextStream
 from minivllm.engine.observer import EngineObserver
 from minivllm.executor.base import freeze_imported_objects
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import RequestOutput, text_token_ids
 from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
 
 Prompt = Union[str, Sequence[int]]
@@ -333,12 +333,9 @@ class LLM:
         return [o if o.text is not None else dataclasses.replace(o, text=self._text(o)) for o in ordered]
 
     def _text(self, out: RequestOutput) -> str:
-        """The completion's text: an eos or stop token that ended it stays in ``token_ids``
-        but not in the text (``docs/design.md``, "Finishing a request")."""
-        ids = list(out.token_ids)
-        if out.finish_reason == "stop":  # without a stop string: the last token is eos or a stop id
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        """The completion's text (``text_token_ids``: an eos or stop token that ended it is not in it)."""
+        return self.tokenizer.decode(list(text_token_ids(out.token_ids, out.finish_reason)),
+                                     skip_special_tokens=True)
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Sequence, Union
 
 FinishReason = Literal["stop", "length", "abort"]
 # What ended a request that finished with "stop": the stop token id or the stop string
 # (vLLM's ``stop_reason``); None for eos, length and abort.
 StopReason = Union[int, str, None]
+
+
+def text_token_ids(token_ids: Sequence[int], finish_reason: FinishReason | None) -> Sequence[int]:
+    """The tokens whose text a completion shows: all but the eos or stop token that ended it
+    (``finish_reason`` "stop" without a stop string; a stop string's text is cut by the
+    engine). It stays in ``token_ids`` (``docs/design.md``, "Finishing a request")."""
+    return token_ids[:-1] if finish_reason == "stop" and token_ids else token_ids
 
 
 def sequence_name(request_id: str, index: int) -> str:

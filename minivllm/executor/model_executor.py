@@ -183,9 +183,6 @@ class _MaskedStep:
         self._executor._awaiting_bitmask = None
         self._handle = finish(bitmask)
 
-    def ready(self) -> bool:
-        return self._handle is not None and getattr(self._handle, "ready", lambda: True)()
-
     def result(self) -> StepResult:
         if self._handle is None:
             raise RuntimeError("result() of a step with masked rows before its token bitmask was given")

@@ -85,8 +85,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     allowed iff bit t % 32 of word t // 32 is set: ``engine/grammar.py``) disallows a token."""
     s, v = logits.shape
     assert bitmask.dtype == torch.int32 and bitmask.shape[0] == s and bitmask.shape[1] * 32 >= v, bitmask.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(s, -1)[:, :v].bool()   # (S, V)
+    # Bytes, not words: a (S, 4W, 8) uint8 unpacking is a quarter of an int32 one's memory.
+    # Little-endian words: byte j of a row holds tokens 8j .. 8j + 7, lowest bit first.
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    allowed = ((bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1).view(s, -1)[:, :v].bool()  # (S, V)
     return logits.masked_fill(~allowed, float("-inf"))
 
 

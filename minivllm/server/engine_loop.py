@@ -49,7 +49,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 from minivllm.detokenizer import IncrementalDetokenizer, Tokenizer
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.outputs import FinishReason, RequestOutput, StopReason
+from minivllm.outputs import FinishReason, RequestOutput, StopReason, text_token_ids
 from minivllm.sampling import SamplingParams
 from minivllm.server.metrics import ServerMetrics, StepCounts
 
@@ -505,8 +505,7 @@ class AsyncEngine:
                 # is delivered once, at its end.
                 c.first_token_time = out.first_token_time
                 self.metrics.ttft.observe(c.first_token_time - c.arrival)
-            # The eos/stop token that ends a request is not part of its text.
-            shown = new[:-1] if out.finish_reason == "stop" and new else new
+            shown = text_token_ids(new, out.finish_reason)
             text = c.next_text(c.detokenizer.add(shown), out)
             logprobs = out.new_logprobs
             if done:
