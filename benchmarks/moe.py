@@ -21,12 +21,13 @@ experts, k = 8 per token; exactly k at B = 1).
   m_i new) reading the K/V of p_i + j positions:
   floor_s = (N_tok / B * weights(B) + sum_i sum_{j < m_i} (p_i + j) kv_token) / bw.
   Goal >= 0.70 of the floor's tok/s.
-- kernel: one layer's ``Ops.moe`` (router GEMM, ``moe_topk``, ``moe_align``, ``fused_moe``)
-  at ``--kernel-tokens`` tokens on random inputs, timed in a CUDA graph (cycling over two
+- kernel: one layer's ``Ops.moe`` (router GEMM, ``moe_topk``, then ``moe_gemv`` at a few
+  tokens or ``moe_align`` + ``fused_moe``) at ``--kernel-tokens`` tokens on random inputs, timed in a CUDA graph (cycling over two
   copies of the weights, other tokens per call), in GB/s of the selected experts' weights
   against the copy bandwidth and against the torch loop over experts (``moe_reference``,
   timed eagerly: it routes on the host). Checked first: the routing against a softmax top-k,
-  the experts against ``fused_moe_reference`` on that routing (bf16 tolerance).
+  the experts against ``fused_moe_reference`` on that routing (bf16 tolerance). Up to 16
+  tokens both Triton expert paths are also timed, each forced, to place the switch between them.
 
 Summary: ``$OUT/moe.json``, rewritten after each part. ``--smoke``: a tiny MoE on the CPU,
 kernels="torch", nothing timed in the kernel part (its check runs; under
@@ -59,6 +60,7 @@ GOAL_FLOOR_FRACTION = 0.70
 BATCH1_PROMPT, BATCH1_NEW = 128, 256   # run_batch1's (smoke: 8 and 8)
 WEIGHT_COPIES, GRAPH_CALLS = 2, 4      # kernel part: 1.2 GB of experts a copy, far beyond L2
 TOL_BF16, TOL_FP32 = 1.6e-2, 1e-4      # as the kernel tests
+PATHS_MAX_TOKENS = 16                  # both expert paths timed, forced, up to this many tokens
 
 
 # ---- bytes -------------------------------------------------------------------------
@@ -286,7 +288,29 @@ def kernel_row(ops: Any, c: ModelConfig, tokens: int, device: str, dtype: torch.
         torch_us = eager_us(lambda i: moe_reference(*operands(i)), calls, device)
         row.update(graph_us=us, GBs=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / gbs,
                    torch_us=torch_us, speedup=torch_us / us)
+        if ops.triton and tokens <= PATHS_MAX_TOKENS:
+            row["paths_us"] = {name: graph_us(lambda i, f=f: f(*operands(i)), calls)
+                               for name, f in forced_paths().items()}
     return row
+
+
+def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
+    """The two Triton expert paths ``Ops.moe`` chooses between by token count
+    (``MOE_GEMV_MAX_TOKENS``), each forced, with the same routing kernels before them."""
+    from minivllm.kernels.fused_moe import fused_moe
+    from minivllm.kernels.moe_align import moe_align
+    from minivllm.kernels.moe_gemv import moe_gemv
+    from minivllm.kernels.moe_topk import moe_topk
+
+    def grouped(x, router, w13, w2, k, norm):
+        weights, ids = moe_topk(F.linear(x, router).float(), k, norm)
+        return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0]))
+
+    def per_pair(x, router, w13, w2, k, norm):
+        weights, ids = moe_topk(F.linear(x, router).float(), k, norm)
+        return moe_gemv(x, w13, w2, weights, ids)
+
+    return {"grouped GEMM": grouped, "per-pair GEMV": per_pair}
 
 
 def print_kernel_row(r: dict[str, Any], gbs: float) -> None:
@@ -298,6 +322,9 @@ def print_kernel_row(r: dict[str, Any], gbs: float) -> None:
         return
     print(f"{head}; graph {r['graph_us']:7.1f} us = {r['GBs']:6,.0f} GB/s = {r['pct_copy']:4.1f}% of copy "
           f"{gbs:,.0f} GB/s; torch loop {r['torch_us']:8.1f} us (x{r['speedup']:.1f})", flush=True)
+    for name, us in r.get("paths_us", {}).items():
+        print(f"    {name:>14} forced: graph {us:7.1f} us = {100 * r['expert_bytes'] / us / 1e3 / gbs:4.1f}% of copy",
+              flush=True)
 
 
 def kernel_part(args: argparse.Namespace, device: str, c: ModelConfig, gbs: float) -> list[dict[str, Any]]:

@@ -79,17 +79,19 @@ def test_workload_kv_bytes_counts_every_decoded_tokens_context() -> None:
     assert moe.workload_kv_bytes(wl, kv_token=7) == ((3 + 4) + 10) * 7
 
 
-def test_kernel_row_checks_then_times_the_triton_experts(tiny, monkeypatch) -> None:
+@pytest.mark.parametrize("tokens", [2, 5])  # Ops.moe's per-pair GEMVs, then its grouped GEMM
+def test_kernel_row_checks_then_times_the_triton_experts(tiny, monkeypatch, tokens) -> None:
     ops = Ops.build("triton", torch.device("cpu"), torch.float32)   # under the interpreter
     assert ops.triton
     monkeypatch.setattr(moe, "graph_us", lambda call, calls: (call(0), 10.0)[1])
-    row = moe.kernel_row(ops, tiny, 5, "cpu", torch.float32, gbs=100.0, timed=True, copies=2, calls=2)
+    row = moe.kernel_row(ops, tiny, tokens, "cpu", torch.float32, gbs=100.0, timed=True, copies=2, calls=2)
     moe.print_kernel_row(row, 100.0)
     assert 2 <= row["distinct_experts"] <= 8 and row["max_err"] <= moe.TOL_FP32
     assert row["expert_bytes"] == row["distinct_experts"] * 3 * 64 * 32 * 4
     assert row["GBs"] == pytest.approx(row["expert_bytes"] / 10e-6 / 1e9)
     assert row["pct_copy"] == pytest.approx(row["GBs"])             # of 100 GB/s
     assert row["torch_us"] > 0 and row["speedup"] == pytest.approx(row["torch_us"] / 10.0)
+    assert row["paths_us"] == {"grouped GEMM": 10.0, "per-pair GEMV": 10.0}
 
 
 def test_the_check_refuses_wrong_experts(tiny) -> None:

@@ -38,6 +38,9 @@ KERNELS: tuple[str, ...] = ("auto", "triton", "torch")
 # Most rows the GEMV kernel takes (tl.dot's smallest tile): the small-batch forward's limit.
 MAX_ROWS = 16
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
+# Sparse layers of at most this many tokens take the per-pair expert GEMVs: why, docs/tuning.md,
+# "Experts at few tokens".
+MOE_GEMV_MAX_TOKENS = 4
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -166,19 +169,23 @@ class Ops:
     def moe(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             top_k: int, norm_topk_prob: bool) -> torch.Tensor:
         """A sparse MLP: (T, H) -> this rank's (T, H) partial sum of the top-k experts of every
-        token (``layers/moe.py``). Triton: routing, the expert-contiguous layout and the grouped
-        GEMMs on the device, no host sync (CUDA graphs capture it); the torch reference routes
-        on the host and is not captured."""
+        token (``layers/moe.py``). Triton: routing on the device, then for at most
+        ``MOE_GEMV_MAX_TOKENS`` tokens one GEMV per (token, expert) pair, else the
+        expert-contiguous layout and the grouped GEMMs; no host sync (CUDA graphs capture
+        it). The torch reference routes on the host and is not captured."""
         if not self.triton:
             from minivllm.layers.moe import moe_reference
 
             return moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
         from minivllm.kernels.fused_moe import fused_moe
         from minivllm.kernels.moe_align import moe_align
+        from minivllm.kernels.moe_gemv import moe_gemv
         from minivllm.kernels.moe_topk import moe_topk
 
         logits = F.linear(x, router).float()              # (T, E): in x's dtype, as transformers
         weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)
+        if x.shape[0] <= MOE_GEMV_MAX_TOKENS:
+            return moe_gemv(x, gate_up, down, weights, ids, pdl=self.pdl)
         layout = moe_align(ids, gate_up.shape[0], pdl=self.pdl)
         return fused_moe(x, gate_up, down, weights, layout, pdl=self.pdl)
 

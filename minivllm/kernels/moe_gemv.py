@@ -1,0 +1,212 @@
+"""The experts of a sparse MoE layer for a few tokens: one GEMV per (token, expert) pair,
+reading only the selected experts' weights, with no alignment pass::
+
+    stage 1  grid (P, cdiv(I, BLOCK_N))    program (p, n), p = t * k + j, e = topk_ids[t, j]
+             act[p, n-block] = silu(x[t] @ W13[e, gate rows].T) * (x[t] @ W13[e, up rows].T)
+    stage 2  grid (T, cdiv(H, BLOCK_N))    program (t, n) walks token t's k choices
+             out[t, n-block] = sum_j w[t, j] * (act[t * k + j] @ W2[e_j, n-block].T)
+
+At decode a sparse layer is a weight stream, as a dense one is (``kernels/gemv.py``): the
+time is the selected experts' bytes over the memory bandwidth. The grouped GEMM of
+``kernels/fused_moe.py`` reads the same bytes but pads every expert to 16 rows and needs the
+alignment pass first, and at one token its grid of (experts x column blocks) programs is too
+small to keep the memory system busy. Here every program is one row on the CUDA cores (the
+one-row GEMV's scheme: a (BLOCK_N, BLOCK_K) fp32 tile of products summed at the end), and
+there are P x cdiv(I, BLOCK_N) of them. Two tokens that pick one expert read its weights
+twice (from L2 when they are close in time), so the caller takes this path for a few tokens
+only (``Ops.moe``).
+
+Rounding at fused_moe's points, so the two paths differ only in the order of each dot
+product's fp32 sum: gate and up rounded to x's dtype, then ``gated_silu``; each choice's down
+sum scaled by its routing weight and rounded, the k of a token summed in fp32, rounded once.
+
+With ``pdl``, each program waits for the previous kernel (the router's ids feed its first
+weight address, so no weight tile can load earlier) and lets the next kernel start once its
+weights are streamed.
+
+Torch reference: :func:`minivllm.kernels.reference.fused_moe_reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._launch import (
+    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, check_tile_config, takes_pdl,
+)
+from minivllm.kernels.silu_and_mul import gated_silu
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """Tiles of one stage (a tuning knob, not semantics). The defaults below are first
+    guesses from the one-row GEMV's tiles, not yet measured on a GPU."""
+
+    block_n: int = 4          # output columns per program; power of two
+    block_k: int = 512        # reduction step; power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 3       # weight tiles in flight per program
+
+    def __post_init__(self) -> None:
+        check_power_of_two("block_n", self.block_n)  # no tl.dot: any power of two
+        check_tile_config(self, ("block_k",))
+
+
+GATE_UP_CONFIG = MoeGemvConfig(block_n=4, block_k=512)   # K = hidden (2048 at Qwen3-30B-A3B)
+DOWN_CONFIG = MoeGemvConfig(block_n=4, block_k=256)      # K = moe_intermediate (768)
+
+
+@triton.jit
+def _row_dot(w_rows, x_row, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, col_ok,
+             NUM_STAGES: tl.constexpr):
+    """(BLOCK_N,) fp32: ``W[rows] @ x`` for the weight rows at ``w_rows`` (BLOCK_N, 1) and
+    the row at ``x_row``, products kept per (column, k lane) and summed at the end."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_row + k, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,                # (T, H), last dim contiguous
+    w13_ptr,              # (E, 2I, H) contiguous: gate rows, then up rows
+    ids_ptr,              # (P,) int32 expert of each pair
+    act_ptr,              # (P, I) contiguous
+    stride_x, I, H,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    gate_rows = w13_ptr + expert * 2 * I * H + cols.to(tl.int64)[:, None] * H
+    gate = _row_dot(gate_rows, x_row, H, BLOCK_N, BLOCK_K, col_ok, NUM_STAGES)
+    up = _row_dot(gate_rows + I * H, x_row, H, BLOCK_N, BLOCK_K, col_ok, NUM_STAGES)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    dtype = act_ptr.dtype.element_ty
+    tl.store(act_ptr + pair.to(tl.int64) * I + cols, gated_silu(gate.to(dtype), up.to(dtype), dtype),
+             mask=col_ok)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,              # (P, I) contiguous
+    w2_ptr,               # (E, H, I) contiguous
+    ids_ptr,              # (P,) int32
+    weights_ptr,          # (P,) float32 routing weights
+    out_ptr,              # (T, H) contiguous
+    H, I,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w2_ptr + expert * H * I + cols.to(tl.int64)[:, None] * I
+        y = _row_dot(rows, act_ptr + pair * I, I, BLOCK_N, BLOCK_K, col_ok, NUM_STAGES)
+        total += (y * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + token * H + cols, total.to(dtype), mask=col_ok)
+
+
+def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, gate_up_config: MoeGemvConfig | None = None,
+             down_config: MoeGemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+    """The experts' output (T, H) in x's dtype (module doc) for tokens routed to
+    ``topk_ids`` with ``topk_weights``: what :func:`minivllm.kernels.fused_moe.fused_moe`
+    returns, without an alignment.
+
+    Args:
+        x: (T, H) bf16 / fp16 / fp32 with a contiguous last dimension.
+        w13: (E, 2I, H) contiguous, x's dtype: each expert's gate rows, then its up rows.
+        w2: (E, H, I) contiguous, x's dtype.
+        topk_weights: (T, k) float32 contiguous.
+        topk_ids: (T, k) int32 contiguous, every id in [0, E) (not checked: that would read
+            the ids on the host).
+        gate_up_config, down_config: tiles of the two stages (None: ``GATE_UP_CONFIG``,
+            ``DOWN_CONFIG``).
+        pdl: take part in programmatic dependent launch where the device allows it.
+
+    Raises:
+        TypeError: x not bf16/fp16/fp32, weights not x's dtype, topk_weights not float32 or
+            topk_ids not int32.
+        ValueError: shapes that disagree, non-contiguous operands, or tensors on different
+            devices.
+    """
+    _check(x, w13, w2, topk_weights, topk_ids)
+    gate_up_config = gate_up_config or GATE_UP_CONFIG
+    down_config = down_config or DOWN_CONFIG
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    inter = w2.shape[2]
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    use_pdl = takes_pdl(pdl, x)
+    launch = {"launch_pdl": True} if use_pdl else {}
+    act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_config.block_n))](
+        x, w13, topk_ids, act, x.stride(0), inter, hidden,
+        TOP_K=top_k, BLOCK_N=gate_up_config.block_n, BLOCK_K=gate_up_config.block_k,
+        NUM_STAGES=gate_up_config.num_stages, PDL=use_pdl,
+        num_warps=gate_up_config.num_warps, num_stages=gate_up_config.num_stages, **launch,
+    )
+    _down_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
+        act, w2, topk_ids, topk_weights, out, hidden, inter,
+        TOP_K=top_k, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
+        NUM_STAGES=down_config.num_stages, PDL=use_pdl,
+        num_warps=down_config.num_warps, num_stages=down_config.num_stages, **launch,
+    )
+    return out
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    """Validate the arguments of :func:`moe_gemv` (raises as it says)."""
+    check_dtype("x", x, _DTYPES)
+    check_dtype("w13", w13, (x.dtype,))
+    check_dtype("w2", w2, (x.dtype,))
+    check_dtype("topk_weights", topk_weights, (torch.float32,))
+    check_dtype("topk_ids", topk_ids, (torch.int32,))
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, H), got shape {tuple(x.shape)}")
+    check_last_dim_contiguous("x", x)
+    tokens, hidden = x.shape
+    if w2.dim() != 3 or w2.shape[1] != hidden or not w2.is_contiguous():
+        raise ValueError(f"w2 must be a contiguous (E, {hidden}, I), got shape {tuple(w2.shape)} "
+                         f"strides {w2.stride()}")
+    experts, _, inter = w2.shape
+    if w13.shape != (experts, 2 * inter, hidden) or not w13.is_contiguous():
+        raise ValueError(f"w13 must be a contiguous ({experts}, {2 * inter}, {hidden}), got shape "
+                         f"{tuple(w13.shape)} strides {w13.stride()}")
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.dim() != 2 or t.shape[0] != tokens or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous ({tokens}, k), got shape {tuple(t.shape)}")
+    if topk_ids.shape != topk_weights.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must have one shape")
+    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
