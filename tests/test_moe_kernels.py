@@ -13,7 +13,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minivllm.kernels.fused_moe import FusedMoeConfig, fused_moe  # noqa: E402
-from minivllm.kernels.moe_align import MoeAlignment, max_blocks, moe_align  # noqa: E402
+from minivllm.kernels.moe_align import (  # noqa: E402
+    ONE_PROGRAM_MAX_CHUNKS, TILE_CHUNKS, MoeAlignment, max_blocks, moe_align,
+)
 from minivllm.kernels.moe_topk import moe_topk  # noqa: E402
 from minivllm.kernels.reference import (  # noqa: E402
     fused_moe_reference, moe_align_reference, moe_topk_reference,
@@ -87,15 +89,42 @@ def check_layout(al: MoeAlignment, ids: torch.Tensor, experts: int) -> None:
     (17, 4, 4, 16, 16),    # k = E: every expert receives every token (17 = a full block and one)
     (16, 1, 1, 16, None),  # one expert, exactly one full block
     (13, 8, 3, 32, 32),
+    (150, 8, 2, 16, 16),   # 300 pairs: past ONE_PROGRAM_MAX_CHUNKS chunks, the grid by default
 ])
 def test_align_layout(tokens, experts, top_k, block_m, chunk) -> None:
     ids = crafted_ids(tokens, experts, top_k)
     check_layout(moe_align(ids, experts, block_m, chunk=chunk), ids, experts)
 
 
-def test_align_random_ids() -> None:
-    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:2] for t in range(11)])
-    check_layout(moe_align(ids.to(torch.int32).contiguous(), 8, 16, chunk=16), ids, 8)
+@pytest.mark.parametrize("tokens,experts,top_k,block_m,chunk", [
+    (17, 8, 2, 16, 16),    # 34 pairs, less than one tile; every-token and no-token experts
+    (150, 8, 2, 16, 16),   # 300 pairs: two tiles and part of a third
+    (200, 1, 1, 16, 16),   # one expert receives every pair, over two tiles
+    (70, 4, 4, 32, 16),    # k = E, BLOCK_M 32
+    (100, 8, 3, 16, 4),    # ten tiles of 32 pairs: the scan takes several steps of 4 rows
+])
+def test_align_grid_is_one_program(tokens, experts, top_k, block_m, chunk) -> None:
+    """The grid path, forced over tiles of TILE_CHUNKS * chunk pairs, gives the reference's
+    layout and the one program's tensors to the last entry."""
+    ids = crafted_ids(tokens, experts, top_k)
+    grid = moe_align(ids, experts, block_m, chunk=chunk, one_program=False)
+    check_layout(grid, ids, experts)
+    one = moe_align(ids, experts, block_m, chunk=chunk, one_program=True)
+    for name in ("sorted_pair_ids", "block_expert", "num_blocks"):
+        assert torch.equal(getattr(grid, name), getattr(one, name)), name
+
+
+@pytest.mark.parametrize("tokens,one_program", [(11, None), (90, True), (90, False)])
+def test_align_random_ids(tokens, one_program) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]).to(torch.int32)
+    check_layout(moe_align(ids, 8, 16, chunk=16, one_program=one_program), ids, 8)
+
+
+def test_grid_cases_span_several_tiles() -> None:
+    """The 300-pair cases above span several grid tiles at chunk 16 and pass the one-program
+    limit (the default switch) only while the constants stay about this size."""
+    assert 2 * TILE_CHUNKS * 16 < 300 and 300 > ONE_PROGRAM_MAX_CHUNKS * 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
