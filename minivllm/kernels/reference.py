@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minivllm.layers.quantization import (
+    FP8_GROUP, ScaleMode, dequantize_fp8_block, dequantize_fp8_weight, quantize_fp8_per_token,
+    quantize_fp8_per_token_group,
+)
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)``; statistics in float32, cast back before the weight multiply."""
@@ -195,3 +200,27 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         y = F.linear(act, w2[e]).float() * topk_weights[token, slot, None]  # (n, H)
         out.index_add_(0, token, y)
     return out.to(x.dtype)
+
+
+# FP8 (e4m3) weights: dequantize, then compute in float32 (scales: layers/quantization.py).
+
+def fp8_gemm_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       mode: ScaleMode) -> torch.Tensor:
+    """What ``kernels/fp8_gemm.py`` returns for x (M, K) and fp8 W (N, K) with scales of
+    ``mode``: x quantized as the kernel quantizes it (per token and 128-column group for
+    "block", per token for "channel"), both operands dequantized, the product in float32,
+    rounded once to x's dtype."""
+    if mode == "block":
+        x_fp8, x_scale = quantize_fp8_per_token_group(x, FP8_GROUP)
+        xd = dequantize_fp8_block(x_fp8, x_scale, (1, FP8_GROUP))
+    else:
+        x_fp8, x_scale = quantize_fp8_per_token(x)
+        xd = x_fp8.float() * x_scale
+    return (xd @ dequantize_fp8_weight(weight, weight_scale, mode).T).to(x.dtype)
+
+
+def fp8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       mode: ScaleMode) -> torch.Tensor:
+    """What ``kernels/fp8_gemv.py`` returns for one row x (1, K): W dequantized, x kept in
+    its 16 bits, ``F.linear`` in float32, rounded once to x's dtype."""
+    return F.linear(x.float(), dequantize_fp8_weight(weight, weight_scale, mode)).to(x.dtype)

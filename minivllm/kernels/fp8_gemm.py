@@ -1,0 +1,245 @@
+"""``y = x W^T`` with 8-bit weights and activations: W (N, K) float8_e4m3fn with its scales,
+x (M, K) bf16/fp16 quantized to e4m3 inside the K loop (dynamic, per token), fp32
+accumulation, y (M, N) in x's dtype rounded once. Scales as ``layers/quantization.py``
+defines them (``v ~= v_fp8 * scale``; ``scale = max(amax, AMAX_FLOOR) / 448``)::
+
+    program (i, j) (grid: cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N)) owns y[rows i, cols j]
+
+    for each 128-column group g of K:
+        xt   = x[rows, g]                        (BLOCK_M, 128) bf16 -> fp32
+        xs   = amax over each row / 448          (BLOCK_M,)   block mode: this group's
+        xq   = e4m3(xt * (1 / xs))               (BLOCK_M, 128)
+        d    = xq @ W[cols, g]^T                 (BLOCK_M, BLOCK_N) fp8 x fp8 -> fp32
+        acc += d * xs[:, None] * s[cols // 128, g][None, :]        block: 128x128 scale_inv
+
+    channel mode: xs is each row's amax over all of K, found by a first pass over the row
+    (x comes from L2 while nothing else is in flight), so the loop accumulates d unscaled
+    and the epilogue multiplies by xs[:, None] * s[cols][None, :] once.
+
+The first pass rather than a separate quantization kernel: no (M, K) fp8 buffer and no
+second launch (decode-sized M is launch-bound); its price is one more read of x per column
+program. Both modes requantize x in every column program (cdiv(N, BLOCK_N) times): a few
+ALU ops per element beside the tensor-core dot. Whether a separate quantization kernel
+wins at prefill sizes is a GPU measurement not made yet: tiles are not tuned on a GPU.
+
+The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later).
+
+Interpreter: its fp32 -> e4m3 cast (triton 3.9) rounds ties away from zero and loses the
+carry into the exponent (125.4 becomes 64, not 128), so under it (``EXACT_CAST``) values
+are first rounded to the e4m3 grid in fp32 (:func:`e4m3_grid`, ties to even, as
+``torch.float8_e4m3fn``), after which the cast is exact. The GPU's ``cvt.rn.satfinite``
+rounds to nearest even itself. The interpreter's ``tl.dot`` of fp8 operands widens them
+exactly, so the dot itself needs no workaround.
+
+``scaled_mm_fp8``: the same product through ``torch._scaled_mm``, to hold the kernel against
+on a GPU. What ``_scaled_mm`` takes (torch 2.13; CUDA per aten/src/ATen/native/cuda/
+ScaledBlas.cpp, CPU tried here): per-tensor and row-wise scales on the CPU and on CUDA
+(compute capability 8.9 or >= 9.0); 1x128-by-128x128 block scales on CUDA only, through
+cuBLASLt (Hopper, cuBLAS >= 12.9; the 1x128 scales outer-dim-major, K and N multiples of
+16, no fast accumulation). The CPU refuses block scales ("Invalid scaling configuration").
+
+Torch reference: :func:`minivllm.kernels.reference.fp8_gemm_reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config
+from minivllm.layers.quantization import (
+    AMAX_FLOOR, FP8_DTYPE, FP8_E4M3_MAX, FP8_GROUP, ScaleMode, check_scale_mode, quantize_fp8_per_token,
+    quantize_fp8_per_token_group,
+)
+
+_DTYPES = (torch.bfloat16, torch.float16)
+# The quantization constants as kernel constants (one definition: layers/quantization.py).
+FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
+_AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Tile and launch parameters (a tuning knob, not semantics; not tuned on a GPU). The
+    reduction step is the 128-column activation group. Defaults: :func:`default_config`."""
+
+    block_m: int = 64         # rows of x per program; power of two >= 16
+    block_n: int = 64         # output columns (W rows) per program; power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        check_tile_config(self, ("block_m", "block_n"))
+
+
+def default_config(rows: int) -> Fp8GemmConfig:
+    """The tiles for ``rows`` rows of x: the smallest row block (16, 32 or 64) that holds them."""
+    return Fp8GemmConfig(block_m=16 if rows <= 16 else 32 if rows <= 32 else 64)
+
+
+@triton.jit
+def e4m3_grid(v):
+    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32: the
+    interpreter's exact replacement for the rounding of its fp32 -> e4m3 cast (module doc)."""
+    mag = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    # Normal e4m3 (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, ties to even; a carry
+    # runs into the exponent.
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    a = tl.abs(v)
+    # Subnormal e4m3: multiples of 2^-9; the fp32 add at 2^23 rounds to an integer, ties to even.
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+    r = tl.where(a < 0.015625, sub, normal)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize_tile(v, inv_scale, EXACT_CAST: tl.constexpr):
+    """e4m3 of fp32 ``v`` times its (broadcast) reciprocal scale, clamped to +-448."""
+    q = tl.clamp(v * inv_scale, -FP8_MAX, FP8_MAX)
+    if EXACT_CAST:
+        q = e4m3_grid(q)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _row_scales(amax):
+    """``(scale, 1 / scale)`` of rows whose largest magnitude is ``amax``, correctly rounded
+    as torch divides (``quantization.fp8_scale``)."""
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), FP8_MAX)
+    return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr,                  # (M, K) bf16/fp16, last dim contiguous
+    w_ptr,                  # (N, K) float8e4nv contiguous
+    ws_ptr,                 # BLOCK_SCALES: (cdiv(N, GROUP), cdiv(K, GROUP)) float32; else (N,) float32
+    y_ptr,                  # (M, N) contiguous, x's dtype
+    M, N, K,
+    stride_xm,
+    BLOCK_SCALES: tl.constexpr,  # 128x128 weight blocks with per-group activation scales; else per channel
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    EXACT_CAST: tl.constexpr,    # CPU interpreter: round to e4m3 before the cast (module doc)
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm              # (BLOCK_M, 1)
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K                      # (1, BLOCK_N): W^T tiles
+    offs_k = tl.arange(0, GROUP)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if BLOCK_SCALES:
+        ws_rows = ws_ptr + (cols // GROUP) * tl.cdiv(K, GROUP)           # (BLOCK_N,)
+        for k0 in range(0, K, GROUP):
+            x = _x_tile(x_rows, k0 + offs_k, row_ok, K)
+            xs, inv = _row_scales(tl.max(tl.abs(x), axis=1))
+            d = tl.dot(_quantize_tile(x, inv[:, None], EXACT_CAST), _w_tile(w_cols, k0 + offs_k, col_ok, K))
+            ws = tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)
+            acc += d * xs[:, None] * ws[None, :]
+    else:
+        amax = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, GROUP):
+            amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, k0 + offs_k, row_ok, K)), axis=1))
+        xs, inv = _row_scales(amax)
+        for k0 in range(0, K, GROUP):
+            xq = _quantize_tile(_x_tile(x_rows, k0 + offs_k, row_ok, K), inv[:, None], EXACT_CAST)
+            acc = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)
+        acc = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    out = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _x_tile(x_rows, k, row_ok, K):
+    """x at these rows and columns ``k`` in fp32, 0 where masked off."""
+    return tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _w_tile(w_cols, k, col_ok, K):
+    """The (GROUP, BLOCK_N) tile of W^T at rows ``k``, 0 where masked off."""
+    return tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode,
+             config: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """``x @ W^T`` (M, N) in x's dtype for fp8 W with scales of ``mode`` (module doc), x
+    quantized per token (and 128-column group in block mode) on the fly.
+
+    Args:
+        x: (M, K) bf16 / fp16 with a contiguous last dimension.
+        weight: (N, K) float8_e4m3fn, contiguous.
+        weight_scale: float32, contiguous: "block": (cdiv(N, 128), cdiv(K, 128)), a checkpoint's
+            ``weight_scale_inv``; "channel": (N,).
+        mode: "block" or "channel".
+        config: tiles (None: ``default_config(M)``).
+
+    Raises:
+        TypeError: x not bf16/fp16, weight not float8_e4m3fn, or weight_scale not float32.
+        ValueError: an unknown mode, shapes that disagree (the scale's for its mode), a
+            strided or non-contiguous operand, or tensors on different devices.
+    """
+    check_args(x, weight, weight_scale, mode)
+    config = config or default_config(x.shape[0])
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    _fp8_gemm_kernel[(triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))](
+        x, weight, weight_scale, y, m, n, k, x.stride(0),
+        BLOCK_SCALES=mode == "block", BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=FP8_GROUP,
+        EXACT_CAST=x.device.type != "cuda", num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y
+
+
+def scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  mode: ScaleMode) -> torch.Tensor:
+    """What :func:`fp8_gemm` computes, through ``torch._scaled_mm``: x quantized in torch as the
+    kernel quantizes it, then the vendor scaled GEMM (arguments as :func:`fp8_gemm`'s).
+
+    Raises:
+        TypeError, ValueError: as :func:`fp8_gemm`.
+        NotImplementedError: block scales off CUDA, where ``_scaled_mm`` has no block-wise
+            mode (module doc); on CUDA, torch raises where the device or cuBLAS lacks it.
+    """
+    check_args(x, weight, weight_scale, mode)
+    if mode == "block":
+        if x.device.type != "cuda":
+            raise NotImplementedError(f"torch._scaled_mm scales 1x128 x 128x128 blocks on CUDA only (cuBLASLt, "
+                                      f"Hopper); on {x.device.type} it takes per-tensor and row-wise scales")
+        x_fp8, x_scale = quantize_fp8_per_token_group(x)
+        # (M, cdiv(K, 128)) outer-dim-major, and W's (cdiv(N, 128), cdiv(K, 128)) seen from W^T.
+        scale_a, scale_b = x_scale.t().contiguous().t(), weight_scale.t()
+    else:
+        x_fp8, scale_a = quantize_fp8_per_token(x)
+        scale_b = weight_scale[None, :]
+    return torch._scaled_mm(x_fp8, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
+
+
+def check_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode) -> None:
+    """Validate an FP8 product's x (M, K), fp8 weight (N, K) and its float32 scale of ``mode``
+    (raises as :func:`fp8_gemm` says); shared with the one-row GEMV."""
+    check_dtype("x", x, _DTYPES)
+    check_dtype("weight", weight, (FP8_DTYPE,))
+    check_dtype("weight_scale", weight_scale, (torch.float32,))
+    check_scale_mode(mode)
+    if x.dim() != 2:
+        raise ValueError(f"x must be (M, K), got shape {tuple(x.shape)}")
+    check_last_dim_contiguous("x", x)
+    k = x.shape[1]
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous (N, {k}), got shape {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    n = weight.shape[0]
+    want = (triton.cdiv(n, FP8_GROUP), triton.cdiv(k, FP8_GROUP)) if mode == "block" else (n,)
+    if tuple(weight_scale.shape) != want or not weight_scale.is_contiguous():
+        raise ValueError(f"weight_scale of mode {mode!r} must be a contiguous {want}, got shape "
+                         f"{tuple(weight_scale.shape)} strides {weight_scale.stride()}")
+    check_same_device(x=x, weight=weight, weight_scale=weight_scale)

@@ -1,0 +1,139 @@
+"""``y = x W^T`` for one row of x (batch 1) with fp8 weights: W (N, K) float8_e4m3fn read as
+8-bit values and dequantized in registers with its scales (``layers/quantization.py``:
+``w ~= w_fp8 * scale``), x (1, K) bf16/fp16 used as it is, fp32 products, y (1, N) in x's
+dtype rounded once. The one-row path of ``kernels/gemv.py`` (``_one_row``) at a byte a weight::
+
+    program p (grid: cdiv(N, BLOCK_N)) owns output columns [p*BLOCK_N, (p+1)*BLOCK_N)
+
+    W rows of p   ##########....##########   BLOCK_N x K fp8, read in BLOCK_K steps
+    scales        block: s[cols // 128, k // 128] beside each weight (a tile touches
+                  BLOCK_N * BLOCK_K / 128 of them: L1 hits); channel: s[cols], after the sum
+    x (1 row)     ----------....----------   bf16/fp16, re-read from L2 by every program
+    acc (fp32)    BLOCK_N x BLOCK_K  += (w * s) * x          summed over K at the end
+
+Why x is not quantized: batch 1 is bound by the weight bytes; x is K values against N x K
+weights, so 16-bit x costs nothing measurable, and it keeps the products as accurate as the
+weights allow (no activation rounding on top of the weights').
+
+In block mode each weight is dequantized as the reference dequantizes it (one fp32
+product), so the two differ only in the order of the fp32 sum. With ``pdl=True`` the first
+W tile loads before ``griddepcontrol.wait`` and the next kernel may start after the K loop,
+as in ``kernels/gemv.py`` (its module doc; ``_launch.pdl_supported``).
+
+Tiles are guesses, not tuned on a GPU: the one-row bf16 GEMV's register budget (a 16 x 512
+fp32 tile a program).
+
+Torch reference: :func:`minivllm.kernels.reference.fp8_gemv_reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels._launch import check_power_of_two, check_tile_config, takes_pdl
+from minivllm.kernels.fp8_gemm import check_args
+from minivllm.kernels.gemv import _masked_load, _w_tile
+from minivllm.layers.quantization import FP8_GROUP, ScaleMode
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    """Tile and launch parameters (a tuning knob, not semantics; not tuned on a GPU)."""
+
+    block_n: int = 16         # output columns (W rows) per program; power of two >= 1
+    block_k: int = 512        # reduction step; power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 3       # W tiles in flight per program (tl.range pipelining)
+
+    def __post_init__(self) -> None:
+        check_power_of_two("block_n", self.block_n)
+        check_tile_config(self, ("block_k",))
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,                       # (1, K) bf16/fp16, contiguous
+    w_ptr,                       # (N, K) float8e4nv contiguous
+    ws_ptr,                      # BLOCK_SCALES: (cdiv(N, GROUP), cdiv(K, GROUP)) float32; else (N,) float32
+    y_ptr,                       # (1, N) x's dtype
+    N, K,
+    BLOCK_SCALES: tl.constexpr,  # 128x128 weight blocks; else per output channel
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,    # loads in flight (tl.range pipelining)
+    PDL: tl.constexpr,           # launched with launch_pdl: first W tile, wait, ..., signal after the K loop
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K                  # (BLOCK_N, 1)
+    ws_rows = ws_ptr + (cols // GROUP) * tl.cdiv(K, GROUP)           # BLOCK_SCALES: (BLOCK_N,)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    k_start = 0
+    if PDL:  # W does not depend on the previous kernel: its first tile loads before the wait
+        w = _w_tile(w_rows, offs_k, col_ok, K, EVEN_N, EVEN_K)
+        tl.extra.cuda.gdc_wait()
+        acc = _scaled_product(w, ws_rows, x_ptr, offs_k, col_ok, K, acc, BLOCK_SCALES, EVEN_N, EVEN_K, GROUP)
+        k_start = BLOCK_K
+    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
+        w = _w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
+        acc = _scaled_product(w, ws_rows, x_ptr, k0 + offs_k, col_ok, K, acc, BLOCK_SCALES, EVEN_N, EVEN_K, GROUP)
+    if PDL:  # W is streamed: the next GEMV may load its first tile during this one's stores
+        tl.extra.cuda.gdc_launch_dependents()
+    y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
+    if not BLOCK_SCALES:
+        y *= tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _scaled_product(w, ws_rows, x_ptr, k, col_ok, K, acc, BLOCK_SCALES: tl.constexpr, EVEN_N: tl.constexpr,
+                    EVEN_K: tl.constexpr, GROUP: tl.constexpr):
+    """``acc + w' * x[k]`` for the fp8 tile ``w`` at columns ``k``: w' = w * its block scale
+    (BLOCK_SCALES), else w (the channel scale comes after the sum)."""
+    w32 = w.to(tl.float32)
+    if BLOCK_SCALES:
+        scale_ptrs = ws_rows[:, None] + (k // GROUP)[None, :]
+        if EVEN_N and EVEN_K:
+            w32 = w32 * tl.load(scale_ptrs)
+        else:
+            w32 = w32 * tl.load(scale_ptrs, mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+    if EVEN_K:
+        x = _masked_load(x_ptr + k, None)
+    else:
+        x = _masked_load(x_ptr + k, k < K)
+    return acc + w32 * x.to(tl.float32)[None, :]
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode,
+             config: Fp8GemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+    """``x @ W^T`` (1, N) in x's dtype for one row x (1, K) and fp8 W with scales of ``mode``
+    (arguments as :func:`minivllm.kernels.fp8_gemm.fp8_gemm`'s; ``config`` None:
+    ``Fp8GemvConfig()``). ``pdl``: take part in programmatic dependent launch where the device
+    allows it; the same bits either way.
+
+    Raises:
+        TypeError: x not bf16/fp16, weight not float8_e4m3fn, or weight_scale not float32.
+        ValueError: more than one row, or anything ``fp8_gemm`` refuses.
+    """
+    check_args(x, weight, weight_scale, mode)
+    if x.shape[0] != 1:
+        raise ValueError(f"fp8_gemv takes one row (batch 1), got x of shape {tuple(x.shape)}; more rows: fp8_gemm")
+    config = config or Fp8GemvConfig()
+    n, k = weight.shape
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    use_pdl = takes_pdl(pdl, x) and k > 0
+    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight_scale, y, n, k,
+        BLOCK_SCALES=mode == "block", EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP=FP8_GROUP, NUM_STAGES=config.num_stages,
+        PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return y
