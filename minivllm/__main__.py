@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from minivllm import envs
-from minivllm.config import LOAD_FORMATS
+from minivllm.config import KV_CACHE_DTYPES, LOAD_FORMATS
 
 if TYPE_CHECKING:
     from minivllm.llm import LLM
@@ -94,6 +94,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks (processes; one GPU each on CUDA) the model is split over")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="with --tensor-parallel-size > 1 on CUDA: every all-reduce through NCCL")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="fp8: the KV cache in e4m3 (per-layer scales), twice the tokens in the same memory")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights, only config.json read (no weight files needed)")
     p.add_argument("--record-trace", default=None, metavar="FILE.jsonl",
@@ -118,6 +120,8 @@ def _engine_options(args: argparse.Namespace, seed: int = 0) -> dict[str, object
         opts["disable_custom_all_reduce"] = True
     if args.load_format != "auto":
         opts["load_format"] = args.load_format
+    if args.kv_cache_dtype != "auto":
+        opts["kv_cache_dtype"] = args.kv_cache_dtype
     if args.record_trace is not None:
         from sim.recorder import TraceRecorder
         opts["observer"] = TraceRecorder(args.record_trace, seed=seed)

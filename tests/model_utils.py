@@ -138,7 +138,7 @@ def random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int
 
 def make_model_executor(path: str, *, block_size: int, num_blocks: int | None, max_num_seqs: int,
                         max_num_batched_tokens: int, max_model_len: int | None = None,
-                        **executor: object) -> "ModelExecutor":
+                        kv_cache_dtype: str = "auto", **executor: object) -> "ModelExecutor":
     """A ``ModelExecutor`` over ``path`` from the few settings tests vary (configs built here)."""
     from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
     from minivllm.executor.model_executor import ModelExecutor
@@ -146,7 +146,7 @@ def make_model_executor(path: str, *, block_size: int, num_blocks: int | None, m
     model_config = ModelConfig.from_hf_json(path)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len or model_config.max_position_embeddings)
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
     return ModelExecutor(model_config, path, sched, cache, ExecutorConfig(**executor))  # type: ignore[arg-type]
 
 
@@ -172,3 +172,55 @@ def chunked_then_decoded_diff(ex: "ModelExecutor", hf: transformers.PreTrainedMo
         worst = max(worst, (ours - hf_logits(hf, seq)[-1]).abs().max())
     return float(worst)
 
+
+
+def greedy_with_logits(ex: "ModelExecutor", prompt: list[int], n: int, table: tuple[int, ...],
+                       block_size: int) -> tuple[list[int], torch.Tensor]:
+    """``n`` greedy tokens after ``prompt`` (one prefill, then one decode step each) and the
+    float32 logits (n, V) each was chosen from."""
+    logits = ex.compute_logits(make_plan([(prompt, 0, table, True)], block_size))[0].float().cpu()
+    tokens, rows = [], []
+    for i in range(n):
+        rows.append(logits)
+        tokens.append(int(logits.argmax()))
+        if i < n - 1:
+            plan = make_plan([([tokens[-1]], len(prompt) + i, table, True)], block_size)
+            logits = ex.compute_logits(plan)[0].float().cpu()
+    return tokens, torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How a model run (``ours``) agrees with a reference run on the same weights, greedy
+    from the same prompts (the vLLM way: at the first differing token, each side's token is
+    in the other's top-5) and teacher-forced on the reference's tokens (KL of next-token
+    distributions, KL(reference || ours) averaged over every position of every prompt)."""
+
+    prompts: int
+    identical: int          # prompts whose n tokens are all equal
+    top5_failures: int      # prompts whose first differing token breaks the top-5 rule
+    mean_leading: float     # tokens equal before the first difference (n when identical)
+    mean_kl: float
+    max_kl: float           # the largest per-prompt mean
+
+
+def agreement(reference: "ModelExecutor", ours: "ModelExecutor", prompts: list[list[int]], n: int,
+              table: tuple[int, ...], block_size: int) -> Agreement:
+    """``Agreement`` of ``ours`` with ``reference`` over ``prompts`` (``n`` tokens each)."""
+    identical = failures = 0
+    leading, kls = [], []
+    for prompt in prompts:
+        ref_tokens, ref_logits = greedy_with_logits(reference, prompt, n, table, block_size)
+        our_tokens, our_logits = greedy_with_logits(ours, prompt, n, table, block_size)
+        first = next((i for i in range(n) if ref_tokens[i] != our_tokens[i]), None)
+        leading.append(n if first is None else first)
+        if first is None:
+            identical += 1
+        else:
+            ref_top, our_top = (x[first].topk(5).indices.tolist() for x in (ref_logits, our_logits))
+            failures += not (ref_tokens[first] in our_top and our_tokens[first] in ref_top)
+        plan = make_plan([(prompt + ref_tokens, 0, table, True)], block_size)
+        p, q = (all_row_logits(ex, plan).log_softmax(-1) for ex in (reference, ours))
+        kls.append(float((p.exp() * (p - q)).sum(-1).mean()))
+    return Agreement(len(prompts), identical, failures, float(np.mean(leading)), float(np.mean(kls)),
+                     float(np.max(kls)))

@@ -101,8 +101,14 @@ def test_every_parameter_filled_at_its_scale(tmp_path, cfg, dtype):
     norms = {f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, RMSNorm)}
     biases = [n for n in params if n.endswith(".bias")]
     assert norms and (biases or getattr(cfg, "family", None) != "qwen2")
+    scales = [n for n in params if n.endswith(("self_attn.k_scale", "self_attn.v_scale"))]
+    assert len(scales) == 2 * cfg.num_hidden_layers
     for name, p in params.items():
-        assert p.dtype == dtype and torch.isfinite(p).all(), name
+        assert torch.isfinite(p).all(), name
+        if name in scales:  # KV cache scales: float32 in every model, default 1
+            assert p.dtype == torch.float32 and torch.equal(p, torch.ones_like(p)), name
+            continue
+        assert p.dtype == dtype, name
         if name in norms:
             assert torch.equal(p, torch.ones_like(p)), name
         elif name in biases:

@@ -18,7 +18,9 @@ The KV cache is ONE tensor for all layers::
               kv_cache[l, 0] = layer l's K cache, kv_cache[l, 1] = its V cache
 
 so each layer's K (or V) cache is a contiguous (num_blocks, block_size, Hkv, D)
-view, token slot s living at [s // block_size, s % block_size].
+view, token slot s living at [s // block_size, s % block_size]. Its dtype is the model's,
+or e4m3 with ``kv_cache_dtype="fp8"`` (``layers/attention.py``), which halves
+``block_bytes`` and so doubles the blocks the same memory holds.
 
 The executor builds the model's ``Ops`` once (``layers/ops.py``: Triton kernels or torch
 references, PDL, the tensor-parallel communicator) and hands it to the model.
@@ -57,7 +59,7 @@ from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resol
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers.all_reduce import Communicator, build_communicator
-from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.attention import AttentionMetadata, kv_cache_torch_dtype
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
@@ -240,6 +242,7 @@ class ModelExecutor:
             # "Rounding and precision"). Process-wide: set before any GEMM is captured into a graph.
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         self.block_size = cache_config.block_size
+        self.kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings)
@@ -320,14 +323,14 @@ class ModelExecutor:
         c = self.model_config
         return torch.zeros(
             (c.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim),
-            dtype=self.dtype, device=self.device)
+            dtype=self.kv_dtype, device=self.device)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers (K and V)."""
         c = self.model_config
         return (c.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim
-                * torch.finfo(self.dtype).bits // 8)
+                * torch.finfo(self.kv_dtype).bits // 8)
 
     def _load_model(self, model_path: str | os.PathLike[str]) -> DecoderForCausalLM:
         """The model on the device, its weights from ``model_path`` or, with
@@ -372,8 +375,9 @@ class ModelExecutor:
             raise ValueError(f"no KV block fits: {budget / 2**30:.2f} GiB left of "
                              f"{gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB after a "
                              f"warm-up peak of {peak / 2**30:.2f} GiB")
-        print(f"[minivllm] KV cache: {num_blocks} blocks x {self.block_size} = "
-              f"{num_blocks * self.block_size:,} tokens, {num_blocks * self.block_bytes / 2**30:.2f} GiB "
+        print(f"[minivllm] KV cache ({str(self.kv_dtype).removeprefix('torch.')}): {num_blocks} blocks x "
+              f"{self.block_size} = {num_blocks * self.block_size:,} tokens, "
+              f"{num_blocks * self.block_bytes / 2**30:.2f} GiB "
               f"(peak of the warm-up {peak / 2**30:.2f} GiB)")
         return num_blocks
 

@@ -145,16 +145,19 @@ def check_attention_args(
     ``cu_seqlens_q`` None means decode (one query row per sequence, so q's first
     dimension is B); otherwise q holds the concatenated new tokens of B sequences.
 
+    The caches hold q's dtype, or both FP8 (e4m3, ``kernels/_fp8.py``; their scales are
+    checked by ``_fp8.check_kv_scales``).
+
     Raises:
-        TypeError: q and the caches do not share one of bf16/fp16/fp32, or an index
-            tensor is not int32.
+        TypeError: q not one of bf16/fp16/fp32, caches neither q's dtype nor both e4m3,
+            or an index tensor is not int32.
         ValueError: mismatched shapes, strided last dimensions, H not a multiple of
             Hkv, head_dim or block_size not a power of two, tensors on different
             devices, or a scale that is not a finite positive number.
     """
     check_dtype("q", q, ATTENTION_DTYPES)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t, (q.dtype,))
+    check_dtype("k_cache", k_cache, (q.dtype, torch.float8_e4m3fn))
+    check_dtype("v_cache", v_cache, (k_cache.dtype,))
     index = {"kv_lens": kv_lens, "block_tables": block_tables}
     if cu_seqlens_q is not None:
         index = {"cu_seqlens_q": cu_seqlens_q, **index}

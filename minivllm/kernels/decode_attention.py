@@ -15,6 +15,10 @@ SMs; splitting the context gives every SM work. Each split writes its normalised
 partial output and log-sum-exp, and :mod:`merge_attention_splits` combines them.
 With one split the kernel writes the final output itself.
 
+An FP8 cache (``kernels/_fp8.py``) is read as e4m3 tiles, half the bytes, turned into q's
+dtype in registers (exact) before the dots; the K scale multiplies the softmax scale and
+the V scale the normalised output.
+
 CUDA-graph capturable: the split count depends on shapes only (batch, KV heads,
 block-table width * block size, SM count), never on tensor values, and nothing
 syncs with the host. A row with kv_len 0 (graph padding) gets zeros.
@@ -32,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels._fp8 import check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
     LOG2E, check_attention_args, check_host_int, check_tile_config, next_pow2, upcast_dot,
 )
@@ -66,6 +71,7 @@ def _decode_split_kernel(
     out_ptr,                              # (B, H, D): written only when num_splits == 1
     part_out_ptr,                         # (B, H, S, D) fp32 contiguous: split-normalised output
     part_lse_ptr,                         # (B, H, S) fp32 contiguous: log2-sum-exp2 of the split's scores
+    k_scale_ptr, v_scale_ptr,             # KV_FP8: (1,) float32 each; else unread
     scale_log2,                           # softmax scale * log2(e): scores live in base 2
     num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -75,6 +81,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
+    KV_FP8: tl.constexpr,                 # the cache holds e4m3 values of K / k_scale, V / v_scale
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -95,7 +102,9 @@ def _decode_split_kernel(
     # Padding rows (BLOCK_G > GROUP, tl.dot needs >= 16 rows) are zeros: finite scores.
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None], other=0.0)                      # (BLOCK_G, D)
-
+    dtype = q.dtype
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)               # running max (base 2)
@@ -109,11 +118,15 @@ def _decode_split_kernel(
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         kv_off = block * stride_cn + (pos % BLOCK_SIZE) * stride_cb + kv_head * stride_ch
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(dtype)
         if UPCAST_DOT:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)      # (BLOCK_G, BLOCK_N), unscaled
         s = tl.where(valid[None, :], s, float("-inf"))
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            v = v.to(dtype)
         # Every tile holds >= 1 valid token, so m_i is finite after the first one.
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
 
@@ -121,6 +134,8 @@ def _decode_split_kernel(
     # Scores are base 2 (scaled by log2 e), so the split's log-sum-exp is m + log2(l), in base 2.
     has_keys = l_i > 0
     out = normalize_rows(acc, l_i)
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     if WRITE_FINAL:
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
@@ -173,6 +188,8 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     pdl: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:               # (B, H, D), q's dtype
     """Attention of each sequence's single new token over its whole paged context.
 
@@ -182,15 +199,18 @@ def decode_attention(
             (:func:`choose_num_splits`), so a captured CUDA graph stays valid.
         pdl: the merge of the splits lets the next kernel start early where the device
             allows programmatic dependent launch (:func:`merge_attention_splits`).
+        k_scale, v_scale: an FP8 cache's (1,) float32 scales (``kernels/_fp8.py``);
+            not read for a cache in q's dtype.
 
     Raises:
         TypeError: unsupported dtypes (q and caches must share one of bf16/fp16/fp32;
             kv_lens and block_tables int32), or a config that is not a DecodeConfig.
         ValueError: mismatched shapes, strided last dimensions, H not a multiple of
             Hkv, head_dim or block_size not a power of two, a bad scale or
-            num_splits, or tensors on different devices.
+            num_splits, tensors on different devices, or an FP8 cache without scales.
     """
     check_attention_args(q, k_cache, v_cache, kv_lens, block_tables, scale)
+    k_scale, v_scale = check_kv_scales(k_cache, k_scale, v_scale)
     if num_splits is not None:
         check_host_int("num_splits", num_splits, minimum=1)
     if config is not None and not isinstance(config, DecodeConfig):
@@ -211,7 +231,7 @@ def decode_attention(
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, kv_lens, block_tables, out, part_out, part_lse,
+        q, k_cache, v_cache, kv_lens, block_tables, out, part_out, part_lse, k_scale, v_scale,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -220,7 +240,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         WRITE_FINAL=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=upcast_dot(q),
+        UPCAST_DOT=upcast_dot(q), KV_FP8=is_fp8_cache(k_cache),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:

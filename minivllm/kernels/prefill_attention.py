@@ -35,6 +35,10 @@ whose row-major order is the tile's row order (token r // G, head r % G), and a 
 whose rows are all real is stored as one box of the output: fewer instructions per tile
 than BLOCK_M x D pointers.
 
+An FP8 cache (``kernels/_fp8.py``) comes as e4m3 tiles (by pointer or TMA box alike),
+turned into q's dtype in registers (exact) before the dots; the K scale multiplies the
+softmax scale and the V scale the normalised output.
+
 Grid: one program per (KV head, sequence, q tile) plus one extra "sequence" B
 whose programs zero the output rows that belong to no sequence (before
 ``cu_q[0]`` or past ``cu_q[B]``), so the output is ``torch.empty`` and no memset
@@ -61,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels._fp8 import check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
     LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_tile_config,
     check_same_device, next_pow2, tma_rows_allowed, upcast_dot,
@@ -130,9 +135,14 @@ def _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb,
 
 @triton.jit
 def _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2,
-               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+               KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
     """One K/V tile (keys at ``pos``) into the online softmax; MASKED: each row sees only
-    keys at or before its position. Returns (m_i, l_i, acc)."""
+    keys at or before its position; KV_FP8: the tile's e4m3 values first become DTYPE (the
+    model's; the scales are applied by the caller). Returns (m_i, l_i, acc)."""
+    if KV_FP8:
+        k = k.to(DTYPE)
+        v = v.to(DTYPE)
     if UPCAST_DOT:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # (M, BLOCK_N), unscaled
@@ -153,6 +163,7 @@ def _attend_kv_range(
     MASKED: tl.constexpr,                 # False: every key in [start, end) is visible to every row
     USE_TMA: tl.constexpr,                # tiles come by tensor-memory copy (BLOCK_SIZE % BLOCK_N == 0)
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr, DTYPE: tl.constexpr,  # see _fold_tile
 ):
     """Fold the keys [start, end) into the online softmax; returns (m_i, l_i, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -171,7 +182,7 @@ def _attend_kv_range(
                 block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos < end, other=0)
                 k, v = _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, True)
             m_i, l_i, acc = _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2, True, DOT_PRECISION,
-                                       UPCAST_DOT)
+                                       UPCAST_DOT, KV_FP8, DTYPE)
         return m_i, l_i, acc
     if USE_TMA:
         # A tile lies inside one cache block: one block id per tile, and the tile is a
@@ -184,7 +195,7 @@ def _attend_kv_range(
             v = v_desc.load([row, desc_col])
             block = tl.load(table_row + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end, other=0)
             m_i, l_i, acc = _fold_tile(q, k, v, n0 + offs_n, q_pos, m_i, l_i, acc, scale_log2, False,
-                                       DOT_PRECISION, UPCAST_DOT)
+                                       DOT_PRECISION, UPCAST_DOT, KV_FP8, DTYPE)
         return m_i, l_i, acc
     # Block ids are looked up one tile ahead (loop-carried): the K/V loads' addresses then do
     # not wait on a load of the same iteration, so the pipeliner can issue them stages ahead.
@@ -195,18 +206,19 @@ def _attend_kv_range(
         k, v = _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, MASKED)
         block = tl.load(table_row + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end, other=0)
         m_i, l_i, acc = _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2, MASKED, DOT_PRECISION,
-                                   UPCAST_DOT)
+                                   UPCAST_DOT, KV_FP8, DTYPE)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _attend_q_tile(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, q_desc, o_desc, out_ptr, table_row, cu_seqlens_q_ptr, kv_lens_ptr,
-    seq, kv_head, q_tile, scale_log2,
+    k_scale_ptr, v_scale_ptr, seq, kv_head, q_tile, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr, TMA_IO: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Attention of one q tile (BLOCK_Q tokens x GROUP heads) of one sequence; writes its rows."""
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -227,6 +239,9 @@ def _attend_q_tile(
         else:
             q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
                         + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
+        dtype = q.dtype
+        if KV_FP8:
+            scale_log2 = scale_log2 * tl.load(k_scale_ptr)
         if UPCAST_DOT:
             q = q.to(tl.float32)
         prefix = kv_len - q_len                                        # cached tokens before the chunk
@@ -243,11 +258,16 @@ def _attend_q_tile(
         desc_col = kv_head * HEAD_DIM
         m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, desc_col,
                                          table_row, 0, full_end, kv_len, scale_log2, stride_cn, stride_cb,
-                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_TMA, DOT_PRECISION, UPCAST_DOT)
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_TMA, DOT_PRECISION, UPCAST_DOT,
+                                         KV_FP8, dtype)
         m_i, l_i, acc = _attend_kv_range(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, desc_col,
                                          table_row, full_end, kv_end, kv_len, scale_log2, stride_cn, stride_cb,
-                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_TMA, DOT_PRECISION, UPCAST_DOT)
-        out = normalize_rows(acc, l_i).to(out_ptr.dtype.element_ty)   # kv_len 0: zeros
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_TMA, DOT_PRECISION, UPCAST_DOT,
+                                         KV_FP8, dtype)
+        out = normalize_rows(acc, l_i)                                 # kv_len 0: zeros
+        if KV_FP8:
+            out = out * tl.load(v_scale_ptr)
+        out = out.to(out_ptr.dtype.element_ty)
         if TMA_IO and (q_tile + 1) * BLOCK_Q <= q_len:                 # every row real: one box
             o_desc.store([first_row, kv_head * GROUP, 0], tl.reshape(out, (BLOCK_Q, GROUP, HEAD_DIM)))
         else:
@@ -286,6 +306,7 @@ def _prefill_kernel(
     kv_lens_ptr,                          # (B,) int32
     block_tables_ptr,                     # (B, W) int32, -1 padded
     tile_map_ptr,                         # (capacity, 2) int32 (sequence, q tile), -1 rows idle; USE_MAP
+    k_scale_ptr, v_scale_ptr,             # KV_FP8: (1,) float32 each; else unread
     scale_log2,                           # softmax scale * log2(e): scores live in base 2
     num_tokens,                           # T (not specialised: one compile for every batch)
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -298,6 +319,7 @@ def _prefill_kernel(
     USE_MAP: tl.constexpr,                # grid (capacity, Hkv): each program reads its tile from the map
     USE_TMA: tl.constexpr,                # K/V tiles by tensor-memory copy (see PrefillConfig.tma)
     TMA_IO: tl.constexpr,                 # the Q tile and whole output tiles too (PrefillConfig.tma_io)
+    KV_FP8: tl.constexpr,                 # the cache holds e4m3 values of K / k_scale, V / v_scale
 ):
     if USE_MAP:
         entry = tl.program_id(0)
@@ -306,11 +328,11 @@ def _prefill_kernel(
         if seq >= 0:
             _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
                            k_desc, v_desc, q_desc, o_desc, out_ptr,
-                           block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
+                           block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr, k_scale_ptr, v_scale_ptr,
                            seq, kv_head, tl.load(tile_map_ptr + 2 * entry + 1), scale_log2,
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
                            GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, TMA_IO, DOT_PRECISION,
-                       UPCAST_DOT)
+                           UPCAST_DOT, KV_FP8)
         return
     # Grid (Hkv, B+1, tiles) when HEAVY_FIRST, else (tiles, Hkv, B+1); q tiles reversed either way.
     if HEAVY_FIRST:
@@ -333,11 +355,11 @@ def _prefill_kernel(
     else:
         _attend_q_tile(q_ptr, k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
                        k_desc, v_desc, q_desc, o_desc, out_ptr,
-                       block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr,
+                       block_tables_ptr + seq * stride_bt, cu_seqlens_q_ptr, kv_lens_ptr, k_scale_ptr, v_scale_ptr,
                        seq, kv_head, q_tile, scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
                        GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, TMA_IO, DOT_PRECISION,
-                       UPCAST_DOT)
+                       UPCAST_DOT, KV_FP8)
 
 
 def prefill_attention(
@@ -352,6 +374,8 @@ def prefill_attention(
     *,
     config: PrefillConfig | None = None,
     tile_map: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:               # (T, H, D), q's dtype
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -367,6 +391,8 @@ def prefill_attention(
             capacity replays for any batch that fits (``max_q_len`` is then unused).
             Rows outside every sequence are left as they are (``torch.empty``): give
             padding rows a sequence of their own with kv_len 0, whose rows are zeros.
+        k_scale, v_scale: an FP8 cache's (1,) float32 scales (``kernels/_fp8.py``); not
+            read for a cache in q's dtype.
 
     Raises:
         TypeError: unsupported dtypes (q and caches share one of bf16/fp16/fp32;
@@ -377,6 +403,7 @@ def prefill_attention(
             max_q_len, or tensors on different devices.
     """
     check_attention_args(q, k_cache, v_cache, kv_lens, block_tables, scale, cu_seqlens_q=cu_seqlens_q)
+    k_scale, v_scale = check_kv_scales(k_cache, k_scale, v_scale)
     check_host_int("max_q_len", max_q_len, minimum=0)
     if config is not None and not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig or None, got {type(config).__name__}")
@@ -415,7 +442,7 @@ def prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_desc, v_desc, q_desc, o_desc, out, cu_seqlens_q, kv_lens, block_tables,
         tile_map if tile_map is not None else cu_seqlens_q,  # unread without the map
-        scale * LOG2E, num_tokens,
+        k_scale, v_scale, scale * LOG2E, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -424,6 +451,7 @@ def prefill_attention(
         HEAVY_FIRST=heavy_first,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q), USE_MAP=tile_map is not None, USE_TMA=use_tma, TMA_IO=tma_io,
+        KV_FP8=is_fp8_cache(k_cache),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -14,6 +14,9 @@ launches per layer; at batch 1 the launches, not the bytes, set the step time.
 Here one program per token reads its whole QKV row once and writes q and the
 cache rows, so the step is one launch per layer whatever the batch.
 
+An FP8 cache (``kernels/_fp8.py``) gets k and v divided by the layer's scales and rounded
+to e4m3 as they are stored (k after its rounding to the model dtype).
+
 Rounding is the unfused path's, step by step (``rms_norm_ref`` then ``rope_ref``):
 mean(x^2) in fp32, ``x * rsqrt(mean + eps)`` rounded to the model dtype, times
 the weight rounded to the model dtype, then RoPE in fp32 on that value with the
@@ -32,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels._fp8 import KV_FP8_DTYPE, check_kv_scales, is_fp8_cache, quantize_e4m3
 from minivllm.kernels._launch import (
     check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2,
 )
@@ -85,6 +89,7 @@ def _qk_norm_rope_store_kernel(
     q_out_ptr,                            # (T, H, D) contiguous
     k_cache_ptr, v_cache_ptr,             # (N, bs, Hkv, D), same strides
     slot_ptr,                             # (T,) int, -1 = do not store
+    k_scale_ptr, v_scale_ptr,             # KV_FP8: (1,) float32 each; else unread
     eps,
     stride_qkv_t, stride_cs_p,
     stride_cn, stride_cb, stride_ch,      # cache strides: block, offset in block, head
@@ -92,6 +97,7 @@ def _qk_norm_rope_store_kernel(
     BLOCK_SIZE: tl.constexpr,             # tokens per KV block
     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,  # heads per chunk (powers of two)
     HAS_NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,                 # the cache holds e4m3 values of x / scale
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -135,14 +141,25 @@ def _qk_norm_rope_store_kernel(
         x2 = tl.load(k_row + off + HALF, mask=mask, other=0.0)
         o1, o2 = _maybe_norm_rope(x1, x2, kw1, kw2, cos, sin, eps, HEAD_DIM, HAS_NORM)
         # Rounded to the model dtype first (the unfused path stores model-dtype k).
-        o1 = o1.to(x1.dtype).to(k_cache_ptr.dtype.element_ty)
-        o2 = o2.to(x1.dtype).to(k_cache_ptr.dtype.element_ty)
-        tl.store(k_cache_ptr + cache_off, o1, mask=mask)
-        tl.store(k_cache_ptr + cache_off + HALF, o2, mask=mask)
+        o1 = o1.to(x1.dtype)
+        o2 = o2.to(x1.dtype)
         v1 = tl.load(v_row + off, mask=mask)
         v2 = tl.load(v_row + off + HALF, mask=mask)
-        tl.store(v_cache_ptr + cache_off, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + cache_off + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        _store_pair(k_cache_ptr + cache_off, o1, o2, HALF, mask, k_scale_ptr, KV_FP8)
+        _store_pair(v_cache_ptr + cache_off, v1, v2, HALF, mask, v_scale_ptr, KV_FP8)
+
+
+@triton.jit
+def _store_pair(ptr, x1, x2, HALF: tl.constexpr, mask, scale_ptr, KV_FP8: tl.constexpr):
+    """Both halves of a tile of heads into the cache at ``ptr``: cast to the cache dtype, or
+    KV_FP8: quantized by the layer's scale (``_fp8.quantize_e4m3``)."""
+    if KV_FP8:
+        scale = tl.load(scale_ptr)
+        tl.store(ptr, quantize_e4m3(x1, scale), mask=mask)
+        tl.store(ptr + HALF, quantize_e4m3(x2, scale), mask=mask)
+    else:
+        tl.store(ptr, x1.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr + HALF, x2.to(ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope_store(
@@ -155,26 +172,29 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,        # (N, bs, Hkv, D)
     v_cache: torch.Tensor,        # (N, bs, Hkv, D)
     slot_mapping: torch.Tensor,   # (T,) int64 (int32 accepted), -1 = do not store
+    k_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32, stored = e4m3(k / k_scale)
+    v_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32
 ) -> torch.Tensor:
     """Normalise (unless the weights are None) and rotate q and k per head, store k
     and v in the paged cache; return q.
 
     H is read from qkv's width: ``qkv.shape[1] // D - 2 * Hkv`` with Hkv from the
     cache. Returns q as a new dense (T, H, D) tensor in qkv's dtype; k and v are
-    written to ``cache[slot // bs, slot % bs]`` (cast to the cache dtype) and not
-    returned. Positions and slots are not bounds-checked (that would sync the host).
+    written to ``cache[slot // bs, slot % bs]`` (cast to the cache dtype; an FP8 cache:
+    divided by the scale and rounded to e4m3, ``kernels/_fp8.py``) and not returned. Positions and slots are not bounds-checked (that would sync the host).
 
     Raises:
         TypeError: a tensor has an unsupported dtype (weights must match qkv's,
             the table must be float32, positions/slots integer) or eps is not a number.
         ValueError: shapes disagree, D is not a power of two >= 2, a last dimension
-            is strided, caches differ in shape or strides, devices differ, or only
-            one of the weights is None.
+            is strided, caches differ in shape or strides, devices differ, only
+            one of the weights is None, or an FP8 cache comes without its scales.
     """
     has_norm = q_weight is not None or k_weight is not None
     if has_norm and (q_weight is None or k_weight is None):
         raise ValueError("q_weight and k_weight must both be tensors (q/k norm) or both None (RoPE only)")
     _check_args(qkv, positions, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    k_scale, v_scale = check_kv_scales(k_cache, k_scale, v_scale)
     num_tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
@@ -187,11 +207,11 @@ def qk_norm_rope_store(
     _qk_norm_rope_store_kernel[(num_tokens,)](
         # Without norm the weight pointers are qkv's (loaded, in bounds, never used).
         qkv, positions, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache,
-        q, k_cache, v_cache, slot_mapping,
+        q, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         float(eps), qkv.stride(0), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=block_h, BLOCK_HKV=block_hkv, HAS_NORM=has_norm,
+        BLOCK_H=block_h, BLOCK_HKV=block_hkv, HAS_NORM=has_norm, KV_FP8=is_fp8_cache(k_cache),
         num_warps=4 if block_h * half >= 1024 else 1,
         # a*b - c*d as two rounded products, as eager torch computes RoPE.
         enable_fp_fusion=False,
@@ -212,7 +232,7 @@ def _check_args(
         check_dtype(name, t, (qkv.dtype,))
     check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t, _FLOAT_DTYPES)
+        check_dtype(name, t, (*_FLOAT_DTYPES, KV_FP8_DTYPE))
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         check_dtype(name, t, (torch.int64, torch.int32))
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):

@@ -53,18 +53,40 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def quantize_kv_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What ``kernels/_fp8.py``'s ``quantize_e4m3`` stores for ``x``: e4m3 of x / scale in
+    fp32, saturated at +-448, round to nearest even."""
+    return (x.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv_reference(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A cache's values in fp32: an FP8 cache's times its scale, any other cache's as they are."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.float() * scale.float()
+    return cache.float()
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if cache.dtype == torch.float8_e4m3fn:
+        return quantize_kv_reference(x, scale)
+    return x.to(cache.dtype)
+
+
 def store_kv_reference(
     key: torch.Tensor,           # (T, Hkv, D)
     value: torch.Tensor,         # (T, Hkv, D)
     k_cache: torch.Tensor,       # (N, bs, Hkv, D)
     v_cache: torch.Tensor,       # (N, bs, Hkv, D)
     slot_mapping: torch.Tensor,  # (T,) int, -1 = padding row, write nothing
+    k_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write each token's K/V at its slot, in place; rows with slot -1 are skipped."""
+    """Write each token's K/V at its slot, in place; rows with slot -1 are skipped. An FP8
+    cache stores ``quantize_kv_reference`` of each row with its scale."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = _to_cache(key[keep], k_cache, k_scale)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = _to_cache(value[keep], v_cache, v_scale)
 
 
 def qk_norm_rope_store_reference(
@@ -77,16 +99,18 @@ def qk_norm_rope_store_reference(
     k_cache: torch.Tensor,        # (N, bs, Hkv, D)
     v_cache: torch.Tensor,        # (N, bs, Hkv, D)
     slot_mapping: torch.Tensor,   # (T,) int, -1 = write nothing
+    k_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unfused path: per-head RMSNorm of q and k (unless the weights are None), RoPE,
-    K/V stored; returns q (T, H, D)."""
+    K/V stored (``store_kv_reference``); returns q (T, H, D)."""
     hkv, d = k_cache.shape[2:]
     t = qkv.shape[0]
     q, k, v = qkv.view(t, -1, d).split([qkv.shape[1] // d - 2 * hkv, hkv, hkv], dim=1)
     if q_weight is not None and k_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     q, k = rope_ref(positions, q, k, cos_sin_cache)
-    store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -106,8 +130,11 @@ def paged_attention_reference(
     kv_lens: torch.Tensor,       # (B,) int: cached prefix + new tokens
     block_tables: torch.Tensor,  # (B, max_blocks) int, -1 padded
     scale: float,
+    k_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32, K = stored * k_scale
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
+    """Causal attention of each sequence's new tokens over its whole paged context
+    (an FP8 cache's values dequantized, ``dequantize_kv_reference``).
 
     Sequence b feeds q_len = cu_q[b+1] - cu_q[b] tokens at positions
     kv_len - q_len .. kv_len - 1; query i sees keys 0 .. kv_len - q_len + i.
@@ -124,8 +151,8 @@ def paged_attention_reference(
         q_len = cu[b + 1] - cu[b]
         if q_len == 0 or kv_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], kv_len).float()   # (S, Hkv, D)
-        v = gather_kv(v_cache, block_tables[b], kv_len).float()
+        k = dequantize_kv_reference(gather_kv(k_cache, block_tables[b], kv_len), k_scale)   # (S, Hkv, D)
+        v = dequantize_kv_reference(gather_kv(v_cache, block_tables[b], kv_len), v_scale)
         k = k.repeat_interleave(H // hkv, dim=1)                   # (S, H, D)
         v = v.repeat_interleave(H // hkv, dim=1)
         qb = q[cu[b]:cu[b + 1]].float()                            # (q_len, H, D)

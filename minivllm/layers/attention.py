@@ -10,14 +10,57 @@ tensor for all layers (see ``ModelExecutor``)::
 
 and each ``Attention`` picks its own layer's slices by index, so nothing is
 bound into the modules after construction.
+
+The cache holds the model's dtype, or with ``kv_cache_dtype="fp8"`` e4m3 values of K and
+V divided by the layer's per-tensor scales (``kernels/_fp8.py``): ``kv_cache_scale``
+parameters, 1.0 unless the checkpoint stores ``self_attn.k_scale`` / ``self_attn.v_scale``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from minivllm.config import KV_CACHE_DTYPES
+from minivllm.layers.linear import Loaded, ShardId, read_whole, set_weight_loader
+
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the KV cache (``CacheConfig.kv_cache_dtype``) of a model in ``model_dtype``:
+    "auto" the model's, "fp8" / "fp8_e4m3" e4m3.
+
+    Raises:
+        ValueError: another name.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def kv_cache_scale() -> nn.Parameter:
+    """A layer's K or V cache scale: (1,) float32, 1.0 unless the checkpoint holds one (an
+    optional tensor: the loader requires no shard of it). Read only by an FP8 cache."""
+    param = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+    param.fill_value = 1.0  # type: ignore[attr-defined]  # the default, for load_format="dummy"
+    return set_weight_loader(param, _load_scale, shard_ids=())
+
+
+def _load_scale(param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+    """A checkpoint's scale (one element, any float dtype) into ``param``.
+
+    Raises:
+        ValueError: not one element, or not a finite number > 0.
+    """
+    if shard_id is not None or loaded.shape.numel() != 1:
+        raise ValueError(f"a KV cache scale is one number, got shape {tuple(loaded.shape)}")
+    value = float(read_whole(loaded).float().reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"a KV cache scale must be a finite number > 0, got {value}")
+    param.data.fill_(value)
 
 
 @dataclass(frozen=True)

@@ -193,28 +193,33 @@ class Ops:
 
     def qk_norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor | None,
                            k_weight: torch.Tensor | None, eps: float, cos_sin_cache: torch.Tensor,
-                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-                           ) -> torch.Tensor:
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
         """Per-head q/k RMSNorm (none where the weights are None) and RoPE of the packed ``qkv``
-        (T, (H + 2 Hkv) D); k and v stored at ``slot_mapping``; returns q (T, H, D)."""
+        (T, (H + 2 Hkv) D); k and v stored at ``slot_mapping`` (an FP8 cache: divided by the
+        layer's scales and rounded to e4m3); returns q (T, H, D)."""
         fn = ref.qk_norm_rope_store_reference
         if self.triton:
             from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store as fn
-        return fn(qkv, positions, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return fn(qkv, positions, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                  k_scale, v_scale)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
+                  v_scale: torch.Tensor) -> torch.Tensor:
         """Attention of ``q`` (T, H, D) over each sequence's paged K/V (which hold the fed tokens
-        already): the decode kernel when every sequence feeds one token, else the prefill one."""
+        already; an FP8 cache is read through the layer's scales): the decode kernel when every
+        sequence feeds one token, else the prefill one."""
         if not self.triton:  # one reference for both shapes (it syncs the host)
             return ref.paged_attention_reference(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens,
-                                                 meta.block_tables, scale)
+                                                 meta.block_tables, scale, k_scale, v_scale)
         if meta.is_decode:
             from minivllm.kernels.decode_attention import decode_attention
-            return decode_attention(q, k_cache, v_cache, meta.kv_lens, meta.block_tables, scale, pdl=self.pdl)
+            return decode_attention(q, k_cache, v_cache, meta.kv_lens, meta.block_tables, scale, pdl=self.pdl,
+                                    k_scale=k_scale, v_scale=v_scale)
         from minivllm.kernels.prefill_attention import prefill_attention
         return prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_tables,
-                                 scale, meta.max_q_len, tile_map=meta.tile_map)
+                                 scale, meta.max_q_len, tile_map=meta.tile_map, k_scale=k_scale, v_scale=v_scale)
 
     # ---- vocabulary ----------------------------------------------------------------
 

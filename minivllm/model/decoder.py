@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.attention import Attention, AttentionMetadata
+from minivllm.layers.attention import Attention, AttentionMetadata, kv_cache_scale
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -96,6 +96,7 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, layer_idx)
+        self.k_scale, self.v_scale = kv_cache_scale(), kv_cache_scale()   # read by an FP8 cache only
 
     def attend(self, ops: Ops, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) positions, (T, (H + 2 Hkv) D) -> (T, H D): [q/k norm +] RoPE with k and v
@@ -106,8 +107,8 @@ class DecoderAttention(nn.Module):
                          if self.q_norm is not None and self.k_norm is not None else (None, None, 0.0))
         k_cache, v_cache = self.attn.kv_caches(meta)
         q = ops.qk_norm_rope_store(qkv, positions, q_w, k_w, eps, self.rotary_emb.cos_sin_cache,
-                                   k_cache, v_cache, meta.slot_mapping)        # (T, H, D)
-        o = ops.attention(q, k_cache, v_cache, meta, self.attn.scale)         # (T, H, D)
+                                   k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)  # (T, H, D)
+        o = ops.attention(q, k_cache, v_cache, meta, self.attn.scale, self.k_scale, self.v_scale)
         return o.reshape(qkv.shape[0], self.num_heads * self.head_dim)
 
 

@@ -308,7 +308,8 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> int:
     random weights (``load_format="dummy"``); nothing is read and nothing passes through
     host memory.
 
-    Norm weights are 1, biases 0, every other matrix normal(0, ``DUMMY_STD``); the
+    Norm weights are 1, biases 0, every other matrix normal(0, ``DUMMY_STD``), and a
+    parameter a checkpoint may omit keeps its default (KV cache scales: 1.0); the
     vocabulary shards' padding rows are zeroed as ``load_weights`` zeroes them. Each
     parameter draws from its own generator, seeded from ``seed`` and its name, so the
     values depend on neither the order nor the number of parameters, and are the same
@@ -340,7 +341,9 @@ def _fill_dummy(module: nn.Module, short: str, name: str, param: nn.Parameter, s
     if not param.dtype.is_floating_point:
         raise ValueError(f"{name}: no dummy fill for a {param.dtype} parameter")
     with torch.no_grad():
-        if isinstance(module, RMSNorm):
+        if hasattr(param, "fill_value"):  # a checkpoint may omit it: its default (KV cache scales)
+            param.fill_(param.fill_value)
+        elif isinstance(module, RMSNorm):
             param.fill_(1.0)
         elif short == "bias":
             param.zero_()
