@@ -12,15 +12,16 @@ defines them (``v ~= v_fp8 * scale``; ``scale = max(amax, AMAX_FLOOR) / 448``)::
         d    = xq @ W[cols, g]^T                 (BLOCK_M, BLOCK_N) fp8 x fp8 -> fp32
         acc += d * xs[:, None] * s[cols // 128, g][None, :]        block: 128x128 scale_inv
 
-    channel mode: xs is each row's amax over all of K, found by a first pass over the row
-    (x comes from L2 while nothing else is in flight), so the loop accumulates d unscaled
-    and the epilogue multiplies by xs[:, None] * s[cols][None, :] once.
+    channel mode: xs is each row's amax over all of K, found by a first pass over the
+    program's x rows, so the loop accumulates d unscaled and the epilogue multiplies by
+    xs[:, None] * s[cols][None, :] once.
 
 The first pass rather than a separate quantization kernel: no (M, K) fp8 buffer and no
 second launch (decode-sized M is launch-bound); its price is one more read of x per column
-program. Both modes requantize x in every column program (cdiv(N, BLOCK_N) times): a few
-ALU ops per element beside the tensor-core dot. Whether a separate quantization kernel
-wins at prefill sizes is a GPU measurement not made yet: tiles are not tuned on a GPU.
+program (from L2 after the first). Both modes requantize x in every column program
+(cdiv(N, BLOCK_N) times): a few ALU ops per element beside the tensor-core dot. Whether a
+separate quantization kernel wins at prefill sizes is a GPU measurement not made yet; the
+tiles are not tuned on a GPU either.
 
 The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later).
 
@@ -32,11 +33,12 @@ rounds to nearest even itself. The interpreter's ``tl.dot`` of fp8 operands wide
 exactly, so the dot itself needs no workaround.
 
 ``scaled_mm_fp8``: the same product through ``torch._scaled_mm``, to hold the kernel against
-on a GPU. What ``_scaled_mm`` takes (torch 2.13; CUDA per aten/src/ATen/native/cuda/
-ScaledBlas.cpp, CPU tried here): per-tensor and row-wise scales on the CPU and on CUDA
-(compute capability 8.9 or >= 9.0); 1x128-by-128x128 block scales on CUDA only, through
-cuBLASLt (Hopper, cuBLAS >= 12.9; the 1x128 scales outer-dim-major, K and N multiples of
-16, no fast accumulation). The CPU refuses block scales ("Invalid scaling configuration").
+on a GPU. What ``_scaled_mm`` takes in torch 2.13 (CUDA as aten/src/ATen/native/cuda/
+ScaledBlas.cpp checks it; the CPU build as tried): per-tensor and row-wise scales on the
+CPU and on CUDA (compute capability 8.9 or >= 9.0); 1x128-by-128x128 block scales on CUDA
+only, through cuBLASLt (Hopper, cuBLAS >= 12.9; the 1x128 scales outer-dim-major, no fast
+accumulation). On CUDA, K and N must be multiples of 16 in every mode. The CPU refuses
+block scales ("Invalid scaling configuration").
 
 Torch reference: :func:`minivllm.kernels.reference.fp8_gemm_reference`.
 """
@@ -57,7 +59,7 @@ from minivllm.layers.quantization import (
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # The quantization constants as kernel constants (one definition: layers/quantization.py).
-FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
 _AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
 
 
@@ -98,7 +100,7 @@ def e4m3_grid(v):
 @triton.jit
 def _quantize_tile(v, inv_scale, EXACT_CAST: tl.constexpr):
     """e4m3 of fp32 ``v`` times its (broadcast) reciprocal scale, clamped to +-448."""
-    q = tl.clamp(v * inv_scale, -FP8_MAX, FP8_MAX)
+    q = tl.clamp(v * inv_scale, -_FP8_MAX, _FP8_MAX)
     if EXACT_CAST:
         q = e4m3_grid(q)
     return q.to(tl.float8e4nv)
@@ -108,7 +110,7 @@ def _quantize_tile(v, inv_scale, EXACT_CAST: tl.constexpr):
 def _row_scales(amax):
     """``(scale, 1 / scale)`` of rows whose largest magnitude is ``amax``, correctly rounded
     as torch divides (``quantization.fp8_scale``)."""
-    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), FP8_MAX)
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
     return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
 
 

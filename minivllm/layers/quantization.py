@@ -42,8 +42,9 @@ AMAX_FLOOR = 1e-10
 # The weight block of Qwen3-FP8 checkpoints, and the activation group that goes with it.
 FP8_BLOCK = (128, 128)
 FP8_GROUP = 128
-# Dtypes a weight scale may be stored in: float32, or bfloat16 as some published checkpoints
-# store weight_scale_inv (its exponent range holds every floored scale; float16's does not).
+# Dtypes quantize_fp8_block stores a weight scale in: float32, or bfloat16 as some published
+# Qwen3 FP8 checkpoints store weight_scale_inv (others use float16; its exponent range cannot
+# hold every floored scale). The kernels take float32: a loader upcasts, which is exact.
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
