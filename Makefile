@@ -98,6 +98,7 @@ bench: serve-deps-offline
 	run $(BENCH_LIMIT) benchmarks.serving $(if $(BENCH_QUICK),--num-requests 128 --max-duration 8); \
 	run $(BENCH_LIMIT) benchmarks.long_context $(if $(BENCH_QUICK),--repeats 2); \
 	run $(BENCH_LIMIT) benchmarks.moe $(if $(BENCH_QUICK),--num-requests 256 --batch1-repeats 1); \
+	run $(or $(BENCH_TIMEOUT),600) benchmarks.fp8 $(if $(BENCH_QUICK),--rounds 1 --num-requests 128); \
 	run $(BENCH_LIMIT) benchmarks.engine_host; \
 	run $(BENCH_LIMIT) benchmarks.decode_attention $(if $(BENCH_QUICK),--no-engine); \
 	run $(BENCH_LIMIT) benchmarks.prefill_attention --quick; \

@@ -143,10 +143,11 @@ def minivllm_decode(llm: Any, args: argparse.Namespace, device: str) -> dict[str
         raise RuntimeError(f"only {len(dts)} full decode steps were timed; raise --decode-tokens")
     c = llm.model_config
     dtype_bytes = 2 if device == "cuda" else 4
+    kv_dtype_bytes = llm.engine.executor.kv_cache.element_size()   # 1 with an FP8 cache
     # Decode steps in the window feed tokens prompt_len .. prompt_len + decode_tokens - 2; the
     # window is the last len(dts) of them, so its mean context is about:
     ctx = args.prompt_len + args.decode_tokens - 1 - len(dts) / 2
-    kv = args.num_prompts * ctx * kv_bytes_per_token(c, dtype_bytes)
+    kv = args.num_prompts * ctx * kv_bytes_per_token(c, kv_dtype_bytes)
     wb = weight_bytes(c, dtype_bytes)
     params_b = sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
     gbs = copy_bandwidth_gbs(device, (1 << 30) if device == "cuda" else (1 << 24))

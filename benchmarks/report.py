@@ -196,6 +196,25 @@ def moe_section(runs: Summaries) -> list[str]:
     return lines
 
 
+def fp8_section(runs: Summaries) -> list[str]:
+    """Every 8-bit variant beside bf16 of the same run: offline, batch-1, long-context decode,
+    and its agreement with bf16."""
+    rows = []
+    for stem, d in runs:
+        off, long, acc = d.get("offline", {}), d.get("long_context", {}), d.get("accuracy", {})
+        for name in dict.fromkeys([*off, *long, *acc]):
+            o, lc, a = off.get(name, {}), long.get(name, {}), acc.get(name, {})
+            goals = "; ".join(f"{part} {_met(r.get('met'))}" for part, r in (("offline", o), ("long", lc))
+                              if "met" in r) or "-"
+            rows.append([stem, name, fmt(o.get("tok_s"), ",.0f"), fmt(o.get("kv_blocks")),
+                         fmt(get(o, "batch1", "ms_per_token"), ".3f"), fmt(lc.get("median_ms"), ".3f"),
+                         fmt(lc.get("floor_ms"), ".3f"),
+                         "-" if not a else f"{a['top5_failures']} / {a['prompts']}",
+                         fmt(a.get("mean_kl"), ".2e"), goals])
+    return table(["summary", "variant", "offline tok/s", "KV blocks", "batch-1 ms/token", "long-context decode ms",
+                  "its floor ms", "top-5 rule broken", "mean KL vs bf16", "goals"], rows)
+
+
 def _met(ok: bool | None) -> str:
     return "-" if ok is None else ("MET" if ok else "not met")
 
@@ -312,6 +331,7 @@ SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
     "long_context": ("prefill and decode at long context", "make bench", long_context_section),
     "moe": ("Qwen3-30B-A3B: batch-1, offline and the experts of one layer, against bandwidth floors",
             "make bench", moe_section),
+    "fp8": ("8-bit beside bf16 in one run: the FP8 KV cache", "make bench", fp8_section),
     "engine_host": ("host cost of the engine per decode step", "make bench", engine_host_section),
     "decode_attention": ("paged decode attention", "make bench", decode_attention_section),
     "prefill_attention": ("paged prefill attention against SDPA", "make bench", prefill_attention_section),

@@ -159,11 +159,13 @@ def offline_workload(n: int, seed: int, smoke: bool) -> Workload:
 
 # ---- minivllm ------------------------------------------------------------------
 
-def build_llm(args: argparse.Namespace, path: str, device: str) -> Any:
+def build_llm(args: argparse.Namespace, path: str, device: str, **options: Any) -> Any:
+    """The engine of the benchmark arguments (``options``: more LLM options, e.g. a KV
+    cache dtype)."""
     from minivllm import LLM
 
     t0 = time.perf_counter()
-    opts: dict[str, Any] = {}  # what is not given takes the LLM's default
+    opts: dict[str, Any] = dict(options)  # what is not given takes the LLM's default
     budget = 64 if args.smoke else args.max_num_batched_tokens
     if budget is not None:
         opts["max_num_batched_tokens"] = budget
