@@ -43,6 +43,8 @@ def _check_bool(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
+# The weight block of Qwen3-FP8 checkpoints (weight_scale_inv per 128 x 128 weights).
+FP8_WEIGHT_BLOCK: tuple[int, int] = (128, 128)
 # KV cache dtypes by vLLM's names: the model's dtype, or e4m3 with per-layer scales.
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 
@@ -519,3 +521,74 @@ def _read_rope(hf: Mapping[str, Any], max_positions: int,
     except KeyError as e:
         raise ValueError(f"{path}: rope type 'llama3' lacks {e.args[0]!r}") from None
     return float(theta), scaling
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The FP8 checkpoint format the engine serves: e4m3 weights with 128x128 block scales
+    (``weight_block_size`` (128, 128): Qwen3-FP8 checkpoints, ``weight_scale_inv``) or
+    per-output-channel scales (None: on-the-fly quantization, ``kernels/fp8.py``),
+    activations quantized dynamically per token (and 128-column group with block scales).
+
+    Attributes:
+        weight_block_size: (128, 128) or None (see above).
+        modules_to_not_convert: modules kept in the checkpoint's dtype (the LM head, MoE
+            routers, norms); a name matches an entry equal to it or a dotted prefix of it.
+    """
+
+    weight_block_size: tuple[int, int] | None = FP8_WEIGHT_BLOCK
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.weight_block_size not in (None, FP8_WEIGHT_BLOCK):
+            raise ValueError(f"weight_block_size must be {list(FP8_WEIGHT_BLOCK)} (the block the FP8 kernels "
+                             f"serve) or None (per-channel), got {self.weight_block_size!r}")
+        if (not isinstance(self.modules_to_not_convert, tuple)
+                or not all(isinstance(m, str) and m for m in self.modules_to_not_convert)):
+            raise ValueError(f"modules_to_not_convert must be a tuple of module names, "
+                             f"got {self.modules_to_not_convert!r}")
+
+    @property
+    def scale_mode(self) -> str:
+        """How the weights are scaled: "block" (128x128) or "channel"."""
+        return "channel" if self.weight_block_size is None else "block"
+
+    def converts(self, module: str) -> bool:
+        """Whether the linear layer ``module`` (e.g. "model.layers.0.mlp.gate") is in fp8."""
+        return not any(module == m or module.startswith(m + ".") for m in self.modules_to_not_convert)
+
+    @classmethod
+    def from_hf(cls, quantization_config: Mapping[str, object]) -> Fp8Config:
+        """Read a ``config.json``'s ``quantization_config``, as Qwen3-FP8 checkpoints give it::
+
+            {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", ...]}
+
+        ``fmt`` and ``activation_scheme`` may be left out (their only served values are the
+        defaults); ``weight_block_size`` may not (readers disagree on what its absence means).
+
+        Raises:
+            ValueError: naming the field: an unknown key, another quant_method, a format other
+                than e4m3, static activation scales, a block other than [128, 128] or null, or
+                modules_to_not_convert not a list of names.
+        """
+        if not isinstance(quantization_config, Mapping):
+            raise ValueError(f"quantization_config must be a mapping, got {type(quantization_config).__name__}")
+        known = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert"}
+        unknown = sorted(set(quantization_config) - known)
+        if unknown:
+            raise ValueError(f"quantization_config has unknown key(s) {unknown}; known: {sorted(known)}")
+        served = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        for key, want in served.items():
+            got = quantization_config.get(key, None if key == "quant_method" else want)
+            if got != want:
+                raise ValueError(f"quantization_config.{key} must be {want!r}, got {got!r}")
+        if "weight_block_size" not in quantization_config:
+            raise ValueError("quantization_config.weight_block_size is missing: give [128, 128] or null")
+        block = quantization_config["weight_block_size"]
+        if block is not None and (not isinstance(block, (list, tuple)) or list(block) != list(FP8_WEIGHT_BLOCK)):
+            raise ValueError(f"quantization_config.weight_block_size must be {list(FP8_WEIGHT_BLOCK)} or null, got {block!r}")
+        skip = quantization_config.get("modules_to_not_convert") or []
+        if not isinstance(skip, (list, tuple)):
+            raise ValueError(f"quantization_config.modules_to_not_convert must be a list, got {skip!r}")
+        return cls(weight_block_size=None if block is None else FP8_WEIGHT_BLOCK, modules_to_not_convert=tuple(skip))

@@ -416,7 +416,7 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
     c = _draw_config(rng, ov)
     # Its own stream, so a seed draws the same requests in either mode.
     c.setdefault("async_scheduling", random.Random(f"async-{seed}").random() < 0.5)
-    cache = CacheConfig.from_dict({k: c[k] for k in _CACHE_KEYS})
+    cache = CacheConfig.from_dict({k: c[k] for k in _CACHE_KEYS if k in c})  # the rest: defaults
     sched = SchedulerConfig.from_dict({k: c[k] for k in _SCHED_KEYS})
     num_blocks = cache.num_blocks if cache.num_blocks is not None else c["executor_num_blocks"]
     d = _Draw(rng, c["vocab_size"], cache.block_size, sched.max_model_len, num_blocks,

@@ -14,7 +14,8 @@ import transformers
 from safetensors import safe_open
 
 from fixtures.fp8_checkpoint import convert_checkpoint, main
-from minivllm.layers.quantization import FP8_DTYPE, Fp8Config, dequantize_fp8_block
+from minivllm.config import Fp8Config
+from minivllm.kernels.fp8 import FP8_DTYPE, dequantize_fp8_block
 from minivllm.model.loader import checkpoint_files
 from tests.model_utils import TinyConfig, make_hf_model, randomize_weights, save_hf_model
 

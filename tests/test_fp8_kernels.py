@@ -1,4 +1,4 @@
-"""FP8 (e4m3) weights: the quantizers of ``layers/quantization.py`` (round trips, error
+"""FP8 (e4m3) weights: the quantizers of ``kernels/fp8.py`` (round trips, error
 bounds, zero blocks, partial blocks, the checkpoint config), and the kernels
 ``kernels/fp8_gemm.py`` and ``kernels/fp8_gemv.py`` (TRITON_INTERPRET=1 here) against their
 dequantize-then-compute references and against the unquantized product."""
@@ -14,11 +14,12 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from minivllm.kernels.fp8_gemm import Fp8GemmConfig, e4m3_grid, fp8_gemm, scaled_mm_fp8  # noqa: E402
+from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8  # noqa: E402
 from minivllm.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv  # noqa: E402
 from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference  # noqa: E402
-from minivllm.layers.quantization import (  # noqa: E402
-    FP8_DTYPE, Fp8Config, dequantize_fp8_block, dequantize_fp8_per_channel, dequantize_fp8_weight,
+from minivllm.config import Fp8Config  # noqa: E402
+from minivllm.kernels.fp8 import (  # noqa: E402
+    FP8_DTYPE, round_to_e4m3, dequantize_fp8_block, dequantize_fp8_per_channel, dequantize_fp8_weight,
     quantize_fp8_block, quantize_fp8_per_channel, quantize_fp8_per_token, quantize_fp8_per_token_group,
 )
 
@@ -184,10 +185,10 @@ def test_config_refuses_what_is_not_served(change, field) -> None:
 def _grid_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(v_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(out_ptr + offs, e4m3_grid(v).to(tl.float8e4nv), mask=offs < n)
+    tl.store(out_ptr + offs, round_to_e4m3(v).to(tl.float8e4nv), mask=offs < n)
 
 
-def test_e4m3_grid_rounds_as_torch() -> None:
+def test_round_to_e4m3_rounds_as_torch() -> None:
     """Every e4m3 value, every midpoint between neighbours (ties) and the fp32 values beside
     them, and random values: the kernels' rounding under the interpreter equals torch's."""
     grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()

@@ -145,8 +145,8 @@ def check_attention_args(
     ``cu_seqlens_q`` None means decode (one query row per sequence, so q's first
     dimension is B); otherwise q holds the concatenated new tokens of B sequences.
 
-    The caches hold q's dtype, or both FP8 (e4m3, ``kernels/_fp8.py``; their scales are
-    checked by ``_fp8.check_kv_scales``).
+    The caches hold q's dtype, or both FP8 (e4m3, ``kernels/fp8.py``; their scales are
+    checked by ``fp8.check_kv_scales``).
 
     Raises:
         TypeError: q not one of bf16/fp16/fp32, caches neither q's dtype nor both e4m3,

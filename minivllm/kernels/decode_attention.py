@@ -15,7 +15,7 @@ SMs; splitting the context gives every SM work. Each split writes its normalised
 partial output and log-sum-exp, and :mod:`merge_attention_splits` combines them.
 With one split the kernel writes the final output itself.
 
-An FP8 cache (``kernels/_fp8.py``) is read as e4m3 tiles, half the bytes, turned into q's
+An FP8 cache (``kernels/fp8.py``) is read as e4m3 tiles, half the bytes, turned into q's
 dtype in registers (exact) before the dots; the K scale multiplies the softmax scale and
 the V scale the normalised output.
 
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._fp8 import check_kv_scales, is_fp8_cache
+from minivllm.kernels.fp8 import check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
     LOG2E, check_attention_args, check_host_int, check_tile_config, next_pow2, upcast_dot,
 )
@@ -199,7 +199,7 @@ def decode_attention(
             (:func:`choose_num_splits`), so a captured CUDA graph stays valid.
         pdl: the merge of the splits lets the next kernel start early where the device
             allows programmatic dependent launch (:func:`merge_attention_splits`).
-        k_scale, v_scale: an FP8 cache's (1,) float32 scales (``kernels/_fp8.py``);
+        k_scale, v_scale: an FP8 cache's (1,) float32 scales (``kernels/fp8.py``);
             not read for a cache in q's dtype.
 
     Raises:

@@ -1,6 +1,6 @@
 """``y = x W^T`` with 8-bit weights and activations: W (N, K) float8_e4m3fn with its scales,
 x (M, K) bf16/fp16 quantized to e4m3 inside the K loop (dynamic, per token), fp32
-accumulation, y (M, N) in x's dtype rounded once. Scales as ``layers/quantization.py``
+accumulation, y (M, N) in x's dtype rounded once. Scales as ``kernels/fp8.py``
 defines them (``v ~= v_fp8 * scale``; ``scale = max(amax, AMAX_FLOOR) / 448``)::
 
     program (i, j) (grid: cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N)) owns y[rows i, cols j]
@@ -25,12 +25,9 @@ tiles are not tuned on a GPU either.
 
 The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later).
 
-Interpreter: its fp32 -> e4m3 cast (triton 3.9) rounds ties away from zero and loses the
-carry into the exponent (125.4 becomes 64, not 128), so under it (``EXACT_CAST``) values
-are first rounded to the e4m3 grid in fp32 (:func:`e4m3_grid`, ties to even, as
-``torch.float8_e4m3fn``), after which the cast is exact. The GPU's ``cvt.rn.satfinite``
-rounds to nearest even itself. The interpreter's ``tl.dot`` of fp8 operands widens them
-exactly, so the dot itself needs no workaround.
+The quantization is ``fp8.quantize_e4m3`` (with its rounding fix for the CPU interpreter).
+The interpreter's ``tl.dot`` of fp8 operands widens them exactly, so the dot itself needs no
+workaround.
 
 ``scaled_mm_fp8``: the same product through ``torch._scaled_mm``, to hold the kernel against
 on a GPU. What ``_scaled_mm`` takes in torch 2.13 (CUDA as aten/src/ATen/native/cuda/
@@ -52,13 +49,13 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config
-from minivllm.layers.quantization import (
-    AMAX_FLOOR, FP8_DTYPE, FP8_E4M3_MAX, FP8_GROUP, ScaleMode, check_scale_mode, quantize_fp8_per_token,
-    quantize_fp8_per_token_group,
+from minivllm.kernels.fp8 import (
+    AMAX_FLOOR, FP8_DTYPE, FP8_E4M3_MAX, FP8_GROUP, ScaleMode, check_scale_mode, exact_cast, quantize_e4m3,
+    quantize_fp8_per_token, quantize_fp8_per_token_group,
 )
 
 _DTYPES = (torch.bfloat16, torch.float16)
-# The quantization constants as kernel constants (one definition: layers/quantization.py).
+# The quantization constants as kernel constants (one definition: kernels/fp8.py).
 _FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
 _AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
 
@@ -80,30 +77,6 @@ class Fp8GemmConfig:
 def default_config(rows: int) -> Fp8GemmConfig:
     """The tiles for ``rows`` rows of x: the smallest row block (16, 32 or 64) that holds them."""
     return Fp8GemmConfig(block_m=16 if rows <= 16 else 32 if rows <= 32 else 64)
-
-
-@triton.jit
-def e4m3_grid(v):
-    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32: the
-    interpreter's exact replacement for the rounding of its fp32 -> e4m3 cast (module doc)."""
-    mag = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    # Normal e4m3 (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, ties to even; a carry
-    # runs into the exponent.
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    a = tl.abs(v)
-    # Subnormal e4m3: multiples of 2^-9; the fp32 add at 2^23 rounds to an integer, ties to even.
-    sub = ((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
-    r = tl.where(a < 0.015625, sub, normal)
-    return tl.where(v < 0, -r, r)
-
-
-@triton.jit
-def _quantize_tile(v, inv_scale, EXACT_CAST: tl.constexpr):
-    """e4m3 of fp32 ``v`` times its (broadcast) reciprocal scale, clamped to +-448."""
-    q = tl.clamp(v * inv_scale, -_FP8_MAX, _FP8_MAX)
-    if EXACT_CAST:
-        q = e4m3_grid(q)
-    return q.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -139,7 +112,7 @@ def _fp8_gemm_kernel(
         for k0 in range(0, K, GROUP):
             x = _x_tile(x_rows, k0 + offs_k, row_ok, K)
             xs, inv = _row_scales(tl.max(tl.abs(x), axis=1))
-            d = tl.dot(_quantize_tile(x, inv[:, None], EXACT_CAST), _w_tile(w_cols, k0 + offs_k, col_ok, K))
+            d = tl.dot(quantize_e4m3(x, inv[:, None], EXACT_CAST), _w_tile(w_cols, k0 + offs_k, col_ok, K))
             ws = tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)
             acc += d * xs[:, None] * ws[None, :]
     else:
@@ -148,7 +121,7 @@ def _fp8_gemm_kernel(
             amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, k0 + offs_k, row_ok, K)), axis=1))
         xs, inv = _row_scales(amax)
         for k0 in range(0, K, GROUP):
-            xq = _quantize_tile(_x_tile(x_rows, k0 + offs_k, row_ok, K), inv[:, None], EXACT_CAST)
+            xq = quantize_e4m3(_x_tile(x_rows, k0 + offs_k, row_ok, K), inv[:, None], EXACT_CAST)
             acc = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)
         acc = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -196,7 +169,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     _fp8_gemm_kernel[(triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))](
         x, weight, weight_scale, y, m, n, k, x.stride(0),
         BLOCK_SCALES=mode == "block", BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=FP8_GROUP,
-        EXACT_CAST=x.device.type != "cuda", num_warps=config.num_warps, num_stages=config.num_stages,
+        EXACT_CAST=exact_cast(x), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 

@@ -1,5 +1,5 @@
 """``y = x W^T`` for one row of x (batch 1) with fp8 weights: W (N, K) float8_e4m3fn read as
-8-bit values and dequantized in registers with its scales (``layers/quantization.py``:
+8-bit values and dequantized in registers with its scales (``kernels/fp8.py``:
 ``w ~= w_fp8 * scale``), x (1, K) bf16/fp16 used as it is, fp32 products, y (1, N) in x's
 dtype rounded once. The one-row path of ``kernels/gemv.py`` (``_one_row``) at a byte a weight::
 
@@ -37,7 +37,7 @@ import triton.language as tl
 from minivllm.kernels._launch import check_power_of_two, check_tile_config, takes_pdl
 from minivllm.kernels.fp8_gemm import check_args
 from minivllm.kernels.gemv import _masked_load, _w_tile
-from minivllm.layers.quantization import FP8_GROUP, ScaleMode
+from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ whose row-major order is the tile's row order (token r // G, head r % G), and a 
 whose rows are all real is stored as one box of the output: fewer instructions per tile
 than BLOCK_M x D pointers.
 
-An FP8 cache (``kernels/_fp8.py``) comes as e4m3 tiles (by pointer or TMA box alike),
+An FP8 cache (``kernels/fp8.py``) comes as e4m3 tiles (by pointer or TMA box alike),
 turned into q's dtype in registers (exact) before the dots; the K scale multiplies the
 softmax scale and the V scale the normalised output.
 
@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._fp8 import check_kv_scales, is_fp8_cache
+from minivllm.kernels.fp8 import check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
     LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_tile_config,
     check_same_device, next_pow2, tma_rows_allowed, upcast_dot,
@@ -391,7 +391,7 @@ def prefill_attention(
             capacity replays for any batch that fits (``max_q_len`` is then unused).
             Rows outside every sequence are left as they are (``torch.empty``): give
             padding rows a sequence of their own with kv_len 0, whose rows are zeros.
-        k_scale, v_scale: an FP8 cache's (1,) float32 scales (``kernels/_fp8.py``); not
+        k_scale, v_scale: an FP8 cache's (1,) float32 scales (``kernels/fp8.py``); not
             read for a cache in q's dtype.
 
     Raises:

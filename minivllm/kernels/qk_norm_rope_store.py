@@ -14,8 +14,8 @@ launches per layer; at batch 1 the launches, not the bytes, set the step time.
 Here one program per token reads its whole QKV row once and writes q and the
 cache rows, so the step is one launch per layer whatever the batch.
 
-An FP8 cache (``kernels/_fp8.py``) gets k and v divided by the layer's scales and rounded
-to e4m3 as they are stored (k after its rounding to the model dtype).
+An FP8 cache (``kernels/fp8.py``) gets k and v quantized by the layer's scales as they are
+stored (k after its rounding to the model dtype).
 
 Rounding is the unfused path's, step by step (``rms_norm_ref`` then ``rope_ref``):
 mean(x^2) in fp32, ``x * rsqrt(mean + eps)`` rounded to the model dtype, times
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._fp8 import KV_FP8_DTYPE, check_kv_scales, is_fp8_cache, quantize_e4m3
+from minivllm.kernels.fp8 import FP8_DTYPE, check_kv_scales, exact_cast, is_fp8_cache, quantize_e4m3
 from minivllm.kernels._launch import (
     check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2,
 )
@@ -97,7 +97,8 @@ def _qk_norm_rope_store_kernel(
     BLOCK_SIZE: tl.constexpr,             # tokens per KV block
     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,  # heads per chunk (powers of two)
     HAS_NORM: tl.constexpr,
-    KV_FP8: tl.constexpr,                 # the cache holds e4m3 values of x / scale
+    KV_FP8: tl.constexpr,                 # the cache holds e4m3 values (kernels/fp8.py)
+    EXACT_CAST: tl.constexpr,             # KV_FP8 off CUDA: see fp8.to_e4m3
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -145,18 +146,21 @@ def _qk_norm_rope_store_kernel(
         o2 = o2.to(x1.dtype)
         v1 = tl.load(v_row + off, mask=mask)
         v2 = tl.load(v_row + off + HALF, mask=mask)
-        _store_pair(k_cache_ptr + cache_off, o1, o2, HALF, mask, k_scale_ptr, KV_FP8)
-        _store_pair(v_cache_ptr + cache_off, v1, v2, HALF, mask, v_scale_ptr, KV_FP8)
+        _store_pair(k_cache_ptr + cache_off, o1, o2, HALF, mask, k_scale_ptr, KV_FP8, EXACT_CAST)
+        _store_pair(v_cache_ptr + cache_off, v1, v2, HALF, mask, v_scale_ptr, KV_FP8, EXACT_CAST)
 
 
 @triton.jit
-def _store_pair(ptr, x1, x2, HALF: tl.constexpr, mask, scale_ptr, KV_FP8: tl.constexpr):
+def _store_pair(ptr, x1, x2, HALF: tl.constexpr, mask, scale_ptr, KV_FP8: tl.constexpr,
+                EXACT_CAST: tl.constexpr):
     """Both halves of a tile of heads into the cache at ``ptr``: cast to the cache dtype, or
-    KV_FP8: quantized by the layer's scale (``_fp8.quantize_e4m3``)."""
+    KV_FP8: quantized by the layer's scale (``fp8.quantize_e4m3``, times 1 / scale correctly
+    rounded, as the reference takes it)."""
     if KV_FP8:
-        scale = tl.load(scale_ptr)
-        tl.store(ptr, quantize_e4m3(x1, scale), mask=mask)
-        tl.store(ptr + HALF, quantize_e4m3(x2, scale), mask=mask)
+        scale = tl.load(scale_ptr + tl.arange(0, 1))                        # (1,)
+        inv = tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale)[None, :]
+        tl.store(ptr, quantize_e4m3(x1, inv, EXACT_CAST), mask=mask)
+        tl.store(ptr + HALF, quantize_e4m3(x2, inv, EXACT_CAST), mask=mask)
     else:
         tl.store(ptr, x1.to(ptr.dtype.element_ty), mask=mask)
         tl.store(ptr + HALF, x2.to(ptr.dtype.element_ty), mask=mask)
@@ -172,7 +176,7 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,        # (N, bs, Hkv, D)
     v_cache: torch.Tensor,        # (N, bs, Hkv, D)
     slot_mapping: torch.Tensor,   # (T,) int64 (int32 accepted), -1 = do not store
-    k_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32, stored = e4m3(k / k_scale)
+    k_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32, k ~= stored * k_scale
     v_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32
 ) -> torch.Tensor:
     """Normalise (unless the weights are None) and rotate q and k per head, store k
@@ -181,7 +185,7 @@ def qk_norm_rope_store(
     H is read from qkv's width: ``qkv.shape[1] // D - 2 * Hkv`` with Hkv from the
     cache. Returns q as a new dense (T, H, D) tensor in qkv's dtype; k and v are
     written to ``cache[slot // bs, slot % bs]`` (cast to the cache dtype; an FP8 cache:
-    divided by the scale and rounded to e4m3, ``kernels/_fp8.py``) and not returned. Positions and slots are not bounds-checked (that would sync the host).
+    quantized by the scale, ``kernels/fp8.py``) and not returned. Positions and slots are not bounds-checked (that would sync the host).
 
     Raises:
         TypeError: a tensor has an unsupported dtype (weights must match qkv's,
@@ -211,7 +215,7 @@ def qk_norm_rope_store(
         float(eps), qkv.stride(0), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=block_h, BLOCK_HKV=block_hkv, HAS_NORM=has_norm, KV_FP8=is_fp8_cache(k_cache),
+        BLOCK_H=block_h, BLOCK_HKV=block_hkv, HAS_NORM=has_norm, KV_FP8=is_fp8_cache(k_cache), EXACT_CAST=exact_cast(qkv),
         num_warps=4 if block_h * half >= 1024 else 1,
         # a*b - c*d as two rounded products, as eager torch computes RoPE.
         enable_fp_fusion=False,
@@ -232,7 +236,7 @@ def _check_args(
         check_dtype(name, t, (qkv.dtype,))
     check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t, (*_FLOAT_DTYPES, KV_FP8_DTYPE))
+        check_dtype(name, t, (*_FLOAT_DTYPES, FP8_DTYPE))
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         check_dtype(name, t, (torch.int64, torch.int32))
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minivllm.layers.quantization import (
+from minivllm.kernels.fp8 import (
     FP8_GROUP, ScaleMode, dequantize_fp8_block, dequantize_fp8_weight, quantize_fp8_per_token,
-    quantize_fp8_per_token_group,
+    quantize_fp8_per_token_group, quantize_with_scale,
 )
 
 
@@ -54,9 +54,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def quantize_kv_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What ``kernels/_fp8.py``'s ``quantize_e4m3`` stores for ``x``: e4m3 of x / scale in
-    fp32, saturated at +-448, round to nearest even."""
-    return (x.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    """What the FP8 KV cache stores for ``x`` (``kernels/fp8.py``'s rule with the per-tensor
+    ``scale``): e4m3 of x * (1 / scale) in fp32, saturated at +-448, ties to even."""
+    return quantize_with_scale(x, scale.float())
 
 
 def dequantize_kv_reference(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -229,7 +229,7 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return out.to(x.dtype)
 
 
-# FP8 (e4m3) weights: dequantize, then compute in float32 (scales: layers/quantization.py).
+# FP8 (e4m3) weights: dequantize, then compute in float32 (scales: kernels/fp8.py).
 
 def fp8_gemm_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        mode: ScaleMode) -> torch.Tensor:

@@ -12,7 +12,7 @@ and each ``Attention`` picks its own layer's slices by index, so nothing is
 bound into the modules after construction.
 
 The cache holds the model's dtype, or with ``kv_cache_dtype="fp8"`` e4m3 values of K and
-V divided by the layer's per-tensor scales (``kernels/_fp8.py``): ``kv_cache_scale``
+V quantized by the layer's per-tensor scales (``kernels/fp8.py``): ``kv_cache_scale``
 parameters, 1.0 unless the checkpoint stores ``self_attn.k_scale`` / ``self_attn.v_scale``.
 """
 

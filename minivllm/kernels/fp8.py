@@ -1,6 +1,6 @@
-"""FP8 (e4m3) quantization in torch: the one definition of the scales that every 8-bit
-kernel follows, the quantize/dequantize halves of their torch references, and the
-checkpoint's quantization config (:class:`Fp8Config`).
+"""FP8 (e4m3): the one definition of the scales that every 8-bit kernel and its torch
+reference follow (the quantize/dequantize halves of the references are here, in torch), the
+Triton rounding the kernels share, and the FP8 KV cache's argument checks.
 
 A scale is a dequantization multiplier (a checkpoint's ``weight_scale_inv``):
 ``v ~= v_fp8.float() * scale``. Each group of values gets one::
@@ -28,19 +28,22 @@ The groups, for W (N, K) and activations x (M, K)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from minivllm.config import FP8_WEIGHT_BLOCK
+from minivllm.kernels._launch import check_dtype, check_same_device
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 # Smallest amax a scale is taken from (see the module doc); the kernels use the same value.
 AMAX_FLOOR = 1e-10
 # The weight block of Qwen3-FP8 checkpoints, and the activation group that goes with it.
-FP8_BLOCK = (128, 128)
+FP8_BLOCK = FP8_WEIGHT_BLOCK
 FP8_GROUP = 128
 # Dtypes quantize_fp8_block stores a weight scale in: float32, or bfloat16 as some published
 # Qwen3 FP8 checkpoints store weight_scale_inv (others use float16; its exponent range cannot
@@ -76,7 +79,7 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
     nb, kb = -(-n // rows), -(-k // cols)
     padded = F.pad(w.float().abs(), (0, kb * cols - k, 0, nb * rows - n))
     scale = fp8_scale(padded.view(nb, rows, kb, cols).amax(dim=(1, 3))).to(scale_dtype)
-    return _quantize(w, _expand(scale.float(), rows, cols, n, k)), scale
+    return quantize_with_scale(w, _expand(scale.float(), rows, cols, n, k)), scale
 
 
 def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
@@ -149,7 +152,7 @@ def check_scale_mode(mode: object) -> None:
         raise ValueError(f"mode must be one of {SCALE_MODES}, got {mode!r}")
 
 
-def _quantize(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def quantize_with_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """e4m3 of ``v`` over its (broadcast) float32 ``scale`` (module doc)."""
     return (v.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
 
@@ -191,72 +194,80 @@ def _check_block(block: object) -> tuple[int, int]:
     return block[0], block[1]
 
 
-@dataclass(frozen=True)
-class Fp8Config:
-    """The FP8 checkpoint format the engine serves: e4m3 weights with 128x128 block scales
-    (``weight_block_size`` (128, 128): Qwen3-FP8 checkpoints, ``weight_scale_inv``) or
-    per-output-channel scales (None: on-the-fly quantization, ``quantize_fp8_per_channel``),
-    activations quantized dynamically per token (and 128-column group with block scales).
+# ---- in the kernels ------------------------------------------------------------------
 
-    Attributes:
-        weight_block_size: (128, 128) or None (see above).
-        modules_to_not_convert: modules kept in the checkpoint's dtype (the LM head, MoE
-            routers, norms); a name matches an entry equal to it or a dotted prefix of it.
+def exact_cast(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device round to e4m3 in fp32 before the cast
+    (``to_e4m3``): off CUDA, that is under Triton's CPU interpreter."""
+    return t.device.type != "cuda"
+
+
+@triton.jit
+def quantize_e4m3(v, inv_scale, EXACT_CAST: tl.constexpr):
+    """e4m3 of ``v * inv_scale`` (fp32; ``inv_scale`` = 1 / scale, broadcast), clamped to
+    +-448: the module doc's rule."""
+    return to_e4m3(tl.clamp(v.to(tl.float32) * inv_scale, -448.0, 448.0), EXACT_CAST)
+
+
+@triton.jit
+def to_e4m3(y, EXACT_CAST: tl.constexpr):
+    """fp32 ``y`` (|y| <= 448) cast to e4m3, to nearest, ties to even. The GPU's conversion
+    rounds so itself; Triton's CPU interpreter does not (seen on triton 3.9: it rounds ties
+    away from zero and a value rounded up across a power of two loses its carry, 1.97
+    becoming 1.0), so there (``EXACT_CAST``, :func:`exact_cast`) the value is first rounded
+    in fp32 (:func:`round_to_e4m3`), after which the cast is exact."""
+    if EXACT_CAST:
+        y = round_to_e4m3(y)
+    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def round_to_e4m3(y):
+    """fp32 ``y`` (|y| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32.
+
+    With e = max(exponent of |y|, -6) (e4m3's subnormals share exponent -6), the e4m3
+    values near y are the multiples of 2^(e - 3): |y| / 2^(e - 3) is exact, and adding and
+    subtracting 2^23 rounds it to an integer, ties to even, as IEEE fp32 addition rounds."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)           # 2^(e - 3), exact
+    inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    r = (tl.abs(y) * inv_step + 8388608.0) - 8388608.0
+    magnitude = (r * step).to(tl.int32, bitcast=True)
+    return (magnitude | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign bit
+
+
+# ---- the FP8 KV cache --------------------------------------------------------------------
+# An FP8 cache holds e4m3 values of K (V) by the module doc's rule, with one per-tensor
+# scale per layer and cache (1.0 unless the checkpoint gives self_attn.k_scale / v_scale).
+# An e4m3 value converts to bf16, fp16 and fp32 exactly, so the attention kernels turn the
+# stored values into the model's dtype before their dots and fold the scales outside them:
+# the K scale into the softmax scale, the V scale into the normalised output. The scales are
+# (1,) float32 tensors on the device: kernels load them, so nothing is read on the host and a
+# CUDA graph keeps reading the current value.
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` holds FP8 values."""
+    return cache.dtype == FP8_DTYPE
+
+
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales a kernel passes for this cache: for an FP8 cache, ``k_scale`` and
+    ``v_scale`` themselves, which must be one-element float32 tensors on the cache's
+    device; for any other cache they are not read, and the cache itself stands in.
+
+    Raises:
+        ValueError: an FP8 cache without both scales, or scales not of one element.
+        TypeError: scales not float32.
     """
-
-    weight_block_size: tuple[int, int] | None = FP8_BLOCK
-    modules_to_not_convert: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.weight_block_size not in (None, FP8_BLOCK):
-            raise ValueError(f"weight_block_size must be {list(FP8_BLOCK)} (the block the FP8 kernels "
-                             f"serve) or None (per-channel), got {self.weight_block_size!r}")
-        if (not isinstance(self.modules_to_not_convert, tuple)
-                or not all(isinstance(m, str) and m for m in self.modules_to_not_convert)):
-            raise ValueError(f"modules_to_not_convert must be a tuple of module names, "
-                             f"got {self.modules_to_not_convert!r}")
-
-    @property
-    def scale_mode(self) -> ScaleMode:
-        """How the weights are scaled: "block" (128x128) or "channel"."""
-        return "channel" if self.weight_block_size is None else "block"
-
-    def converts(self, module: str) -> bool:
-        """Whether the linear layer ``module`` (e.g. "model.layers.0.mlp.gate") is in fp8."""
-        return not any(module == m or module.startswith(m + ".") for m in self.modules_to_not_convert)
-
-    @classmethod
-    def from_hf(cls, quantization_config: Mapping[str, object]) -> Fp8Config:
-        """Read a ``config.json``'s ``quantization_config``, as Qwen3-FP8 checkpoints give it::
-
-            {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-             "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", ...]}
-
-        ``fmt`` and ``activation_scheme`` may be left out (their only served values are the
-        defaults); ``weight_block_size`` may not (readers disagree on what its absence means).
-
-        Raises:
-            ValueError: naming the field: an unknown key, another quant_method, a format other
-                than e4m3, static activation scales, a block other than [128, 128] or null, or
-                modules_to_not_convert not a list of names.
-        """
-        if not isinstance(quantization_config, Mapping):
-            raise ValueError(f"quantization_config must be a mapping, got {type(quantization_config).__name__}")
-        known = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert"}
-        unknown = sorted(set(quantization_config) - known)
-        if unknown:
-            raise ValueError(f"quantization_config has unknown key(s) {unknown}; known: {sorted(known)}")
-        served = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-        for key, want in served.items():
-            got = quantization_config.get(key, None if key == "quant_method" else want)
-            if got != want:
-                raise ValueError(f"quantization_config.{key} must be {want!r}, got {got!r}")
-        if "weight_block_size" not in quantization_config:
-            raise ValueError("quantization_config.weight_block_size is missing: give [128, 128] or null")
-        block = quantization_config["weight_block_size"]
-        if block is not None and (not isinstance(block, (list, tuple)) or list(block) != list(FP8_BLOCK)):
-            raise ValueError(f"quantization_config.weight_block_size must be {list(FP8_BLOCK)} or null, got {block!r}")
-        skip = quantization_config.get("modules_to_not_convert") or []
-        if not isinstance(skip, (list, tuple)):
-            raise ValueError(f"quantization_config.modules_to_not_convert must be a list, got {skip!r}")
-        return cls(weight_block_size=None if block is None else FP8_BLOCK, modules_to_not_convert=tuple(skip))
+    if not is_fp8_cache(k_cache):
+        return k_cache, k_cache
+    if k_scale is None or v_scale is None:
+        raise ValueError("an fp8 KV cache needs k_scale and v_scale (one-element float32 tensors)")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_dtype(name, t, (torch.float32,))
+        if t.numel() != 1:
+            raise ValueError(f"{name} must hold one element, got shape {tuple(t.shape)}")
+    check_same_device(k_cache=k_cache, k_scale=k_scale, v_scale=v_scale)
+    return k_scale, v_scale
