@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from minivllm import envs
-from minivllm.config import KV_CACHE_DTYPES, LOAD_FORMATS
+from minivllm.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 
 if TYPE_CHECKING:
     from minivllm.llm import LLM
@@ -96,6 +96,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --tensor-parallel-size > 1 on CUDA: every all-reduce through NCCL")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="fp8: the KV cache in e4m3 (per-layer scales), twice the tokens in the same memory")
+    p.add_argument("--quantization", default=None, choices=[q for q in QUANTIZATIONS if q],
+                   help="fp8: a 16-bit checkpoint's linear layers in e4m3 with per-channel scales "
+                        "(an FP8 checkpoint is read as it is)")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights, only config.json read (no weight files needed)")
     p.add_argument("--record-trace", default=None, metavar="FILE.jsonl",
@@ -122,6 +125,8 @@ def _engine_options(args: argparse.Namespace, seed: int = 0) -> dict[str, object
         opts["load_format"] = args.load_format
     if args.kv_cache_dtype != "auto":
         opts["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantization is not None:
+        opts["quantization"] = args.quantization
     if args.record_trace is not None:
         from sim.recorder import TraceRecorder
         opts["observer"] = TraceRecorder(args.record_trace, seed=seed)

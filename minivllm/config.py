@@ -134,6 +134,7 @@ DTYPE_NAMES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 LoadFormat = Literal["auto", "dummy"]
 LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
+QUANTIZATIONS: tuple[str | None, ...] = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,10 @@ class ExecutorConfig:
         load_format: ``auto`` (the checkpoint's safetensors or GGUF weights) or ``dummy``
             (random weights filled on the device, ``model/loader.py: fill_dummy_weights``:
             only config.json is read; vLLM's option of the same name).
+        quantization: None (the checkpoint's weights as they are: 16-bit, or FP8 where its
+            ``quantization_config`` says so) or ``fp8``: a 16-bit checkpoint's linear layers
+            quantized at load to e4m3 with per-output-channel scales, activations per token
+            (vLLM's option of the same name; an FP8 checkpoint keeps its block scales).
     """
 
     device: str = "auto"
@@ -168,6 +173,7 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
     load_format: LoadFormat = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -185,6 +191,8 @@ class ExecutorConfig:
         _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExecutorConfig":
@@ -266,6 +274,8 @@ class ModelConfig:
         decoder_sparse_step, mlp_only_layers: layer i is sparse iff i is not in
             ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``
             (``is_sparse_layer``); the others have the dense MLP of ``intermediate_size``.
+        quantization: the checkpoint's FP8 format (``quantization_config``, Qwen3-FP8's
+            128x128 block scales), or None: 16-bit weights.
     """
 
     vocab_size: int
@@ -293,6 +303,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    quantization: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -404,8 +415,42 @@ class ModelConfig:
             architecture=archs[0],
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             rope_scaling=rope_scaling,
+            quantization=_read_quantization(hf, path),
             **_read_experts(hf, archs[0], path),
         )
+
+
+# Linear layers of the decoder that an FP8 checkpoint stores in e4m3 (the names they have
+# there); modules_to_not_convert may not name one: the engine computes them all in FP8.
+FP8_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _read_quantization(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> Fp8Config | None:
+    """The checkpoint's FP8 format from ``quantization_config``; None without one.
+
+    Raises:
+        ValueError: another quant_method or an FP8 format the kernels do not serve
+            (``Fp8Config.from_hf``), per-channel scales in a checkpoint, or a decoder linear
+            layer listed in ``modules_to_not_convert``.
+    """
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, Mapping) else None
+    if method != "fp8":
+        raise ValueError(f"{path}: quantization_config.quant_method {method!r} is not served (fp8 is)")
+    try:
+        config = Fp8Config.from_hf(qc)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if config.weight_block_size is None:
+        raise ValueError(f"{path}: quantization_config.weight_block_size null (per-channel scales) is not "
+                         f"served from a checkpoint; quantization='fp8' quantizes a 16-bit one per channel")
+    kept = [m for m in config.modules_to_not_convert if m.split(".")[-1] in FP8_LINEAR_MODULES]
+    if kept:
+        raise ValueError(f"{path}: quantization_config.modules_to_not_convert keeps decoder linear layers "
+                         f"{kept} in 16 bits; the engine serves checkpoints whose every one of them is FP8")
+    return config
 
 
 def _read_experts(hf: Mapping[str, Any], architecture: str, path: str | os.PathLike[str]) -> dict[str, Any]:

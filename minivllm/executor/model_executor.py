@@ -60,6 +60,7 @@ from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers.all_reduce import Communicator, build_communicator
 from minivllm.layers.attention import AttentionMetadata, kv_cache_torch_dtype
+from minivllm.layers.linear import quantize_linear_layers
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
@@ -334,7 +335,8 @@ class ModelExecutor:
 
     def _load_model(self, model_path: str | os.PathLike[str]) -> DecoderForCausalLM:
         """The model on the device, its weights from ``model_path`` or, with
-        ``load_format="dummy"``, random (``fill_dummy_weights``; the same seed on every rank)."""
+        ``load_format="dummy"``, random (``fill_dummy_weights``; the same seed on every rank);
+        with ``quantization="fp8"`` its 16-bit linear layers then quantized per channel."""
         dummy = self.config.load_format == "dummy"
         if not dummy:
             require_weights(model_path)  # before a model is built for weights that are not there
@@ -344,6 +346,8 @@ class ModelExecutor:
             fill_dummy_weights(model, self.config.seed)
         else:
             load_weights(model, model_path)
+        if self.config.quantization == "fp8":
+            quantize_linear_layers(model)  # a 16-bit checkpoint's; an FP8 one's are already
         return model.eval()
 
     def size_kv_pool_from_free_memory(self, gpu_memory_utilization: float) -> int:

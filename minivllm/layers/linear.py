@@ -29,6 +29,13 @@ is a checked plain copy.
 Divisibility: ``check_tp_divisibility`` states every constraint the TP size puts
 on a model's shapes, in one place, so a launcher can reject a bad size before
 any process starts; the layers raise the same errors from the same functions.
+
+FP8 weights (``kernels/fp8.py``): with ``fp8_block`` a layer holds its weight in e4m3 and
+``weight_scale_inv``, one float32 scale per 128 x 128 block (a Qwen3-FP8 checkpoint's
+tensors), which its weight loader shards as the weight, in units of blocks: every part a
+rank holds must then start on a block edge. ``quantize_fp8_per_channel`` turns a loaded
+16-bit layer into e4m3 with one scale per output row (``weight_scale``). Either way
+``weight_scale`` is the scale the ops take beside the weight (None: a 16-bit layer).
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.config import FP8_WEIGHT_BLOCK, cdiv
+from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_per_channel
+
+FP8_BLOCK_SIDE = FP8_WEIGHT_BLOCK[0]  # the square 128 x 128 block of the checkpoints
 
 if TYPE_CHECKING:
     from minivllm.config import ModelConfig
@@ -140,8 +151,21 @@ def load_slice(
     expected[dim] = full
     if list(loaded.shape) != expected:
         raise ValueError(f"{what}: expected checkpoint shape {tuple(expected)}, got {tuple(loaded.shape)}")
+    check_fp8_pairing(dest, loaded, what)
     with torch.no_grad():
         dest.copy_(loaded.narrow(dim, start, dest.shape[dim]))
+
+
+def check_fp8_pairing(dest: torch.Tensor, loaded: Loaded, what: str) -> None:
+    """A checkpoint's e4m3 values go only into an e4m3 parameter and back: a cast either way
+    would drop the scale that gives them their meaning.
+
+    Raises:
+        ValueError: one of the two is e4m3 and the other not.
+    """
+    if (loaded.dtype == FP8_DTYPE) != (dest.dtype == FP8_DTYPE):
+        raise ValueError(f"{what}: the checkpoint holds {loaded.dtype}, the model {dest.dtype} (an FP8 checkpoint "
+                         f"needs its quantization_config; a 16-bit one quantization='fp8')")
 
 
 def load_unpacked(layer: nn.Module, param: nn.Parameter, loaded: Loaded, shard_id: ShardId,
@@ -155,7 +179,17 @@ def load_unpacked(layer: nn.Module, param: nn.Parameter, loaded: Loaded, shard_i
     if shard_id is not None:
         raise ValueError(f"{what} is not packed; got shard id {shard_id!r}")
     local = param.shape[dim]
+    (full,) = in_blocks(layer, param, full)
     load_slice(param.data, loaded, dim, layer.tp_rank * local, full, what)
+
+
+def in_blocks(layer: nn.Module, param: nn.Parameter, *rows: int) -> tuple[int, ...]:
+    """Offsets and sizes along a weight's dimension in the units of ``param``: as they are
+    for the weight (or bias), in 128-blocks for the layer's block scales (an offset on a
+    block edge, a size rounded up: a partial last block has a scale of its own)."""
+    if param is not getattr(layer, "weight_scale_inv", None):
+        return rows
+    return tuple(cdiv(r, FP8_BLOCK_SIDE) for r in rows)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
@@ -168,6 +202,7 @@ def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard_id: ShardId
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not packed; got shard id {shard_id!r}")
     if tuple(loaded.shape) != tuple(param.shape):
         raise ValueError(f"parameter: expected checkpoint shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    check_fp8_pairing(param, loaded, "parameter")
     with torch.no_grad():
         param.data.copy_(read_whole(loaded))
 
@@ -226,18 +261,66 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
 
 
 class LinearBase(nn.Module):
-    """``y = x W^T (+ b)`` with ``W`` this rank's shard, stored (out_local, in_local)."""
+    """``y = x W^T (+ b)`` with ``W`` this rank's shard, stored (out_local, in_local); with
+    ``fp8_block`` in e4m3 with its 128 x 128 block scales (module doc)."""
 
-    def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int,
+                 fp8_block: bool = False) -> None:
         super().__init__()
         check_tp(tp_rank, tp_size)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         # Uninitialised: the loader checks every parameter gets written.
-        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        dtype = FP8_DTYPE if fp8_block else None
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
         self.bias: nn.Parameter | None = (
             nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
         )
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.weight_scale_channel: nn.Parameter | None = None
+        if fp8_block:
+            self.weight_scale_inv = nn.Parameter(
+                torch.empty(cdiv(out_local, FP8_BLOCK_SIDE), cdiv(in_local, FP8_BLOCK_SIDE), dtype=torch.float32),
+                requires_grad=False)
+
+    @property
+    def weight_scale(self) -> torch.Tensor | None:
+        """The FP8 weight's scale: (cdiv(N, 128), cdiv(K, 128)) block scales or (N,) per-channel
+        scales; None for a 16-bit weight."""
+        return self.weight_scale_inv if self.weight_scale_inv is not None else self.weight_scale_channel
+
+    def quantize_fp8_per_channel(self) -> None:
+        """Replace the loaded 16-bit weight by its e4m3 values and one scale per output row
+        (``kernels/fp8.py``: ``quantize_fp8_per_channel``).
+
+        Raises:
+            ValueError: the weight is FP8 already.
+        """
+        if self.weight.dtype == FP8_DTYPE:
+            raise ValueError(f"{type(self).__name__}: the weight is FP8 already")
+        w_fp8, scale = quantize_fp8_per_channel(self.weight.data)
+        self.weight = nn.Parameter(w_fp8, requires_grad=False)
+        self.weight_scale_channel = nn.Parameter(scale, requires_grad=False)
+
+    def _set_loaders(self, loader: WeightLoader, shard_ids: tuple[ShardId, ...] = (None,)) -> None:
+        """``loader`` for the weight and its block scales; the bias's by the subclass."""
+        for p in (self.weight, self.weight_scale_inv):
+            if p is not None:
+                set_weight_loader(p, loader, shard_ids)
+
+    def _check_block_edges(self, starts: Sequence[int], what: str) -> None:
+        """With block scales, every local part's start (in the packed and in the checkpoint
+        tensor) on a 128 edge: a scale block must not span two parts or two ranks.
+
+        Raises:
+            ValueError: naming ``what`` and the offending start.
+        """
+        if self.weight_scale_inv is None:
+            return
+        bad = [s for s in starts if s % FP8_BLOCK_SIDE]
+        if bad:
+            raise ValueError(f"{what}: an FP8 block-scaled layer needs every part and rank to start on a multiple "
+                             f"of {FP8_BLOCK_SIDE}, got start(s) {bad}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out_local)
         """The torch reference; the decoder calls ``Ops.linear`` / ``Ops.gemv`` with the weights."""
@@ -258,9 +341,11 @@ class ColumnParallelLinear(LinearBase):
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias, tp_rank, tp_size)
+                 tp_rank: int = 0, tp_size: int = 1, fp8_block: bool = False) -> None:
+        local = divide(output_size, tp_size, "output_size")
+        super().__init__(input_size, local, bias, tp_rank, tp_size, fp8_block)
         self.output_size = output_size
+        self._check_block_edges([tp_rank * local], type(self).__name__)
         for p in self._parameters.values():
             if p is not None:
                 set_weight_loader(p, self.weight_loader)
@@ -288,11 +373,13 @@ class MergedColumnParallelLinear(LinearBase):
     """
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], *, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, fp8_block: bool = False) -> None:
         locals_ = [divide(s, tp_size, f"output_sizes[{i}]") for i, s in enumerate(output_sizes)]
-        super().__init__(input_size, sum(locals_), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(locals_), bias, tp_rank, tp_size, fp8_block)
         self.output_sizes = tuple(output_sizes)
         self.local_sizes = tuple(locals_)
+        self._check_block_edges([sum(locals_[:i]) for i in range(len(locals_))] + [tp_rank * n for n in locals_],
+                                type(self).__name__)
         shard_ids = tuple(range(len(output_sizes)))
         for p in self._parameters.values():
             if p is not None:
@@ -307,9 +394,10 @@ class MergedColumnParallelLinear(LinearBase):
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"{type(self).__name__}: shard id must be in "
                              f"0..{len(self.output_sizes) - 1}, got {shard_id!r}")
-        local = self.local_sizes[shard_id]
-        dest = param.data.narrow(0, sum(self.local_sizes[:shard_id]), local)
-        load_slice(dest, loaded, 0, self.tp_rank * local, self.output_sizes[shard_id],
+        offset, local, start, full = in_blocks(self, param, sum(self.local_sizes[:shard_id]),
+                                               self.local_sizes[shard_id],
+                                               self.tp_rank * self.local_sizes[shard_id], self.output_sizes[shard_id])
+        load_slice(param.data.narrow(0, offset, local), loaded, 0, start, full,
                    f"{type(self).__name__} shard {shard_id}")
 
 
@@ -334,13 +422,13 @@ class QKVParallelLinear(LinearBase):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1, fp8_block: bool = False) -> None:
         check_tp(tp_rank, tp_size)
         heads = divide(num_heads, tp_size, "num_heads")
         kv_heads = kv_heads_per_rank(num_kv_heads, tp_size)
         # Replicated (fewer KV heads than ranks): ranks share a head tp_size // num_kv_heads at a time.
         kv_start = tp_rank * kv_heads if num_kv_heads >= tp_size else tp_rank // (tp_size // num_kv_heads)
-        super().__init__(hidden_size, (heads + 2 * kv_heads) * head_dim, bias, tp_rank, tp_size)
+        super().__init__(hidden_size, (heads + 2 * kv_heads) * head_dim, bias, tp_rank, tp_size, fp8_block)
         self.head_dim = head_dim
         self.num_heads = heads
         self.num_kv_heads = kv_heads
@@ -353,6 +441,8 @@ class QKVParallelLinear(LinearBase):
             "k": (q, kv, kv_start * head_dim, num_kv_heads * head_dim),
             "v": (q + kv, kv, kv_start * head_dim, num_kv_heads * head_dim),
         }
+        self._check_block_edges([x for offset, _, start, _ in self._layout.values() for x in (offset, start)],
+                                type(self).__name__)
         for p in self._parameters.values():
             if p is not None:
                 set_weight_loader(p, self.weight_loader, ("q", "k", "v"))
@@ -365,7 +455,7 @@ class QKVParallelLinear(LinearBase):
         """
         if shard_id not in self._layout:
             raise ValueError(f"{type(self).__name__}: shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        offset, local, start, full = self._layout[shard_id]  # type: ignore[index]
+        offset, local, start, full = in_blocks(self, param, *self._layout[shard_id])  # type: ignore[index]
         load_slice(param.data.narrow(0, offset, local), loaded, 0, start, full,
                    f"{type(self).__name__} shard {shard_id!r}")
 
@@ -389,10 +479,12 @@ class RowParallelLinear(LinearBase):
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size)
+                 tp_rank: int = 0, tp_size: int = 1, fp8_block: bool = False) -> None:
+        local = divide(input_size, tp_size, "input_size")
+        super().__init__(local, output_size, bias, tp_rank, tp_size, fp8_block)
         self.input_size = input_size
-        set_weight_loader(self.weight, self.weight_loader)
+        self._check_block_edges([tp_rank * local], type(self).__name__)
+        self._set_loaders(self.weight_loader)
         if self.bias is not None:
             set_weight_loader(self.bias, default_weight_loader)
 
@@ -412,3 +504,14 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_local) -> (..., out)
         """This rank's partial sum (the torch reference; the decoder calls ``Ops``)."""
         return F.linear(x, self.weight, self.partial_bias)
+
+
+def quantize_linear_layers(model: nn.Module) -> int:
+    """On-the-fly FP8 (``quantization="fp8"``): every 16-bit tensor-parallel linear layer of
+    ``model`` to e4m3 with per-output-channel scales (``LinearBase.quantize_fp8_per_channel``);
+    the embedding, the LM head and the MoE router are not such layers and stay as they are.
+    Returns how many layers were quantized."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight.dtype != FP8_DTYPE]
+    for layer in layers:
+        layer.quantize_fp8_per_channel()
+    return len(layers)

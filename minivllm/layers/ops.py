@@ -10,6 +10,9 @@ says, for every fused op the model calls:
 - ``pdl``: whether launches take part in programmatic dependent launch (docs/tuning.md, "PDL");
 - ``comm``: the tensor-parallel communicator, None with one rank.
 
+The weights say the rest: an FP8 weight (e4m3, passed with its ``scale``) takes the FP8
+GEMM or, at one row, the FP8 GEMV (``kernels/fp8_gemm.py``, ``fp8_gemv.py``).
+
 Nothing here or in the kernels is process-wide: two engines in one process hold two
 ``Ops`` and never see each other's choices.
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 from minivllm.envs import triton_interpreted
 from minivllm.kernels import reference as ref
+from minivllm.kernels.fp8 import FP8_DTYPE
 from minivllm.layers.all_reduce import Communicator
 
 if TYPE_CHECKING:
@@ -122,23 +126,30 @@ class Ops:
     # ---- linear layers -------------------------------------------------------
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-             gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+             gated: bool = False, out: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T (+ bias)`` for at most ``MAX_ROWS`` rows: the GEMV kernel where it takes the
-        shape, else cuBLAS (``gated``: the input is ``silu_and_mul(x)``); into ``out`` if given."""
+        shape, else cuBLAS (``gated``: the input is ``silu_and_mul(x)``); into ``out`` if given.
+        An FP8 weight (``scale`` its scale): at one row the FP8 GEMV (x stays 16-bit), else
+        :meth:`linear`'s FP8 GEMM."""
         from minivllm.kernels.gemv import gemv, gemv_takes
 
+        if weight.dtype == FP8_DTYPE:
+            x = self.silu_and_mul(x) if gated else x
+            return self._to_out(self._fp8_linear(x, weight, scale, one_row=True), bias, out)
         if gemv_takes(x, weight, gated=gated):
             return gemv(x, weight, bias, out=out, gated=gated, pdl=self.pdl)
         return self.linear(self.silu_and_mul(x) if gated else x, weight, bias, out=out)
 
     def norm_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gemv(rms_norm(s)), s)`` with ``s`` as :meth:`add_rms_norm` sums it (residual None:
         ``s = x``, already whole). One kernel at one row where nothing is left to sum over ranks
-        (the GEMV normalises its input row as it streams W); else the norm, then :meth:`gemv`."""
+        (the GEMV normalises its input row as it streams W); else (and for an FP8 weight) the
+        norm, then :meth:`gemv`."""
         whole = residual is None or self.comm is None  # nothing left to sum over ranks
-        if x.shape[0] == 1 and whole:
+        if x.shape[0] == 1 and whole and weight.dtype != FP8_DTYPE:
             from minivllm.kernels.gemv import gemv_takes, rms_norm_gemv
 
             if gemv_takes(x, weight, norm_weight=norm_weight, residual=residual):
@@ -147,17 +158,51 @@ class Ops:
             h, residual = self.rms_norm(x, norm_weight, eps), x
         else:
             h, residual = self.add_rms_norm(x, residual, norm_weight, eps)
-        return self.gemv(h, weight, bias), residual
+        return self.gemv(h, weight, bias, scale=scale), residual
 
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T (+ bias)`` by cuBLAS (or the CPU's GEMM), into ``out`` (2-D x) if given."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, *, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T (+ bias)`` by cuBLAS (or the CPU's GEMM), into ``out`` (2-D x) if given. An
+        FP8 weight (``scale`` its block or per-channel scale, ``kernels/fp8.py``): the FP8 GEMM,
+        x quantized per token (and 128-column group) on the fly, or its torch reference."""
+        if weight.dtype == FP8_DTYPE:
+            return self._to_out(self._fp8_linear(x, weight, scale, one_row=False), bias, out)
         if out is None:
             return F.linear(x, weight, bias)
         torch.matmul(x, weight.t(), out=out)
         if bias is not None:
             out += bias
+        return out
+
+    def _fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, *,
+                    one_row: bool) -> torch.Tensor:
+        """``x W^T`` (T, N) for an FP8 weight: with ``one_row`` and one row the FP8 GEMV (the
+        weights' bytes, x in 16 bits), else the W8A8 GEMM; the torch references off Triton.
+
+        Raises:
+            ValueError: no scale.
+        """
+        if scale is None:
+            raise ValueError(f"an FP8 weight {tuple(weight.shape)} needs its scale")
+        mode = "block" if scale.dim() == 2 else "channel"
+        if one_row and x.shape[0] == 1:
+            if self.triton:
+                from minivllm.kernels.fp8_gemv import fp8_gemv
+                return fp8_gemv(x, weight, scale, mode, pdl=self.pdl)
+            return ref.fp8_gemv_reference(x, weight, scale, mode)
+        if self.triton:
+            from minivllm.kernels.fp8_gemm import fp8_gemm
+            return fp8_gemm(x, weight, scale, mode)
+        return ref.fp8_gemm_reference(x, weight, scale, mode)
+
+    @staticmethod
+    def _to_out(y: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+        """``y (+ bias)``, written into ``out`` if given."""
+        if bias is not None:
+            y = y + bias
+        if out is None:
+            return y
+        out.copy_(y)
         return out
 
     def partial_out(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

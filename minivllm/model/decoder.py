@@ -84,14 +84,15 @@ class DecoderAttention(nn.Module):
                  tp_rank: int, tp_size: int) -> None:
         super().__init__()
         d = config.head_dim
+        fp8 = config.quantization is not None  # the checkpoint's 128 x 128 block-scaled e4m3
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, d, config.num_attention_heads, config.num_key_value_heads,
-            bias=spec.qkv_bias, tp_rank=tp_rank, tp_size=tp_size)
+            bias=spec.qkv_bias, tp_rank=tp_rank, tp_size=tp_size, fp8_block=fp8)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
-                                        bias=spec.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size)
+                                        bias=spec.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size, fp8_block=fp8)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if spec.qk_norm else None
         self.rotary_emb = rotary
@@ -118,8 +119,10 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         i = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], tp_rank=tp_rank, tp_size=tp_size)
-        self.down_proj = RowParallelLinear(i, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        fp8 = config.quantization is not None
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], tp_rank=tp_rank, tp_size=tp_size,
+                                                       fp8_block=fp8)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, fp8_block=fp8)
 
 
 class DecoderLayer(nn.Module):
@@ -149,16 +152,18 @@ class DecoderLayer(nn.Module):
             h, residual = ops.rms_norm(hidden, norm1.weight, norm1.eps), hidden
         else:
             h, residual = ops.add_rms_norm(hidden, residual, norm1.weight, norm1.eps)
-        o = attn.attend(ops, positions, ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias), meta)
-        partial = ops.linear(o, attn.o_proj.weight, attn.o_proj.partial_bias,
-                             out=ops.partial_out(o, attn.o_proj.weight))
+        qkv_proj, o_proj = attn.qkv_proj, attn.o_proj
+        o = attn.attend(ops, positions, ops.linear(h, qkv_proj.weight, qkv_proj.bias, scale=qkv_proj.weight_scale),
+                        meta)
+        partial = ops.linear(o, o_proj.weight, o_proj.partial_bias, out=ops.partial_out(o, o_proj.weight),
+                             scale=o_proj.weight_scale)
         h, residual = ops.add_rms_norm(partial, residual, norm2.weight, norm2.eps)
         if isinstance(mlp, SparseMoeBlock):
             return self.experts(h), residual
-        gate_up = ops.linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        down = mlp.down_proj
-        act = ops.silu_and_mul(gate_up)
-        partial = ops.linear(act, down.weight, down.partial_bias, out=ops.partial_out(act, down.weight))
+        up, down = mlp.gate_up_proj, mlp.down_proj
+        act = ops.silu_and_mul(ops.linear(h, up.weight, up.bias, scale=up.weight_scale))
+        partial = ops.linear(act, down.weight, down.partial_bias, out=ops.partial_out(act, down.weight),
+                             scale=down.weight_scale)
         return partial, residual
 
     def experts(self, h: torch.Tensor) -> torch.Tensor:
@@ -175,19 +180,20 @@ class DecoderLayer(nn.Module):
         SiLU-and-mul inside the down projection's GEMV at any row count."""
         ops, attn, mlp = self.ops, self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_proj, o_proj = attn.qkv_proj, attn.o_proj
         qkv, residual = ops.norm_gemv(hidden, residual, norm1.weight, norm1.eps,
-                                      attn.qkv_proj.weight, attn.qkv_proj.bias)
+                                      qkv_proj.weight, qkv_proj.bias, scale=qkv_proj.weight_scale)
         o = attn.attend(ops, positions, qkv, meta)
-        partial = ops.gemv(o, attn.o_proj.weight, attn.o_proj.partial_bias,
-                           out=ops.partial_out(o, attn.o_proj.weight))
+        partial = ops.gemv(o, o_proj.weight, o_proj.partial_bias, out=ops.partial_out(o, o_proj.weight),
+                           scale=o_proj.weight_scale)
         if isinstance(mlp, SparseMoeBlock):
             h, residual = ops.add_rms_norm(partial, residual, norm2.weight, norm2.eps)
             return self.experts(h), residual
-        gate_up, residual = ops.norm_gemv(partial, residual, norm2.weight, norm2.eps,
-                                          mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        down = mlp.down_proj
+        up, down = mlp.gate_up_proj, mlp.down_proj
+        gate_up, residual = ops.norm_gemv(partial, residual, norm2.weight, norm2.eps, up.weight, up.bias,
+                                          scale=up.weight_scale)
         partial = ops.gemv(gate_up, down.weight, down.partial_bias, gated=True,
-                           out=ops.partial_out(gate_up, down.weight))
+                           out=ops.partial_out(gate_up, down.weight), scale=down.weight_scale)
         return partial, residual
 
 

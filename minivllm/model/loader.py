@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block
 from minivllm.layers.embedding import VocabParallelEmbedding
 from minivllm.layers.linear import ShardId, get_shard_ids, get_weight_loader
 from minivllm.layers.moe import expert_shard
@@ -50,7 +51,7 @@ TIED_HEAD = "lm_head.weight"
 _DTYPES: Mapping[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
 
 
@@ -343,6 +344,14 @@ def _fill_dummy(module: nn.Module, short: str, name: str, param: nn.Parameter, s
     with torch.no_grad():
         if hasattr(param, "fill_value"):  # a checkpoint may omit it: its default (KV cache scales)
             param.fill_(param.fill_value)
+        elif param is getattr(module, "weight_scale_inv", None):
+            pass  # filled with its weight (below), which comes first
+        elif param.dtype == FP8_DTYPE:  # e4m3 weights: random 16-bit values quantized in blocks
+            w = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            w.normal_(0.0, DUMMY_STD, generator=_dummy_generator(seed, name, param.device))
+            q, scale = quantize_fp8_block(w)
+            param.copy_(q)
+            module.weight_scale_inv.copy_(scale)
         elif isinstance(module, RMSNorm):
             param.fill_(1.0)
         elif short == "bias":
