@@ -1,17 +1,22 @@
-"""8-bit beside 16-bit in one run: the FP8 KV cache against the bf16 cache on the same
-weights, for speed and for accuracy.
+"""8-bit beside 16-bit in one run: the FP8 KV cache and FP8 weights against bf16 on the
+same shapes, for speed and for accuracy.
 
     PYTHONPATH=. python3 -m benchmarks.fp8 [--parts offline,long_context,accuracy] [--rounds 2]
-        [--shapes qwen3-0.6b] [--smoke]
+        [--variants bf16,fp8-kv,fp8-weights,fp8-weights-channel] [--shapes qwen3-0.6b|qwen3-8b] [--smoke]
 
-Variants (engine options over the same weights): ``bf16`` (the model's dtype everywhere) and
-``fp8-kv`` (``kv_cache_dtype="fp8"``). Qwen3-0.6B shapes; weights random, filled on the device
-(``load_format="dummy"``) for the speed parts, a saved std-0.1 checkpoint for accuracy.
+Variants: ``bf16`` (the model's dtype everywhere), ``fp8-kv`` (``kv_cache_dtype="fp8"``),
+``fp8-weights`` (a Qwen3-FP8 checkpoint's format: the config gains Qwen's
+``quantization_config``, e4m3 linear layers with 128x128 block scales) and
+``fp8-weights-channel`` (``quantization="fp8"``: per-channel scales at load). Weights random,
+filled on the device (``load_format="dummy"``) for the speed parts, a saved std-0.1
+checkpoint for accuracy (``fp8-weights`` there: the checkpoint converted by
+``fixtures/fp8_checkpoint.py``).
 
 - offline: ``benchmarks.throughput``'s offline-N (default 256) and its batch-1 run, one
   engine per variant and round (a fresh process-wide pool each time: each engine sizes its
   KV pool from the memory left free), rounds alternating the order (A B, B A, ...); the
-  median of the rounds per variant, beside its goal: fp8-kv >= 40,000 tok/s.
+  median of the rounds per variant, beside its goals: fp8-kv >= 40,000 tok/s at Qwen3-0.6B;
+  fp8-weights batch-1 <= 0.6 ms/token at Qwen3-0.6B, <= 2.6 at Qwen3-8B.
 - long_context: ``benchmarks.long_context``'s decode step at 16 x 8,192 per variant, beside
   its floor (the K/V at the cache's bytes plus the weights, over the copy bandwidth); goal:
   fp8-kv <= 3.0 ms/step.
@@ -29,25 +34,42 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
+import shutil
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.accuracy import make_bf16_checkpoint, random_prompts
 from benchmarks.long_context import minivllm_decode
-from benchmarks.qwen3_shapes import SMOKE_SHAPES
+from benchmarks.qwen3_shapes import SMOKE_SHAPES, write_random_config
 from benchmarks.report import write_summary
 from benchmarks.throughput import (add_common_args, bench_device, build_llm, median_run, met, model_path,
                                    offline_workload, run_batch1, run_offline)
 
-VARIANTS: dict[str, dict[str, Any]] = {"bf16": {}, "fp8-kv": {"kv_cache_dtype": "fp8"}}
-GOALS: dict[str, dict[str, tuple[float, bool]]] = {   # part -> variant -> (goal, lower is better)
-    "offline": {"fp8-kv": (40_000, False)},
-    "long_context": {"fp8-kv": (3.0, True)},
+# Engine options of each variant; FP8_CHECKPOINT: the variant reads a Qwen3-FP8-format model.
+FP8_CHECKPOINT = "fp8_checkpoint"
+VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {}, "fp8-kv": {"kv_cache_dtype": "fp8"}, "fp8-weights": {FP8_CHECKPOINT: True},
+    "fp8-weights-channel": {"quantization": "fp8"},
 }
+DEFAULT_VARIANTS = ("bf16", "fp8-kv", "fp8-weights")
+# (part, measure) -> variant -> shapes -> (goal, lower is better)
+GOALS: dict[tuple[str, str], dict[str, dict[str, tuple[float, bool]]]] = {
+    ("offline", "tok_s"): {"fp8-kv": {"qwen3-0.6b": (40_000, False)}},
+    ("offline", "batch1_ms"): {"fp8-weights": {"qwen3-0.6b": (0.6, True), "qwen3-8b": (2.6, True)}},
+    ("long_context", "median_ms"): {"fp8-kv": {"qwen3-0.6b": (3.0, True)}},
+}
+# A tiny model whose every FP8 layer part starts on a 128 edge (heads of 128; 2 and 1 of them).
+SMOKE_FP8_SHAPES = {**SMOKE_SHAPES, "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 2,
+                    "num_key_value_heads": 1, "head_dim": 128}
+# What Qwen3-FP8 checkpoints' config.json holds (fixtures/fp8_checkpoint.py writes the same).
+QWEN_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
 PARTS = ("offline", "long_context", "accuracy")
 
 
@@ -55,6 +77,33 @@ def release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def engine_options(name: str) -> dict[str, Any]:
+    """The LLM options of variant ``name``."""
+    return {k: v for k, v in VARIANTS[name].items() if k != FP8_CHECKPOINT}
+
+
+def variant_path(path: str, name: str, convert: bool = False) -> str:
+    """The model directory variant ``name`` reads: ``path``, or for an FP8-checkpoint variant
+    a copy beside it in Qwen3-FP8's format: its config.json with Qwen's quantization_config
+    (``convert``: the weights converted too, ``fixtures/fp8_checkpoint.py``; else config only,
+    for ``load_format="dummy"``)."""
+    if not VARIANTS[name].get(FP8_CHECKPOINT):
+        return path
+    out = Path(path.rstrip("/") + "-fp8")
+    if convert:
+        from fixtures.fp8_checkpoint import convert_checkpoint
+
+        if out.exists():
+            shutil.rmtree(out)
+        convert_checkpoint(path, out)
+        return str(out)
+    out.mkdir(exist_ok=True)
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    config["quantization_config"] = QWEN_FP8_CONFIG
+    (out / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return str(out)
 
 
 def round_orders(names: list[str], rounds: int) -> list[list[str]]:
@@ -70,7 +119,7 @@ def offline_part(args: argparse.Namespace, path: str, device: str) -> dict[str, 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
     for r, order in enumerate(round_orders(args.variants, args.rounds)):
         for name in order:
-            llm = build_llm(args, path, device, **VARIANTS[name])
+            llm = build_llm(args, variant_path(path, name), device, **engine_options(name))
             run = run_offline(llm, wl, stream=1 + r, label=f"{name}, round {r}")
             run["kv_blocks"] = llm.engine.num_blocks
             run["batch1"] = run_batch1(llm, 100 + r, f"{name}, round {r}", args.smoke, wl.id_limit)
@@ -98,11 +147,12 @@ def long_context_part(args: argparse.Namespace, path: str, device: str) -> dict[
     block = 16 if args.smoke else 64
     out = {}
     for name in args.variants:
-        llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True, max_num_seqs=la.num_prompts,
+        llm = LLM(variant_path(path, name), device=device, seed=args.seed, skip_tokenizer_init=True,
+                  max_num_seqs=la.num_prompts,
                   max_model_len=max_len, max_num_batched_tokens=64 if args.smoke else 16384,
                   enable_prefix_caching=False, async_scheduling=True, block_size=block,
                   num_blocks=la.num_prompts * cdiv(max_len, block) + 64, load_format=args.load_format,
-                  **VARIANTS[name])
+                  **engine_options(name))
         print(f"long context [{name}]: {la.num_prompts} x {la.prompt_len:,}", flush=True)
         out[name] = minivllm_decode(llm, la, device)
         llm.close()
@@ -118,7 +168,7 @@ def accuracy_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
     steps, n_prompts, plen = (4, 2, 8) if args.smoke else (64, 16, 32)
     bs = 16
-    overrides = SMOKE_SHAPES if args.smoke else {}
+    overrides = SMOKE_FP8_SHAPES if args.smoke else {}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="minivllm-fp8-") as path:
         hf32 = make_bf16_checkpoint(path, std=0.1, device=device, **overrides)
@@ -130,9 +180,9 @@ def accuracy_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
         dtype = "bfloat16" if device == "cuda" else "float32"
 
         def executor(name: str) -> Any:
-            return make_model_executor(path, device=device, dtype=dtype, block_size=bs, num_blocks=width + 4,
-                                       max_num_seqs=1, max_num_batched_tokens=max(plen + steps, 64),
-                                       **VARIANTS[name])
+            return make_model_executor(variant_path(path, name, convert=True), device=device, dtype=dtype,
+                                       block_size=bs, num_blocks=width + 4, max_num_seqs=1,
+                                       max_num_batched_tokens=max(plen + steps, 64), **engine_options(name))
 
         reference = executor("bf16")
         for name in args.variants:
@@ -153,23 +203,32 @@ def accuracy_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
 # ---- main ------------------------------------------------------------------------------
 
-def print_table(res: dict[str, Any]) -> None:
-    """Each variant's numbers beside bf16's, with the goals."""
-    for part, key, unit, spec in (("offline", "tok_s", "tok/s", ",.0f"), ("long_context", "median_ms", "ms/step", ".3f")):
+MEASURES = (("offline", "tok_s", "offline tok/s", ",.0f"), ("offline", "batch1_ms", "batch-1 ms/token", ".3f"),
+            ("long_context", "median_ms", "long-context decode ms/step", ".3f"))
+
+
+def print_table(res: dict[str, Any], shapes: str) -> None:
+    """Each variant's numbers beside bf16's, with the goals (recorded as ``goals`` in the
+    variant's part: measure -> goal, met)."""
+    for part, key, label, spec in MEASURES:
         if part not in res:
             continue
+        for r in res[part].values():
+            if part == "offline":
+                r["batch1_ms"] = r["batch1"]["ms_per_token"]
         base = res[part].get("bf16", {}).get(key)
         for name, r in res[part].items():
-            line = f"{part} [{name}]: {format(r[key], spec)} {unit}"
+            line = f"{label} [{name}]: {format(r[key], spec)}"
             if base and name != "bf16":
                 line += f" (bf16 {format(base, spec)}; x{r[key] / base:.2f})"
-            goal = GOALS.get(part, {}).get(name)
+            goal = GOALS.get((part, key), {}).get(name, {}).get(shapes)
             if goal is not None:
-                r["goal"], lower = goal
-                r["met"] = (r[key] <= goal[0]) if lower else (r[key] >= goal[0])
-                line += f" goal {'<=' if lower else '>='} {format(goal[0], spec)} {met(r[key], goal[0], lower)}"
-            if part == "offline":
-                line += f"; KV pool {r['kv_blocks']} blocks; batch-1 {r['batch1']['ms_per_token']:.3f} ms/token"
+                value, lower = goal
+                ok = r[key] <= value if lower else r[key] >= value
+                r.setdefault("goals", {})[key] = dict(goal=value, met=ok)
+                line += f" goal {'<=' if lower else '>='} {format(value, spec)} {met(r[key], value, lower)}"
+            if part == "offline" and key == "tok_s":
+                line += f"; KV pool {r['kv_blocks']} blocks"
             print(line, flush=True)
 
 
@@ -177,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=2, help="offline: rounds of every variant")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--long-prompts", type=int, default=16)
@@ -203,7 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     device = bench_device(args)
     t0 = time.perf_counter()
     res: dict[str, Any] = {"args": vars(args)}
-    path = model_path(args) if {"offline", "long_context"} & set(args.parts) else None
+    path = None
+    if {"offline", "long_context"} & set(args.parts):
+        path = (write_random_config(f"/tmp/minivllm-smoke-fp8-{args.shapes}", args.shapes, dtype="float32",
+                                    **SMOKE_FP8_SHAPES) if args.smoke else model_path(args))
     if "offline" in args.parts:
         res["offline"] = offline_part(args, path, device)
         write_summary("fp8", res)
@@ -212,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         write_summary("fp8", res)
     if "accuracy" in args.parts:
         res["accuracy"] = accuracy_part(args, device)
-    print_table(res)
+    print_table(res, args.shapes)
     write_summary("fp8", res)
     print(f"benchmarks.fp8: {time.perf_counter() - t0:.0f} s", flush=True)
 

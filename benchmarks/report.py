@@ -204,8 +204,9 @@ def fp8_section(runs: Summaries) -> list[str]:
         off, long, acc = d.get("offline", {}), d.get("long_context", {}), d.get("accuracy", {})
         for name in dict.fromkeys([*off, *long, *acc]):
             o, lc, a = off.get(name, {}), long.get(name, {}), acc.get(name, {})
-            goals = "; ".join(f"{part} {_met(r.get('met'))}" for part, r in (("offline", o), ("long", lc))
-                              if "met" in r) or "-"
+            goals = "; ".join(f"{key} <= {g['goal']:g}: {_met(g['met'])}" if key.endswith("_ms")
+                              else f"{key} >= {g['goal']:,.0f}: {_met(g['met'])}"
+                              for r in (o, lc) for key, g in r.get("goals", {}).items()) or "-"
             rows.append([stem, name, fmt(o.get("tok_s"), ",.0f"), fmt(o.get("kv_blocks")),
                          fmt(get(o, "batch1", "ms_per_token"), ".3f"), fmt(lc.get("median_ms"), ".3f"),
                          fmt(lc.get("floor_ms"), ".3f"),
