@@ -100,11 +100,15 @@ def step_weight_bytes(c: ModelConfig, batch: int, dtype_bytes: int) -> float:
     return dense_bytes(c, batch, dtype_bytes) + experts
 
 
+KV_SCALE_BYTES = 2 * 4  # a layer's K and V cache scales, float32 (read by an FP8 cache only)
+
+
 def all_weight_bytes(c: ModelConfig, dtype_bytes: int) -> int:
-    """Every parameter of the model (the whole embedding table once, every expert)."""
+    """Every parameter of the model (the whole embedding table once, every expert, the KV
+    cache scales)."""
     embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size * dtype_bytes
     experts = sparse_layers(c) * c.num_experts * expert_bytes(c, dtype_bytes)
-    return dense_bytes(c, 0, dtype_bytes) + experts + embedding
+    return dense_bytes(c, 0, dtype_bytes) + experts + embedding + c.num_hidden_layers * KV_SCALE_BYTES
 
 
 def workload_kv_bytes(wl: Workload, kv_token: int) -> int:

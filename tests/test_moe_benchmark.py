@@ -55,7 +55,8 @@ def test_weight_bytes_match_transformers_parameters_at_the_real_shapes(full) -> 
     path, c = full
     with torch.device("meta"):
         hf = transformers.Qwen3MoeForCausalLM(transformers.AutoConfig.from_pretrained(path))
-    assert moe.all_weight_bytes(c, 2) == 2 * sum(p.numel() for p in hf.parameters())
+    # transformers' parameters, and our KV cache scales (a float32 pair a layer)
+    assert moe.all_weight_bytes(c, 2) == 2 * sum(p.numel() for p in hf.parameters()) + 48 * moe.KV_SCALE_BYTES
     # batch 1 reads 8 of the 128 experts of each layer, one embedding row and everything dense
     one_step = moe.step_weight_bytes(c, 1, 2)
     assert one_step == moe.dense_bytes(c, 1, 2) + 48 * 8 * 3 * 2048 * 768 * 2

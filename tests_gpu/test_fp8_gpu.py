@@ -1,0 +1,128 @@
+"""FP8 on the GPU at Qwen3-0.6B shapes: the e4m3 kernels in hardware against their torch
+references, the FP8 KV cache against the bf16 cache on the same weights (the top-5 rule and a
+KL bound, CUDA graphs, both scheduling modes), and FP8 weights: a Qwen3-FP8-format checkpoint
+(``fixtures/fp8_checkpoint.py`` from a random bf16-valued one, weights std 0.1) against
+transformers loading the same checkpoint (its fine-grained FP8) and against the bf16 model it
+came from, both by the top-5 rule at the first differing greedy token."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from benchmarks.accuracy import make_bf16_checkpoint, random_prompts
+from fixtures.fp8_checkpoint import convert_checkpoint
+from minivllm import LLM, SamplingParams
+from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block
+from minivllm.kernels.fp8_gemm import fp8_gemm, scaled_mm_fp8
+from minivllm.kernels.fp8_gemv import fp8_gemv
+from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference, quantize_kv_reference
+from tests.model_utils import agreement, make_model_executor
+from tests_gpu.test_model_gpu import assert_top5_at_first_difference
+
+BS, STEPS = 16, 32
+
+
+def release() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(bf16-valued checkpoint, its FP8 conversion, 16 prompts)."""
+    root = tmp_path_factory.mktemp("fp8")
+    hf = make_bf16_checkpoint(str(root / "bf16"), std=0.1, device="cuda")
+    vocab = hf.config.vocab_size
+    del hf
+    release()
+    convert_checkpoint(root / "bf16", root / "fp8")
+    return str(root / "bf16"), str(root / "fp8"), random_prompts(16, 32, vocab)
+
+
+def executor(path: str, **options):
+    return make_model_executor(path, device="cuda", dtype="bfloat16", block_size=BS, num_blocks=8, max_num_seqs=1,
+                               max_num_batched_tokens=256, max_model_len=128, **options)
+
+
+# ---- kernels in hardware -----------------------------------------------------------------
+
+def test_hardware_e4m3_cast_is_the_reference_rounding() -> None:
+    """On the GPU the kernels cast with the hardware (no fp32 rounding first): the KV store's
+    quantization equals torch's bit for bit, ties and saturation included."""
+    from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store
+    from tests.test_kernels import make_qk_norm_problem
+
+    gen = torch.Generator().manual_seed(0)
+    args, ref = make_qk_norm_problem(37, 4, 2, 64, torch.float32, gen, norm=False)
+    scale = torch.tensor([0.011], device="cuda")
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    args[6], args[7] = args[6].to(FP8_DTYPE), args[7].to(FP8_DTYPE)
+    qk_norm_rope_store(*args, scale, scale)
+    slots = args[8][args[8] >= 0]
+    stored = args[7].view(-1, 2, 64)[slots]
+    v = ref[0].view(37, -1, 64)[:, 6:8].cuda()[args[8] >= 0]
+    assert torch.equal(stored.view(torch.uint8), quantize_kv_reference(v, scale).view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", ["block", "channel"])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_fp8_gemm_and_gemv_match_their_references(mode, m) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w = torch.randn(1024, 1024, generator=gen, device="cuda") * 0.05
+    if mode == "block":
+        w8, s = quantize_fp8_block(w)
+    else:
+        from minivllm.kernels.fp8 import quantize_fp8_per_channel
+        w8, s = quantize_fp8_per_channel(w)
+    x = torch.randn(m, 1024, generator=gen, device="cuda").bfloat16()
+    ref = fp8_gemm_reference(x, w8, s, mode).float()
+    torch.testing.assert_close(fp8_gemm(x, w8, s, mode).float(), ref, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(scaled_mm_fp8(x, w8, s, mode).float(), ref, rtol=1.6e-2, atol=1e-2)
+    if m == 1:
+        torch.testing.assert_close(fp8_gemv(x, w8, s, mode).float(), fp8_gemv_reference(x, w8, s, mode).float(),
+                                   rtol=1.6e-2, atol=1e-2)
+
+
+# ---- the FP8 KV cache ----------------------------------------------------------------------
+
+def test_fp8_kv_cache_agrees_with_the_bf16_cache(checkpoints) -> None:
+    src, _, prompts = checkpoints
+    ref, ours = executor(src), executor(src, kv_cache_dtype="fp8")
+    a = agreement(ref, ours, prompts, STEPS, tuple(range(8)), BS)
+    print(f"\n[fp8 kv, Qwen3-0.6B shapes] {a}")
+    assert a.top5_failures == 0 and a.mean_kl <= 1e-2
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_fp8_kv_cache_under_graphs_in_both_scheduling_modes(checkpoints, async_scheduling) -> None:
+    """Greedy through LLM with CUDA graphs and prefix caching: the same tokens as the same
+    engine eager (graphs change nothing), and by the top-5 rule against the bf16 cache."""
+    src, _, prompts = checkpoints
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    runs = {}
+    for name, opts in (("graphs", {}), ("eager", {"enforce_eager": True})):
+        with LLM(src, kv_cache_dtype="fp8", skip_tokenizer_init=True, async_scheduling=async_scheduling,
+                 gpu_memory_utilization=0.3, max_model_len=256, **opts) as llm:
+            runs[name] = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        release()
+    assert runs["graphs"] == runs["eager"]
+
+
+# ---- FP8 weights -----------------------------------------------------------------------------
+
+def test_fp8_checkpoint_against_transformers_and_the_bf16_model(checkpoints) -> None:
+    """Our FP8 executor walks each HF model's greedy tokens; at the first token it would not
+    pick, each side's token is in the other's top-5 (``test_model_gpu``'s rule)."""
+    from transformers import AutoModelForCausalLM
+
+    src, fp8, prompts = checkpoints
+    ours = executor(fp8)
+    for path, kwargs in ((fp8, {}), (src, {"dtype": torch.bfloat16})):
+        hf = AutoModelForCausalLM.from_pretrained(path, device_map="cuda", **kwargs).eval()
+        agreed = [assert_top5_at_first_difference(ours, hf, p, STEPS) for p in prompts]
+        print(f"\n[fp8 weights vs transformers {'FP8' if path == fp8 else 'bf16'}] tokens agreed per prompt: {agreed}")
+        del hf
+        release()
