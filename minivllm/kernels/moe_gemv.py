@@ -20,11 +20,18 @@ Rounding at fused_moe's points, so the two paths differ only in the order of eac
 product's fp32 sum: gate and up rounded to x's dtype, then ``gated_silu``; each choice's down
 sum scaled by its routing weight and rounded, the k of a token summed in fp32, rounded once.
 
+FP8 experts (float8_e4m3fn W13 and W2 with float32 block or per-channel scales, as
+``kernels/fused_moe.py`` takes them): weight-only, as ``kernels/fp8_gemv.py`` does for one
+row. Each weight is dequantized in registers (times its 128x128 block scale, or the
+channel scale after the sum), x and act stay in 16 bits: at a few tokens the time is the
+weights' bytes, which FP8 halves, and quantizing x would only add rounding.
+
 With ``pdl``, each program waits for the previous kernel (the router's ids feed its first
 weight address, so no weight tile can load earlier) and lets the next kernel start once its
 weights are streamed.
 
-Torch reference: :func:`minivllm.kernels.reference.fused_moe_reference`.
+Torch references: :func:`minivllm.kernels.reference.fused_moe_reference`, and
+:func:`~minivllm.kernels.reference.moe_gemv_fp8_reference` for FP8 experts.
 """
 
 from __future__ import annotations
@@ -35,12 +42,12 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import (
-    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, check_tile_config, takes_pdl,
-)
+from minivllm.kernels._launch import check_dtype, check_power_of_two, check_same_device, check_tile_config, takes_pdl
+from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
+from minivllm.kernels.fp8_gemv import _scaled_product
+from minivllm.kernels.fused_moe import _scale_ptrs, check_experts
+from minivllm.kernels.gemv import _w_tile
 from minivllm.kernels.silu_and_mul import gated_silu
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -63,29 +70,33 @@ DOWN_CONFIG = MoeGemvConfig(block_n=4, block_k=256)      # K = moe_intermediate 
 
 
 @triton.jit
-def _row_dot(w_rows, x_row, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, col_ok,
-             NUM_STAGES: tl.constexpr):
+def _row_dot(w_rows, ws_rows, x_row, K, col_ok, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, NUM_STAGES: tl.constexpr):
     """(BLOCK_N,) fp32: ``W[rows] @ x`` for the weight rows at ``w_rows`` (BLOCK_N, 1) and
-    the row at ``x_row``, products kept per (column, k lane) and summed at the end."""
+    the row at ``x_row``, products kept per (column, k lane) and summed at the end. FP8: the
+    rows' scales at ``ws_rows`` (``fused_moe._scale_ptrs``), block scales on each weight,
+    a channel scale on the sum."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_row + k, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
+        w = _w_tile(w_rows, k, col_ok, K, False, False)
+        acc = _scaled_product(w, ws_rows, x_row, k, col_ok, K, acc, BLOCK_SCALES, False, False, GROUP)
+    y = tl.sum(acc, axis=1)
+    if FP8 and not BLOCK_SCALES:
+        y *= tl.load(ws_rows, mask=col_ok, other=0.0)
+    return y
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr,                # (T, H), last dim contiguous
     w13_ptr,              # (E, 2I, H) contiguous: gate rows, then up rows
+    ws_ptr,               # FP8: W13's float32 scales (E, 2I / GROUP, cdiv(H, GROUP)) or (E, 2I)
     ids_ptr,              # (P,) int32 expert of each pair
     act_ptr,              # (P, I) contiguous
     stride_x, I, H,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -95,8 +106,10 @@ def _gate_up_kernel(
     col_ok = cols < I
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
     gate_rows = w13_ptr + expert * 2 * I * H + cols.to(tl.int64)[:, None] * H
-    gate = _row_dot(gate_rows, x_row, H, BLOCK_N, BLOCK_K, col_ok, NUM_STAGES)
-    up = _row_dot(gate_rows + I * H, x_row, H, BLOCK_N, BLOCK_K, col_ok, NUM_STAGES)
+    gate = _row_dot(gate_rows, _scale_ptrs(ws_ptr, expert, 2 * I, cols, H, BLOCK_SCALES, GROUP), x_row, H,
+                    col_ok, FP8, BLOCK_SCALES, BLOCK_N, BLOCK_K, GROUP, NUM_STAGES)
+    up = _row_dot(gate_rows + I * H, _scale_ptrs(ws_ptr, expert, 2 * I, I + cols, H, BLOCK_SCALES, GROUP), x_row,
+                  H, col_ok, FP8, BLOCK_SCALES, BLOCK_N, BLOCK_K, GROUP, NUM_STAGES)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = act_ptr.dtype.element_ty
@@ -108,12 +121,13 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr,              # (P, I) contiguous
     w2_ptr,               # (E, H, I) contiguous
+    ws_ptr,               # FP8: W2's float32 scales (E, cdiv(H, GROUP), I / GROUP) or (E, H)
     ids_ptr,              # (P,) int32
     weights_ptr,          # (P,) float32 routing weights
     out_ptr,              # (T, H) contiguous
     H, I,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -126,7 +140,8 @@ def _down_kernel(
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         rows = w2_ptr + expert * H * I + cols.to(tl.int64)[:, None] * I
-        y = _row_dot(rows, act_ptr + pair * I, I, BLOCK_N, BLOCK_K, col_ok, NUM_STAGES)
+        y = _row_dot(rows, _scale_ptrs(ws_ptr, expert, H, cols, I, BLOCK_SCALES, GROUP), act_ptr + pair * I, I,
+                     col_ok, FP8, BLOCK_SCALES, BLOCK_N, BLOCK_K, GROUP, NUM_STAGES)
         total += (y * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -135,29 +150,32 @@ def _down_kernel(
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, gate_up_config: MoeGemvConfig | None = None,
-             down_config: MoeGemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+             down_config: MoeGemvConfig | None = None, *, w13_scale: torch.Tensor | None = None,
+             w2_scale: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """The experts' output (T, H) in x's dtype (module doc) for tokens routed to
     ``topk_ids`` with ``topk_weights``: what :func:`minivllm.kernels.fused_moe.fused_moe`
     returns, without an alignment.
 
     Args:
-        x: (T, H) bf16 / fp16 / fp32 with a contiguous last dimension.
-        w13: (E, 2I, H) contiguous, x's dtype: each expert's gate rows, then its up rows.
-        w2: (E, H, I) contiguous, x's dtype.
+        x: (T, H) bf16 / fp16 / fp32 (bf16 / fp16 with FP8 experts), contiguous last dimension.
+        w13: (E, 2I, H) contiguous, x's dtype or float8_e4m3fn: each expert's gate rows, then
+            its up rows.
+        w2: (E, H, I) contiguous, w13's dtype.
         topk_weights: (T, k) float32 contiguous.
         topk_ids: (T, k) int32 contiguous, every id in [0, E) (not checked: that would read
             the ids on the host).
         gate_up_config, down_config: tiles of the two stages (None: ``GATE_UP_CONFIG``,
             ``DOWN_CONFIG``).
+        w13_scale, w2_scale: float32 scales of FP8 experts (None for 16-bit ones), as
+            :func:`minivllm.kernels.fused_moe.check_experts` says; their rank is the mode.
         pdl: take part in programmatic dependent launch where the device allows it.
 
     Raises:
-        TypeError: x not bf16/fp16/fp32, weights not x's dtype, topk_weights not float32 or
-            topk_ids not int32.
-        ValueError: shapes that disagree, non-contiguous operands, or tensors on different
-            devices.
+        TypeError: as ``check_experts``, topk_weights not float32 or topk_ids not int32.
+        ValueError: as ``check_experts``, shapes that disagree, non-contiguous operands, or
+            tensors on different devices.
     """
-    _check(x, w13, w2, topk_weights, topk_ids)
+    mode = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     gate_up_config = gate_up_config or GATE_UP_CONFIG
     down_config = down_config or DOWN_CONFIG
     tokens, hidden = x.shape
@@ -169,15 +187,16 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     use_pdl = takes_pdl(pdl, x)
     launch = {"launch_pdl": True} if use_pdl else {}
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    fp8 = {"FP8": mode is not None, "BLOCK_SCALES": mode == "block", "GROUP": FP8_GROUP}
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_config.block_n))](
-        x, w13, topk_ids, act, x.stride(0), inter, hidden,
-        TOP_K=top_k, BLOCK_N=gate_up_config.block_n, BLOCK_K=gate_up_config.block_k,
+        x, w13, w13 if mode is None else w13_scale, topk_ids, act, x.stride(0), inter, hidden,
+        TOP_K=top_k, **fp8, BLOCK_N=gate_up_config.block_n, BLOCK_K=gate_up_config.block_k,
         NUM_STAGES=gate_up_config.num_stages, PDL=use_pdl,
         num_warps=gate_up_config.num_warps, num_stages=gate_up_config.num_stages, **launch,
     )
     _down_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
-        act, w2, topk_ids, topk_weights, out, hidden, inter,
-        TOP_K=top_k, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
+        act, w2, w2 if mode is None else w2_scale, topk_ids, topk_weights, out, hidden, inter,
+        TOP_K=top_k, **fp8, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
         NUM_STAGES=down_config.num_stages, PDL=use_pdl,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages, **launch,
     )
@@ -185,24 +204,12 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
-    """Validate the arguments of :func:`moe_gemv` (raises as it says)."""
-    check_dtype("x", x, _DTYPES)
-    check_dtype("w13", w13, (x.dtype,))
-    check_dtype("w2", w2, (x.dtype,))
+           topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> ScaleMode | None:
+    """Validate the arguments of :func:`moe_gemv` (raises as it says); the FP8 scale mode."""
+    mode = check_experts(x, w13, w2, w13_scale, w2_scale)
     check_dtype("topk_weights", topk_weights, (torch.float32,))
     check_dtype("topk_ids", topk_ids, (torch.int32,))
-    if x.dim() != 2:
-        raise ValueError(f"x must be (T, H), got shape {tuple(x.shape)}")
-    check_last_dim_contiguous("x", x)
-    tokens, hidden = x.shape
-    if w2.dim() != 3 or w2.shape[1] != hidden or not w2.is_contiguous():
-        raise ValueError(f"w2 must be a contiguous (E, {hidden}, I), got shape {tuple(w2.shape)} "
-                         f"strides {w2.stride()}")
-    experts, _, inter = w2.shape
-    if w13.shape != (experts, 2 * inter, hidden) or not w13.is_contiguous():
-        raise ValueError(f"w13 must be a contiguous ({experts}, {2 * inter}, {hidden}), got shape "
-                         f"{tuple(w13.shape)} strides {w13.stride()}")
+    tokens = x.shape[0]
     for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if t.dim() != 2 or t.shape[0] != tokens or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous ({tokens}, k), got shape {tuple(t.shape)}")
@@ -210,3 +217,4 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must have one shape")
     check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    return mode

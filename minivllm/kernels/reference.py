@@ -251,3 +251,41 @@ def fp8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     """What ``kernels/fp8_gemv.py`` returns for one row x (1, K): W dequantized, x kept in
     its 16 bits, ``F.linear`` in float32, rounded once to x's dtype."""
     return F.linear(x.float(), dequantize_fp8_weight(weight, weight_scale, mode)).to(x.dtype)
+
+
+def fused_moe_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                            mode: ScaleMode) -> torch.Tensor:
+    """What ``kernels/fused_moe.py`` returns for fp8 experts w13 (E, 2I, H), w2 (E, H, I) with
+    their scales of ``mode`` (per expert as ``fp8_gemm_reference`` takes them): each expert's
+    products as :func:`fp8_gemm_reference` computes them (x, then act, quantized per token and
+    128-column group for "block", per token for "channel"), at the rounding points of
+    :func:`fused_moe_reference`."""
+    return _fp8_experts_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, mode, w8a8=True)
+
+
+def moe_gemv_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                           mode: ScaleMode) -> torch.Tensor:
+    """What ``kernels/moe_gemv.py`` returns for fp8 experts (arguments as
+    :func:`fused_moe_fp8_reference`'s): the weights dequantized, x and act kept in their 16
+    bits (:func:`fp8_gemv_reference`'s products), at the rounding points of
+    :func:`fused_moe_reference`."""
+    return _fp8_experts_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, mode, w8a8=False)
+
+
+def _fp8_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                           mode: ScaleMode, *, w8a8: bool) -> torch.Tensor:
+    """:func:`fused_moe_reference` with each expert's products by :func:`fp8_gemm_reference`
+    (``w8a8``) or :func:`fp8_gemv_reference` in place of ``F.linear``."""
+    linear = fp8_gemm_reference if w8a8 else fp8_gemv_reference
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        token, slot = torch.where(topk_ids == e)
+        if token.numel() == 0:
+            continue
+        act = silu_and_mul_ref(linear(x[token], w13[e], w13_scale[e], mode))                     # (n, I)
+        y = linear(act, w2[e], w2_scale[e], mode).float() * topk_weights[token, slot, None]    # (n, H)
+        out.index_add_(0, token, y)
+    return out.to(x.dtype)
