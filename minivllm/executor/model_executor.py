@@ -60,7 +60,7 @@ from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers.all_reduce import Communicator, build_communicator
 from minivllm.layers.attention import AttentionMetadata, kv_cache_torch_dtype
-from minivllm.layers.linear import quantize_linear_layers
+from minivllm.layers.linear import quantize_to_fp8
 from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
@@ -347,7 +347,7 @@ class ModelExecutor:
         else:
             load_weights(model, model_path)
         if self.config.quantization == "fp8":
-            quantize_linear_layers(model)  # a 16-bit checkpoint's; an FP8 one's are already
+            quantize_to_fp8(model)  # a 16-bit checkpoint's layers; an FP8 one's are already
         return model.eval()
 
     def size_kv_pool_from_free_memory(self, gpu_memory_utilization: float) -> int:

@@ -279,9 +279,15 @@ class LinearBase(nn.Module):
         self.weight_scale_inv: nn.Parameter | None = None
         self.weight_scale_channel: nn.Parameter | None = None
         if fp8_block:
-            self.weight_scale_inv = nn.Parameter(
-                torch.empty(cdiv(out_local, FP8_BLOCK_SIDE), cdiv(in_local, FP8_BLOCK_SIDE), dtype=torch.float32),
-                requires_grad=False)
+            self.weight_scale_inv = block_scale_parameter(cdiv(out_local, FP8_BLOCK_SIDE), cdiv(in_local, FP8_BLOCK_SIDE))
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == FP8_DTYPE
+
+    def block_scale_of(self, param: nn.Parameter) -> nn.Parameter | None:
+        """The block scales of an e4m3 weight (for filling dummy weights)."""
+        return self.weight_scale_inv if param is self.weight else None
 
     @property
     def weight_scale(self) -> torch.Tensor | None:
@@ -506,12 +512,20 @@ class RowParallelLinear(LinearBase):
         return F.linear(x, self.weight, self.partial_bias)
 
 
-def quantize_linear_layers(model: nn.Module) -> int:
-    """On-the-fly FP8 (``quantization="fp8"``): every 16-bit tensor-parallel linear layer of
-    ``model`` to e4m3 with per-output-channel scales (``LinearBase.quantize_fp8_per_channel``);
-    the embedding, the LM head and the MoE router are not such layers and stay as they are.
-    Returns how many layers were quantized."""
-    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight.dtype != FP8_DTYPE]
-    for layer in layers:
-        layer.quantize_fp8_per_channel()
-    return len(layers)
+def quantize_to_fp8(model: nn.Module) -> int:
+    """On-the-fly FP8 (``quantization="fp8"``): every module of ``model`` that holds 16-bit
+    weights it can hold in e4m3 (``quantize_fp8_per_channel``: the tensor-parallel linear
+    layers, the MoE experts) to e4m3 with per-output-channel scales; the embedding, the LM head
+    and the MoE router have no such method and stay as they are. Returns how many modules."""
+    modules = [m for m in model.modules() if hasattr(m, "quantize_fp8_per_channel") and not m.is_fp8]
+    for m in modules:
+        m.quantize_fp8_per_channel()
+    return len(modules)
+
+
+def block_scale_parameter(*shape: int) -> nn.Parameter:
+    """An uninitialised float32 parameter of 128 x 128 block scales (marked ``is_block_scale``:
+    a dummy fill writes it with its weight)."""
+    param = nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+    param.is_block_scale = True  # type: ignore[attr-defined]
+    return param

@@ -212,16 +212,27 @@ class Ops:
         return self.comm.partial_slot((x.shape[0], weight.shape[0]), x.dtype) if self.comm is not None else None
 
     def moe(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+            top_k: int, norm_topk_prob: bool, *, scales: tuple[torch.Tensor, torch.Tensor] | tuple[None, None]
+            = (None, None)) -> torch.Tensor:
         """A sparse MLP: (T, H) -> this rank's (T, H) partial sum of the top-k experts of every
         token (``layers/moe.py``). Triton: routing on the device, then for at most
         ``MOE_GEMV_MAX_TOKENS`` tokens one GEMV per (token, expert) pair, else the
         expert-contiguous layout and the grouped GEMMs; no host sync (CUDA graphs capture
-        it). The torch reference routes on the host and is not captured."""
+        it). The torch reference routes on the host and is not captured. e4m3 experts
+        (``scales`` their gate/up and down scales, block or per channel): the same two paths
+        in FP8 (the GEMVs weight-only, the grouped GEMM W8A8), or their references."""
+        w13_scale, w2_scale = scales
+        fp8 = gate_up.dtype == FP8_DTYPE
+        few = x.shape[0] <= MOE_GEMV_MAX_TOKENS
         if not self.triton:
-            from minivllm.layers.moe import moe_reference
+            if not fp8:
+                from minivllm.layers.moe import moe_reference
 
-            return moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
+                return moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
+            weights, ids = ref.moe_topk_reference(F.linear(x, router).float(), top_k, norm_topk_prob)
+            experts = ref.moe_gemv_fp8_reference if few else ref.fused_moe_fp8_reference
+            mode = "block" if w13_scale is not None and w13_scale.dim() == 3 else "channel"
+            return experts(x, gate_up, down, weights, ids, w13_scale, w2_scale, mode)
         from minivllm.kernels.fused_moe import fused_moe
         from minivllm.kernels.moe_align import moe_align
         from minivllm.kernels.moe_gemv import moe_gemv
@@ -229,10 +240,10 @@ class Ops:
 
         logits = F.linear(x, router).float()              # (T, E): in x's dtype, as transformers
         weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)
-        if x.shape[0] <= MOE_GEMV_MAX_TOKENS:
-            return moe_gemv(x, gate_up, down, weights, ids, pdl=self.pdl)
+        if few:
+            return moe_gemv(x, gate_up, down, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl)
         layout = moe_align(ids, gate_up.shape[0], pdl=self.pdl)
-        return fused_moe(x, gate_up, down, weights, layout, pdl=self.pdl)
+        return fused_moe(x, gate_up, down, weights, layout, w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl)
 
     # ---- attention ---------------------------------------------------------------
 

@@ -171,7 +171,7 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp
         assert isinstance(mlp, SparseMoeBlock)
         return self.ops.moe(h, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj,
-                            mlp.top_k, mlp.norm_topk_prob)
+                            mlp.top_k, mlp.norm_topk_prob, scales=mlp.experts.scales)
 
     def forward_few_rows(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -177,8 +177,7 @@ def map_name(name: str, packed: Mapping[str, tuple[str, ShardId]]) -> tuple[str,
     parts = name.split(".")
     expert = expert_shard(parts)
     if expert is not None:
-        i, shard_id = expert
-        stacked = "down_proj" if parts[i + 2] == "down_proj" else "gate_up_proj"
+        i, stacked, shard_id = expert
         return ".".join(parts[:i + 1] + [stacked]), shard_id
     for i, part in enumerate(parts):
         if part in packed:
@@ -344,14 +343,17 @@ def _fill_dummy(module: nn.Module, short: str, name: str, param: nn.Parameter, s
     with torch.no_grad():
         if hasattr(param, "fill_value"):  # a checkpoint may omit it: its default (KV cache scales)
             param.fill_(param.fill_value)
-        elif param is getattr(module, "weight_scale_inv", None):
+        elif getattr(param, "is_block_scale", False):
             pass  # filled with its weight (below), which comes first
-        elif param.dtype == FP8_DTYPE:  # e4m3 weights: random 16-bit values quantized in blocks
-            w = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            w.normal_(0.0, DUMMY_STD, generator=_dummy_generator(seed, name, param.device))
-            q, scale = quantize_fp8_block(w)
-            param.copy_(q)
-            module.weight_scale_inv.copy_(scale)
+        elif param.dtype == FP8_DTYPE:  # e4m3 weights: random values quantized in 128 x 128 blocks
+            scale = module.block_scale_of(param)
+            generator = _dummy_generator(seed, name, param.device)
+            for i, (q, s) in enumerate(zip(param.view(-1, *param.shape[-2:]), scale.view(-1, *scale.shape[-2:]))):
+                w = torch.empty(q.shape, dtype=torch.float32, device=param.device).normal_(0.0, DUMMY_STD,
+                                                                                         generator=generator)
+                q8, s8 = quantize_fp8_block(w)  # one matrix at a time (an expert's): a bounded temporary
+                q.copy_(q8)
+                s.copy_(s8)
         elif isinstance(module, RMSNorm):
             param.fill_(1.0)
         elif short == "bias":
