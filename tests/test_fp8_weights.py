@@ -145,6 +145,12 @@ def test_what_cannot_be_served_is_refused_by_name(checkpoints, tmp_path) -> None
     claims = with_config(src, tmp_path / "claims", quantization_config=qc)
     with pytest.raises(ValueError, match=r"q_proj.weight -> .*qkv_proj.weight: QKVParallelLinear shard .q.: the checkpoint holds torch.float32, the model torch.float8_e4m3fn"):
         make_model_executor(claims, dtype="bfloat16", kernels="torch", **EXECUTOR)
+    # Heads of 64 over 2 ranks: each rank's q part would be 64 rows, refused before any process starts.
+    from minivllm.layers.linear import check_tp_divisibility
+
+    with pytest.raises(ValueError, match=r"at tp_size 2 a rank holds \{'query heads': 64"):
+        check_tp_divisibility(ModelConfig.from_hf_json(with_config(fp8, tmp_path / "d64", head_dim=64)), 2)
+    check_tp_divisibility(ModelConfig.from_hf_json(fp8), 2)
     # Heads of 16: the k and v parts start off a 128 edge, so a block scale would span two.
     small = save_hf_model(make_hf_model(TinyConfig(), seed=0), tmp_path / "small")
     convert_checkpoint(small, tmp_path / "small-fp8")
@@ -226,3 +232,26 @@ def test_dummy_fp8_experts(moe_checkpoints) -> None:
     w = experts.gate_up_proj.float() * s13.repeat_interleave(128, 1).repeat_interleave(128, 2)
     assert torch.isfinite(w).all() and 0.015 < w.std() < 0.025 and (s13 > 0).all()
     assert not torch.equal(experts.gate_up_proj[0].view(torch.uint8), experts.gate_up_proj[1].view(torch.uint8))
+
+
+def test_tensor_parallel_fp8_equals_one_rank(tmp_path) -> None:
+    """TP=2 on gloo over an FP8 checkpoint: each rank reads its rows (column-parallel) or
+    columns (row-parallel) of every e4m3 weight and the matching block scales, experts split
+    along I; float32 activations, so the ranks' partial sums meet as one rank's sum does."""
+    from tests.model_utils import randomize_weights
+    from tests.test_qwen3_moe import moe_config
+    import transformers
+
+    torch.manual_seed(1)
+    hf = transformers.Qwen3MoeForCausalLM(moe_config(**{**MOE, "moe_intermediate_size": 256})).float().eval()
+    randomize_weights(hf, 0.03)
+    hf.save_pretrained(tmp_path / "bf16")
+    convert_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        with LLM(str(tmp_path / "fp8"), device="cpu", dtype="float32", kernels="torch", skip_tokenizer_init=True,
+                 block_size=BS, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=64,
+                 tensor_parallel_size=tp) as llm:
+            outs.append([list(o.token_ids) for o in llm.generate(prompts(4, seed=7), greedy, use_tqdm=False)])
+    assert outs[0] == outs[1]

@@ -245,7 +245,9 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
     - ``num_key_value_heads % tp_size == 0`` or ``tp_size % num_key_value_heads == 0``
       (fewer KV heads than ranks: each is replicated);
     - ``intermediate_size % tp_size == 0`` (gate/up and down_proj), and
-      ``moe_intermediate_size % tp_size == 0`` (every expert's, split the same way).
+      ``moe_intermediate_size % tp_size == 0`` (every expert's, split the same way);
+    - with an FP8 checkpoint (128 x 128 block scales), each rank's query rows, key/value
+      rows and intermediate sizes a multiple of 128, so no scale block spans two parts.
 
     Nothing of the vocabulary: ``VocabParallelEmbedding`` gives every rank
     ``ceil(vocab / tp_size)`` rows and zero-pads the last shard(s), and the LM head
@@ -253,11 +255,18 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    divide(model_config.num_attention_heads, tp_size, "num_attention_heads")
-    kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
-    divide(model_config.intermediate_size, tp_size, "intermediate_size")
-    if model_config.num_experts:
-        divide(model_config.moe_intermediate_size, tp_size, "moe_intermediate_size")
+    c = model_config
+    heads = divide(c.num_attention_heads, tp_size, "num_attention_heads")
+    kv_heads = kv_heads_per_rank(c.num_key_value_heads, tp_size)
+    parts = {"query heads": heads * c.head_dim, "key/value heads": kv_heads * c.head_dim,
+             "intermediate_size": divide(c.intermediate_size, tp_size, "intermediate_size")}
+    if c.num_experts:
+        parts["moe_intermediate_size"] = divide(c.moe_intermediate_size, tp_size, "moe_intermediate_size")
+    if c.quantization is not None:  # block scales: every packed part of a rank on a 128 edge
+        bad = {name: rows for name, rows in parts.items() if rows % FP8_BLOCK_SIDE}
+        if bad:
+            raise ValueError(f"an FP8 block-scaled checkpoint needs every rank's part to be a multiple of "
+                             f"{FP8_BLOCK_SIDE} rows; at tp_size {tp_size} a rank holds {bad}")
 
 
 class LinearBase(nn.Module):
