@@ -42,6 +42,8 @@ KERNELS: tuple[str, ...] = ("auto", "triton", "torch")
 # Most rows the GEMV kernel takes (tl.dot's smallest tile): the small-batch forward's limit.
 MAX_ROWS = 16
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
+# An e4m3 MoE layer's (gate/up, down) scales, block or per channel; (None, None): 16-bit experts.
+ExpertScales = tuple[torch.Tensor, torch.Tensor] | tuple[None, None]
 # Sparse layers of at most this many tokens take the per-pair expert GEMVs: why, docs/tuning.md,
 # "Experts at few tokens".
 MOE_GEMV_MAX_TOKENS = 4
@@ -212,8 +214,7 @@ class Ops:
         return self.comm.partial_slot((x.shape[0], weight.shape[0]), x.dtype) if self.comm is not None else None
 
     def moe(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            top_k: int, norm_topk_prob: bool, *, scales: tuple[torch.Tensor, torch.Tensor] | tuple[None, None]
-            = (None, None)) -> torch.Tensor:
+            top_k: int, norm_topk_prob: bool, *, scales: ExpertScales = (None, None)) -> torch.Tensor:
         """A sparse MLP: (T, H) -> this rank's (T, H) partial sum of the top-k experts of every
         token (``layers/moe.py``). Triton: routing on the device, then for at most
         ``MOE_GEMV_MAX_TOKENS`` tokens one GEMV per (token, expert) pair, else the
