@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import dataclasses
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest sets it too)
@@ -255,3 +256,35 @@ def test_tensor_parallel_fp8_equals_one_rank(tmp_path) -> None:
                  tensor_parallel_size=tp) as llm:
             outs.append([list(o.token_ids) for o in llm.generate(prompts(4, seed=7), greedy, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def test_cli_and_server_serve_fp8_weights_and_an_fp8_cache(tmp_path, capsys) -> None:
+    """The tiny fixture's tokenizer beside an FP8 checkpoint of its vocabulary: the OpenAI
+    server answers what the offline LLM answers, both with an FP8 KV cache, and the CLI runs
+    ``--quantization fp8 --kv-cache-dtype fp8`` on the 16-bit checkpoint."""
+    from fastapi.testclient import TestClient
+
+    from minivllm.__main__ import main as cli_main
+    from minivllm.server.app import build_app
+    from minivllm.server.protocol import ServerConfig
+
+    src = save_hf_model(make_hf_model(dataclasses.replace(TINY, vocab_size=100), seed=2, std=0.05), tmp_path / "bf16")
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fixture / name, src)
+    convert_checkpoint(src, tmp_path / "fp8")
+    fp8 = str(tmp_path / "fp8")
+    opts = dict(device="cpu", dtype="bfloat16", block_size=BS, num_blocks=16, max_model_len=64, kv_cache_dtype="fp8")
+    with LLM(fp8, **opts) as llm:
+        assert llm.engine.executor.kv_cache.dtype == FP8_DTYPE
+        want = llm.generate(["12+34="], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                            use_tqdm=False)[0].text
+        with TestClient(build_app(llm, ServerConfig("tiny-fp8"))) as client:
+            r = client.post("/v1/completions", json=dict(model="tiny-fp8", prompt="12+34=", max_tokens=4,
+                                                         temperature=0, ignore_eos=True))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+    assert cli_main(["generate", "--model", src, "--device", "cpu", "--dtype", "bfloat16", "--block-size", "4",
+                     "--num-blocks", "16", "--max-model-len", "64", "--max-tokens", "4", "--ignore-eos",
+                     "--quantization", "fp8", "--kv-cache-dtype", "fp8", "12+34="]) == 0
+    assert "12+34=" in capsys.readouterr().out
