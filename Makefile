@@ -103,6 +103,7 @@ bench: serve-deps-offline
 	run $(BENCH_LIMIT) benchmarks.decode_attention $(if $(BENCH_QUICK),--no-engine); \
 	run $(BENCH_LIMIT) benchmarks.prefill_attention --quick; \
 	run $(BENCH_LIMIT) benchmarks.gemv $(if $(BENCH_QUICK),--quick); \
+	run $(BENCH_LIMIT) benchmarks.fp8_gemm $(if $(BENCH_QUICK),--quick); \
 	run $(BENCH_LIMIT) benchmarks.sampler; \
 	run $(BENCH_LIMIT) benchmarks.structured_outputs $(if $(BENCH_QUICK),--rounds 1); \
 	run $(BENCH_LIMIT) benchmarks.accuracy $(if $(BENCH_QUICK),--prompts 8); \

@@ -267,6 +267,30 @@ def gemv_section(runs: Summaries) -> list[str]:
                   "x cuBLAS", "taken by the engine"], rows)
 
 
+def fp8_gemm_section(runs: Summaries) -> list[str]:
+    """Per (GEMM, scales, M): the FP8 GEMM beside cuBLAS bf16, torch._scaled_mm and, at M = 1,
+    the FP8 GEMV (``unsupported`` where torch lacks the mode on the device)."""
+    lines: list[str] = []
+    for stem, d in runs:
+        rows = []
+        for r in d.get("rows", []):
+            res = r.get("results") or {}
+            ours, cublas = res.get("fp8_gemm") or {}, res.get("cublas_bf16") or {}
+            rows.append([stem, fmt(r.get("gemm")), fmt(r.get("mode")), fmt(r.get("M")),
+                         f"{fmt(r.get('N'))} x {fmt(r.get('K'))}", fmt(ours.get("us"), ".2f"),
+                         fmt(ours.get("GBs"), ",.0f"), fmt(ours.get("pct_copy"), ".1f"), fmt(ours.get("TFLOPs"), ".1f"),
+                         fmt(cublas.get("us"), ".2f"), fmt(ours.get("x_cublas"), ".2f"),
+                         _us_or_unsupported(res.get("scaled_mm")), _us_or_unsupported(res.get("fp8_gemv"))])
+        lines += table(["summary", "GEMM", "scales", "M", "N x K", "fp8_gemm us", "GB/s",
+                        f"% of copy ({fmt(d.get('copy_gbs'), ',.0f')} GB/s)", "TFLOP/s", "cuBLAS bf16 us",
+                        "x cuBLAS", "torch._scaled_mm us", "fp8_gemv us"], rows) + [""]
+    return lines[:-1]
+
+
+def _us_or_unsupported(entry: dict[str, Any] | None) -> str:
+    return "unsupported" if entry and "unsupported" in entry else fmt(get(entry, "us"), ".2f")
+
+
 def sampler_section(runs: Summaries) -> list[str]:
     return table(["summary", "rows", "case", "torch reference ms", "fused ms", "speedup", "host build us"],
                  [[stem, fmt(r.get("rows")), fmt(r.get("case")), fmt(r.get("reference_ms"), ".3f"),
@@ -332,6 +356,9 @@ SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
     "long_context": ("prefill and decode at long context", "make bench", long_context_section),
     "moe": ("Qwen3-30B-A3B: batch-1, offline and the experts of one layer, against bandwidth floors",
             "make bench", moe_section),
+    # Before "fp8": section_of takes the first name a stem starts with, and fp8_gemm starts with fp8_.
+    "fp8_gemm": ("the FP8 GEMM and GEMV against cuBLAS bf16 and torch._scaled_mm, Qwen3 linear shapes",
+                 "make bench", fp8_gemm_section),
     "fp8": ("8-bit beside bf16 in one run: the FP8 KV cache", "make bench", fp8_section),
     "engine_host": ("host cost of the engine per decode step", "make bench", engine_host_section),
     "decode_attention": ("paged decode attention", "make bench", decode_attention_section),
