@@ -82,12 +82,16 @@ test-gpu:
 # the rest, and the target fails at the end if any did. Each writes <name>.json (and its
 # figure) into $(OUT), default bench-results/ (git-ignored), its previous summary removed
 # first; then docs/performance.md is generated from that folder (benchmarks/report.py).
+# `run LIMIT MODULE ARGS`: the summary is named after the module (benchmarks.moe: moe.json);
+# `run_named LIMIT NAME MODULE ARGS` for a run whose arguments name it otherwise (NAME.json),
+# so that it removes its own summary only.
 BENCH_OUT = $(or $(OUT),bench-results)
 BENCH_LIMIT = $(or $(BENCH_TIMEOUT),240)
 BENCH_RUN = rc=0; mkdir -p "$(BENCH_OUT)"; \
-	run() { limit=$$1; shift; echo "=== $$*"; rm -f "$(BENCH_OUT)/$$(echo $$1 | cut -d. -f2).json"; \
+	run_named() { limit=$$1; name=$$2; shift 2; echo "=== $$*"; rm -f "$(BENCH_OUT)/$$name.json"; \
 	        OUT="$(BENCH_OUT)" PYTHONPATH=. timeout $$limit python3 -m "$$@" \
-	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }
+	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }; \
+	run() { limit=$$1; shift; run_named $$limit "$$(echo $$1 | cut -d. -f2)" "$$@"; }
 BENCH_REPORT = PYTHONPATH=. python3 -m benchmarks.report "$(BENCH_OUT)" || rc=1; exit $$rc
 
 # Needs a CUDA device: the single-GPU benchmarks, BENCH_TIMEOUT seconds each (default 240).
@@ -98,6 +102,7 @@ bench: serve-deps-offline
 	run $(BENCH_LIMIT) benchmarks.serving $(if $(BENCH_QUICK),--num-requests 128 --max-duration 8); \
 	run $(BENCH_LIMIT) benchmarks.long_context $(if $(BENCH_QUICK),--repeats 2); \
 	run $(BENCH_LIMIT) benchmarks.moe $(if $(BENCH_QUICK),--num-requests 256 --batch1-repeats 1); \
+	run_named $(BENCH_LIMIT) moe_fp8 benchmarks.moe --weights fp8 $(if $(BENCH_QUICK),--num-requests 256 --batch1-repeats 1); \
 	run $(or $(BENCH_TIMEOUT),600) benchmarks.fp8 $(if $(BENCH_QUICK),--rounds 1 --num-requests 128); \
 	run $(BENCH_LIMIT) benchmarks.engine_host; \
 	run $(BENCH_LIMIT) benchmarks.decode_attention $(if $(BENCH_QUICK),--no-engine); \

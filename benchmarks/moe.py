@@ -1,20 +1,29 @@
-"""Qwen3-30B-A3B (Qwen3-MoE, random bf16 weights filled on the device: no checkpoint) against
-its memory-bandwidth floors: batch-1 decode, offline throughput, and the routed experts of one
-layer alone.
+"""Qwen3-30B-A3B (Qwen3-MoE, random weights filled on the device: no checkpoint) against its
+memory-bandwidth floors: batch-1 decode, offline throughput, and the routed experts of one
+layer alone; in bf16, or (``--weights fp8``) in Qwen3-30B-A3B-FP8's format.
 
-    PYTHONPATH=. python3 -m benchmarks.moe [--num-requests 256,1024] [--batch1-repeats 3]
-        [--kernel-tokens 1,16,64,256] [--kernels auto|triton|torch] [--smoke]
+    PYTHONPATH=. python3 -m benchmarks.moe [--weights bf16|fp8] [--kv-cache-dtype auto|fp8]
+        [--num-requests 256,1024] [--batch1-repeats 3] [--kernel-tokens 1,16,64,256]
+        [--kernels auto|triton|torch] [--smoke]
+
+``--weights fp8``: the config gains Qwen's FP8 ``quantization_config`` (a copy beside the
+bf16 one, ``<model-dir>-fp8``, as ``benchmarks.fp8`` writes it): the decoder's linear layers
+and experts in e4m3 with float32 128x128 block scales, the embedding, LM head, norms and
+routers in bf16. ``--kv-cache-dtype fp8``: an e4m3 KV cache.
 
 Every floor is bytes that must be read over the copy bandwidth measured in the run
 (``benchmarks.gpu_timing``). A step of B tokens reads the dense weights (attention, norms,
 router, B embedding rows, LM head), in each sparse layer the distinct experts its tokens
-select (3 H I weights each), and the K/V of every sequence's context. At batch B the
-expected number of distinct experts of a layer is ``E (1 - (1 - k / E)^B)`` (E = 128
-experts, k = 8 per token; exactly k at B = 1).
+select (gate, up and down, H x I each), and the K/V of every sequence's context. A weight
+counts the bytes it is stored in (``WeightFormat``): 2 a value in bf16; 1 a value in e4m3
+plus 4 per 128 x 128 block (its scale); K/V at the cache's dtype. At batch B the expected
+number of distinct experts of a layer is ``E (1 - (1 - k / E)^B)`` (E = 128 experts, k = 8
+per token; exactly k at B = 1).
 
 - batch-1: greedy, 128-token prompt, 256 new tokens, ms/token = wall / 256 (prefill
   included), median of ``--batch1-repeats``. Floor: one step at B = 1 at the mean context
-  of its decode steps (128 + 256 / 2). Goal <= 2.0 ms/token.
+  of its decode steps (128 + 256 / 2). Goal (``GOALS_MS_TOKEN``) <= 2.0 ms/token in bf16,
+  <= 1.2 in FP8.
 - offline: ``benchmarks.throughput``'s offline-N workload (N in ``--num-requests``), tok/s
   beside the floor's tok/s: the N_tok completion tokens in full steps of B = min(max_num_seqs,
   N) rows (a smaller step reads more weight per token), and token j of request i (prompt p_i,
@@ -22,16 +31,21 @@ experts, k = 8 per token; exactly k at B = 1).
   floor_s = (N_tok / B * weights(B) + sum_i sum_{j < m_i} (p_i + j) kv_token) / bw.
   Goal >= 0.70 of the floor's tok/s.
 - kernel: one layer's ``Ops.moe`` (router GEMM, ``moe_topk``, then ``moe_gemv`` at a few
-  tokens or ``moe_align`` + ``fused_moe``) at ``--kernel-tokens`` tokens on random inputs, timed in a CUDA graph (cycling over two
-  copies of the weights, other tokens per call), in GB/s of the selected experts' weights
-  against the copy bandwidth and against the torch loop over experts (``moe_reference``,
-  timed eagerly: it routes on the host). Checked first: the routing against a softmax top-k,
-  the experts against ``fused_moe_reference`` on that routing (bf16 tolerance). Up to 16
-  tokens both Triton expert paths are also timed, each forced, to place the switch between them.
+  tokens or ``moe_align`` + ``fused_moe``) at ``--kernel-tokens`` tokens on random inputs,
+  timed in a CUDA graph (cycling over two copies of the weights, other tokens per call), in
+  GB/s of the selected experts' weights against the copy bandwidth and against the torch
+  loop over experts (``Ops.moe`` on the torch references, timed eagerly: it routes on the
+  host). FP8: each expert quantized by ``quantize_fp8_block``, x in bf16. Checked first: the
+  routing against a softmax top-k, the experts against the reference of the path taken
+  (``fused_moe_reference``; FP8: ``moe_gemv_fp8_reference`` up to ``MOE_GEMV_MAX_TOKENS``
+  tokens, else ``fused_moe_fp8_reference``) on that routing. Up to 16 tokens both Triton
+  expert paths are also timed, each forced, to place the switch between them.
 
-Summary: ``$OUT/moe.json``, rewritten after each part. ``--smoke``: a tiny MoE on the CPU,
-kernels="torch", nothing timed in the kernel part (its check runs; under
-``TRITON_INTERPRET=1`` on the Triton kernels): every code path, no meaningful number.
+Summary: ``$OUT/moe.json`` (``summary_name``: ``moe_fp8`` for FP8 weights, ``_kv_fp8`` added
+for an FP8 KV cache), rewritten after each part. ``--smoke``: a tiny MoE on the CPU (FP8:
+with every layer part on a 128 edge), kernels="torch", nothing timed in the kernel part (its
+check runs; under ``TRITON_INTERPRET=1`` on the Triton kernels): every code path, no
+meaningful number.
 """
 
 from __future__ import annotations
@@ -41,29 +55,60 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.fp8 import SMOKE_FP8_SHAPES, variant_path
 from benchmarks.gpu_timing import copy_bandwidth_gbs, graph_us
 from benchmarks.long_context import kv_bytes_per_token
 from benchmarks.qwen3_shapes import SMOKE_MOE_SHAPES, SMOKE_SHAPES, write_random_config
 from benchmarks.report import write_summary
 from benchmarks.throughput import (Workload, bench_device, build_llm, median_run, met, offline_workload,
                                    run_batch1, run_offline, sync)
-from minivllm.config import ModelConfig
+from minivllm.config import FP8_WEIGHT_BLOCK, ModelConfig, cdiv
+
+if TYPE_CHECKING:
+    from minivllm.layers.ops import ExpertScales
 
 SHAPES_NAME = "qwen3-30b-a3b"
-GOAL_MS_TOKEN = 2.0
+WEIGHTS = ("bf16", "fp8")
+GOALS_MS_TOKEN = {"bf16": 2.0, "fp8": 1.2}
 GOAL_FLOOR_FRACTION = 0.70
 BATCH1_PROMPT, BATCH1_NEW = 128, 256   # run_batch1's (smoke: 8 and 8)
-WEIGHT_COPIES, GRAPH_CALLS = 2, 4      # kernel part: 1.2 GB of experts a copy, far beyond L2
+WEIGHT_COPIES, GRAPH_CALLS = 2, 4      # kernel part: 1.2 GB of experts a copy (FP8: 0.6), far beyond L2
 TOL_BF16, TOL_FP32 = 1.6e-2, 1e-4      # as the kernel tests
+# e4m3 experts against their references, as tests/test_moe_fp8.py bounds bf16 (the
+# interpreter truncates bf16 casts; an act value may land on the neighbouring e4m3 value).
+TOL_FP8 = 5e-2
 PATHS_MAX_TOKENS = 16                  # both expert paths timed, forced, up to this many tokens
+FP8_SCALE_BYTES = 4                    # a float32 scale per 128 x 128 block of an e4m3 weight
+KV_SCALE_BYTES = 2 * 4                 # a layer's K and V cache scales, float32 (read by an FP8 cache only)
+# The tiny FP8 MoE of --smoke: every packed part, rank and expert matrix on a 128 edge.
+SMOKE_FP8_MOE_SHAPES = {**SMOKE_FP8_SHAPES, **SMOKE_MOE_SHAPES, "moe_intermediate_size": 128}
 
 
 # ---- bytes -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """The bytes the model's weights are stored in: ``dtype_bytes`` a value of a weight in the
+    model's dtype; with ``fp8`` the decoder's linear layers and experts in e4m3 (1 byte a value)
+    with a float32 scale per 128 x 128 block (Qwen3-FP8's format), the embedding, LM head,
+    norms and routers still in the model's dtype."""
+
+    dtype_bytes: int
+    fp8: bool = False
+
+    def linear(self, n: int, k: int) -> int:
+        """A decoder linear layer's (n, k) weight, with its block scales in FP8 (a packed layer
+        counted whole: the engine scales it so, each part starting on a 128 edge)."""
+        if not self.fp8:
+            return n * k * self.dtype_bytes
+        rows, cols = FP8_WEIGHT_BLOCK
+        return n * k + cdiv(n, rows) * cdiv(k, cols) * FP8_SCALE_BYTES
+
 
 def expected_distinct_experts(c: ModelConfig, batch: float) -> float:
     """E (1 - (1 - k / E)^B): the expected distinct experts of B tokens routed uniformly."""
@@ -71,44 +116,43 @@ def expected_distinct_experts(c: ModelConfig, batch: float) -> float:
     return e * (1 - (1 - k / e) ** batch)
 
 
-def expert_bytes(c: ModelConfig, dtype_bytes: int) -> int:
-    """One expert of one layer: gate, up and down, H x I each."""
-    return 3 * c.hidden_size * c.moe_intermediate_size * dtype_bytes
+def expert_bytes(c: ModelConfig, fmt: WeightFormat) -> int:
+    """One expert of one layer: gate and up (2I, H) as the engine stacks them, down (H, I)."""
+    h, i = c.hidden_size, c.moe_intermediate_size
+    return fmt.linear(2 * i, h) + fmt.linear(h, i)
 
 
 def sparse_layers(c: ModelConfig) -> int:
     return sum(c.is_sparse_layer(i) for i in range(c.num_hidden_layers))
 
 
-def dense_bytes(c: ModelConfig, batch: int, dtype_bytes: int) -> int:
+def dense_bytes(c: ModelConfig, batch: int, fmt: WeightFormat) -> int:
     """What a step of ``batch`` tokens reads besides experts and K/V: every layer's attention
     and norms, the routers, dense MLPs, the final norm, the LM head, and ``batch`` embedding
     rows (part of the LM head when they are tied)."""
     h, d = c.hidden_size, c.head_dim
-    attention = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * d + c.num_attention_heads * d * h
-    norms = 2 * h + 2 * d                                  # input/post-attention, q/k
-    layers = c.num_hidden_layers * (attention + norms)
-    layers += sparse_layers(c) * c.num_experts * h         # routers
-    layers += (c.num_hidden_layers - sparse_layers(c)) * 3 * h * c.intermediate_size
+    attention = fmt.linear((c.num_attention_heads + 2 * c.num_key_value_heads) * d, h)
+    attention += fmt.linear(h, c.num_attention_heads * d)
+    mlp = fmt.linear(2 * c.intermediate_size, h) + fmt.linear(h, c.intermediate_size)
+    linear = c.num_hidden_layers * attention + (c.num_hidden_layers - sparse_layers(c)) * mlp
+    norms = c.num_hidden_layers * (2 * h + 2 * d) + h            # input/post-attention, q/k; the final one
+    routers = sparse_layers(c) * c.num_experts * h
     embedding_rows = 0 if c.tie_word_embeddings else batch * h
-    return (layers + h + c.vocab_size * h + embedding_rows) * dtype_bytes
+    return linear + (norms + routers + c.vocab_size * h + embedding_rows) * fmt.dtype_bytes
 
 
-def step_weight_bytes(c: ModelConfig, batch: int, dtype_bytes: int) -> float:
+def step_weight_bytes(c: ModelConfig, batch: int, fmt: WeightFormat) -> float:
     """Weights a step of ``batch`` tokens reads: dense ones plus the expected distinct experts."""
-    experts = sparse_layers(c) * expected_distinct_experts(c, batch) * expert_bytes(c, dtype_bytes)
-    return dense_bytes(c, batch, dtype_bytes) + experts
+    experts = sparse_layers(c) * expected_distinct_experts(c, batch) * expert_bytes(c, fmt)
+    return dense_bytes(c, batch, fmt) + experts
 
 
-KV_SCALE_BYTES = 2 * 4  # a layer's K and V cache scales, float32 (read by an FP8 cache only)
-
-
-def all_weight_bytes(c: ModelConfig, dtype_bytes: int) -> int:
+def all_weight_bytes(c: ModelConfig, fmt: WeightFormat) -> int:
     """Every parameter of the model (the whole embedding table once, every expert, the KV
     cache scales)."""
-    embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size * dtype_bytes
-    experts = sparse_layers(c) * c.num_experts * expert_bytes(c, dtype_bytes)
-    return dense_bytes(c, 0, dtype_bytes) + experts + embedding + c.num_hidden_layers * KV_SCALE_BYTES
+    embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size * fmt.dtype_bytes
+    experts = sparse_layers(c) * c.num_experts * expert_bytes(c, fmt)
+    return dense_bytes(c, 0, fmt) + experts + embedding + c.num_hidden_layers * KV_SCALE_BYTES
 
 
 def workload_kv_bytes(wl: Workload, kv_token: int) -> int:
@@ -118,37 +162,47 @@ def workload_kv_bytes(wl: Workload, kv_token: int) -> int:
 
 # ---- engine runs ---------------------------------------------------------------------
 
+def summary_name(args: argparse.Namespace) -> str:
+    """``moe``, ``moe_fp8`` (FP8 weights), each with ``_kv_fp8`` for an FP8 KV cache."""
+    return "moe" + ("_fp8" if args.weights == "fp8" else "") + ("_kv_fp8" if args.kv_cache_dtype == "fp8" else "")
+
+
 def model_dir(args: argparse.Namespace) -> str:
-    """The config.json of Qwen3-30B-A3B (``--smoke``: a tiny float32 MoE), written once."""
+    """The config.json of Qwen3-30B-A3B (``--smoke``: a tiny float32 MoE), written once; with
+    ``--weights fp8`` its Qwen3-FP8-format copy beside it."""
     if args.smoke:
-        return write_random_config(args.model_dir or f"/tmp/minivllm-smoke-{SHAPES_NAME}-config", SHAPES_NAME,
-                                   dtype="float32", **SMOKE_SHAPES, **SMOKE_MOE_SHAPES)
-    return write_random_config(args.model_dir or f"/tmp/{SHAPES_NAME}-config", SHAPES_NAME)
+        shapes = SMOKE_FP8_MOE_SHAPES if args.weights == "fp8" else {**SMOKE_SHAPES, **SMOKE_MOE_SHAPES}
+        default = f"/tmp/minivllm-smoke-{SHAPES_NAME}{'-aligned' if args.weights == 'fp8' else ''}-config"
+        path = write_random_config(args.model_dir or default, SHAPES_NAME, dtype="float32", **shapes)
+    else:
+        path = write_random_config(args.model_dir or f"/tmp/{SHAPES_NAME}-config", SHAPES_NAME)
+    return variant_path(path, "fp8-weights") if args.weights == "fp8" else path
 
 
-def batch1(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int, gbs: float,
+def batch1(llm: Any, args: argparse.Namespace, c: ModelConfig, fmt: WeightFormat, kv_token: int, gbs: float,
            id_limit: int) -> dict[str, Any]:
     """The median batch-1 run beside its floor (module doc)."""
     runs = [run_batch1(llm, 100 + 10 * r, SHAPES_NAME, args.smoke, id_limit) for r in range(args.batch1_repeats)]
     r = median_run(runs, SHAPES_NAME)
     plen, new = (8, 8) if args.smoke else (BATCH1_PROMPT, BATCH1_NEW)
     context = plen + new // 2
-    step = step_weight_bytes(c, 1, dtype_bytes) + context * kv_bytes_per_token(c, dtype_bytes)
-    r.update(context=context, step_bytes=step, floor_ms=step / (gbs * 1e9) * 1e3, goal_ms=GOAL_MS_TOKEN)
+    step = step_weight_bytes(c, 1, fmt) + context * kv_token
+    goal = GOALS_MS_TOKEN[args.weights]
+    r.update(context=context, step_bytes=step, floor_ms=step / (gbs * 1e9) * 1e3, goal_ms=goal)
     r["floor_fraction"] = r["floor_ms"] / r["ms_per_token"]
-    r["met"] = r["ms_per_token"] <= GOAL_MS_TOKEN
+    r["met"] = r["ms_per_token"] <= goal
     return r
 
 
-def offline(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int, gbs: float,
+def offline(llm: Any, args: argparse.Namespace, c: ModelConfig, fmt: WeightFormat, kv_token: int, gbs: float,
             wl: Workload, stream: int) -> dict[str, Any]:
     """The offline workload ``wl`` beside its floor (module doc)."""
     n = len(wl.prompt_lens)
     r = run_offline(llm, wl, stream=stream, label=SHAPES_NAME)
     batch = min(args.max_num_seqs, n)
     tokens = sum(wl.max_tokens)
-    weights = tokens / batch * step_weight_bytes(c, batch, dtype_bytes)
-    kv = workload_kv_bytes(wl, kv_bytes_per_token(c, dtype_bytes))
+    weights = tokens / batch * step_weight_bytes(c, batch, fmt)
+    kv = workload_kv_bytes(wl, kv_token)
     floor_s = (weights + kv) / (gbs * 1e9)
     r.update(workload=f"offline-{n}", requests=n, tokens_per_step=r["completion_tokens"] / max(1, r["steps"]),
              floor_batch=batch, distinct_experts=expected_distinct_experts(c, batch), weight_bytes=weights,
@@ -159,26 +213,29 @@ def offline(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int
 
 
 def engine_part(args: argparse.Namespace, path: str, device: str, c: ModelConfig, gbs: float,
-                results: dict[str, Any]) -> None:
+                results: dict[str, Any], summary: str) -> None:
     """Batch-1, then each offline workload, into ``results`` (the summary rewritten after each)."""
-    llm = build_llm(args, path, device)
-    params = list(llm.engine.executor.model.parameters())
-    dtype_bytes = params[0].element_size()
-    results["bytes"] = dict(dtype_bytes=dtype_bytes, dense_batch1=dense_bytes(c, 1, dtype_bytes),
-                            expert=expert_bytes(c, dtype_bytes), kv_per_token=kv_bytes_per_token(c, dtype_bytes),
-                            all_weights=all_weight_bytes(c, dtype_bytes),
+    llm = build_llm(args, path, device, kv_cache_dtype=args.kv_cache_dtype)
+    executor = llm.engine.executor
+    params = list(executor.model.parameters())
+    fmt = WeightFormat(executor.dtype.itemsize, fp8=c.quantization is not None)
+    kv_token = kv_bytes_per_token(c, executor.kv_dtype.itemsize)
+    results["bytes"] = dict(dtype_bytes=fmt.dtype_bytes, fp8=fmt.fp8, kv_dtype_bytes=executor.kv_dtype.itemsize,
+                            dense_batch1=dense_bytes(c, 1, fmt), expert=expert_bytes(c, fmt), kv_per_token=kv_token,
+                            all_weights=all_weight_bytes(c, fmt),
                             parameters=sum(p.numel() * p.element_size() for p in params))
-    print(f"weights {results['bytes']['all_weights'] / 1e9:.3f} GB by the formula, the executor's parameters "
-          f"{results['bytes']['parameters'] / 1e9:.3f} GB; KV pool {llm.engine.num_blocks} blocks", flush=True)
+    print(f"weights ({args.weights}) {results['bytes']['all_weights'] / 1e9:.3f} GB by the formula, the executor's "
+          f"parameters {results['bytes']['parameters'] / 1e9:.3f} GB; KV pool {llm.engine.num_blocks} blocks "
+          f"of {executor.kv_dtype}", flush=True)
     workloads = [offline_workload(n, args.seed, args.smoke) for n in args.num_requests]
-    results["batch1"] = batch1(llm, args, c, dtype_bytes, gbs, workloads[0].id_limit)
+    results["batch1"] = batch1(llm, args, c, fmt, kv_token, gbs, workloads[0].id_limit)
     print_batch1(results["batch1"])
-    write_summary("moe", results)
+    write_summary(summary, results)
     results["offline"] = []
     for i, wl in enumerate(workloads):
-        results["offline"].append(offline(llm, args, c, dtype_bytes, gbs, wl, stream=1 + i))
+        results["offline"].append(offline(llm, args, c, fmt, kv_token, gbs, wl, stream=1 + i))
         print_offline(results["offline"][-1])
-        write_summary("moe", results)
+        write_summary(summary, results)
     llm.close()
 
 
@@ -203,22 +260,63 @@ class KernelInputs:
 
     xs: list[torch.Tensor]        # (T, H) each
     router: torch.Tensor          # (E, H)
-    w13s: list[torch.Tensor]      # (E, 2I, H) each
+    w13s: list[torch.Tensor]      # (E, 2I, H) each, x's dtype or e4m3
     w2s: list[torch.Tensor]       # (E, H, I) each
+    # e4m3 experts' block scales of each copy, (E, 2I/128, H/128) and (E, H/128, I/128); None: 16 bits
+    scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def operands(self, call: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, router, w13, w2) of call ``call``: its own x, the weights of copy ``call % copies``."""
+        copy = call % len(self.w13s)
+        return self.xs[call], self.router, self.w13s[copy], self.w2s[copy]
+
+    def scales_of(self, call: int) -> ExpertScales:
+        """The scales that go with ``operands(call)``'s experts ((None, None): 16 bits)."""
+        return (None, None) if self.scales is None else self.scales[call % len(self.scales)]
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked experts w (E, N, K) -> e4m3 (E, N, K) and float32 scales (E, N/128, K/128), each
+    expert quantized as a checkpoint's linear layer is (``quantize_fp8_block``)."""
+    from minivllm.kernels.fp8 import quantize_fp8_block
+
+    pairs = [quantize_fp8_block(m) for m in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 def kernel_inputs(c: ModelConfig, tokens: int, calls: int, copies: int, device: str, dtype: torch.dtype,
-                  seed: int) -> KernelInputs:
-    """Weights scaled so that activations stay O(1); the router as the dummy loader fills it."""
+                  seed: int, fp8: bool = False) -> KernelInputs:
+    """Weights scaled so that activations stay O(1); the router as the dummy loader fills it;
+    ``fp8``: the experts block-quantized to e4m3."""
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
 
-    return KernelInputs(xs=[randn(tokens, h) for _ in range(calls)], router=randn(e, h, scale=0.02),
-                        w13s=[randn(e, 2 * i, h, scale=h ** -0.5) for _ in range(copies)],
-                        w2s=[randn(e, h, i, scale=i ** -0.5) for _ in range(copies)])
+    xs, router = [randn(tokens, h) for _ in range(calls)], randn(e, h, scale=0.02)
+    w13s = [randn(e, 2 * i, h, scale=h ** -0.5) for _ in range(copies)]
+    w2s = [randn(e, h, i, scale=i ** -0.5) for _ in range(copies)]
+    if not fp8:
+        return KernelInputs(xs=xs, router=router, w13s=w13s, w2s=w2s)
+    q13, q2 = [quantize_experts(w) for w in w13s], [quantize_experts(w) for w in w2s]
+    return KernelInputs(xs=xs, router=router, w13s=[q for q, _ in q13], w2s=[q for q, _ in q2],
+                        scales=[(s13, s2) for (_, s13), (_, s2) in zip(q13, q2)])
+
+
+def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, scales: ExpertScales) -> torch.Tensor:
+    """The torch reference of the expert path ``Ops.moe`` takes: ``fused_moe_reference`` for
+    16-bit experts; for e4m3 ones the GEMVs' (weight-only) up to ``MOE_GEMV_MAX_TOKENS``
+    tokens, else the grouped GEMM's (W8A8)."""
+    from minivllm.kernels.reference import fused_moe_fp8_reference, fused_moe_reference, moe_gemv_fp8_reference
+    from minivllm.layers.ops import MOE_GEMV_MAX_TOKENS
+
+    w13_scale, w2_scale = scales
+    if w13_scale is None or w2_scale is None:
+        return fused_moe_reference(x, w13, w2, weights, ids)
+    fp8 = moe_gemv_fp8_reference if x.shape[0] <= MOE_GEMV_MAX_TOKENS else fused_moe_fp8_reference
+    return fp8(x, w13, w2, weights, ids, w13_scale, w2_scale, "block")
 
 
 def check_experts(ops: Any, c: ModelConfig, inp: KernelInputs, call: int) -> tuple[int, float]:
@@ -226,14 +324,14 @@ def check_experts(ops: Any, c: ModelConfig, inp: KernelInputs, call: int) -> tup
 
     Raises:
         AssertionError: the routing is not a top-k of the softmax, or the experts' output
-            is off ``fused_moe_reference`` on that routing by more than the tolerance.
+            is off ``experts_reference`` on that routing by more than the tolerance.
     """
-    from minivllm.kernels.reference import fused_moe_reference, moe_topk_reference
+    from minivllm.kernels.reference import moe_topk_reference
 
-    x, w13, w2 = inp.xs[call], inp.w13s[call % len(inp.w13s)], inp.w2s[call % len(inp.w2s)]
+    x, router, w13, w2 = inp.operands(call)
     k, norm = c.num_experts_per_tok, c.norm_topk_prob
-    out = ops.moe(x, inp.router, w13, w2, k, norm)
-    logits = F.linear(x, inp.router).float()
+    out = ops.moe(x, router, w13, w2, k, norm, scales=inp.scales_of(call))
+    logits = F.linear(x, router).float()
     if ops.triton:
         from minivllm.kernels.moe_topk import moe_topk
         weights, ids = moe_topk(logits, k, norm)  # what ops.moe routed by (deterministic)
@@ -248,9 +346,10 @@ def check_experts(ops: Any, c: ModelConfig, inp: KernelInputs, call: int) -> tup
     expect = chosen / chosen.sum(dim=-1, keepdim=True) if norm else chosen
     if not torch.allclose(weights, expect, rtol=1e-4, atol=1e-6):
         raise AssertionError("the routing weights are not the chosen experts' probabilities")
-    ref = fused_moe_reference(x, w13, w2, weights, ids).float()
+    ref = experts_reference(x, w13, w2, weights, ids, inp.scales_of(call)).float()
     err = (out.float() - ref).abs().max().item()
-    tol = (TOL_FP32 if x.dtype == torch.float32 else TOL_BF16) * max(1.0, ref.abs().max().item())
+    base = TOL_FP8 if inp.scales is not None else TOL_FP32 if x.dtype == torch.float32 else TOL_BF16
+    tol = base * max(1.0, ref.abs().max().item())
     if not err <= tol:
         raise AssertionError(f"experts: max error {err:.3g} > {tol:.3g}")
     return int(torch.unique(ids).numel()), err
@@ -271,29 +370,31 @@ def eager_us(call: Callable[[int], Any], calls: int, device: str, repeats: int =
 
 
 def kernel_row(ops: Any, c: ModelConfig, tokens: int, device: str, dtype: torch.dtype, gbs: float,
-               timed: bool, copies: int = WEIGHT_COPIES, calls: int = GRAPH_CALLS) -> dict[str, Any]:
-    """Checked, then (``timed``) the graph time of ``ops.moe`` and the eager torch loop's."""
-    from minivllm.layers.moe import moe_reference
+               timed: bool, copies: int = WEIGHT_COPIES, calls: int = GRAPH_CALLS,
+               fp8: bool = False) -> dict[str, Any]:
+    """Checked, then (``timed``) the graph time of ``ops.moe`` and the eager torch loop's;
+    ``fp8``: e4m3 experts with block scales."""
+    from minivllm.layers.ops import Ops
 
-    inp = kernel_inputs(c, tokens, calls, copies, device, dtype, seed=tokens)
+    inp = kernel_inputs(c, tokens, calls, copies, device, dtype, seed=tokens, fp8=fp8)
     checks = [check_experts(ops, c, inp, i) for i in range(calls)]
     distinct = statistics.mean(d for d, _ in checks)
-    nbytes = distinct * expert_bytes(c, dtype.itemsize)
+    nbytes = distinct * expert_bytes(c, WeightFormat(dtype.itemsize, fp8=fp8))
     row: dict[str, Any] = dict(tokens=tokens, distinct_experts=distinct,
                                expected_distinct=expected_distinct_experts(c, tokens),
                                expert_bytes=nbytes, floor_us=nbytes / (gbs * 1e3),
                                max_err=max(e for _, e in checks))
     if timed:
         def operands(i: int) -> tuple[Any, ...]:
-            return (inp.xs[i], inp.router, inp.w13s[i % copies], inp.w2s[i % copies], c.num_experts_per_tok,
-                    c.norm_topk_prob)
+            return (*inp.operands(i), c.num_experts_per_tok, c.norm_topk_prob)
 
-        us = graph_us(lambda i: ops.moe(*operands(i)), calls)
-        torch_us = eager_us(lambda i: moe_reference(*operands(i)), calls, device)
+        torch_ops = Ops.build("torch", torch.device(device), dtype)
+        us = graph_us(lambda i: ops.moe(*operands(i), scales=inp.scales_of(i)), calls)
+        torch_us = eager_us(lambda i: torch_ops.moe(*operands(i), scales=inp.scales_of(i)), calls, device)
         row.update(graph_us=us, GBs=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / gbs,
                    torch_us=torch_us, speedup=torch_us / us)
         if ops.triton and tokens <= PATHS_MAX_TOKENS:
-            row["paths_us"] = {name: graph_us(lambda i, f=f: f(*operands(i)), calls)
+            row["paths_us"] = {name: graph_us(lambda i, f=f: f(*operands(i), scales=inp.scales_of(i)), calls)
                                for name, f in forced_paths().items()}
     return row
 
@@ -306,13 +407,13 @@ def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
     from minivllm.kernels.moe_gemv import moe_gemv
     from minivllm.kernels.moe_topk import moe_topk
 
-    def grouped(x, router, w13, w2, k, norm):
+    def grouped(x, router, w13, w2, k, norm, *, scales=(None, None)):
         weights, ids = moe_topk(F.linear(x, router).float(), k, norm)
-        return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0]))
+        return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0]), w13_scale=scales[0], w2_scale=scales[1])
 
-    def per_pair(x, router, w13, w2, k, norm):
+    def per_pair(x, router, w13, w2, k, norm, *, scales=(None, None)):
         weights, ids = moe_topk(F.linear(x, router).float(), k, norm)
-        return moe_gemv(x, w13, w2, weights, ids)
+        return moe_gemv(x, w13, w2, weights, ids, w13_scale=scales[0], w2_scale=scales[1])
 
     return {"grouped GEMM": grouped, "per-pair GEMV": per_pair}
 
@@ -333,20 +434,23 @@ def print_kernel_row(r: dict[str, Any], gbs: float) -> None:
 
 def kernel_part(args: argparse.Namespace, device: str, c: ModelConfig, gbs: float) -> list[dict[str, Any]]:
     """One row per ``--kernel-tokens`` (module doc); on the CPU under the torch reference or,
-    with Triton's interpreter, the Triton kernels, checked but untimed."""
+    with Triton's interpreter, the Triton kernels, checked but untimed. x in bf16 on CUDA and
+    for e4m3 experts (the FP8 expert kernels take 16-bit x), else float32."""
     from minivllm.envs import triton_interpreted
     from minivllm.layers.ops import Ops
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    fp8 = args.weights == "fp8"
+    dtype = torch.bfloat16 if device == "cuda" or fp8 else torch.float32
     kernels = "triton" if device == "cuda" or triton_interpreted() else "torch"
     ops = Ops.build(kernels, torch.device(device), dtype)
     print(f"experts of one layer: {c.num_experts} x (2 x {c.moe_intermediate_size}) x {c.hidden_size}, "
-          f"top-{c.num_experts_per_tok}, {dtype}, kernels {kernels}", flush=True)
+          f"top-{c.num_experts_per_tok}, {'e4m3 with 128x128 block scales, x in ' if fp8 else ''}{dtype}, "
+          f"kernels {kernels}", flush=True)
     rows = []
     for tokens in args.kernel_tokens:
         rows.append(kernel_row(ops, c, tokens, device, dtype, gbs, timed=device == "cuda",
                                copies=WEIGHT_COPIES if device == "cuda" else 1,
-                               calls=GRAPH_CALLS if device == "cuda" else 1))
+                               calls=GRAPH_CALLS if device == "cuda" else 1, fp8=fp8))
         print_kernel_row(rows[-1], gbs)
     gc.collect()
     if device == "cuda":
@@ -366,6 +470,10 @@ def int_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--weights", choices=WEIGHTS, default="bf16",
+                    help="fp8: Qwen3-30B-A3B-FP8's format (e4m3 linear layers and experts, 128x128 block scales)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                    help="the KV cache's dtype (CacheConfig.kv_cache_dtype): the model's, or e4m3")
     ap.add_argument("--num-requests", type=int_list, default=[256, 1024], help="offline workloads, a comma list")
     ap.add_argument("--batch1-repeats", type=int, default=3)
     ap.add_argument("--kernel-tokens", type=int_list, default=[1, 16, 64, 256])
@@ -375,7 +483,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--model-dir", default=None, help="where config.json is written once")
+    ap.add_argument("--model-dir", default=None,
+                    help="where config.json is written once (--weights fp8: its FP8 copy in <model-dir>-fp8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny MoE on the CPU: checks the code paths only")
     args = ap.parse_args(argv)
@@ -393,13 +502,15 @@ def main(argv: list[str] | None = None) -> None:
     device = bench_device(args)
     path = model_dir(args)
     c = ModelConfig.from_hf_json(path)
+    summary = summary_name(args)
     gbs = copy_bandwidth_gbs(device, (1 << 30) if device == "cuda" else (1 << 24))
-    print(f"{SHAPES_NAME}{' (smoke: tiny)' if args.smoke else ''} on {device}: copy bandwidth {gbs:,.0f} GB/s",
-          flush=True)
-    results: dict[str, Any] = {"args": vars(args), "shapes": SHAPES_NAME, "copy_gbs": gbs}
+    print(f"{SHAPES_NAME}{' (smoke: tiny)' if args.smoke else ''} on {device}, {args.weights} weights, "
+          f"KV cache {args.kv_cache_dtype}: copy bandwidth {gbs:,.0f} GB/s", flush=True)
+    results: dict[str, Any] = {"args": vars(args), "shapes": SHAPES_NAME, "weights": args.weights,
+                               "copy_gbs": gbs}
     results["kernel"] = kernel_part(args, device, c, gbs)
-    write_summary("moe", results)
-    engine_part(args, path, device, c, gbs, results)
+    write_summary(summary, results)
+    engine_part(args, path, device, c, gbs, results, summary)
 
 
 if __name__ == "__main__":
