@@ -356,14 +356,13 @@ SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
     "long_context": ("prefill and decode at long context", "make bench", long_context_section),
     "moe": ("Qwen3-30B-A3B: batch-1, offline and the experts of one layer, against bandwidth floors",
             "make bench", moe_section),
-    # Before "fp8": section_of takes the first name a stem starts with, and fp8_gemm starts with fp8_.
-    "fp8_gemm": ("the FP8 GEMM and GEMV against cuBLAS bf16 and torch._scaled_mm, Qwen3 linear shapes",
-                 "make bench", fp8_gemm_section),
-    "fp8": ("8-bit beside bf16 in one run: the FP8 KV cache", "make bench", fp8_section),
+    "fp8": ("8-bit beside bf16 in one run: the FP8 KV cache and FP8 weights", "make bench", fp8_section),
     "engine_host": ("host cost of the engine per decode step", "make bench", engine_host_section),
     "decode_attention": ("paged decode attention", "make bench", decode_attention_section),
     "prefill_attention": ("paged prefill attention against SDPA", "make bench", prefill_attention_section),
     "gemv": ("the GEMV kernel against cuBLAS at decode shapes", "make bench", gemv_section),
+    "fp8_gemm": ("the FP8 GEMM and GEMV against cuBLAS bf16 and torch._scaled_mm, Qwen3 linear shapes",
+                 "make bench", fp8_gemm_section),
     "sampler": ("the sampler", "make bench", sampler_section),
     "structured_outputs": ("offline-256 under a JSON schema against unconstrained", "make bench",
                            structured_outputs_section),
@@ -374,8 +373,10 @@ SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
 
 
 def section_of(stem: str) -> str | None:
-    """The section of a summary file: its name, or a name then ``_`` (``throughput_tp2``)."""
-    return next((name for name in SECTIONS if stem == name or stem.startswith(name + "_")), None)
+    """The section of a summary file: its name, or a name then ``_`` (``throughput_tp2``); the
+    longest such name (``fp8_gemm`` is its own section, not ``fp8``'s)."""
+    names = [name for name in SECTIONS if stem == name or stem.startswith(name + "_")]
+    return max(names, key=len) if names else None
 
 
 def load(directory: str | os.PathLike[str]) -> dict[str, Summaries]:

@@ -160,3 +160,6 @@ def test_write_summary_adds_what_reproduces_it(tmp_path: Path, monkeypatch) -> N
     other = report.write_summary("serving", {"rates": []}, path=tmp_path / "elsewhere.json")
     assert other == tmp_path / "elsewhere.json" and other.exists()
     assert report.section_of("engine_host") == "engine_host" and report.load(tmp_path / "out")["engine_host"]
+    # the longest name wins: fp8_gemm has a section of its own, fp8_kv would be fp8's
+    assert (report.section_of("fp8_gemm"), report.section_of("fp8_kv"), report.section_of("moe_fp8")) == (
+        "fp8_gemm", "fp8", "moe")
