@@ -82,7 +82,8 @@ def test_fp8_checkpoint_agrees_with_the_model_it_came_from(checkpoints, kernels)
     src, fp8 = checkpoints
     ref = make_model_executor(src, dtype="bfloat16", kernels="torch", **EXECUTOR)
     ours = make_model_executor(fp8, dtype="bfloat16", kernels=kernels, **EXECUTOR)
-    a = agreement(ref, ours, prompts(8 if kernels == "torch" else 3), 16 if kernels == "torch" else 6,
+    # The interpreter runs a decode step's FP8 GEMVs program by program: few tokens there.
+    a = agreement(ref, ours, prompts(8 if kernels == "torch" else 2), 16 if kernels == "torch" else 3,
                   tuple(range(16)), BS)
     print(f"\n[fp8 weights, {kernels}] {a}")
     assert a.top5_failures == 0 and a.mean_kl <= 2e-2
@@ -207,8 +208,8 @@ def test_fp8_moe_checkpoint_agrees_with_the_model_it_came_from(moe_checkpoints, 
     experts = ours.model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.scales[0].shape == (4, 2, 2)
     assert ours.model.model.layers[1].mlp.gate_up_proj.weight.dtype == FP8_DTYPE  # the dense layer
-    n = 8 if kernels == "torch" else 2
-    a = agreement(ref, ours, prompts(n, seed=5), 12 if kernels == "torch" else 5, tuple(range(16)), BS)
+    n = 8 if kernels == "torch" else 1
+    a = agreement(ref, ours, prompts(n, seed=5), 12 if kernels == "torch" else 3, tuple(range(16)), BS)
     print(f"\n[fp8 moe, {kernels}] {a}")
     assert a.top5_failures == 0 and a.mean_kl <= 5e-3
 
