@@ -95,9 +95,9 @@ def test_fused_moe_fp8_is_reference(dtype, mode, tokens, experts, top_k, hidden,
     assert_near(out, fused_moe_fp8_reference(x, q13, q2, weights, ids, s13, s2, mode), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tiles", [0, 1])
+# fp16 (the check that pins the scales) with both tiles; bf16 with the second.
+@pytest.mark.parametrize("dtype,mode,tiles", [(torch.float16, m, t) for m in MODES for t in (0, 1)]
+                         + [(torch.bfloat16, m, 1) for m in MODES])
 def test_moe_gemv_fp8_is_reference(dtype, mode, tiles) -> None:
     """Four tokens over four experts: expert 0 receives every token, expert 3 none."""
     x, _, (q13, q2, s13, s2), weights, ids = routed(4, 4, 2, 256, 128, mode, dtype)
