@@ -101,8 +101,8 @@ bench: serve-deps-offline
 	run $(BENCH_LIMIT) benchmarks.throughput $(if $(BENCH_QUICK),--num-requests 128 --hf-requests 16 --async on); \
 	run $(BENCH_LIMIT) benchmarks.serving $(if $(BENCH_QUICK),--num-requests 128 --max-duration 8); \
 	run $(BENCH_LIMIT) benchmarks.long_context $(if $(BENCH_QUICK),--repeats 2); \
-	run $(BENCH_LIMIT) benchmarks.moe $(if $(BENCH_QUICK),--num-requests 256 --batch1-repeats 1); \
-	run_named $(BENCH_LIMIT) moe_fp8 benchmarks.moe --weights fp8 $(if $(BENCH_QUICK),--num-requests 256 --batch1-repeats 1); \
+	run $(or $(BENCH_TIMEOUT),540) benchmarks.moe $(if $(BENCH_QUICK),--num-requests 256 --batch1-repeats 1); \
+	run_named $(or $(BENCH_TIMEOUT),540) moe_fp8 benchmarks.moe --weights fp8 $(if $(BENCH_QUICK),--num-requests 256 --batch1-repeats 1); \
 	run $(or $(BENCH_TIMEOUT),600) benchmarks.fp8 $(if $(BENCH_QUICK),--rounds 1 --num-requests 128); \
 	run $(BENCH_LIMIT) benchmarks.engine_host; \
 	run $(BENCH_LIMIT) benchmarks.decode_attention $(if $(BENCH_QUICK),--no-engine); \
