@@ -323,3 +323,32 @@ def test_argument_errors(kernel, mode: str) -> None:
         Fp8GemmConfig(block_m=8)
     with pytest.raises(ValueError, match="block_k"):
         Fp8GemvConfig(block_k=8)
+
+
+@pytest.mark.parametrize("mode", ["block", "channel"])
+@pytest.mark.parametrize("residual", [True, False])
+def test_gemv_fuses_the_input_norm_and_the_gated_activation(mode, residual) -> None:
+    """At one row the FP8 GEMV computes its input as the 16-bit one does: RMSNorm(x +
+    residual) with the RMSNorm kernel's new residual bit for bit and, here (the interpreter
+    sums in numpy's order), the same bits as that kernel followed by the plain FP8 GEMV;
+    ``gated``, the SiLU-and-mul kernel's output bit for bit as the input."""
+    from minivllm.kernels.fp8_gemv import rms_norm_fp8_gemv
+    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.kernels.silu_and_mul import silu_and_mul
+
+    w_fp8, scale = quantized(weight(), mode)
+    gen = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(1, K, generator=gen)).to(torch.bfloat16)
+    r = torch.randn(1, K, generator=gen).to(torch.bfloat16) if residual else None
+    nw = (1 + 0.2 * torch.randn(K, generator=gen)).to(torch.bfloat16)
+    y, s = rms_norm_fp8_gemv(x, r, nw, 1e-6, w_fp8, scale, mode)
+    h, s_ref = rms_norm(x, nw, 1e-6, residual=r) if residual else (rms_norm(x, nw, 1e-6), x)
+    assert torch.equal(s, s_ref) and (s is x) == (not residual)
+    assert torch.equal(y, fp8_gemv(h, w_fp8, scale, mode))
+    gate_up = activations(1, 2 * K, seed=4)
+    assert torch.equal(fp8_gemv(gate_up, w_fp8, scale, mode, gated=True),
+                       fp8_gemv(silu_and_mul(gate_up), w_fp8, scale, mode))
+    with pytest.raises(ValueError, match="gated x must be"):
+        fp8_gemv(gate_up[:, 1:], w_fp8, scale, mode, gated=True)
+    with pytest.raises(ValueError, match="residual must be like x"):
+        rms_norm_fp8_gemv(x, x[:, :32], nw, 1e-6, w_fp8, scale, mode)

@@ -16,7 +16,13 @@ weights, so 16-bit x costs nothing measurable, and it keeps the products as accu
 weights allow (no activation rounding on top of the weights').
 
 In block mode each weight is dequantized as the reference dequantizes it (one fp32
-product), so the two differ only in the order of the fp32 sum. With ``pdl=True`` the first
+product), so the two differ only in the order of the fp32 sum.
+
+The input may be computed as the W tiles stream, as the 16-bit one-row GEMV computes it
+(``kernels/gemv.py``, its helpers, so the same rounding): ``gated``, ``silu(gate) * up`` of
+x = [gate | up] (the MLP's down projection without an activation launch), or, through
+:func:`rms_norm_fp8_gemv`, RMSNorm(x + residual) (a decode layer's residual add and norm
+without a launch of their own; program 0 writes x + residual as the new residual stream). With ``pdl=True`` the first
 W tile loads before ``griddepcontrol.wait`` and the next kernel may start after the K loop,
 as in ``kernels/gemv.py`` (its module doc; ``_launch.pdl_supported``).
 
@@ -34,10 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_power_of_two, check_tile_config, takes_pdl
-from minivllm.kernels.fp8_gemm import check_args
-from minivllm.kernels.gemv import _masked_load, _w_tile
+from minivllm.kernels._launch import check_dtype, check_power_of_two, check_tile_config, next_pow2, takes_pdl
 from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
+from minivllm.kernels.fp8_gemm import check_args
+from minivllm.kernels.gemv import NORM_BLOCK_MAX, _input_rstd, _one_row_input, _w_tile
 
 
 @dataclass(frozen=True)
@@ -60,12 +66,20 @@ def _fp8_gemv_kernel(
     w_ptr,                       # (N, K) float8e4nv contiguous
     ws_ptr,                      # BLOCK_SCALES: (cdiv(N, GROUP), cdiv(K, GROUP)) float32; else (N,) float32
     y_ptr,                       # (1, N) x's dtype
+    r_ptr,                       # NORM + HAS_RESIDUAL: the residual stream (1, K) added to x; else unread
+    r_out_ptr,                   # NORM + HAS_RESIDUAL: (1, K) receives x + residual (program 0); else unwritten
+    nw_ptr,                      # NORM: the RMSNorm weight (K,); else unread
     N, K,
+    eps,                         # NORM: the RMSNorm epsilon
     BLOCK_SCALES: tl.constexpr,  # 128x128 weight blocks; else per output channel
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     NUM_STAGES: tl.constexpr,    # loads in flight (tl.range pipelining)
     PDL: tl.constexpr,           # launched with launch_pdl: first W tile, wait, ..., signal after the K loop
+    GATED: tl.constexpr,         # the input is silu(gate) * up of x = [gate | up]
+    NORM: tl.constexpr,          # the input is RMSNorm(x [+ residual]) (see rms_norm_fp8_gemv)
+    HAS_RESIDUAL: tl.constexpr,  # NORM: add the residual first, and write the sum to r_out
+    NORM_BLOCK: tl.constexpr,    # NORM: columns per step of the statistics pass
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -73,15 +87,21 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K                  # (BLOCK_N, 1)
     ws_rows = ws_ptr + (cols // GROUP) * tl.cdiv(K, GROUP)           # BLOCK_SCALES: (BLOCK_N,)
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    rstd = 0.0
     k_start = 0
-    if PDL:  # W does not depend on the previous kernel: its first tile loads before the wait
+    if PDL or NORM:  # W's first tile loads before the wait (PDL) or during the statistics pass (NORM)
         w = _w_tile(w_rows, offs_k, col_ok, K, EVEN_N, EVEN_K)
-        tl.extra.cuda.gdc_wait()
-        acc = _scaled_product(w, ws_rows, x_ptr, offs_k, col_ok, K, acc, BLOCK_SCALES, EVEN_N, EVEN_K, GROUP)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if NORM:
+            rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK)
+        acc = _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, offs_k, col_ok, K, acc, BLOCK_SCALES,
+                              EVEN_N, EVEN_K, GROUP, GATED, NORM, HAS_RESIDUAL)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
-        acc = _scaled_product(w, ws_rows, x_ptr, k0 + offs_k, col_ok, K, acc, BLOCK_SCALES, EVEN_N, EVEN_K, GROUP)
+        acc = _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k0 + offs_k, col_ok, K, acc, BLOCK_SCALES,
+                              EVEN_N, EVEN_K, GROUP, GATED, NORM, HAS_RESIDUAL)
     if PDL:  # W is streamed: the next GEMV may load its first tile during this one's stores
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
@@ -91,10 +111,22 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
-def _scaled_product(w, ws_rows, x_ptr, k, col_ok, K, acc, BLOCK_SCALES: tl.constexpr, EVEN_N: tl.constexpr,
-                    EVEN_K: tl.constexpr, GROUP: tl.constexpr):
-    """``acc + w' * x[k]`` for the fp8 tile ``w`` at columns ``k``: w' = w * its block scale
-    (BLOCK_SCALES), else w (the channel scale comes after the sum)."""
+def _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k, col_ok, K, acc, BLOCK_SCALES: tl.constexpr,
+                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
+                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """``acc + w' * x[k]`` for the fp8 tile ``w`` at columns ``k`` (``scaled_tile``), x the
+    input row as GATED / NORM make it (``gemv._one_row_input``)."""
+    mask = None if EVEN_K else k < K
+    x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED, NORM, HAS_RESIDUAL)
+    return acc + scaled_tile(w, ws_rows, k, col_ok, K, BLOCK_SCALES, EVEN_N, EVEN_K, GROUP) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def scaled_tile(w, ws_rows, k, col_ok, K, BLOCK_SCALES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                GROUP: tl.constexpr):
+    """The fp8 tile ``w`` (BLOCK_N, BLOCK_K) at columns ``k`` in fp32, times its block scales
+    (BLOCK_SCALES: the rows' scales at ``ws_rows``); else as it is (a channel scale comes
+    after the sum)."""
     w32 = w.to(tl.float32)
     if BLOCK_SCALES:
         scale_ptrs = ws_rows[:, None] + (k // GROUP)[None, :]
@@ -102,38 +134,83 @@ def _scaled_product(w, ws_rows, x_ptr, k, col_ok, K, acc, BLOCK_SCALES: tl.const
             w32 = w32 * tl.load(scale_ptrs)
         else:
             w32 = w32 * tl.load(scale_ptrs, mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
-    if EVEN_K:
-        x = _masked_load(x_ptr + k, None)
-    else:
-        x = _masked_load(x_ptr + k, k < K)
-    return acc + w32 * x.to(tl.float32)[None, :]
+    return w32
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode,
-             config: Fp8GemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+             config: Fp8GemvConfig | None = None, *, gated: bool = False, pdl: bool = False) -> torch.Tensor:
     """``x @ W^T`` (1, N) in x's dtype for one row x (1, K) and fp8 W with scales of ``mode``
     (arguments as :func:`minivllm.kernels.fp8_gemm.fp8_gemm`'s; ``config`` None:
-    ``Fp8GemvConfig()``). ``pdl``: take part in programmatic dependent launch where the device
-    allows it; the same bits either way.
+    ``Fp8GemvConfig()``). ``gated``: x is (1, 2K) = [gate | up] and the input is
+    ``silu(gate) * up`` (the SiLU-and-mul kernel's rounding). ``pdl``: take part in
+    programmatic dependent launch where the device allows it; the same bits either way.
 
     Raises:
         TypeError: x not bf16/fp16, weight not float8_e4m3fn, or weight_scale not float32.
-        ValueError: more than one row, or anything ``fp8_gemm`` refuses.
+        ValueError: more than one row, an odd gated width, or anything ``fp8_gemm`` refuses.
     """
+    inner = x
+    if gated:
+        if x.dim() != 2 or x.shape[-1] % 2:
+            raise ValueError(f"gated x must be (1, 2K) = [gate | up], got shape {tuple(x.shape)}")
+        inner = x[:, : x.shape[1] // 2]
+    _check_one_row(inner, weight, weight_scale, mode)
+    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, weight, weight_scale, mode, y, config, gated=gated, pdl=pdl)
+    return y
+
+
+def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode,
+                      config: Fp8GemvConfig | None = None, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8_gemv(rms_norm(s)), s)`` for one row x (1, K) and s = x + residual (residual None:
+    s = x), in one kernel, as :func:`minivllm.kernels.gemv.rms_norm_gemv` does for 16-bit
+    weights (the RMSNorm kernel's rounding; s a new tensor, x itself without a residual).
+
+    Raises:
+        TypeError / ValueError: as :func:`fp8_gemv`, or a residual not like x, or a norm weight
+            not a contiguous (K,) of x's dtype.
+    """
+    _check_one_row(x, weight, weight_scale, mode)
+    check_dtype("norm_weight", norm_weight, (x.dtype,))
+    if norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous ({x.shape[1]},), got shape {tuple(norm_weight.shape)}")
+    if residual is not None:
+        check_dtype("residual", residual, (x.dtype,))
+        if residual.shape != x.shape or residual.stride(1) != 1:
+            raise ValueError(f"residual must be like x {tuple(x.shape)}, got shape {tuple(residual.shape)} "
+                             f"strides {residual.stride()}")
+    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    _launch(x, weight, weight_scale, mode, y, config, norm=(norm_weight, float(eps), residual, s), pdl=pdl)
+    return y, s
+
+
+def _check_one_row(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode) -> None:
     check_args(x, weight, weight_scale, mode)
     if x.shape[0] != 1:
         raise ValueError(f"fp8_gemv takes one row (batch 1), got x of shape {tuple(x.shape)}; more rows: fp8_gemm")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode, y: torch.Tensor,
+            config: Fp8GemvConfig | None, *, gated: bool = False,
+            norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None = None,
+            pdl: bool = False) -> None:
+    """Launch the kernel on checked arguments; ``norm``: (norm weight, eps, residual or None,
+    the buffer for x + residual)."""
     config = config or Fp8GemvConfig()
     n, k = weight.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     if n == 0:
-        return y
+        return
     use_pdl = takes_pdl(pdl, x) and k > 0
+    norm_weight, eps, residual, res_out = norm if norm is not None else (weight_scale, 0.0, None, weight_scale)
     _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight_scale, y, n, k,
+        x, weight, weight_scale, y, residual if residual is not None else weight_scale, res_out, norm_weight,
+        n, k, eps,
         BLOCK_SCALES=mode == "block", EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP=FP8_GROUP, NUM_STAGES=config.num_stages,
-        PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=use_pdl, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX),
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
-    return y

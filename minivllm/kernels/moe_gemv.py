@@ -44,7 +44,7 @@ import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_power_of_two, check_same_device, check_tile_config, takes_pdl
 from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
-from minivllm.kernels.fp8_gemv import _scaled_product
+from minivllm.kernels.fp8_gemv import scaled_tile
 from minivllm.kernels.fused_moe import _scale_ptrs, check_experts
 from minivllm.kernels.gemv import _w_tile
 from minivllm.kernels.silu_and_mul import gated_silu
@@ -79,8 +79,9 @@ def _row_dot(w_rows, ws_rows, x_row, K, col_ok, FP8: tl.constexpr, BLOCK_SCALES:
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = _w_tile(w_rows, k, col_ok, K, False, False)
-        acc = _scaled_product(w, ws_rows, x_row, k, col_ok, K, acc, BLOCK_SCALES, False, False, GROUP)
+        w = scaled_tile(_w_tile(w_rows, k, col_ok, K, False, False), ws_rows, k, col_ok, K, BLOCK_SCALES, False,
+                        False, GROUP)
+        acc += w * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if FP8 and not BLOCK_SCALES:
         y *= tl.load(ws_rows, mask=col_ok, other=0.0)

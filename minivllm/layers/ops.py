@@ -137,6 +137,9 @@ class Ops:
         from minivllm.kernels.gemv import gemv, gemv_takes
 
         if weight.dtype == FP8_DTYPE:
+            if gated and self.triton and x.shape[0] == 1:  # SiLU-and-mul inside the FP8 GEMV
+                from minivllm.kernels.fp8_gemv import fp8_gemv
+                return self._to_out(fp8_gemv(x, weight, scale, fp8_mode(scale), gated=True, pdl=self.pdl), bias, out)
             x = self.silu_and_mul(x) if gated else x
             return self._to_out(self._fp8_linear(x, weight, scale, one_row=True), bias, out)
         if gemv_takes(x, weight, gated=gated):
@@ -148,9 +151,12 @@ class Ops:
                   scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gemv(rms_norm(s)), s)`` with ``s`` as :meth:`add_rms_norm` sums it (residual None:
         ``s = x``, already whole). One kernel at one row where nothing is left to sum over ranks
-        (the GEMV normalises its input row as it streams W); else (and for an FP8 weight) the
-        norm, then :meth:`gemv`."""
+        (the GEMV, 16-bit or FP8, normalises its input row as it streams W); else the norm,
+        then :meth:`gemv`."""
         whole = residual is None or self.comm is None  # nothing left to sum over ranks
+        if weight.dtype == FP8_DTYPE and x.shape[0] == 1 and whole and self.triton and bias is None:
+            from minivllm.kernels.fp8_gemv import rms_norm_fp8_gemv
+            return rms_norm_fp8_gemv(x, residual, norm_weight, eps, weight, scale, fp8_mode(scale), pdl=self.pdl)
         if x.shape[0] == 1 and whole and weight.dtype != FP8_DTYPE:
             from minivllm.kernels.gemv import gemv_takes, rms_norm_gemv
 
@@ -184,9 +190,7 @@ class Ops:
         Raises:
             ValueError: no scale.
         """
-        if scale is None:
-            raise ValueError(f"an FP8 weight {tuple(weight.shape)} needs its scale")
-        mode = "block" if scale.dim() == 2 else "channel"
+        mode = fp8_mode(scale, weight)
         if one_row and x.shape[0] == 1:
             if self.triton:
                 from minivllm.kernels.fp8_gemv import fp8_gemv
@@ -289,3 +293,16 @@ class Ops:
         if self.triton:
             from minivllm.kernels.vocab_embedding import vocab_shard_embedding as lookup
         return self.comm.all_reduce(lookup(ids, weight, vocab_start, vocab_end))
+
+
+def fp8_mode(scale: torch.Tensor | None, weight: torch.Tensor | None = None) -> str:
+    """An FP8 weight's scale mode by its scale's shape: "block" (2-D, 128 x 128 blocks) or
+    "channel" (1-D, per output row).
+
+    Raises:
+        ValueError: no scale.
+    """
+    if scale is None:
+        shape = "" if weight is None else f" {tuple(weight.shape)}"
+        raise ValueError(f"an FP8 weight{shape} needs its scale")
+    return "block" if scale.dim() == 2 else "channel"
