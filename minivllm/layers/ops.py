@@ -137,11 +137,7 @@ class Ops:
         from minivllm.kernels.gemv import gemv, gemv_takes
 
         if weight.dtype == FP8_DTYPE:
-            if gated and self.triton and x.shape[0] == 1:  # SiLU-and-mul inside the FP8 GEMV
-                from minivllm.kernels.fp8_gemv import fp8_gemv
-                return self._to_out(fp8_gemv(x, weight, scale, fp8_mode(scale), gated=True, pdl=self.pdl), bias, out)
-            x = self.silu_and_mul(x) if gated else x
-            return self._to_out(self._fp8_linear(x, weight, scale, one_row=True), bias, out)
+            return self._to_out(self._fp8_linear(x, weight, scale, one_row=True, gated=gated), bias, out)
         if gemv_takes(x, weight, gated=gated):
             return gemv(x, weight, bias, out=out, gated=gated, pdl=self.pdl)
         return self.linear(self.silu_and_mul(x) if gated else x, weight, bias, out=out)
@@ -183,18 +179,20 @@ class Ops:
         return out
 
     def _fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, *,
-                    one_row: bool) -> torch.Tensor:
-        """``x W^T`` (T, N) for an FP8 weight: with ``one_row`` and one row the FP8 GEMV (the
-        weights' bytes, x in 16 bits), else the W8A8 GEMM; the torch references off Triton.
+                    one_row: bool, gated: bool = False) -> torch.Tensor:
+        """``x W^T`` (T, N) for an FP8 weight (``gated``: of ``silu_and_mul(x)``): with
+        ``one_row`` and one row the FP8 GEMV (the weights' bytes, x in 16 bits, SiLU-and-mul
+        inside it), else the W8A8 GEMM; the torch references off Triton.
 
         Raises:
             ValueError: no scale.
         """
         mode = fp8_mode(scale, weight)
+        if one_row and x.shape[0] == 1 and self.triton:
+            from minivllm.kernels.fp8_gemv import fp8_gemv
+            return fp8_gemv(x, weight, scale, mode, gated=gated, pdl=self.pdl)
+        x = self.silu_and_mul(x) if gated else x
         if one_row and x.shape[0] == 1:
-            if self.triton:
-                from minivllm.kernels.fp8_gemv import fp8_gemv
-                return fp8_gemv(x, weight, scale, mode, pdl=self.pdl)
             return ref.fp8_gemv_reference(x, weight, scale, mode)
         if self.triton:
             from minivllm.kernels.fp8_gemm import fp8_gemm
