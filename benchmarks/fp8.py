@@ -198,6 +198,7 @@ def accuracy_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
             del ours
             release()
         reference.close()
+        shutil.rmtree(path.rstrip("/") + "-fp8", ignore_errors=True)  # the converted copy beside it
     return out
 
 
