@@ -148,8 +148,13 @@ def minivllm_decode(llm: Any, args: argparse.Namespace, device: str) -> dict[str
     # window is the last len(dts) of them, so its mean context is about:
     ctx = args.prompt_len + args.decode_tokens - 1 - len(dts) / 2
     kv = args.num_prompts * ctx * kv_bytes_per_token(c, kv_dtype_bytes)
+    model = llm.engine.executor.model
+    params_b = sum(p.numel() * p.element_size() for p in model.parameters())
     wb = weight_bytes(c, dtype_bytes)
-    params_b = sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
+    if any(p.element_size() == 1 for p in model.parameters()):
+        # FP8 weights: the parameters' own bytes, less an untied embedding (only B rows read)
+        embedding = model.model.embed_tokens.weight
+        wb = params_b - (0 if c.tie_word_embeddings else embedding.numel() * embedding.element_size())
     gbs = copy_bandwidth_gbs(device, (1 << 30) if device == "cuda" else (1 << 24))
     floor_ms = (kv + wb) / (gbs * 1e9) * 1e3
     ms = statistics.median(dts)
