@@ -52,6 +52,20 @@ def linear_layers(ex) -> list[LinearBase]:
     return [m for m in ex.model.modules() if isinstance(m, LinearBase)]
 
 
+def source_and_ours(src: str, path: str, kernels: str = "torch", **options):
+    """Executors, bf16: the 16-bit source through the references, and ours over ``path``."""
+    return (make_model_executor(src, dtype="bfloat16", kernels="torch", **EXECUTOR),
+            make_model_executor(path, dtype="bfloat16", kernels=kernels, **options, **EXECUTOR))
+
+
+def assert_agrees(ref, ours, batch: list[list[int]], n: int, max_kl: float, label: str) -> None:
+    """``ours`` against ``ref`` over ``batch`` (``n`` greedy tokens each): the top-5 rule at every
+    first difference, and the mean KL under ``max_kl`` (tests.model_utils.agreement)."""
+    a = agreement(ref, ours, batch, n, tuple(range(16)), BS)
+    print(f"\n[{label}] {a}")
+    assert a.top5_failures == 0 and a.mean_kl <= max_kl
+
+
 def test_the_checkpoint_loads_into_e4m3_layers_with_its_block_scales(checkpoints) -> None:
     _, fp8 = checkpoints
     c = ModelConfig.from_hf_json(fp8)
@@ -79,23 +93,16 @@ def test_fp8_checkpoint_agrees_with_the_model_it_came_from(checkpoints) -> None:
     layer too). Measured on this model (weights std 0.05): 2 of 8 prompts identical, the
     other 6 by the top-5 rule, mean KL 3.8e-3, where bf16 against float32 gives 5.3e-5 (FP8's
     error grows with the weights' scale as bf16's does: 3.3e-4 at std 0.02, 2.4e-2 at 0.1)."""
-    src, fp8 = checkpoints
-    ref = make_model_executor(src, dtype="bfloat16", kernels="torch", **EXECUTOR)
-    ours = make_model_executor(fp8, dtype="bfloat16", kernels="torch", **EXECUTOR)
-    a = agreement(ref, ours, prompts(8), 16, tuple(range(16)), BS)
-    print(f"\n[fp8 weights] {a}")
-    assert a.top5_failures == 0 and a.mean_kl <= 2e-2
+    ref, ours = source_and_ours(*checkpoints)
+    assert_agrees(ref, ours, prompts(8), 16, 2e-2, "fp8 weights")
 
 
 def test_quantization_fp8_quantizes_a_16_bit_checkpoint_per_channel(checkpoints) -> None:
     src, _ = checkpoints
-    ref = make_model_executor(src, dtype="bfloat16", kernels="torch", **EXECUTOR)
-    ours = make_model_executor(src, dtype="bfloat16", kernels="torch", quantization="fp8", **EXECUTOR)
+    ref, ours = source_and_ours(src, src, quantization="fp8")
     for layer in linear_layers(ours):
         assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape == (layer.weight.shape[0],)
-    a = agreement(ref, ours, prompts(8), 16, tuple(range(16)), BS)  # measured: mean KL 3.5e-3
-    print(f"\n[fp8 on the fly] {a}")
-    assert a.top5_failures == 0 and a.mean_kl <= 2e-2
+    assert_agrees(ref, ours, prompts(8), 16, 2e-2, "fp8 on the fly")  # measured: mean KL 3.5e-3
 
 
 def test_the_engine_serves_an_fp8_checkpoint(checkpoints) -> None:
@@ -201,28 +208,21 @@ def test_fp8_moe_checkpoint_agrees_with_the_model_it_came_from(moe_checkpoints, 
     routing that flips one expert moves a token far, so the scale is smaller than the dense
     test's): references mean KL 8.9e-4, per channel 9.2e-4, every first difference in the
     top-5."""
-    src, fp8 = moe_checkpoints
-    ref = make_model_executor(src, dtype="bfloat16", kernels="torch", **EXECUTOR)
-    ours = make_model_executor(fp8, dtype="bfloat16", kernels=kernels, **EXECUTOR)
+    ref, ours = source_and_ours(*moe_checkpoints, kernels=kernels)
     experts = ours.model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.scales[0].shape == (4, 2, 2)
     assert ours.model.model.layers[1].mlp.gate_up_proj.weight.dtype == FP8_DTYPE  # the dense layer
     n = 8 if kernels == "torch" else 1
-    a = agreement(ref, ours, prompts(n, seed=5), 12 if kernels == "torch" else 3, tuple(range(16)), BS)
-    print(f"\n[fp8 moe, {kernels}] {a}")
-    assert a.top5_failures == 0 and a.mean_kl <= 5e-3
+    assert_agrees(ref, ours, prompts(n, seed=5), 12 if kernels == "torch" else 3, 5e-3, f"fp8 moe, {kernels}")
 
 
 def test_quantization_fp8_quantizes_the_experts_too(moe_checkpoints) -> None:
     src, _ = moe_checkpoints
-    ref = make_model_executor(src, dtype="bfloat16", kernels="torch", **EXECUTOR)
-    ours = make_model_executor(src, dtype="bfloat16", kernels="torch", quantization="fp8", **EXECUTOR)
+    ref, ours = source_and_ours(src, src, quantization="fp8")
     experts = ours.model.model.layers[0].mlp.experts
     assert experts.down_proj.dtype == FP8_DTYPE and [s.shape for s in experts.scales] == [(4, 256), (4, 256)]
     assert ours.model.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16  # the router stays 16-bit
-    a = agreement(ref, ours, prompts(8, seed=6), 12, tuple(range(16)), BS)
-    print(f"\n[fp8 moe on the fly] {a}")
-    assert a.top5_failures == 0 and a.mean_kl <= 5e-3
+    assert_agrees(ref, ours, prompts(8, seed=6), 12, 5e-3, "fp8 moe on the fly")
 
 
 def test_dummy_fp8_experts(moe_checkpoints) -> None:
@@ -262,28 +262,16 @@ def test_cli_and_server_serve_fp8_weights_and_an_fp8_cache(tmp_path, capsys) -> 
     """The tiny fixture's tokenizer beside an FP8 checkpoint of its vocabulary: the OpenAI
     server answers what the offline LLM answers, both with an FP8 KV cache, and the CLI runs
     ``--quantization fp8 --kv-cache-dtype fp8`` on the 16-bit checkpoint."""
-    from fastapi.testclient import TestClient
-
     from minivllm.__main__ import main as cli_main
-    from minivllm.server.app import build_app
-    from minivllm.server.protocol import ServerConfig
+    from tests.server_utils import add_fixture_tokenizer, assert_server_completes_as_llm
 
     src = save_hf_model(make_hf_model(dataclasses.replace(TINY, vocab_size=100), seed=2, std=0.05), tmp_path / "bf16")
-    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(fixture / name, src)
+    add_fixture_tokenizer(src)
     convert_checkpoint(src, tmp_path / "fp8")
-    fp8 = str(tmp_path / "fp8")
     opts = dict(device="cpu", dtype="bfloat16", block_size=BS, num_blocks=16, max_model_len=64, kv_cache_dtype="fp8")
-    with LLM(fp8, **opts) as llm:
+    with LLM(str(tmp_path / "fp8"), **opts) as llm:
         assert llm.engine.executor.kv_cache.dtype == FP8_DTYPE
-        want = llm.generate(["12+34="], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                            use_tqdm=False)[0].text
-        with TestClient(build_app(llm, ServerConfig("tiny-fp8"))) as client:
-            r = client.post("/v1/completions", json=dict(model="tiny-fp8", prompt="12+34=", max_tokens=4,
-                                                         temperature=0, ignore_eos=True))
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
+        assert_server_completes_as_llm(llm, "12+34=")
     assert cli_main(["generate", "--model", src, "--device", "cpu", "--dtype", "bfloat16", "--block-size", "4",
                      "--num-blocks", "16", "--max-model-len", "64", "--max-tokens", "4", "--ignore-eos",
                      "--quantization", "fp8", "--kv-cache-dtype", "fp8", "12+34="]) == 0

@@ -154,27 +154,14 @@ def test_config_refusals_name_the_field(tmp_path: Path, change: dict, match: str
 def test_cli_and_server_run_a_moe_checkpoint(tmp_path: Path, capsys) -> None:
     """The tiny fixture's tokenizer beside a MoE checkpoint of its vocabulary: the CLI and the
     OpenAI server answer what the offline ``LLM`` answers."""
-    import shutil
-
-    from fastapi.testclient import TestClient
-
     from minivllm.__main__ import main as cli_main
-    from minivllm.server.app import build_app
-    from minivllm.server.protocol import ServerConfig
+    from tests.server_utils import add_fixture_tokenizer, assert_server_completes_as_llm
 
     _, path = make_moe(tmp_path, seed=9, vocab_size=100, **CONFIGS["top2-norm-dense-layer"])
-    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(fixture / name, path)
-    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    add_fixture_tokenizer(path)
     opts = dict(device="cpu", dtype="float32", block_size=BS, num_blocks=16, max_model_len=64)
     with LLM(path, **opts) as llm:
-        want = llm.generate(["12+34="], greedy, use_tqdm=False)[0].text
-        with TestClient(build_app(llm, ServerConfig("tiny-moe"))) as client:
-            r = client.post("/v1/completions", json=dict(model="tiny-moe", prompt="12+34=", max_tokens=4,
-                                                         temperature=0, ignore_eos=True))
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
+        want = assert_server_completes_as_llm(llm, "12+34=")
     assert cli_main(["generate", "--model", path, "--device", "cpu", "--dtype", "float32", "--block-size", "4",
                      "--num-blocks", "16", "--max-model-len", "64", "--max-tokens", "4", "--ignore-eos",
                      "12+34="]) == 0

@@ -311,7 +311,7 @@ class LinearBase(nn.Module):
         Raises:
             ValueError: the weight is FP8 already.
         """
-        if self.weight.dtype == FP8_DTYPE:
+        if self.is_fp8:
             raise ValueError(f"{type(self).__name__}: the weight is FP8 already")
         w_fp8, scale = quantize_fp8_per_channel(self.weight.data)
         self.weight = nn.Parameter(w_fp8, requires_grad=False)

@@ -86,8 +86,9 @@ class FusedExperts(nn.Module):
 
     def block_scale_of(self, param: nn.Parameter) -> nn.Parameter | None:
         """The block scales of a stacked e4m3 weight (for filling dummy weights)."""
-        return {id(self.gate_up_proj): self.gate_up_proj_scale_inv,
-                id(self.down_proj): self.down_proj_scale_inv}.get(id(param))
+        if param is self.gate_up_proj:
+            return self.gate_up_proj_scale_inv
+        return self.down_proj_scale_inv if param is self.down_proj else None
 
     def quantize_fp8_per_channel(self) -> None:
         """Replace loaded 16-bit experts by e4m3 with one scale per output row of each expert.
@@ -95,7 +96,7 @@ class FusedExperts(nn.Module):
         Raises:
             ValueError: the experts are FP8 already.
         """
-        if self.gate_up_proj.dtype == FP8_DTYPE:
+        if self.is_fp8:
             raise ValueError("FusedExperts: the experts are FP8 already")
         scales = []
         for name in ("gate_up_proj", "down_proj"):

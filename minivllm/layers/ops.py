@@ -152,7 +152,8 @@ class Ops:
         whole = residual is None or self.comm is None  # nothing left to sum over ranks
         if weight.dtype == FP8_DTYPE and x.shape[0] == 1 and whole and self.triton and bias is None:
             from minivllm.kernels.fp8_gemv import rms_norm_fp8_gemv
-            return rms_norm_fp8_gemv(x, residual, norm_weight, eps, weight, scale, fp8_mode(scale), pdl=self.pdl)
+            return rms_norm_fp8_gemv(x, residual, norm_weight, eps, weight, scale, fp8_mode(scale, weight),
+                                     pdl=self.pdl)
         if x.shape[0] == 1 and whole and weight.dtype != FP8_DTYPE:
             from minivllm.kernels.gemv import gemv_takes, rms_norm_gemv
 
@@ -234,8 +235,7 @@ class Ops:
                 return moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
             weights, ids = ref.moe_topk_reference(F.linear(x, router).float(), top_k, norm_topk_prob)
             experts = ref.moe_gemv_fp8_reference if few else ref.fused_moe_fp8_reference
-            mode = "block" if w13_scale is not None and w13_scale.dim() == 3 else "channel"
-            return experts(x, gate_up, down, weights, ids, w13_scale, w2_scale, mode)
+            return experts(x, gate_up, down, weights, ids, w13_scale, w2_scale, fp8_mode(w13_scale, gate_up))
         from minivllm.kernels.fused_moe import fused_moe
         from minivllm.kernels.moe_align import moe_align
         from minivllm.kernels.moe_gemv import moe_gemv
@@ -293,14 +293,14 @@ class Ops:
         return self.comm.all_reduce(lookup(ids, weight, vocab_start, vocab_end))
 
 
-def fp8_mode(scale: torch.Tensor | None, weight: torch.Tensor | None = None) -> str:
-    """An FP8 weight's scale mode by its scale's shape: "block" (2-D, 128 x 128 blocks) or
-    "channel" (1-D, per output row).
+def fp8_mode(scale: torch.Tensor | None, weight: torch.Tensor) -> str:
+    """An e4m3 weight's scale mode by its scale's rank: "block" (one scale per 128 x 128 block,
+    as many dimensions as the weight: (N, K) or stacked experts' (E, N, K)) or "channel" (one
+    per output row, a dimension fewer).
 
     Raises:
         ValueError: no scale.
     """
     if scale is None:
-        shape = "" if weight is None else f" {tuple(weight.shape)}"
-        raise ValueError(f"an FP8 weight{shape} needs its scale")
-    return "block" if scale.dim() == 2 else "channel"
+        raise ValueError(f"an FP8 weight {tuple(weight.shape)} needs its scale")
+    return "block" if scale.dim() == weight.dim() else "channel"
