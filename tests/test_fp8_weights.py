@@ -236,15 +236,16 @@ def test_dummy_fp8_experts(moe_checkpoints) -> None:
 
 
 def test_tensor_parallel_fp8_equals_one_rank(tmp_path) -> None:
-    """TP=2 on gloo over an FP8 checkpoint: each rank reads its rows (column-parallel) or
-    columns (row-parallel) of every e4m3 weight and the matching block scales, experts split
-    along I; float32 activations, so the ranks' partial sums meet as one rank's sum does."""
+    """TP=2 on gloo over an FP8 checkpoint with an FP8 KV cache: each rank reads its rows
+    (column-parallel) or columns (row-parallel) of every e4m3 weight and the matching block
+    scales, experts split along I, and quantizes and reads its own KV head (of 2); float32
+    activations, so the ranks' partial sums meet as one rank's sum does."""
     from tests.model_utils import randomize_weights
     from tests.test_qwen3_moe import moe_config
     import transformers
 
     torch.manual_seed(1)
-    hf = transformers.Qwen3MoeForCausalLM(moe_config(**{**MOE, "moe_intermediate_size": 256})).float().eval()
+    hf = transformers.Qwen3MoeForCausalLM(moe_config(**{**MOE, "moe_intermediate_size": 256, "num_key_value_heads": 2})).float().eval()
     randomize_weights(hf, 0.03)
     hf.save_pretrained(tmp_path / "bf16")
     convert_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
@@ -253,7 +254,7 @@ def test_tensor_parallel_fp8_equals_one_rank(tmp_path) -> None:
     for tp in (1, 2):
         with LLM(str(tmp_path / "fp8"), device="cpu", dtype="float32", kernels="torch", skip_tokenizer_init=True,
                  block_size=BS, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=64,
-                 tensor_parallel_size=tp) as llm:
+                 kv_cache_dtype="fp8", tensor_parallel_size=tp) as llm:
             outs.append([list(o.token_ids) for o in llm.generate(prompts(4, seed=7), greedy, use_tqdm=False)])
     assert outs[0] == outs[1]
 
