@@ -21,7 +21,7 @@ from sim.traces import _draw_grammar, generate_trace, loads
 
 # Traces per scheduling mode in test_random_traces_with_grammars (x 2 modes); make sim runs
 # 10,000 more, a quarter of whose requests that can have a grammar get one.
-NUM_TRACES = 1000
+NUM_TRACES = 500
 
 
 def test_fake_regex_agrees_with_python_re() -> None:
