@@ -26,7 +26,8 @@ from minivllm.kernels.reference import (  # noqa: E402
 from tests.model_utils import (  # noqa: E402
     TinyConfig, agreement, make_hf_model, make_model_executor, random_tokens, save_hf_model,
 )
-from tests.test_kernels import make_paged_kv, make_qk_norm_problem  # noqa: E402
+from tests.kernel_problems import make_qk_norm_problem  # noqa: E402
+from tests.test_kernels import make_paged_kv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = torch.tensor([0.37]), torch.tensor([0.011])  # not powers of two: few exact ties

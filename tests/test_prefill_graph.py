@@ -26,10 +26,10 @@ def path(tmp_path_factory) -> str:
     return save_hf_model(make_hf_model(TinyConfig()), tmp_path_factory.mktemp("prefill-graph"))
 
 
-def executors(path: str) -> tuple:
-    """A plain executor and one with a runner of buckets 16 and 32 (both Triton, float32)."""
-    plain, padded = (make_model_executor(path, device="cpu", dtype="float32", kernels="triton", block_size=BS,
-                                         num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
+def executors(path: str, dtype: str = "float32", **cache) -> tuple:
+    """A plain executor and one with a runner of buckets 16 and 32 (both Triton)."""
+    plain, padded = (make_model_executor(path, device="cpu", dtype=dtype, kernels="triton", block_size=BS,
+                                         num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64, **cache)
                      for _ in range(2))
     padded.prefill_graph_runner = padded.make_prefill_graph_runner(capture=False, buckets=[16, 32])
     return plain, padded
@@ -55,11 +55,22 @@ def test_padded_buckets_equal_the_eager_step(path: str) -> None:
     assert replays == [1, 1, 2, 3, 3]  # the decode step and the 34-token step ran without it
 
 
+def test_padded_buckets_with_an_fp8_cache_keep_the_model_dtype(path: str) -> None:
+    """The runner's static activations are the model's dtype, not the e4m3 cache's: a bf16
+    model with an FP8 cache gives the plain executor's logits through a bucket."""
+    plain, padded = executors(path, "bfloat16", kv_cache_dtype="fp8")
+    assert padded.kv_cache.dtype == torch.float8_e4m3fn and padded.prefill_graph_runner.hidden.dtype == torch.bfloat16
+    plan = make_plan([([3, 14, 15, 92, 65, 35, 8], 0, (9, 2), True), ([9, 79, 32, 38, 46], 0, (5, 11), True)], BS)
+    want, got = (ex.compute_logits(plan).float() for ex in (plain, padded))
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert padded.prefill_graph_runner.num_replays == 1
+
+
 def test_buckets_and_tile_maps() -> None:
     assert default_prefill_buckets(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
     assert default_prefill_buckets(100) == [64, 100]
     runner = PrefillGraphRunner(lambda *a: None, torch.zeros(1, 2, 4, BS, 2, 16), torch.zeros(4, dtype=torch.int64),
-                                32, 4, 2, 16, max_num_seqs=4, max_blocks_per_seq=8, buckets=[16, 64],
+                                32, torch.float32, 4, 2, 16, max_num_seqs=4, max_blocks_per_seq=8, buckets=[16, 64],
                                 capture=False)
     assert runner.bucket_for(16, 2, 3, False) == 16 and runner.bucket_for(17, 2, 3, False) == 64
     assert runner.bucket_for(65, 2, 3, False) is None and runner.bucket_for(2, 2, 3, True) is None

@@ -1,9 +1,9 @@
 """FP8 on the GPU at Qwen3-0.6B shapes: the e4m3 kernels in hardware against their torch
 references, the FP8 KV cache against the bf16 cache on the same weights (the top-5 rule and a
 KL bound, CUDA graphs, both scheduling modes), and FP8 weights: a Qwen3-FP8-format checkpoint
-(``fixtures/fp8_checkpoint.py`` from a random bf16-valued one, weights std 0.1) against
+(``fixtures/fp8_checkpoint.py`` from a random bf16-valued one) against
 transformers loading the same checkpoint (its fine-grained FP8) and against the bf16 model it
-came from, both by the top-5 rule at the first differing greedy token."""
+came from, both by the top-5 rule at the first differing greedy token (weights std 0.02)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ from tests.model_utils import agreement, make_model_executor
 from tests_gpu.test_model_gpu import assert_top5_at_first_difference
 
 BS, STEPS = 16, 32
+# Weights of std 0.02, where bf16 follows transformers' bf16: at std 0.1 the random model is so
+# sensitive that one rounding changes its greedy path within a few tokens, and FP8 there is
+# reported by `benchmarks.fp8` (its accuracy part), not bounded.
+STD = 0.02
 
 
 def release() -> None:
@@ -34,7 +38,7 @@ def release() -> None:
 def checkpoints(tmp_path_factory):
     """(bf16-valued checkpoint, its FP8 conversion, 16 prompts)."""
     root = tmp_path_factory.mktemp("fp8")
-    hf = make_bf16_checkpoint(str(root / "bf16"), std=0.1, device="cuda")
+    hf = make_bf16_checkpoint(str(root / "bf16"), std=STD, device="cuda")
     vocab = hf.config.vocab_size
     del hf
     release()
@@ -53,7 +57,7 @@ def test_hardware_e4m3_cast_is_the_reference_rounding() -> None:
     """On the GPU the kernels cast with the hardware (no fp32 rounding first): the KV store's
     quantization equals torch's bit for bit, ties and saturation included."""
     from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store
-    from tests.test_kernels import make_qk_norm_problem
+    from tests.kernel_problems import make_qk_norm_problem
 
     gen = torch.Generator().manual_seed(0)
     args, ref = make_qk_norm_problem(37, 4, 2, 64, torch.float32, gen, norm=False)
@@ -105,7 +109,7 @@ def test_fp8_kv_cache_under_graphs_in_both_scheduling_modes(checkpoints, async_s
     runs = {}
     for name, opts in (("graphs", {}), ("eager", {"enforce_eager": True})):
         with LLM(src, kv_cache_dtype="fp8", skip_tokenizer_init=True, async_scheduling=async_scheduling,
-                 gpu_memory_utilization=0.3, max_model_len=256, **opts) as llm:
+                 gpu_memory_utilization=0.5, max_model_len=256, **opts) as llm:
             runs[name] = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         release()
     assert runs["graphs"] == runs["eager"]
@@ -116,11 +120,16 @@ def test_fp8_kv_cache_under_graphs_in_both_scheduling_modes(checkpoints, async_s
 def test_fp8_checkpoint_against_transformers_and_the_bf16_model(checkpoints) -> None:
     """Our FP8 executor walks each HF model's greedy tokens; at the first token it would not
     pick, each side's token is in the other's top-5 (``test_model_gpu``'s rule)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     src, fp8, prompts = checkpoints
     ours = executor(fp8)
-    for path, kwargs in ((fp8, {}), (src, {"dtype": torch.bfloat16})):
+    # transformers' FP8 matmul is a kernel fetched from the Hub at first use (the `kernels`
+    # package), which a machine without network cannot get: it reads the checkpoint's e4m3
+    # weights and block scales and dequantizes them at load (``dequantize=True``), then runs
+    # in bf16 with unquantized activations.
+    fp8_kwargs = {"dtype": torch.bfloat16, "quantization_config": FineGrainedFP8Config(dequantize=True)}
+    for path, kwargs in ((fp8, fp8_kwargs), (src, {"dtype": torch.bfloat16})):
         hf = AutoModelForCausalLM.from_pretrained(path, device_map="cuda", **kwargs).eval()
         agreed = [assert_top5_at_first_difference(ours, hf, p, STEPS) for p in prompts]
         print(f"\n[fp8 weights vs transformers {'FP8' if path == fp8 else 'bf16'}] tokens agreed per prompt: {agreed}")

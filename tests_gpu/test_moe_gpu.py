@@ -75,7 +75,7 @@ def test_greedy_fp32_matches_hf_with_graphs(checkpoint, async_scheduling: bool) 
     llm = None
     try:
         llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
-                  num_blocks=2048, async_scheduling=async_scheduling)
+                  num_blocks=2048, max_num_batched_tokens=256, async_scheduling=async_scheduling)
         got = [list(o.token_ids) for o in llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)]
         print(f"qwen3-moe {'async' if async_scheduling else 'sync'}: cached tokens "

@@ -46,12 +46,13 @@ class CudaGraphRunner:
         kv_cache: the whole KV cache (static: graphs bake in its address).
         prev_sampled: the executor's buffer of last-step samples (static too).
         hidden_size: width of the forward's output rows.
+        dtype: the activations' dtype (the model's; the cache's may be e4m3).
         max_blocks_per_seq: block-table width W (max_model_len / block_size).
         capture_sizes: batch sizes to capture.
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
-                 prev_sampled: torch.Tensor, hidden_size: int, max_blocks_per_seq: int,
+                 prev_sampled: torch.Tensor, hidden_size: int, dtype: torch.dtype, max_blocks_per_seq: int,
                  capture_sizes: list[int]) -> None:
         if not capture_sizes or min(capture_sizes) < 1:
             raise ValueError(f"capture_sizes must be positive batch sizes, got {capture_sizes}")
@@ -66,7 +67,7 @@ class CudaGraphRunner:
         self.kv_lens = torch.zeros(g, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((g, self.width), -1, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros(g, hidden_size, dtype=kv_cache.dtype, device=dev)
+        self.hidden = torch.zeros(g, hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self._capture(forward, kv_cache)

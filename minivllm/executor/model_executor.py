@@ -272,7 +272,7 @@ class ModelExecutor:
         self.prefill_graph_runner: PrefillGraphRunner | None = None
         if use_graphs:
             self.graph_runner = CudaGraphRunner(
-                self.model.forward, self.kv_cache, self.prev_sampled, model_config.hidden_size,
+                self.model.forward, self.kv_cache, self.prev_sampled, model_config.hidden_size, self.dtype,
                 cdiv(self.max_model_len, self.block_size), default_capture_sizes(self.max_num_seqs))
             self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
 
@@ -315,7 +315,7 @@ class ModelExecutor:
         token budget); ``capture=False`` runs the padded forward eagerly (the CPU, tests)."""
         attn = self.model.model.layers[0].self_attn
         return PrefillGraphRunner(
-            self.model.forward, self.kv_cache, self.prev_sampled, self.model_config.hidden_size,
+            self.model.forward, self.kv_cache, self.prev_sampled, self.model_config.hidden_size, self.dtype,
             attn.num_heads, self.num_kv_heads, self.model_config.head_dim, self.max_num_seqs,
             cdiv(self.max_model_len, self.block_size),
             buckets or default_prefill_buckets(self.max_num_batched_tokens), capture)

@@ -49,6 +49,7 @@ class PrefillGraphRunner:
         kv_cache: the whole KV cache (its address is baked into the graphs).
         prev_sampled: the executor's buffer of last-step samples.
         hidden_size: width of the forward's output rows.
+        dtype: the activations' dtype (the model's; the cache's may be e4m3).
         num_heads, num_kv_heads, head_dim: the attention shape on this rank (tile sizes).
         max_num_seqs: most sequences in a step.
         max_blocks_per_seq: block-table width W.
@@ -57,8 +58,8 @@ class PrefillGraphRunner:
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
-                 prev_sampled: torch.Tensor, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, max_num_seqs: int, max_blocks_per_seq: int, buckets: list[int],
+                 prev_sampled: torch.Tensor, hidden_size: int, dtype: torch.dtype, num_heads: int,
+                 num_kv_heads: int, head_dim: int, max_num_seqs: int, max_blocks_per_seq: int, buckets: list[int],
                  capture: bool) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive token counts, got {buckets}")
@@ -71,7 +72,7 @@ class PrefillGraphRunner:
         dev, t = kv_cache.device, self.buckets[-1]
         # Per bucket: tokens per q tile of the config its graph bakes in, and the map's rows
         # (every tile of B sequences and the padding one: tokens / tile + a part tile each).
-        self.block_q = {b: tile_rows(default_config(kv_cache.dtype, head_dim, b), num_heads, num_kv_heads)
+        self.block_q = {b: tile_rows(default_config(dtype, head_dim, b), num_heads, num_kv_heads)
                         for b in self.buckets}
         self.capacity = {b: -(-b // self.block_q[b]) + max_num_seqs + 1 for b in self.buckets}
         s = max_num_seqs + 1  # the step's sequences and the padding one
@@ -83,7 +84,7 @@ class PrefillGraphRunner:
         self.kv_lens = torch.zeros(s, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((s, self.width), -1, dtype=torch.int32, device=dev)
         self.tile_map = torch.full((max(self.capacity.values()), 2), -1, dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros(t, hidden_size, dtype=kv_cache.dtype, device=dev)
+        self.hidden = torch.zeros(t, hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         if capture:

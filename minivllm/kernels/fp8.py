@@ -56,8 +56,13 @@ SCALE_MODES: tuple[str, ...] = ("block", "channel")
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The float32 scale of groups whose largest magnitude is ``amax`` (module doc)."""
-    return amax.float().clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX
+    """The float32 scale of groups whose largest magnitude is ``amax`` (module doc), the
+    correctly rounded quotient. Divided by a tensor: torch on CUDA divides by a Python
+    number as a multiplication by its rounded reciprocal, one ulp off amax / 448 for many
+    amax, which moves the ties of bf16 inputs (common: x * 448 / amax is often short) to
+    the other side from the kernels' division."""
+    amax = amax.float().clamp(min=AMAX_FLOOR)
+    return amax / torch.full_like(amax, FP8_E4M3_MAX)
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,

@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -55,6 +56,9 @@ from minivllm.kernels.fp8 import (
 )
 
 _DTYPES = (torch.bfloat16, torch.float16)
+# cuBLASLt's block-scaled GEMM (torch 2.11, CUDA 13, H200) refused one row of x
+# (CUBLAS_STATUS_NOT_SUPPORTED) and took 16 and 300: fewer rows are padded with zeros.
+_SCALED_MM_MIN_ROWS = 16
 # The quantization constants as kernel constants (one definition: kernels/fp8.py).
 _FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
 _AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
@@ -185,17 +189,20 @@ def scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
             mode (module doc); on CUDA, torch raises where the device or cuBLAS lacks it.
     """
     check_args(x, weight, weight_scale, mode)
+    rows = x.shape[0]
     if mode == "block":
         if x.device.type != "cuda":
             raise NotImplementedError(f"torch._scaled_mm scales 1x128 x 128x128 blocks on CUDA only (cuBLASLt, "
                                       f"Hopper); on {x.device.type} it takes per-tensor and row-wise scales")
-        x_fp8, x_scale = quantize_fp8_per_token_group(x)
+        # One row's (1, K/128) scales read as row-major, refused: fewer rows are padded.
+        padded = F.pad(x, (0, 0, 0, max(_SCALED_MM_MIN_ROWS - rows, 0)))
+        x_fp8, x_scale = quantize_fp8_per_token_group(padded)
         # (M, cdiv(K, 128)) outer-dim-major, and W's (cdiv(N, 128), cdiv(K, 128)) seen from W^T.
         scale_a, scale_b = x_scale.t().contiguous().t(), weight_scale.t()
     else:
         x_fp8, scale_a = quantize_fp8_per_token(x)
         scale_b = weight_scale[None, :]
-    return torch._scaled_mm(x_fp8, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
+    return torch._scaled_mm(x_fp8, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)[:rows]
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode) -> None:

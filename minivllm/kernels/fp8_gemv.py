@@ -48,16 +48,29 @@ from minivllm.kernels.gemv import NORM_BLOCK_MAX, _input_rstd, _one_row_input, _
 
 @dataclass(frozen=True)
 class Fp8GemvConfig:
-    """Tile and launch parameters (a tuning knob, not semantics; not tuned on a GPU)."""
+    """Tile and launch parameters (a tuning knob, not semantics). Defaults by scale mode:
+    :func:`default_config`."""
 
     block_n: int = 16         # output columns (W rows) per program; power of two >= 1
-    block_k: int = 512        # reduction step; power of two >= 16
+    block_k: int = 512        # reduction step; power of two >= 16; block scales: divides 128
     num_warps: int = 4
     num_stages: int = 3       # W tiles in flight per program (tl.range pipelining)
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n)
         check_tile_config(self, ("block_k",))
+
+
+# Measured on an H200 at Qwen3-0.6B and -8B shapes (docs/tuning.md, "FP8 GEMV tiles"): with
+# block scales the best step of one scale group was 16 columns; without per-tile scales
+# 8 columns of 512.
+BLOCK_SCALED_CONFIG = Fp8GemvConfig(block_n=16, block_k=128)
+CHANNEL_CONFIG = Fp8GemvConfig(block_n=8, block_k=512)
+
+
+def default_config(mode: ScaleMode) -> Fp8GemvConfig:
+    """The tiles for weights with scales of ``mode``."""
+    return BLOCK_SCALED_CONFIG if mode == "block" else CHANNEL_CONFIG
 
 
 @triton.jit
@@ -95,13 +108,13 @@ def _fp8_gemv_kernel(
             tl.extra.cuda.gdc_wait()
         if NORM:
             rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK)
-        acc = _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, offs_k, col_ok, K, acc, BLOCK_SCALES,
-                              EVEN_N, EVEN_K, GROUP, GATED, NORM, HAS_RESIDUAL)
+        acc = _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, 0, offs_k, col_ok, K, acc, BLOCK_SCALES,
+                              EVEN_K, GROUP, GATED, NORM, HAS_RESIDUAL)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
-        acc = _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k0 + offs_k, col_ok, K, acc, BLOCK_SCALES,
-                              EVEN_N, EVEN_K, GROUP, GATED, NORM, HAS_RESIDUAL)
+        acc = _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k0, k0 + offs_k, col_ok, K, acc,
+                              BLOCK_SCALES, EVEN_K, GROUP, GATED, NORM, HAS_RESIDUAL)
     if PDL:  # W is streamed: the next GEMV may load its first tile during this one's stores
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)                                           # (BLOCK_N,)
@@ -111,37 +124,41 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
-def _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k, col_ok, K, acc, BLOCK_SCALES: tl.constexpr,
-                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
+def _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k0, k, col_ok, K, acc, BLOCK_SCALES: tl.constexpr,
+                    EVEN_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """``acc + w' * x[k]`` for the fp8 tile ``w`` at columns ``k`` (``scaled_tile``), x the
-    input row as GATED / NORM make it (``gemv._one_row_input``)."""
+    """``acc + w' * x[k]`` for the fp8 tile ``w`` at columns ``k`` = k0 + (0..BLOCK_K)
+    (``scaled_tile``), x the input row as GATED / NORM make it (``gemv._one_row_input``)."""
     mask = None if EVEN_K else k < K
     x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED, NORM, HAS_RESIDUAL)
-    return acc + scaled_tile(w, ws_rows, k, col_ok, K, BLOCK_SCALES, EVEN_N, EVEN_K, GROUP) * x.to(tl.float32)[None, :]
+    return acc + scaled_tile(w, ws_rows, k0, col_ok, BLOCK_SCALES, GROUP) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
-def scaled_tile(w, ws_rows, k, col_ok, K, BLOCK_SCALES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                GROUP: tl.constexpr):
-    """The fp8 tile ``w`` (BLOCK_N, BLOCK_K) at columns ``k`` in fp32, times its block scales
-    (BLOCK_SCALES: the rows' scales at ``ws_rows``); else as it is (a channel scale comes
-    after the sum)."""
+def scaled_tile(w, ws_rows, k0, col_ok, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr):
+    """The fp8 tile ``w`` (BLOCK_N, BLOCK_K) starting at column ``k0`` in fp32, times its
+    block scales (BLOCK_SCALES: the rows' scales at ``ws_rows``); else as it is (a channel
+    scale comes after the sum). A block-scaled tile lies inside one 128-column scale group
+    (``check_block_k``), so its scale is one per row: a (BLOCK_N,) load. (Loading a scale per
+    element instead made the GEMV 20-30 times slower on an H200: docs/tuning.md.)"""
     w32 = w.to(tl.float32)
     if BLOCK_SCALES:
-        scale_ptrs = ws_rows[:, None] + (k // GROUP)[None, :]
-        if EVEN_N and EVEN_K:
-            w32 = w32 * tl.load(scale_ptrs)
-        else:
-            w32 = w32 * tl.load(scale_ptrs, mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+        w32 = w32 * tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)[:, None]
     return w32
+
+
+def check_block_k(block_k: int, mode: ScaleMode | None) -> None:
+    """Raise ValueError unless a reduction step of ``block_k`` columns fits the scale mode:
+    with 128x128 block scales a tile must lie inside one scale group."""
+    if mode == "block" and FP8_GROUP % block_k:
+        raise ValueError(f"with block scales the reduction step must divide {FP8_GROUP}, got block_k={block_k}")
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode,
              config: Fp8GemvConfig | None = None, *, gated: bool = False, pdl: bool = False) -> torch.Tensor:
     """``x @ W^T`` (1, N) in x's dtype for one row x (1, K) and fp8 W with scales of ``mode``
     (arguments as :func:`minivllm.kernels.fp8_gemm.fp8_gemm`'s; ``config`` None:
-    ``Fp8GemvConfig()``). ``gated``: x is (1, 2K) = [gate | up] and the input is
+    ``default_config(mode)``). ``gated``: x is (1, 2K) = [gate | up] and the input is
     ``silu(gate) * up`` (the SiLU-and-mul kernel's rounding). ``pdl``: take part in
     programmatic dependent launch where the device allows it; the same bits either way.
 
@@ -198,7 +215,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, m
             pdl: bool = False) -> None:
     """Launch the kernel on checked arguments; ``norm``: (norm weight, eps, residual or None,
     the buffer for x + residual)."""
-    config = config or Fp8GemvConfig()
+    config = config or default_config(mode)
+    check_block_k(config.block_k, mode)
     n, k = weight.shape
     if n == 0:
         return
