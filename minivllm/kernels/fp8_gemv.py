@@ -26,8 +26,8 @@ without a launch of their own; program 0 writes x + residual as the new residual
 W tile loads before ``griddepcontrol.wait`` and the next kernel may start after the K loop,
 as in ``kernels/gemv.py`` (its module doc; ``_launch.pdl_supported``).
 
-Tiles are guesses, not tuned on a GPU: the one-row bf16 GEMV's register budget (a 16 x 512
-fp32 tile a program).
+Tiles by scale mode (``default_config``), from a sweep on an H200 (docs/tuning.md, "FP8"): with
+block scales a tile is one 128-column scale group, so its scale is one load per row.
 
 Torch reference: :func:`minivllm.kernels.reference.fp8_gemv_reference`.
 """
