@@ -1,7 +1,7 @@
 """8-bit beside 16-bit in one run: the FP8 KV cache and FP8 weights against bf16 on the
 same shapes, for speed and for accuracy.
 
-    PYTHONPATH=. python3 -m benchmarks.fp8 [--parts offline,long_context,accuracy] [--rounds 2]
+    PYTHONPATH=. python3 -m benchmarks.fp8 [--parts offline,long_context,attention,accuracy] [--rounds 2]
         [--variants bf16,fp8-kv,fp8-weights,fp8-weights-channel] [--shapes qwen3-0.6b|qwen3-8b] [--smoke]
 
 Variants: ``bf16`` (the model's dtype everywhere), ``fp8-kv`` (``kv_cache_dtype="fp8"``),
@@ -16,10 +16,14 @@ checkpoint for accuracy (``fp8-weights`` there: the checkpoint converted by
   engine per variant and round (a fresh process-wide pool each time: each engine sizes its
   KV pool from the memory left free), rounds alternating the order (A B, B A, ...); the
   median of the rounds per variant, beside its goals: fp8-kv >= 40,000 tok/s at Qwen3-0.6B;
-  fp8-weights batch-1 <= 0.6 ms/token at Qwen3-0.6B, <= 2.6 at Qwen3-8B.
+  fp8-weights batch-1 <= 0.6 ms/token at Qwen3-0.6B, <= 2.6 at Qwen3-8B. On a GPU, round 0
+  of each variant also profiles batch-1 decode steps (``benchmarks.throughput``'s
+  ``profile_decode``: GPU time per step, the costliest kernels).
 - long_context: ``benchmarks.long_context``'s decode step at 16 x 8,192 per variant, beside
   its floor (the K/V at the cache's bytes plus the weights, over the copy bandwidth); goal:
   fp8-kv <= 3.0 ms/step.
+- attention: the decode attention kernel alone at the same shape over a bf16 and an e4m3
+  cache: us a call and the K/V bytes a second against the copy bandwidth.
 - accuracy: each variant against bf16 on a saved checkpoint (weights N(0, 0.1), bf16
   values): 16 prompts x 64 greedy tokens, the top-5 rule at the first difference and the
   mean KL(bf16 || variant) of next-token distributions on bf16's tokens
@@ -46,10 +50,10 @@ import torch
 
 from benchmarks.accuracy import make_bf16_checkpoint, random_prompts
 from benchmarks.long_context import minivllm_decode
-from benchmarks.qwen3_shapes import SMOKE_SHAPES, write_random_config
+from benchmarks.qwen3_shapes import SHAPES, SMOKE_SHAPES, write_random_config
 from benchmarks.report import write_summary
 from benchmarks.throughput import (add_common_args, bench_device, build_llm, median_run, met, model_path,
-                                   offline_workload, run_batch1, run_offline)
+                                   offline_workload, profile_decode, run_batch1, run_offline)
 
 # Engine options of each variant; FP8_CHECKPOINT: the variant reads a Qwen3-FP8-format model.
 FP8_CHECKPOINT = "fp8_checkpoint"
@@ -70,7 +74,7 @@ SMOKE_FP8_SHAPES = {**SMOKE_SHAPES, "hidden_size": 256, "intermediate_size": 256
 # What Qwen3-FP8 checkpoints' config.json holds (fixtures/fp8_checkpoint.py writes the same).
 QWEN_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
-PARTS = ("offline", "long_context", "accuracy")
+PARTS = ("offline", "long_context", "attention", "accuracy")
 
 
 def release() -> None:
@@ -123,6 +127,9 @@ def offline_part(args: argparse.Namespace, path: str, device: str) -> dict[str, 
             run = run_offline(llm, wl, stream=1 + r, label=f"{name}, round {r}")
             run["kv_blocks"] = llm.engine.num_blocks
             run["batch1"] = run_batch1(llm, 100 + r, f"{name}, round {r}", args.smoke, wl.id_limit)
+            if device == "cuda" and r == 0:  # where a batch-1 step's GPU time goes, kernel by kernel
+                print(f"[{name}]", end=" ")
+                run["decode_kernels"] = profile_decode(llm, wl.id_limit)
             runs[name].append(run)
             llm.close()
             del llm
@@ -158,6 +165,51 @@ def long_context_part(args: argparse.Namespace, path: str, device: str) -> dict[
         llm.close()
         del llm
         release()
+    return out
+
+
+# ---- the decode attention kernel alone ------------------------------------------------
+
+def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """The decode attention kernel by itself at the long-context part's shape (its prompts x
+    its length, the model's heads), over a bf16 cache and an e4m3 one of the same values:
+    us a call (in a CUDA graph; on the CPU, the interpreter's wall time) and the K/V bytes
+    it reads a second. Separates the kernel from the rest of a long-context step."""
+    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.reference import quantize_kv_reference
+
+    from benchmarks.gpu_timing import copy_bandwidth_gbs, graph_us
+
+    numbers = SMOKE_FP8_SHAPES if args.smoke else SHAPES[args.shapes][1]
+    heads, kv_heads, dim = numbers["num_attention_heads"], numbers["num_key_value_heads"], numbers["head_dim"]
+    batch, context, block = (2, 64, 16) if args.smoke else (args.long_prompts, args.long_len, 64)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    width = context // block
+    shape = (batch * width, block, kv_heads, dim)
+    q = torch.randn(batch, heads, dim, generator=gen, device=device).bfloat16()
+    k, v = (torch.randn(shape, generator=gen, device=device).bfloat16() for _ in range(2))
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    tables = torch.randperm(batch * width, generator=gen, device=device).to(torch.int32).view(batch, width)
+    one = torch.ones(1, device=device)
+    caches = {"bf16": (k, v, {}),
+              "fp8": (quantize_kv_reference(k, one), quantize_kv_reference(v, one), dict(k_scale=one, v_scale=one))}
+    gbs = copy_bandwidth_gbs(device, 1 << 30 if device == "cuda" else 1 << 20)
+    out = {}
+    for name, (kc, vc, scales) in caches.items():
+        def call(_: int, kc=kc, vc=vc, scales=scales) -> torch.Tensor:
+            return decode_attention(q, kc, vc, lens, tables, dim ** -0.5, **scales)
+        if device == "cuda":
+            us = graph_us(call, 1)
+        else:
+            call(0)
+            t0 = time.perf_counter()
+            call(0)
+            us = (time.perf_counter() - t0) * 1e6
+        kv = 2 * kc.numel() * kc.element_size()
+        out[name] = dict(us=us, kv_bytes=kv, gbs=kv / us / 1e3, copy_fraction=kv / us / 1e3 / gbs)
+        print(f"decode attention [{name} cache]: {batch} x {context:,}, {heads}/{kv_heads} heads of {dim}: "
+              f"{us:.1f} us, K/V {kv / 1e9:.3f} GB = {out[name]['gbs']:,.0f} GB/s = "
+              f"{100 * out[name]['copy_fraction']:.1f}% of copy {gbs:,.0f} GB/s", flush=True)
     return out
 
 
@@ -272,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
         write_summary("fp8", res)
     if "long_context" in args.parts:
         res["long_context"] = long_context_part(args, path, device)
+        write_summary("fp8", res)
+    if "attention" in args.parts:
+        res["attention"] = attention_part(args, device)
         write_summary("fp8", res)
     if "accuracy" in args.parts:
         res["accuracy"] = accuracy_part(args, device)

@@ -66,7 +66,7 @@ from benchmarks.long_context import kv_bytes_per_token
 from benchmarks.qwen3_shapes import SMOKE_MOE_SHAPES, SMOKE_SHAPES, write_random_config
 from benchmarks.report import write_summary
 from benchmarks.throughput import (Workload, bench_device, build_llm, median_run, met, offline_workload,
-                                   run_batch1, run_offline, sync)
+                                   profile_decode, run_batch1, run_offline, sync)
 from minivllm.config import FP8_WEIGHT_BLOCK, ModelConfig, cdiv
 
 if TYPE_CHECKING:
@@ -230,6 +230,8 @@ def engine_part(args: argparse.Namespace, path: str, device: str, c: ModelConfig
     workloads = [offline_workload(n, args.seed, args.smoke) for n in args.num_requests]
     results["batch1"] = batch1(llm, args, c, fmt, kv_token, gbs, workloads[0].id_limit)
     print_batch1(results["batch1"])
+    if device == "cuda":  # where a batch-1 step's GPU time goes, kernel by kernel
+        results["decode_kernels"] = profile_decode(llm, workloads[0].id_limit)
     write_summary(summary, results)
     results["offline"] = []
     for i, wl in enumerate(workloads):

@@ -212,8 +212,14 @@ def fp8_section(runs: Summaries) -> list[str]:
                          fmt(lc.get("floor_ms"), ".3f"),
                          "-" if not a else f"{a['top5_failures']} / {a['prompts']}",
                          fmt(a.get("mean_kl"), ".2e"), goals])
-    return table(["summary", "variant", "offline tok/s", "KV blocks", "batch-1 ms/token", "long-context decode ms",
-                  "its floor ms", "top-5 rule broken", "mean KL vs bf16", "goals"], rows)
+    lines = table(["summary", "variant", "offline tok/s", "KV blocks", "batch-1 ms/token", "long-context decode ms",
+                   "its floor ms", "top-5 rule broken", "mean KL vs bf16", "goals"], rows)
+    kernel = [[stem, name, fmt(r.get("us"), ".1f"), fmt(r.get("kv_bytes", 0) / 1e9, ".3f"), fmt(r.get("gbs"), ",.0f"),
+               fmt(100 * r.get("copy_fraction", 0), ".1f")]
+              for stem, d in runs for name, r in d.get("attention", {}).items()]
+    if kernel:
+        lines += [""] + table(["summary", "decode attention, cache", "us", "K/V GB", "GB/s", "% of copy"], kernel)
+    return lines
 
 
 def _met(ok: bool | None) -> str:

@@ -19,6 +19,8 @@ def test_smoke_run_writes_every_part_and_its_section(tmp_path: Path, monkeypatch
     fp8.main(["--smoke", "--model-dir", str(tmp_path / "model"), "--variants", ",".join(variants)])
     d = json.loads((tmp_path / "out" / "fp8.json").read_text())
     assert list(d["offline"]) == list(d["long_context"]) == variants and list(d["accuracy"]) == variants[1:]
+    assert list(d["attention"]) == ["bf16", "fp8"] and all(r["us"] > 0 and r["gbs"] > 0 for r in d["attention"].values())
+    assert d["attention"]["fp8"]["kv_bytes"] * 2 == d["attention"]["bf16"]["kv_bytes"]
     for r in d["offline"].values():
         assert len(r["rounds"]) == 2 and r["tok_s"] > 0 and r["batch1"]["ms_per_token"] > 0
     # --smoke keeps the default shapes' goals in view (the numbers mean nothing on the CPU).
@@ -33,4 +35,4 @@ def test_smoke_run_writes_every_part_and_its_section(tmp_path: Path, monkeypatch
     assert "batch-1 ms/token [fp8-weights]:" in out and "goal <= 0.600" in out
     assert "long-context decode ms/step [fp8-kv]:" in out and "goal <= 3.000" in out
     page = report.render(report.load(tmp_path / "out"))
-    assert "benchmarks.fp8" in page and "| fp8 | fp8-weights |" in page
+    assert "benchmarks.fp8" in page and "| fp8 | fp8-weights |" in page and "| fp8 | fp8 |" in page
