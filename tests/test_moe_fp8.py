@@ -23,12 +23,11 @@ from tests.test_moe_kernels import crafted_ids, expert_weights  # noqa: E402
 
 MODES = ("block", "channel")
 DTYPES = (torch.bfloat16, torch.float16)
-# K steps of 64 inside each 128-column scale group, and of one whole group (a block-scaled
-# tile never spans two groups: fp8_gemv.check_block_k).
+# K steps of 64 inside each 128-column scale group, and of two whole groups.
 GEMV_TILES = [{"gate_up_config": MoeGemvConfig(block_n=32, block_k=64, num_stages=2),
                "down_config": MoeGemvConfig(block_n=32, block_k=64, num_stages=2)},
-              {"gate_up_config": MoeGemvConfig(block_n=32, block_k=128, num_stages=2),
-               "down_config": MoeGemvConfig(block_n=32, block_k=128, num_stages=2)}]
+              {"gate_up_config": MoeGemvConfig(block_n=32, block_k=256, num_stages=2),
+               "down_config": MoeGemvConfig(block_n=32, block_k=256, num_stages=2)}]
 
 
 def quantized_experts(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,7 +52,7 @@ class Fp8GemvConfig:
     :func:`default_config`."""
 
     block_n: int = 16         # output columns (W rows) per program; power of two >= 1
-    block_k: int = 512        # reduction step; power of two >= 16; block scales: divides 128
+    block_k: int = 512        # reduction step; power of two >= 16
     num_warps: int = 4
     num_stages: int = 3       # W tiles in flight per program (tl.range pipelining)
 
@@ -131,27 +131,28 @@ def _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k0, k, col_ok, K, ac
     (``scaled_tile``), x the input row as GATED / NORM make it (``gemv._one_row_input``)."""
     mask = None if EVEN_K else k < K
     x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED, NORM, HAS_RESIDUAL)
-    return acc + scaled_tile(w, ws_rows, k0, col_ok, BLOCK_SCALES, GROUP) * x.to(tl.float32)[None, :]
+    return acc + scaled_tile(w, ws_rows, k0, col_ok, K, BLOCK_SCALES, GROUP) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
-def scaled_tile(w, ws_rows, k0, col_ok, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr):
+def scaled_tile(w, ws_rows, k0, col_ok, K, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr):
     """The fp8 tile ``w`` (BLOCK_N, BLOCK_K) starting at column ``k0`` in fp32, times its
-    block scales (BLOCK_SCALES: the rows' scales at ``ws_rows``); else as it is (a channel
-    scale comes after the sum). A block-scaled tile lies inside one 128-column scale group
-    (``check_block_k``), so its scale is one per row: a (BLOCK_N,) load. (Loading a scale per
-    element instead made the GEMV 20-30 times slower on an H200: docs/tuning.md.)"""
+    block scales (BLOCK_SCALES: the rows' scales at ``ws_rows``, cdiv(K, GROUP) a row); else
+    as it is (a channel scale comes after the sum). A tile is one scale group or part of one
+    (one scale a row: a (BLOCK_N,) load), or whole groups (a (BLOCK_N, groups) load, the tile
+    seen as (BLOCK_N, groups, GROUP)): a power-of-two step is always one or the other. (A scale loaded for every element
+    instead made the GEMV 20-30 times slower on an H200: docs/tuning.md.)"""
     w32 = w.to(tl.float32)
     if BLOCK_SCALES:
-        w32 = w32 * tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)[:, None]
+        if w.shape[1] <= GROUP:
+            w32 = w32 * tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)[:, None]
+        else:
+            groups: tl.constexpr = w.shape[1] // GROUP
+            g = k0 // GROUP + tl.arange(0, groups)
+            s = tl.load(ws_rows[:, None] + g[None, :], mask=col_ok[:, None] & (g < tl.cdiv(K, GROUP))[None, :],
+                        other=0.0)
+            w32 = tl.reshape(tl.reshape(w32, (w.shape[0], groups, GROUP)) * s[:, :, None], w.shape)
     return w32
-
-
-def check_block_k(block_k: int, mode: ScaleMode | None) -> None:
-    """Raise ValueError unless a reduction step of ``block_k`` columns fits the scale mode:
-    with 128x128 block scales a tile must lie inside one scale group."""
-    if mode == "block" and FP8_GROUP % block_k:
-        raise ValueError(f"with block scales the reduction step must divide {FP8_GROUP}, got block_k={block_k}")
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode,
@@ -216,7 +217,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, m
     """Launch the kernel on checked arguments; ``norm``: (norm weight, eps, residual or None,
     the buffer for x + residual)."""
     config = config or default_config(mode)
-    check_block_k(config.block_k, mode)
     n, k = weight.shape
     if n == 0:
         return

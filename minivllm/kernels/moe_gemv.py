@@ -44,7 +44,7 @@ import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_power_of_two, check_same_device, check_tile_config, takes_pdl
 from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
-from minivllm.kernels.fp8_gemv import check_block_k, scaled_tile
+from minivllm.kernels.fp8_gemv import scaled_tile
 from minivllm.kernels.fused_moe import _scale_ptrs, check_experts
 from minivllm.kernels.gemv import _w_tile
 from minivllm.kernels.silu_and_mul import gated_silu
@@ -68,8 +68,8 @@ class MoeGemvConfig:
 
 GATE_UP_CONFIG = MoeGemvConfig(block_n=4, block_k=512)   # K = hidden (2048 at Qwen3-30B-A3B)
 DOWN_CONFIG = MoeGemvConfig(block_n=4, block_k=256)      # K = moe_intermediate (768)
-# Block-scaled FP8 experts, both stages: a tile inside one 128-column scale group, with the
-# one-row FP8 GEMV's measured best tiles for that step (fp8_gemv.BLOCK_SCALED_CONFIG).
+# Block-scaled FP8 experts, both stages: the one-row FP8 GEMV's measured tiles for them
+# (fp8_gemv.BLOCK_SCALED_CONFIG, one 128-column scale group a step).
 BLOCK_SCALED_CONFIG = MoeGemvConfig(block_n=16, block_k=128)
 
 
@@ -83,7 +83,7 @@ def _row_dot(w_rows, ws_rows, x_row, K, col_ok, FP8: tl.constexpr, BLOCK_SCALES:
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = scaled_tile(_w_tile(w_rows, k, col_ok, K, False, False), ws_rows, k0, col_ok, BLOCK_SCALES, GROUP)
+        w = scaled_tile(_w_tile(w_rows, k, col_ok, K, False, False), ws_rows, k0, col_ok, K, BLOCK_SCALES, GROUP)
         acc += w * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if FP8 and not BLOCK_SCALES:
@@ -169,8 +169,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         topk_ids: (T, k) int32 contiguous, every id in [0, E) (not checked: that would read
             the ids on the host).
         gate_up_config, down_config: tiles of the two stages (None: ``GATE_UP_CONFIG``,
-            ``DOWN_CONFIG``; ``BLOCK_SCALED_CONFIG`` for block-scaled FP8 experts, whose steps
-            must divide 128).
+            ``DOWN_CONFIG``; ``BLOCK_SCALED_CONFIG`` for block-scaled FP8 experts).
         w13_scale, w2_scale: float32 scales of FP8 experts (None for 16-bit ones), as
             :func:`minivllm.kernels.fused_moe.check_experts` says; their rank is the mode.
         pdl: take part in programmatic dependent launch where the device allows it.
@@ -183,8 +182,6 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     mode = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     gate_up_config = gate_up_config or (BLOCK_SCALED_CONFIG if mode == "block" else GATE_UP_CONFIG)
     down_config = down_config or (BLOCK_SCALED_CONFIG if mode == "block" else DOWN_CONFIG)
-    check_block_k(gate_up_config.block_k, mode)
-    check_block_k(down_config.block_k, mode)
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
