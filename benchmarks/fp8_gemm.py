@@ -1,7 +1,7 @@
 """The FP8 linear-layer kernels (``kernels/fp8_gemm.py``, ``kernels/fp8_gemv.py``) against
 cuBLAS in bf16 and ``torch._scaled_mm``, at the linear shapes of Qwen3-0.6B and Qwen3-8B.
 
-    PYTHONPATH=. python3 -m benchmarks.fp8_gemm [--quick] [--rows 1,16,64,256,2048]
+    PYTHONPATH=. python3 -m benchmarks.fp8_gemm [--quick] [--sweep] [--rows 1,16,64,256,2048]
         [--models 0.6b,8b] [--modes block,channel]
     TRITON_INTERPRET=1 PYTHONPATH=. python3 -m benchmarks.fp8_gemm --smoke
 
@@ -30,7 +30,10 @@ holds none of them. Each number:
 - ``TFLOP/s``: 2 M N K over ``us`` (the measure where M is large and the product compute-bound);
 - ``x cuBLAS``: cuBLAS bf16's us over this one's.
 
-``--quick``: M = 1, 64, 2048 only. ``--smoke``: on the CPU under ``TRITON_INTERPRET=1``
+``--sweep``: also every tile config of ``GEMV_SWEEP`` (one row) and ``GEMM_SWEEP`` (more rows),
+each checked and timed as a contender of its own (``fp8_gemv[16x128 w4 s3]``), and per row the
+fastest of each kernel beside its default's time: the run that sets
+``fp8_gemv.default_config`` and ``fp8_gemm.default_config``. ``--quick``: M = 1, 64, 2048 only. ``--smoke``: on the CPU under ``TRITON_INTERPRET=1``
 (the Triton kernels in the interpreter), tiny shapes, every check, nothing timed, no CUDA
 call. Summary: ``$OUT/fp8_gemm.json``.
 """
@@ -52,8 +55,8 @@ from minivllm.envs import TRITON_INTERPRET, triton_interpreted
 from minivllm.kernels.fp8 import (
     SCALE_MODES, ScaleMode, dequantize_fp8_weight, quantize_fp8_block, quantize_fp8_per_channel,
 )
-from minivllm.kernels.fp8_gemm import fp8_gemm, scaled_mm_fp8
-from minivllm.kernels.fp8_gemv import fp8_gemv
+from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8
+from minivllm.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
 from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference
 
 ROWS = (1, 16, 64, 256, 2048)
@@ -136,6 +139,42 @@ CONTENDERS: tuple[Contender, ...] = (
 )
 
 
+# Tiles --sweep times: (block_n, block_k, num_warps, num_stages) of the one-row GEMV, (block_m,
+# block_n, num_warps, num_stages) of the GEMM; the smoke run checks two of each.
+GEMV_SWEEP = [(bn, bk, 4, ns) for bn in (8, 16, 32) for bk in (128, 256, 512) for ns in (3, 6)]
+GEMM_SWEEP = [(16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4), (128, 64, 4, 4),
+              (128, 128, 8, 3), (128, 128, 8, 4)]
+SMOKE_SWEEP = ([(8, 256, 4, 2), (16, 128, 4, 3)], [(16, 64, 4, 2), (32, 32, 4, 2)])
+
+
+def sweep_contenders(gemv_tiles: list[tuple[int, ...]], gemm_tiles: list[tuple[int, ...]]) -> tuple[Contender, ...]:
+    """One contender per tile config: the GEMV's at one row, the GEMM's at more."""
+    out = []
+    for bn, bk, nw, ns in gemv_tiles:
+        cfg = Fp8GemvConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        out.append(Contender(f"fp8_gemv[{bn}x{bk} w{nw} s{ns}]", lambda x, w, c, cfg=cfg: fp8_gemv(
+            x, *w.fp8_args(c), config=cfg), dequantized_reference, reads_fp8=True, one_row=True))
+    for bm, bn, nw, ns in gemm_tiles:
+        cfg = Fp8GemmConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+        out.append(Contender(f"fp8_gemm[{bm}x{bn} w{nw} s{ns}]", lambda x, w, c, cfg=cfg: fp8_gemm(
+            x, *w.fp8_args(c), config=cfg), w8a8_reference, reads_fp8=True))
+    return tuple(out)
+
+
+def best_of_sweep(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per kernel (``fp8_gemv``, ``fp8_gemm``): its fastest swept tiles and their us beside
+    the default's (the contender without tiles in its name)."""
+    best = {}
+    for kernel in ("fp8_gemv", "fp8_gemm"):
+        timed = {n: e["us"] for n, e in row["results"].items() if n.startswith(kernel + "[") and "us" in e}
+        default = row["results"].get(kernel, {}).get("us")
+        if timed and default is not None:
+            name = min(timed, key=timed.__getitem__)
+            best[kernel] = dict(tiles=name[len(kernel):], us=timed[name], default_us=default,
+                                x_default=default / timed[name])
+    return best
+
+
 def check_close(what: str, y: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest |y - ref|, after checking |y - ref| <= ATOL + RTOL |ref| everywhere.
 
@@ -216,7 +255,7 @@ def print_row(row: dict[str, Any]) -> None:
 
 
 def run_gemms(gemms: list[tuple[str, int, int]], modes: list[str], rows: tuple[int, ...], device: str,
-              copy_gbs: float | None) -> list[dict[str, Any]]:
+              copy_gbs: float | None, contenders: tuple[Contender, ...] = CONTENDERS) -> list[dict[str, Any]]:
     """One row per (GEMM, mode, M); the weights made once per (GEMM, mode)."""
     results = []
     for seed, (name, n, k) in enumerate(gemms):
@@ -224,8 +263,13 @@ def run_gemms(gemms: list[tuple[str, int, int]], modes: list[str], rows: tuple[i
             copies = 1 if copy_gbs is None else max(2, -(-L2_FLUSH_BYTES // (n * k)))
             w = make_weights(n, k, mode, copies, device, seed)  # type: ignore[arg-type]
             for m in rows:
-                results.append(bench_row(name, m, w, device, copy_gbs))
+                results.append(bench_row(name, m, w, device, copy_gbs, contenders))
                 print_row(results[-1])
+                if len(contenders) > len(CONTENDERS):
+                    results[-1]["best"] = best_of_sweep(results[-1])
+                    for kernel, b in results[-1]["best"].items():
+                        print(f"    best {kernel}{b['tiles']}: {b['us']:.2f} us, default {b['default_us']:.2f} us "
+                              f"(x{b['x_default']:.2f})", flush=True)
             del w
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -242,6 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rows", default=None, help=f"a comma list of M (default {','.join(map(str, ROWS))})")
     ap.add_argument("--models", default="0.6b,8b", help=f"a comma list of {', '.join(MODELS)} (one rank at TP=2)")
     ap.add_argument("--modes", default=",".join(SCALE_MODES), help="block, channel, a comma list")
+    ap.add_argument("--sweep", action="store_true", help="also time the tile configs of GEMV_SWEEP and GEMM_SWEEP")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, checked, untimed")
     args = ap.parse_args(argv)
     unknown = [m for m in comma_list(args.modes) if m not in SCALE_MODES]
@@ -266,7 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbs = None if args.smoke else copy_bandwidth_gbs(device)
     print(f"FP8 linear layers on {device}" + (f", copy bandwidth {copy_gbs:,.0f} GB/s" if copy_gbs else
                                               " (smoke: checked, untimed)"), flush=True)
-    results = run_gemms(gemms, comma_list(args.modes), rows, device, copy_gbs)
+    contenders = CONTENDERS
+    if args.sweep:
+        contenders += sweep_contenders(*(SMOKE_SWEEP if args.smoke else (GEMV_SWEEP, GEMM_SWEEP)))
+    results = run_gemms(gemms, comma_list(args.modes), rows, device, copy_gbs, contenders)
     write_summary("fp8_gemm", {"args": vars(args), "copy_gbs": copy_gbs, "rows": results})
 
 

@@ -113,3 +113,20 @@ def test_arguments_are_checked(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke"])
+
+
+def test_sweep_checks_every_tile_config_and_names_the_fastest(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path))
+    bench.main(["--smoke", "--sweep", "--modes", "block"])
+    rows = json.loads((tmp_path / "fp8_gemm.json").read_text())["rows"]
+    gemv_tiles, gemm_tiles = bench.SMOKE_SWEEP
+    for r in rows:
+        swept = {n for n in r["results"] if "[" in n}
+        assert len(swept) == (len(gemv_tiles) if r["M"] == 1 else 0) + len(gemm_tiles), r
+        assert all(r["results"][n]["max_err"] >= 0 for n in swept)   # each checked against its reference
+        assert r["best"] == {}                                      # untimed: nothing to rank
+    assert "| fp8_gemm |" in report.render(report.load(tmp_path))
+    timed = {"results": {"fp8_gemv": {"us": 9.0}, "fp8_gemv[8x256 w4 s2]": {"us": 6.0},
+                         "fp8_gemv[16x128 w4 s3]": {"us": 3.0}, "fp8_gemm": {"us": 5.0}}}
+    assert bench.best_of_sweep(timed) == {"fp8_gemv": {"tiles": "[16x128 w4 s3]", "us": 3.0, "default_us": 9.0,
+                                                       "x_default": 3.0}}
