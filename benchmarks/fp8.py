@@ -1,7 +1,7 @@
 """8-bit beside 16-bit in one run: the FP8 KV cache and FP8 weights against bf16 on the
 same shapes, for speed and for accuracy.
 
-    PYTHONPATH=. python3 -m benchmarks.fp8 [--parts offline,long_context,attention,accuracy] [--rounds 2]
+    PYTHONPATH=. python3 -m benchmarks.fp8 [--parts offline,long_context,attention,accuracy] [--rounds 2] [--sweep]
         [--variants bf16,fp8-kv,fp8-weights,fp8-weights-channel] [--shapes qwen3-0.6b|qwen3-8b] [--smoke]
 
 Variants: ``bf16`` (the model's dtype everywhere), ``fp8-kv`` (``kv_cache_dtype="fp8"``),
@@ -23,7 +23,8 @@ checkpoint for accuracy (``fp8-weights`` there: the checkpoint converted by
   its floor (the K/V at the cache's bytes plus the weights, over the copy bandwidth); goal:
   fp8-kv <= 3.0 ms/step.
 - attention: the decode attention kernel alone at the same shape over a bf16 and an e4m3
-  cache: us a call and the K/V bytes a second against the copy bandwidth.
+  cache: us a call and the K/V bytes a second against the copy bandwidth; ``--sweep``: also
+  every tile config of ``ATTENTION_SWEEP`` on each cache, the fastest beside the default.
 - accuracy: each variant against bf16 on a saved checkpoint (weights N(0, 0.1), bf16
   values): 16 prompts x 64 greedy tokens, the top-5 rule at the first difference and the
   mean KL(bf16 || variant) of next-token distributions on bf16's tokens
@@ -75,6 +76,8 @@ SMOKE_FP8_SHAPES = {**SMOKE_SHAPES, "hidden_size": 256, "intermediate_size": 256
 QWEN_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
 PARTS = ("offline", "long_context", "attention", "accuracy")
+# (block_n, num_warps, num_stages) of the decode attention kernel that --sweep times.
+ATTENTION_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 
 
 def release() -> None:
@@ -175,7 +178,7 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
     its length, the model's heads), over a bf16 cache and an e4m3 one of the same values:
     us a call (in a CUDA graph; on the CPU, the interpreter's wall time) and the K/V bytes
     it reads a second. Separates the kernel from the rest of a long-context step."""
-    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.decode_attention import DecodeConfig, decode_attention
     from minivllm.kernels.reference import quantize_kv_reference
 
     from benchmarks.gpu_timing import copy_bandwidth_gbs, graph_us
@@ -194,22 +197,32 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
     caches = {"bf16": (k, v, {}),
               "fp8": (quantize_kv_reference(k, one), quantize_kv_reference(v, one), dict(k_scale=one, v_scale=one))}
     gbs = copy_bandwidth_gbs(device, 1 << 30 if device == "cuda" else 1 << 20)
+    def timed(kc: torch.Tensor, vc: torch.Tensor, scales: dict[str, torch.Tensor],
+              config: DecodeConfig | None = None) -> float:
+        def call(_: int) -> torch.Tensor:
+            return decode_attention(q, kc, vc, lens, tables, dim ** -0.5, config, **scales)
+        if device == "cuda":
+            return graph_us(call, 1)
+        call(0)
+        t0 = time.perf_counter()
+        call(0)
+        return (time.perf_counter() - t0) * 1e6
+
     out = {}
     for name, (kc, vc, scales) in caches.items():
-        def call(_: int, kc=kc, vc=vc, scales=scales) -> torch.Tensor:
-            return decode_attention(q, kc, vc, lens, tables, dim ** -0.5, **scales)
-        if device == "cuda":
-            us = graph_us(call, 1)
-        else:
-            call(0)
-            t0 = time.perf_counter()
-            call(0)
-            us = (time.perf_counter() - t0) * 1e6
+        us = timed(kc, vc, scales)
         kv = 2 * kc.numel() * kc.element_size()
         out[name] = dict(us=us, kv_bytes=kv, gbs=kv / us / 1e3, copy_fraction=kv / us / 1e3 / gbs)
         print(f"decode attention [{name} cache]: {batch} x {context:,}, {heads}/{kv_heads} heads of {dim}: "
               f"{us:.1f} us, K/V {kv / 1e9:.3f} GB = {out[name]['gbs']:,.0f} GB/s = "
               f"{100 * out[name]['copy_fraction']:.1f}% of copy {gbs:,.0f} GB/s", flush=True)
+        if args.sweep:
+            grid = ATTENTION_SWEEP[:2] if args.smoke else ATTENTION_SWEEP
+            times = {cfg: timed(kc, vc, scales, DecodeConfig(*cfg)) for cfg in grid}
+            best = min(times, key=times.__getitem__)
+            out[name]["sweep"] = [dict(block_n=c[0], num_warps=c[1], num_stages=c[2], us=t) for c, t in times.items()]
+            print(f"  best of {len(grid)} tiles: block_n {best[0]}, {best[1]} warps, {best[2]} stages: "
+                  f"{times[best]:.1f} us (default {us:.1f})", flush=True)
     return out
 
 
@@ -294,6 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--long-prompts", type=int, default=16)
     ap.add_argument("--long-len", type=int, default=8192)
+    ap.add_argument("--sweep", action="store_true", help="attention: also time the tiles of ATTENTION_SWEEP")
     args = ap.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     args.variants = [v for v in args.variants.split(",") if v]
