@@ -4,7 +4,7 @@ layer alone; in bf16, or (``--weights fp8``) in Qwen3-30B-A3B-FP8's format.
 
     PYTHONPATH=. python3 -m benchmarks.moe [--weights bf16|fp8] [--kv-cache-dtype auto|fp8]
         [--num-requests 256,1024] [--batch1-repeats 3] [--kernel-tokens 1,16,64,256]
-        [--kernels auto|triton|torch] [--smoke]
+        [--kernels auto|triton|torch] [--sweep] [--smoke]
 
 ``--weights fp8``: the config gains Qwen's FP8 ``quantization_config`` (a copy beside the
 bf16 one, ``<model-dir>-fp8``, as ``benchmarks.fp8`` writes it): the decoder's linear layers
@@ -39,7 +39,10 @@ per token; exactly k at B = 1).
   routing against a softmax top-k, the experts against the reference of the path taken
   (``fused_moe_reference``; FP8: ``moe_gemv_fp8_reference`` up to ``MOE_GEMV_MAX_TOKENS``
   tokens, else ``fused_moe_fp8_reference``) on that routing. Up to 16 tokens both Triton
-  expert paths are also timed, each forced, to place the switch between them.
+  expert paths are also timed, each forced, to place the switch between them; ``--sweep``:
+  and the per-pair GEMV with each stage's tiles of ``GEMV_SWEEP`` (the other at its default).
+  On a GPU the engine part also profiles batch-1 decode steps kernel by kernel
+  (``benchmarks.throughput.profile_decode``).
 
 Summary: ``$OUT/moe.json`` (``summary_name``: ``moe_fp8`` for FP8 weights, ``_kv_fp8`` added
 for an FP8 KV cache), rewritten after each part. ``--smoke``: a tiny MoE on the CPU (FP8:
@@ -373,9 +376,10 @@ def eager_us(call: Callable[[int], Any], calls: int, device: str, repeats: int =
 
 def kernel_row(ops: Any, c: ModelConfig, tokens: int, device: str, dtype: torch.dtype, gbs: float,
                timed: bool, copies: int = WEIGHT_COPIES, calls: int = GRAPH_CALLS,
-               fp8: bool = False) -> dict[str, Any]:
+               fp8: bool = False, sweep: bool = False) -> dict[str, Any]:
     """Checked, then (``timed``) the graph time of ``ops.moe`` and the eager torch loop's;
-    ``fp8``: e4m3 experts with block scales."""
+    ``fp8``: e4m3 experts with block scales; ``sweep``: also the per-pair GEMV with each
+    stage's tiles of ``GEMV_SWEEP`` (the other stage at its default)."""
     from minivllm.layers.ops import Ops
 
     inp = kernel_inputs(c, tokens, calls, copies, device, dtype, seed=tokens, fp8=fp8)
@@ -398,7 +402,31 @@ def kernel_row(ops: Any, c: ModelConfig, tokens: int, device: str, dtype: torch.
         if ops.triton and tokens <= PATHS_MAX_TOKENS:
             row["paths_us"] = {name: graph_us(lambda i, f=f: f(*operands(i), scales=inp.scales_of(i)), calls)
                                for name, f in forced_paths().items()}
+            if sweep:
+                row["gemv_sweep"] = sweep_per_pair(operands, inp, calls)
     return row
+
+
+# (block_n, block_k) of one per-pair GEMV stage that --sweep times (4 warps, 3 stages).
+GEMV_SWEEP = [(bn, bk) for bn in (2, 4, 8, 16) for bk in (128, 256, 512)]
+
+
+def sweep_per_pair(operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs, calls: int) -> dict[str, Any]:
+    """Graph us of the forced per-pair GEMV path with each stage's tiles swept in turn."""
+    from minivllm.kernels.moe_gemv import MoeGemvConfig
+
+    per_pair = forced_paths()["per-pair GEMV"]
+    out: dict[str, Any] = {}
+    for stage in ("gate_up_config", "down_config"):
+        times = {}
+        for bn, bk in GEMV_SWEEP:
+            tiles = {stage: MoeGemvConfig(block_n=bn, block_k=bk)}
+            times[f"{bn}x{bk}"] = graph_us(lambda i: per_pair(*operands(i), scales=inp.scales_of(i), **tiles), calls)
+        best = min(times, key=times.__getitem__)
+        out[stage] = dict(us=times, best=best)
+        print(f"    per-pair GEMV, {stage.removesuffix('_config')} tiles swept: best {best} "
+              f"{times[best]:.1f} us (of {len(times)})", flush=True)
+    return out
 
 
 def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
@@ -413,9 +441,9 @@ def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
         weights, ids = moe_topk(F.linear(x, router).float(), k, norm)
         return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0]), w13_scale=scales[0], w2_scale=scales[1])
 
-    def per_pair(x, router, w13, w2, k, norm, *, scales=(None, None)):
+    def per_pair(x, router, w13, w2, k, norm, *, scales=(None, None), **tiles):
         weights, ids = moe_topk(F.linear(x, router).float(), k, norm)
-        return moe_gemv(x, w13, w2, weights, ids, w13_scale=scales[0], w2_scale=scales[1])
+        return moe_gemv(x, w13, w2, weights, ids, w13_scale=scales[0], w2_scale=scales[1], **tiles)
 
     return {"grouped GEMM": grouped, "per-pair GEMV": per_pair}
 
@@ -452,7 +480,7 @@ def kernel_part(args: argparse.Namespace, device: str, c: ModelConfig, gbs: floa
     for tokens in args.kernel_tokens:
         rows.append(kernel_row(ops, c, tokens, device, dtype, gbs, timed=device == "cuda",
                                copies=WEIGHT_COPIES if device == "cuda" else 1,
-                               calls=GRAPH_CALLS if device == "cuda" else 1, fp8=fp8))
+                               calls=GRAPH_CALLS if device == "cuda" else 1, fp8=fp8, sweep=args.sweep))
         print_kernel_row(rows[-1], gbs)
     gc.collect()
     if device == "cuda":
@@ -478,6 +506,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the KV cache's dtype (CacheConfig.kv_cache_dtype): the model's, or e4m3")
     ap.add_argument("--num-requests", type=int_list, default=[256, 1024], help="offline workloads, a comma list")
     ap.add_argument("--batch1-repeats", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="kernels: also the per-pair GEMV's tiles (GEMV_SWEEP)")
     ap.add_argument("--kernel-tokens", type=int_list, default=[1, 16, 64, 256])
     ap.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                     help="the engine's fused ops (ExecutorConfig.kernels); --smoke: torch")
