@@ -32,10 +32,10 @@ holds none of them. Each number:
 
 ``--sweep``: also every tile config of ``GEMV_SWEEP`` (one row) and ``GEMM_SWEEP`` (more rows),
 each checked and timed as a contender of its own (``fp8_gemv[16x128 w4 s3]``), and per row the
-fastest of each kernel beside its default's time: the run that sets
-``fp8_gemv.default_config`` and ``fp8_gemm.default_config``. ``--quick``: M = 1, 64, 2048 only. ``--smoke``: on the CPU under ``TRITON_INTERPRET=1``
-(the Triton kernels in the interpreter), tiny shapes, every check, nothing timed, no CUDA
-call. Summary: ``$OUT/fp8_gemm.json``.
+fastest of each kernel beside its default's time (`` pre``: ``Fp8GemmConfig.prequantize``):
+the run that sets ``fp8_gemv.default_config`` and ``fp8_gemm.default_config``. ``--quick``:
+M = 1, 64, 2048 only. ``--smoke``: on the CPU under ``TRITON_INTERPRET=1`` (the Triton
+kernels in the interpreter), tiny shapes, every check, nothing timed, no CUDA call. Summary: ``$OUT/fp8_gemm.json``.
 """
 
 from __future__ import annotations
@@ -140,11 +140,12 @@ CONTENDERS: tuple[Contender, ...] = (
 
 
 # Tiles --sweep times: (block_n, block_k, num_warps, num_stages) of the one-row GEMV, (block_m,
-# block_n, num_warps, num_stages) of the GEMM; the smoke run checks two of each.
+# block_n, num_warps, num_stages, prequantize) of the GEMM; the smoke run checks two of each.
 GEMV_SWEEP = [(bn, bk, 4, ns) for bn in (8, 16, 32) for bk in (128, 256, 512) for ns in (3, 6)]
-GEMM_SWEEP = [(16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4), (128, 64, 4, 4),
-              (128, 128, 8, 3), (128, 128, 8, 4)]
-SMOKE_SWEEP = ([(8, 256, 4, 2), (16, 128, 4, 3)], [(16, 64, 4, 2), (32, 32, 4, 2)])
+GEMM_SWEEP = [(*tiles, pq) for tiles in ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
+                                          (64, 128, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4))
+              for pq in (False, True)]
+SMOKE_SWEEP = ([(8, 256, 4, 2), (16, 128, 4, 3)], [(16, 64, 4, 2, False), (32, 32, 4, 2, True)])
 
 
 def sweep_contenders(gemv_tiles: list[tuple[int, ...]], gemm_tiles: list[tuple[int, ...]]) -> tuple[Contender, ...]:
@@ -154,10 +155,11 @@ def sweep_contenders(gemv_tiles: list[tuple[int, ...]], gemm_tiles: list[tuple[i
         cfg = Fp8GemvConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
         out.append(Contender(f"fp8_gemv[{bn}x{bk} w{nw} s{ns}]", lambda x, w, c, cfg=cfg: fp8_gemv(
             x, *w.fp8_args(c), config=cfg), dequantized_reference, reads_fp8=True, one_row=True))
-    for bm, bn, nw, ns in gemm_tiles:
-        cfg = Fp8GemmConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-        out.append(Contender(f"fp8_gemm[{bm}x{bn} w{nw} s{ns}]", lambda x, w, c, cfg=cfg: fp8_gemm(
-            x, *w.fp8_args(c), config=cfg), w8a8_reference, reads_fp8=True))
+    for bm, bn, nw, ns, pq in gemm_tiles:
+        cfg = Fp8GemmConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, prequantize=pq)
+        name = f"fp8_gemm[{bm}x{bn} w{nw} s{ns}{' pre' if pq else ''}]"
+        out.append(Contender(name, lambda x, w, c, cfg=cfg: fp8_gemm(x, *w.fp8_args(c), config=cfg),
+                             w8a8_reference, reads_fp8=True))
     return tuple(out)
 
 

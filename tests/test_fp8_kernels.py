@@ -1,7 +1,7 @@
 """FP8 (e4m3) weights: the quantizers of ``kernels/fp8.py`` (round trips, error
 bounds, zero blocks, partial blocks, the checkpoint config), and the kernels
-``kernels/fp8_gemm.py`` and ``kernels/fp8_gemv.py`` (TRITON_INTERPRET=1 here) against their
-dequantize-then-compute references and against the unquantized product."""
+``kernels/fp8_gemm.py``, ``kernels/fp8_gemv.py`` and ``kernels/fp8_quant.py``
+(TRITON_INTERPRET=1 here) against their references and against the unquantized product."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import triton.language as tl  # noqa: E402
 
 from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8  # noqa: E402
 from minivllm.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv  # noqa: E402
+from minivllm.kernels.fp8_quant import quantize_activations  # noqa: E402
 from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference  # noqa: E402
 from minivllm.config import Fp8Config  # noqa: E402
 from minivllm.kernels.fp8 import (  # noqa: E402
@@ -353,3 +354,38 @@ def test_gemv_fuses_the_input_norm_and_the_gated_activation(mode, residual) -> N
         fp8_gemv(gate_up[:, 1:], w_fp8, scale, mode, gated=True)
     with pytest.raises(ValueError, match="residual must be like x"):
         rms_norm_fp8_gemv(x, x[:, :32], nw, 1e-6, w_fp8, scale, mode)
+
+
+# --- activations quantized once (kernels/fp8_quant.py) ---------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["block", "channel"])
+@pytest.mark.parametrize("m, k", [(37, K), (3, 128), (1, 384)])
+def test_activation_quantization_is_the_reference_bit_for_bit(mode, m, k) -> None:
+    x = activations(m, k)
+    x[0, :5] = 0.0                                     # zeros and an all-zero group at the floor
+    x[-1, : min(k, 128)] = 0.0
+    q, s = quantize_activations(x, mode)
+    ref_q, ref_s = quantize_fp8_per_token_group(x) if mode == "block" else quantize_fp8_per_token(x)
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and s.shape == ref_s.shape
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+
+
+@pytest.mark.parametrize("mode", ["block", "channel"])
+def test_gemm_of_prequantized_x_is_the_in_loop_gemm_bit_for_bit(mode) -> None:
+    w_fp8, scale = quantized(weight(), mode)
+    x = activations(37)
+    tiles = dict(block_m=16, block_n=32, num_stages=2)
+    y = fp8_gemm(x, w_fp8, scale, mode, Fp8GemmConfig(**tiles))
+    assert torch.equal(fp8_gemm(x, w_fp8, scale, mode, Fp8GemmConfig(**tiles, prequantize=True)), y)
+
+
+def test_activation_quantization_refuses_bad_input() -> None:
+    with pytest.raises(TypeError, match="x must have dtype"):
+        quantize_activations(activations(2).float(), "block")
+    with pytest.raises(ValueError, match="mode"):
+        quantize_activations(activations(2), "tensor")
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_activations(activations(2)[0], "block")
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        quantize_activations(activations(4).t(), "block")

@@ -19,9 +19,12 @@ defines them (``v ~= v_fp8 * scale``; ``scale = max(amax, AMAX_FLOOR) / 448``)::
 The first pass rather than a separate quantization kernel: no (M, K) fp8 buffer and no
 second launch (decode-sized M is launch-bound); its price is one more read of x per column
 program (from L2 after the first). Both modes requantize x in every column program
-(cdiv(N, BLOCK_N) times): a few ALU ops per element beside the tensor-core dot. Whether a
-separate quantization kernel wins at prefill sizes is a GPU measurement not made yet; the
-tiles are not tuned on a GPU either.
+(cdiv(N, BLOCK_N) times): a few ALU ops per element beside the tensor-core dot, which at
+prefill sizes adds up to the order of the product itself (8B's gate_up at M = 2048: 384
+column programs each quantizing the 2048 x 4096 x). ``Fp8GemmConfig.prequantize`` takes the
+other road: ``kernels/fp8_quant.py`` quantizes x once (the same values), and the K loop
+reads e4m3 x and its scales. Which wins where, and the tiles, are for
+``python3 -m benchmarks.fp8_gemm --sweep`` on a GPU; the default stays in-loop.
 
 The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later).
 
@@ -73,9 +76,12 @@ class Fp8GemmConfig:
     block_n: int = 64         # output columns (W rows) per program; power of two >= 16
     num_warps: int = 4
     num_stages: int = 3
+    # Quantize x once first (kernels/fp8_quant.py) and read it in 8 bits, instead of in the
+    # K loop of every column program: the same values, one more launch.
+    prequantize: bool = False
 
     def __post_init__(self) -> None:
-        check_tile_config(self, ("block_m", "block_n"))
+        check_tile_config(self, ("block_m", "block_n"), flags=("prequantize",))
 
 
 def default_config(rows: int) -> Fp8GemmConfig:
@@ -93,13 +99,15 @@ def _row_scales(amax):
 
 @triton.jit
 def _fp8_gemm_kernel(
-    x_ptr,                  # (M, K) bf16/fp16, last dim contiguous
+    x_ptr,                  # (M, K) bf16/fp16, last dim contiguous; X_FP8: e4m3, contiguous
+    xs_ptr,                 # X_FP8: x's float32 scales, (M, cdiv(K, GROUP)) or (M, 1); else unread
     w_ptr,                  # (N, K) float8e4nv contiguous
     ws_ptr,                 # BLOCK_SCALES: (cdiv(N, GROUP), cdiv(K, GROUP)) float32; else (N,) float32
     y_ptr,                  # (M, N) contiguous, x's dtype
     M, N, K,
     stride_xm,
     BLOCK_SCALES: tl.constexpr,  # 128x128 weight blocks with per-group activation scales; else per channel
+    X_FP8: tl.constexpr,         # x quantized already (fp8_quant.quantize_activations)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
     EXACT_CAST: tl.constexpr,    # CPU interpreter: round to e4m3 before the cast (module doc)
 ):
@@ -114,19 +122,29 @@ def _fp8_gemm_kernel(
     if BLOCK_SCALES:
         ws_rows = ws_ptr + (cols // GROUP) * tl.cdiv(K, GROUP)           # (BLOCK_N,)
         for k0 in range(0, K, GROUP):
-            x = _x_tile(x_rows, k0 + offs_k, row_ok, K)
-            xs, inv = _row_scales(tl.max(tl.abs(x), axis=1))
-            d = tl.dot(quantize_e4m3(x, inv[:, None], EXACT_CAST), _w_tile(w_cols, k0 + offs_k, col_ok, K))
+            if X_FP8:
+                xq = _x8_tile(x_rows, k0 + offs_k, row_ok, K)
+                xs = tl.load(xs_ptr + rows * tl.cdiv(K, GROUP) + k0 // GROUP, mask=row_ok, other=0.0)
+            else:
+                x = _x_tile(x_rows, k0 + offs_k, row_ok, K)
+                xs, inv = _row_scales(tl.max(tl.abs(x), axis=1))
+                xq = quantize_e4m3(x, inv[:, None], EXACT_CAST)
+            d = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K))
             ws = tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)
             acc += d * xs[:, None] * ws[None, :]
     else:
-        amax = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, K, GROUP):
-            amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, k0 + offs_k, row_ok, K)), axis=1))
-        xs, inv = _row_scales(amax)
-        for k0 in range(0, K, GROUP):
-            xq = quantize_e4m3(_x_tile(x_rows, k0 + offs_k, row_ok, K), inv[:, None], EXACT_CAST)
-            acc = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)
+        if X_FP8:
+            for k0 in range(0, K, GROUP):
+                acc = tl.dot(_x8_tile(x_rows, k0 + offs_k, row_ok, K), _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)
+            xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
+        else:
+            amax = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, GROUP):
+                amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, k0 + offs_k, row_ok, K)), axis=1))
+            xs, inv = _row_scales(amax)
+            for k0 in range(0, K, GROUP):
+                xq = quantize_e4m3(_x_tile(x_rows, k0 + offs_k, row_ok, K), inv[:, None], EXACT_CAST)
+                acc = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)
         acc = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -135,7 +153,13 @@ def _fp8_gemm_kernel(
 @triton.jit
 def _x_tile(x_rows, k, row_ok, K):
     """x at these rows and columns ``k`` in fp32, 0 where masked off."""
-    return tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+    return _x8_tile(x_rows, k, row_ok, K).to(tl.float32)
+
+
+@triton.jit
+def _x8_tile(x_rows, k, row_ok, K):
+    """x at these rows and columns ``k`` as stored (e4m3 when prequantized), 0 where masked off."""
+    return tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -170,10 +194,14 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         return y
     if k == 0:
         return y.zero_()
+    x_scales = x  # unread unless prequantized
+    if config.prequantize:
+        from minivllm.kernels.fp8_quant import quantize_activations
+        x, x_scales = quantize_activations(x, mode)
     _fp8_gemm_kernel[(triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))](
-        x, weight, weight_scale, y, m, n, k, x.stride(0),
-        BLOCK_SCALES=mode == "block", BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=FP8_GROUP,
-        EXACT_CAST=exact_cast(x), num_warps=config.num_warps, num_stages=config.num_stages,
+        x, x_scales, weight, weight_scale, y, m, n, k, x.stride(0),
+        BLOCK_SCALES=mode == "block", X_FP8=config.prequantize, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        GROUP=FP8_GROUP, EXACT_CAST=exact_cast(x), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 
