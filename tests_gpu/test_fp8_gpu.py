@@ -15,8 +15,9 @@ import torch
 from benchmarks.accuracy import make_bf16_checkpoint, random_prompts
 from fixtures.fp8_checkpoint import convert_checkpoint
 from minivllm import LLM, SamplingParams
-from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block
-from minivllm.kernels.fp8_gemm import fp8_gemm, scaled_mm_fp8
+from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_token, quantize_fp8_per_token_group
+from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8
+from minivllm.kernels.fp8_quant import quantize_activations
 from minivllm.kernels.fp8_gemv import fp8_gemv
 from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference, quantize_kv_reference
 from tests.model_utils import agreement, make_model_executor
@@ -84,6 +85,11 @@ def test_fp8_gemm_and_gemv_match_their_references(mode, m) -> None:
     x = torch.randn(m, 1024, generator=gen, device="cuda").bfloat16()
     ref = fp8_gemm_reference(x, w8, s, mode).float()
     torch.testing.assert_close(fp8_gemm(x, w8, s, mode).float(), ref, rtol=1.6e-2, atol=1e-2)
+    pre = fp8_gemm(x, w8, s, mode, Fp8GemmConfig(block_m=64, prequantize=True))
+    torch.testing.assert_close(pre.float(), ref, rtol=1.6e-2, atol=1e-2)
+    q, qs = quantize_activations(x, mode)   # the one-pass quantizer: the torch rule, bit for bit
+    ref_q, ref_s = quantize_fp8_per_token_group(x) if mode == "block" else quantize_fp8_per_token(x)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(qs, ref_s)
     torch.testing.assert_close(scaled_mm_fp8(x, w8, s, mode).float(), ref, rtol=1.6e-2, atol=1e-2)
     if m == 1:
         torch.testing.assert_close(fp8_gemv(x, w8, s, mode).float(), fp8_gemv_reference(x, w8, s, mode).float(),
