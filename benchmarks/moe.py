@@ -438,11 +438,11 @@ def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
     from minivllm.kernels.moe_topk import moe_topk
 
     def grouped(x, router, w13, w2, k, norm, *, scales=(None, None)):
-        weights, ids = moe_topk(F.linear(x, router).float(), k, norm)
+        weights, ids = moe_topk(F.linear(x, router), k, norm)
         return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0]), w13_scale=scales[0], w2_scale=scales[1])
 
     def per_pair(x, router, w13, w2, k, norm, *, scales=(None, None), **tiles):
-        weights, ids = moe_topk(F.linear(x, router).float(), k, norm)
+        weights, ids = moe_topk(F.linear(x, router), k, norm)
         return moe_gemv(x, w13, w2, weights, ids, w13_scale=scales[0], w2_scale=scales[1], **tiles)
 
     return {"grouped GEMM": grouped, "per-pair GEMV": per_pair}

@@ -58,6 +58,18 @@ def test_topk_is_reference(tokens, experts, top_k, norm) -> None:
     assert torch.equal(ids, ref_ids)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_of_16_bit_logits_is_that_of_their_float32_values(dtype) -> None:
+    """The router's logits come in the model's dtype; widened in the kernel, they give what
+    the float32 copy of the same values gives (transformers' softmax widens them so)."""
+    logits = (torch.randn(9, 8, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    got, want = moe_topk(logits, 2, True), moe_topk(logits.float(), 2, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref_weights, ref_ids = moe_topk_reference(logits, 2, True)
+    assert torch.equal(got[1], ref_ids)
+    torch.testing.assert_close(got[0], ref_weights, rtol=0, atol=1e-6)
+
+
 def check_layout(al: MoeAlignment, ids: torch.Tensor, experts: int) -> None:
     """The aligned layout's invariants, then its exact value (the reference)."""
     pairs, bm = ids.numel(), al.block_m
@@ -190,7 +202,7 @@ def _hf_expert_tensors(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
 def test_launchers_refuse_bad_arguments() -> None:
     logits = torch.randn(3, 4)
     with pytest.raises(TypeError, match="logits"):
-        moe_topk(logits.half(), 2, True)
+        moe_topk(logits.double(), 2, True)
     with pytest.raises(ValueError, match="top_k"):
         moe_topk(logits, 5, True)
     ids = torch.zeros(3, 2, dtype=torch.int32)

@@ -2,7 +2,7 @@
 
 One program per token; the token's E logits sit in registers::
 
-    p = softmax(logits)                 float32, exp(l - max) / sum
+    p = softmax(logits)                 in float32 (16-bit logits widened), exp(l - max) / sum
     top-k of p, largest first           k rounds of (max, lowest index holding it)
     w = p[top] / sum(p[top])            only with norm_topk_prob
 
@@ -26,7 +26,7 @@ MAX_EXPERTS = 4096  # one row of probabilities per program, in registers
 
 @triton.jit
 def _moe_topk_kernel(
-    logits_ptr,                          # (T, E) float32, last dim contiguous
+    logits_ptr,                          # (T, E) float32/bf16/fp16, last dim contiguous
     weights_ptr,                         # (T, TOP_K) float32 contiguous
     ids_ptr,                             # (T, TOP_K) int32 contiguous
     stride_l,                            # row stride of logits
@@ -39,7 +39,7 @@ def _moe_topk_kernel(
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < E
-    logits = tl.load(logits_ptr + row * stride_l + experts, mask=valid, other=-float("inf"))
+    logits = tl.load(logits_ptr + row * stride_l + experts, mask=valid, other=-float("inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)                                          # (BLOCK_E,), 0 past E
     # rank[e] = i when expert e is the i-th largest, -1 when not chosen. Probabilities are
@@ -66,19 +66,20 @@ def moe_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, *,
     ``norm_topk_prob``), ids (T, top_k) int32.
 
     Args:
-        logits: (T, E) float32 router logits with a contiguous last dimension; finite
-            or -inf (an expert never chosen unless fewer than top_k remain).
+        logits: (T, E) router logits, float32 or the model's 16 bits (widened in the kernel,
+            as transformers' softmax widens them: no cast launch), with a contiguous last
+            dimension; finite or -inf (an expert never chosen unless fewer than top_k remain).
         top_k: 1 <= top_k <= E.
         norm_topk_prob: renormalise the chosen probabilities to sum to 1.
         pdl: let the next kernel start early where the device allows programmatic
             dependent launch.
 
     Raises:
-        TypeError: logits are not float32.
+        TypeError: logits are not float32, bf16 or fp16.
         ValueError: logits not 2-D with a contiguous last dimension, more than
             ``MAX_EXPERTS`` experts, or top_k outside [1, E].
     """
-    check_dtype("logits", logits, (torch.float32,))
+    check_dtype("logits", logits, (torch.float32, torch.bfloat16, torch.float16))
     if logits.dim() != 2:
         raise ValueError(f"logits must be (T, E), got shape {tuple(logits.shape)}")
     check_last_dim_contiguous("logits", logits)

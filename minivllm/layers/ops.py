@@ -241,8 +241,8 @@ class Ops:
         from minivllm.kernels.moe_gemv import moe_gemv
         from minivllm.kernels.moe_topk import moe_topk
 
-        logits = F.linear(x, router).float()              # (T, E): in x's dtype, as transformers
-        weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)
+        logits = F.linear(x, router)                      # (T, E) in x's dtype, as transformers; the
+        weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)  # softmax widens them
         if few:
             return moe_gemv(x, gate_up, down, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl)
         layout = moe_align(ids, gate_up.shape[0], pdl=self.pdl)
