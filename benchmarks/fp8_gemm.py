@@ -141,7 +141,7 @@ CONTENDERS: tuple[Contender, ...] = (
 
 # Tiles --sweep times: (block_n, block_k, num_warps, num_stages) of the one-row GEMV, (block_m,
 # block_n, num_warps, num_stages, prequantize) of the GEMM; the smoke run checks two of each.
-GEMV_SWEEP = [(bn, bk, 4, ns) for bn in (8, 16, 32) for bk in (128, 256, 512) for ns in (3, 6)]
+GEMV_SWEEP = [(bn, bk, 4, ns) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for ns in (3, 5)]
 GEMM_SWEEP = [(*tiles, pq) for tiles in ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
                                           (64, 128, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4))
               for pq in (False, True)]
