@@ -26,8 +26,8 @@ without a launch of their own; program 0 writes x + residual as the new residual
 W tile loads before ``griddepcontrol.wait`` and the next kernel may start after the K loop,
 as in ``kernels/gemv.py`` (its module doc; ``_launch.pdl_supported``).
 
-Tiles by scale mode (``default_config``), from a sweep on an H200 (docs/tuning.md, "FP8"): with
-block scales a tile is one 128-column scale group, so its scale is one load per row.
+Tiles by scale mode (``default_config``), from a sweep on an H200 (docs/tuning.md, "FP8"). With
+block scales a tile's scales are loaded per row and 128-column group, never per element.
 
 Torch reference: :func:`minivllm.kernels.reference.fp8_gemv_reference`.
 """
@@ -61,9 +61,9 @@ class Fp8GemvConfig:
         check_tile_config(self, ("block_k",))
 
 
-# Measured on an H200 at Qwen3-0.6B and -8B shapes (docs/tuning.md, "FP8 GEMV tiles"): with
-# block scales the best step of one scale group was 16 columns; without per-tile scales
-# 8 columns of 512.
+# Measured on an H200 at Qwen3-0.6B and -8B shapes (docs/tuning.md, "FP8"): with block
+# scales, of the steps of one scale group, 16 columns a program was best; without per-tile
+# scales, 8 columns of 512.
 BLOCK_SCALED_CONFIG = Fp8GemvConfig(block_n=16, block_k=128)
 CHANNEL_CONFIG = Fp8GemvConfig(block_n=8, block_k=512)
 
@@ -139,9 +139,9 @@ def scaled_tile(w, ws_rows, k0, col_ok, K, BLOCK_SCALES: tl.constexpr, GROUP: tl
     """The fp8 tile ``w`` (BLOCK_N, BLOCK_K) starting at column ``k0`` in fp32, times its
     block scales (BLOCK_SCALES: the rows' scales at ``ws_rows``, cdiv(K, GROUP) a row); else
     as it is (a channel scale comes after the sum). A tile is one scale group or part of one
-    (one scale a row: a (BLOCK_N,) load), or whole groups (a (BLOCK_N, groups) load, the tile
-    seen as (BLOCK_N, groups, GROUP)): a power-of-two step is always one or the other. (A scale loaded for every element
-    instead made the GEMV 20-30 times slower on an H200: docs/tuning.md.)"""
+    (one scale a row: a (BLOCK_N,) load), or whole groups (a (BLOCK_N, groups) load, the
+    tile seen as (BLOCK_N, groups, GROUP)); a power-of-two step is always one or the other.
+    (A scale loaded for every element made the GEMV 20-30 times slower on an H200.)"""
     w32 = w.to(tl.float32)
     if BLOCK_SCALES:
         if w.shape[1] <= GROUP:
