@@ -76,7 +76,8 @@ SMOKE_FP8_SHAPES = {**SMOKE_SHAPES, "hidden_size": 256, "intermediate_size": 256
 QWEN_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
 PARTS = ("offline", "long_context", "attention", "accuracy")
-# (block_n, num_warps, num_stages) of the decode attention kernel that --sweep times.
+# (block_n, num_warps, num_stages) of the decode attention kernel that --sweep times; over the
+# e4m3 cache each also with fp16 dots (DecodeConfig.fp16_dots).
 ATTENTION_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 
 
@@ -218,11 +219,13 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
               f"{100 * out[name]['copy_fraction']:.1f}% of copy {gbs:,.0f} GB/s", flush=True)
         if args.sweep:
             grid = ATTENTION_SWEEP[:2] if args.smoke else ATTENTION_SWEEP
+            grid = [(*c, False) for c in grid] + ([(*c, True) for c in grid] if name == "fp8" else [])
             times = {cfg: timed(kc, vc, scales, DecodeConfig(*cfg)) for cfg in grid}
             best = min(times, key=times.__getitem__)
-            out[name]["sweep"] = [dict(block_n=c[0], num_warps=c[1], num_stages=c[2], us=t) for c, t in times.items()]
-            print(f"  best of {len(grid)} tiles: block_n {best[0]}, {best[1]} warps, {best[2]} stages: "
-                  f"{times[best]:.1f} us (default {us:.1f})", flush=True)
+            out[name]["sweep"] = [dict(block_n=c[0], num_warps=c[1], num_stages=c[2], fp16_dots=c[3], us=t)
+                                  for c, t in times.items()]
+            print(f"  best of {len(grid)} tiles: block_n {best[0]}, {best[1]} warps, {best[2]} stages"
+                  f"{', fp16 dots' if best[3] else ''}: {times[best]:.1f} us (default {us:.1f})", flush=True)
     return out
 
 

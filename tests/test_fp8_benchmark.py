@@ -19,9 +19,13 @@ def test_smoke_run_writes_every_part_and_its_section(tmp_path: Path, monkeypatch
     fp8.main(["--smoke", "--model-dir", str(tmp_path / "model"), "--variants", ",".join(variants), "--sweep"])
     d = json.loads((tmp_path / "out" / "fp8.json").read_text())
     assert list(d["offline"]) == list(d["long_context"]) == variants and list(d["accuracy"]) == variants[1:]
-    assert list(d["attention"]) == ["bf16", "fp8"] and all(r["us"] > 0 and r["gbs"] > 0 for r in d["attention"].values())
+    assert list(d["attention"]) == ["bf16", "fp8"]
+    assert all(r["us"] > 0 and r["gbs"] > 0 for r in d["attention"].values())
     assert d["attention"]["fp8"]["kv_bytes"] * 2 == d["attention"]["bf16"]["kv_bytes"]
-    assert all(len(r["sweep"]) == 2 and all(t["us"] > 0 for t in r["sweep"]) for r in d["attention"].values())
+    sweeps = {name: r["sweep"] for name, r in d["attention"].items()}
+    assert len(sweeps["bf16"]) == 2 and len(sweeps["fp8"]) == 4          # fp8: each tile with fp16 dots too
+    assert [t["fp16_dots"] for t in sweeps["fp8"]].count(True) == 2
+    assert all(t["us"] > 0 for ts in sweeps.values() for t in ts)
     for r in d["offline"].values():
         assert len(r["rounds"]) == 2 and r["tok_s"] > 0 and r["batch1"]["ms_per_token"] > 0
     # --smoke keeps the default shapes' goals in view (the numbers mean nothing on the CPU).

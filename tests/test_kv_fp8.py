@@ -105,6 +105,11 @@ def test_decode_attention_reads_fp8_through_the_scales(dtype) -> None:
     # The scales are read: another V scale gives another output.
     other = decode_attention(q, k8, v8, kv_lens, tables, 32 ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE * 2)
     torch.testing.assert_close(other.float(), 2 * ref, atol=2 * tol, rtol=tol)
+    if dtype == torch.bfloat16:  # the dots in fp16: the same values (q exact in fp16), P finer
+        fp16 = decode_attention(q, k8, v8, kv_lens, tables, 32 ** -0.5, num_splits=3,
+                                config=DecodeConfig(block_n=16, fp16_dots=True), k_scale=K_SCALE, v_scale=V_SCALE)
+        assert fp16.dtype == dtype
+        torch.testing.assert_close(fp16.float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,6 +145,12 @@ def test_fp8_attention_refuses_missing_or_bad_scales() -> None:
         decode_attention(q, k8, v8, kv_lens, tables, 0.25, k_scale=K_SCALE.double(), v_scale=V_SCALE)
     with pytest.raises(TypeError, match="v_cache"):
         decode_attention(q, k8, v8.float(), kv_lens, tables, 0.25, k_scale=K_SCALE, v_scale=V_SCALE)
+    with pytest.raises(ValueError, match="fp16_dots"):  # a 16-bit cache has nothing to widen
+        decode_attention(q.bfloat16(), k8.float().bfloat16(), v8.float().bfloat16(), kv_lens, tables, 0.25,
+                         config=DecodeConfig(fp16_dots=True))
+    with pytest.raises(ValueError, match="fp16_dots"):  # float32 q would lose range and bits
+        decode_attention(q, k8, v8, kv_lens, tables, 0.25, config=DecodeConfig(fp16_dots=True),
+                         k_scale=K_SCALE, v_scale=V_SCALE)
     cu = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         prefill_attention(q, k8, v8, cu, kv_lens, tables, 0.25, 1)

@@ -96,6 +96,28 @@ def test_fp8_gemm_and_gemv_match_their_references(mode, m) -> None:
                                    rtol=1.6e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("fp16_dots", [False, True])
+def test_fp8_decode_attention_matches_its_reference(fp16_dots) -> None:
+    """Qwen3-0.6B's heads (16 / 8 of 128) over an e4m3 cache of 8 sequences up to 3,000
+    tokens, the dots in bf16 or (``fp16_dots``) in fp16, against the float32 reference."""
+    from minivllm.kernels.decode_attention import DecodeConfig, decode_attention
+    from minivllm.kernels.reference import paged_attention_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens, bs, width = [3000, 1, 64, 1500, 7, 2048, 999, 300], 64, 48
+    tables = torch.randperm(len(lens) * width, generator=gen, device="cuda").to(torch.int32).view(len(lens), width)
+    shape = (len(lens) * width, bs, 8, 128)
+    one = torch.ones(1, device="cuda")
+    k8, v8 = (quantize_kv_reference(torch.randn(shape, generator=gen, device="cuda"), one) for _ in range(2))
+    q = torch.randn(len(lens), 16, 128, generator=gen, device="cuda").bfloat16()
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
+    ref = paged_attention_reference(q.float(), k8, v8, cu, kv_lens, tables, 128 ** -0.5, one, one)
+    out = decode_attention(q, k8, v8, kv_lens, tables, 128 ** -0.5, DecodeConfig(fp16_dots=fp16_dots),
+                           k_scale=one, v_scale=one)
+    torch.testing.assert_close(out.float(), ref, atol=1.6e-2, rtol=1.6e-2)
+
+
 # ---- the FP8 KV cache ----------------------------------------------------------------------
 
 def test_fp8_kv_cache_agrees_with_the_bf16_cache(checkpoints) -> None:

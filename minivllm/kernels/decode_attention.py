@@ -17,7 +17,11 @@ With one split the kernel writes the final output itself.
 
 An FP8 cache (``kernels/fp8.py``) is read as e4m3 tiles, half the bytes, turned into q's
 dtype in registers (exact) before the dots; the K scale multiplies the softmax scale and
-the V scale the normalised output.
+the V scale the normalised output. ``DecodeConfig.fp16_dots`` turns them into fp16 instead
+(one hardware conversion a pair of values on Hopper; bf16 has none from e4m3) and q with
+them: exact for bf16 q of magnitude 2^-14 to 65504 (fp16 holds bf16's 8 significant bits),
+and P is rounded to fp16, finer than bf16. Which is faster is a GPU measurement
+(``benchmarks.fp8 --parts attention --sweep``); off by default.
 
 CUDA-graph capturable: the split count depends on shapes only (batch, KV heads,
 block-table width * block size, SM count), never on tensor values, and nothing
@@ -57,9 +61,10 @@ class DecodeConfig:
     block_n: int = 64     # context tokens per tile; a power of two >= 16 (tl.dot's minimum)
     num_warps: int = 4
     num_stages: int = 3   # software-pipelining depth of the K/V loads
+    fp16_dots: bool = False  # an FP8 cache: widen its tiles (and q) to fp16, not q's dtype (module doc)
 
     def __post_init__(self) -> None:
-        check_tile_config(self, ("block_n",))
+        check_tile_config(self, ("block_n",), flags=("fp16_dots",))
 
 
 @triton.jit
@@ -82,6 +87,7 @@ def _decode_split_kernel(
     WRITE_FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
     KV_FP8: tl.constexpr,                 # the cache holds e4m3 values of K / k_scale, V / v_scale
+    FP16_DOTS: tl.constexpr,              # KV_FP8: the dots in fp16 (DecodeConfig.fp16_dots)
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -103,6 +109,9 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None], other=0.0)                      # (BLOCK_G, D)
     dtype = q.dtype
+    if FP16_DOTS:
+        dtype = tl.float16
+        q = q.to(dtype)
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     if UPCAST_DOT:
@@ -207,7 +216,8 @@ def decode_attention(
             kv_lens and block_tables int32), or a config that is not a DecodeConfig.
         ValueError: mismatched shapes, strided last dimensions, H not a multiple of
             Hkv, head_dim or block_size not a power of two, a bad scale or
-            num_splits, tensors on different devices, or an FP8 cache without scales.
+            num_splits, tensors on different devices, an FP8 cache without scales, or
+            ``fp16_dots`` without an FP8 cache and a bf16/fp16 q.
     """
     check_attention_args(q, k_cache, v_cache, kv_lens, block_tables, scale)
     k_scale, v_scale = check_kv_scales(k_cache, k_scale, v_scale)
@@ -215,6 +225,8 @@ def decode_attention(
         check_host_int("num_splits", num_splits, minimum=1)
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
+    if config is not None and config.fp16_dots and not (is_fp8_cache(k_cache) and q.dtype != torch.float32):
+        raise ValueError(f"fp16_dots widens an FP8 cache for 16-bit q; got a {k_cache.dtype} cache and {q.dtype} q")
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     config = config or default_config(q.dtype, head_dim)
@@ -240,7 +252,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         WRITE_FINAL=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=upcast_dot(q), KV_FP8=is_fp8_cache(k_cache),
+        UPCAST_DOT=upcast_dot(q), KV_FP8=is_fp8_cache(k_cache), FP16_DOTS=config.fp16_dots,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
