@@ -18,8 +18,7 @@ With one split the kernel writes the final output itself.
 An FP8 cache (``kernels/fp8.py``) is read as e4m3 tiles, half the bytes, turned into q's
 dtype in registers (exact) before the dots; the K scale multiplies the softmax scale and
 the V scale the normalised output. ``DecodeConfig.fp16_dots`` turns them into fp16 instead
-(one hardware conversion a pair of values on Hopper; bf16 has none from e4m3) and q with
-them: exact for bf16 q of magnitude 2^-14 to 65504 (fp16 holds bf16's 8 significant bits),
+(one PTX conversion a pair of values, ``cvt.rn.f16x2.e4m3x2``) and q with them: exact for bf16 q of magnitude 2^-14 to 65504 (fp16 holds bf16's 8 significant bits),
 and P is rounded to fp16, finer than bf16. Which is faster is a GPU measurement
 (``benchmarks.fp8 --parts attention --sweep``); off by default.
 
