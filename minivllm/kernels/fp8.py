@@ -207,6 +207,19 @@ def exact_cast(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
 
 
+# The quantization constants as kernel constants.
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
+_AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
+
+
+@triton.jit
+def e4m3_scales(amax):
+    """``(scale, 1 / scale)`` of rows whose largest magnitudes are ``amax`` (a vector), each
+    correctly rounded: the scale as :func:`fp8_scale` divides."""
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+    return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
 @triton.jit
 def quantize_e4m3(v, inv_scale, EXACT_CAST: tl.constexpr):
     """e4m3 of ``v * inv_scale`` (fp32; ``inv_scale`` = 1 / scale, broadcast), clamped to

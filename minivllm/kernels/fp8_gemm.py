@@ -54,7 +54,7 @@ import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config
 from minivllm.kernels.fp8 import (
-    AMAX_FLOOR, FP8_DTYPE, FP8_E4M3_MAX, FP8_GROUP, ScaleMode, check_scale_mode, exact_cast, quantize_e4m3,
+    FP8_DTYPE, FP8_GROUP, ScaleMode, check_scale_mode, e4m3_scales, exact_cast, quantize_e4m3,
     quantize_fp8_per_token, quantize_fp8_per_token_group,
 )
 
@@ -62,9 +62,6 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # cuBLASLt's block-scaled GEMM (torch 2.11, CUDA 13, H200) refused one row of x
 # (CUBLAS_STATUS_NOT_SUPPORTED) and took 16 and 300: fewer rows are padded with zeros.
 _SCALED_MM_MIN_ROWS = 16
-# The quantization constants as kernel constants (one definition: kernels/fp8.py).
-_FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
-_AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -87,14 +84,6 @@ class Fp8GemmConfig:
 def default_config(rows: int) -> Fp8GemmConfig:
     """The tiles for ``rows`` rows of x: the smallest row block (16, 32 or 64) that holds them."""
     return Fp8GemmConfig(block_m=16 if rows <= 16 else 32 if rows <= 32 else 64)
-
-
-@triton.jit
-def _row_scales(amax):
-    """``(scale, 1 / scale)`` of rows whose largest magnitude is ``amax``, correctly rounded
-    as torch divides (``quantization.fp8_scale``)."""
-    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
-    return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
 
 
 @triton.jit
@@ -127,7 +116,7 @@ def _fp8_gemm_kernel(
                 xs = tl.load(xs_ptr + rows * tl.cdiv(K, GROUP) + k0 // GROUP, mask=row_ok, other=0.0)
             else:
                 x = _x_tile(x_rows, k0 + offs_k, row_ok, K)
-                xs, inv = _row_scales(tl.max(tl.abs(x), axis=1))
+                xs, inv = e4m3_scales(tl.max(tl.abs(x), axis=1))
                 xq = quantize_e4m3(x, inv[:, None], EXACT_CAST)
             d = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K))
             ws = tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)
@@ -141,7 +130,7 @@ def _fp8_gemm_kernel(
             amax = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, GROUP):
                 amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, k0 + offs_k, row_ok, K)), axis=1))
-            xs, inv = _row_scales(amax)
+            xs, inv = e4m3_scales(amax)
             for k0 in range(0, K, GROUP):
                 xq = quantize_e4m3(_x_tile(x_rows, k0 + offs_k, row_ok, K), inv[:, None], EXACT_CAST)
                 acc = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)

@@ -27,12 +27,11 @@ import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous
 from minivllm.kernels.fp8 import (
-    AMAX_FLOOR, FP8_DTYPE, FP8_E4M3_MAX, FP8_GROUP, ScaleMode, check_scale_mode, exact_cast, quantize_e4m3,
+    AMAX_FLOOR, FP8_DTYPE, FP8_E4M3_MAX, FP8_GROUP, ScaleMode, check_scale_mode, e4m3_scales, exact_cast,
+    quantize_e4m3,
 )
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
-_AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
@@ -45,28 +44,28 @@ def _quantize_kernel(
     GROUP: tl.constexpr,
     EXACT_CAST: tl.constexpr,
 ):
+    # The row as a (1, GROUP) tile, so the GEMM's own scale and rounding helpers apply.
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, GROUP)
+    offs = tl.arange(0, GROUP)[None, :]
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * K
     if PER_GROUP:
         k = tl.program_id(1) * GROUP + offs
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), _AMAX_FLOOR), _FP8_MAX)
-        tl.store(q_row + k, quantize_e4m3(x, tl.math.div_rn(1.0, scale), EXACT_CAST), mask=k < K)
-        tl.store(s_ptr + row * tl.cdiv(K, GROUP) + tl.program_id(1), scale)
+        scale, inv = e4m3_scales(tl.max(tl.abs(x), axis=1))                    # (1,)
+        tl.store(q_row + k, quantize_e4m3(x, inv[:, None], EXACT_CAST), mask=k < K)
+        tl.store(s_ptr + row * tl.cdiv(K, GROUP) + tl.program_id(1) + tl.arange(0, 1), scale)
     else:
-        amax = 0.0
+        amax = tl.zeros((1,), tl.float32)
         for k0 in range(0, K, GROUP):
             k = k0 + offs
-            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)), axis=0))
-        scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
-        inv = tl.math.div_rn(1.0, scale)
+            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)), axis=1))
+        scale, inv = e4m3_scales(amax)
         for k0 in range(0, K, GROUP):
             k = k0 + offs
-            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            tl.store(q_row + k, quantize_e4m3(x, inv, EXACT_CAST), mask=k < K)
-        tl.store(s_ptr + row, scale)
+            x = tl.load(x_row + k, mask=k < K, other=0.0)
+            tl.store(q_row + k, quantize_e4m3(x, inv[:, None], EXACT_CAST), mask=k < K)
+        tl.store(s_ptr + row + tl.arange(0, 1), scale)
 
 
 def quantize_activations(x: torch.Tensor, mode: ScaleMode) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,8 +49,8 @@ from minivllm.kernels._launch import (
     check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, check_tile_config, takes_pdl,
     upcast_dot,
 )
-from minivllm.kernels.fp8 import FP8_DTYPE, FP8_GROUP, ScaleMode, exact_cast, quantize_e4m3
-from minivllm.kernels.fp8_gemm import _row_scales, _w_tile, _x_tile
+from minivllm.kernels.fp8 import FP8_DTYPE, FP8_GROUP, ScaleMode, e4m3_scales, exact_cast, quantize_e4m3
+from minivllm.kernels.fp8_gemm import _w_tile, _x_tile
 from minivllm.kernels.moe_align import MoeAlignment
 from minivllm.kernels.silu_and_mul import gated_silu
 
@@ -163,13 +163,13 @@ def _fp8_products(a_ptrs, w_ptrs, ws_gate, ws_up, row_ok, col_ok, N, K, GATED: t
         amax = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, GROUP):
             amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(a_ptrs, k0 + offs_k, row_ok, K)), axis=1))
-        xs, inv = _row_scales(amax)
+        xs, inv = e4m3_scales(amax)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, GROUP):
         a = _x_tile(a_ptrs, k0 + offs_k, row_ok, K)                           # (BLOCK_M, GROUP) fp32
         if BLOCK_SCALES:
-            xs, inv = _row_scales(tl.max(tl.abs(a), axis=1))
+            xs, inv = e4m3_scales(tl.max(tl.abs(a), axis=1))
         aq = quantize_e4m3(a, inv[:, None], EXACT_CAST)
         acc = _fp8_dot(aq, _w_tile(w_ptrs, k0 + offs_k, col_ok, K), acc, xs, ws_gate + k0 // GROUP, col_ok,
                        BLOCK_SCALES)
