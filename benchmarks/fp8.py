@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import shutil
 import statistics
@@ -49,7 +48,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.accuracy import make_bf16_checkpoint, random_prompts
+from benchmarks.accuracy import make_bf16_checkpoint, random_prompts, release_memory
 from benchmarks.long_context import minivllm_decode
 from benchmarks.qwen3_shapes import SHAPES, SMOKE_SHAPES, write_random_config
 from benchmarks.report import write_summary
@@ -79,12 +78,6 @@ PARTS = ("offline", "long_context", "attention", "accuracy")
 # (block_n, num_warps, num_stages) of the decode attention kernel that --sweep times; over the
 # e4m3 cache each also with fp16 dots (DecodeConfig.fp16_dots).
 ATTENTION_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
-
-
-def release() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def engine_options(name: str) -> dict[str, Any]:
@@ -137,7 +130,7 @@ def offline_part(args: argparse.Namespace, path: str, device: str) -> dict[str, 
             runs[name].append(run)
             llm.close()
             del llm
-            release()
+            release_memory()
     out = {}
     for name, rs in runs.items():
         out[name] = dict(rounds=rs, tok_s=statistics.median(x["tok_s"] for x in rs),
@@ -168,7 +161,7 @@ def long_context_part(args: argparse.Namespace, path: str, device: str) -> dict[
         out[name] = minivllm_decode(llm, la, device)
         llm.close()
         del llm
-        release()
+        release_memory()
     return out
 
 
@@ -242,7 +235,7 @@ def accuracy_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
         hf32 = make_bf16_checkpoint(path, std=0.1, device=device, **overrides)
         vocab = hf32.config.vocab_size
         del hf32
-        release()
+        release_memory()
         prompts = random_prompts(n_prompts, plen, vocab)
         width = -(-(plen + steps) // bs)
         dtype = "bfloat16" if device == "cuda" else "float32"
@@ -264,7 +257,7 @@ def accuracy_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
                   f"mean KL {a.mean_kl:.2e} (largest prompt {a.max_kl:.2e})", flush=True)
             ours.close()
             del ours
-            release()
+            release_memory()
         reference.close()
         shutil.rmtree(path.rstrip("/") + "-fp8", ignore_errors=True)  # the converted copy beside it
     return out

@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 
-from benchmarks.accuracy import leading_identical, release_memory
+from benchmarks.accuracy import hf_greedy, leading_identical, release_memory
 from minivllm import LLM, SamplingParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,18 +54,6 @@ def gguf_path() -> str | None:
     return path if path and os.path.exists(path) else None
 
 
-def hf_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy ``generate``, NEW tokens, no early stop."""
-    out = []
-    with torch.no_grad():
-        for p in prompts:  # one at a time: chat prompts differ in length
-            ids = torch.tensor([p], device="cuda")
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
-                              do_sample=False, top_p=None, top_k=None)
-            out.append(gen[0, len(p):].tolist())
-    return out
-
-
 def ours_greedy(path: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy through ``LLM`` as users run it on CUDA; checks decode replayed CUDA graphs."""
     with LLM(path, dtype=dtype, max_num_seqs=8, max_model_len=512, gpu_memory_utilization=0.3) as llm:
@@ -86,7 +74,7 @@ def test_bf16_on_a_trained_model_keeps_90_percent_of_hf_agreement() -> None:
     hf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     hf16 = hf16.to(device="cuda", dtype=torch.bfloat16).eval()
     hf32 = copy.deepcopy(hf16).to(torch.float32)  # float32 on the bf16-rounded weights: the reference
-    ref, theirs = hf_greedy(hf32, prompts), hf_greedy(hf16, prompts)
+    ref, theirs = hf_greedy(hf32, prompts, NEW), hf_greedy(hf16, prompts, NEW)  # one at a time: lengths differ
     del hf16, hf32
     release_memory()
     ours = ours_greedy(path, "bfloat16", prompts)

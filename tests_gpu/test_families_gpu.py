@@ -18,7 +18,6 @@ would measure luck, not our code (``docs/tuning.md``, "Rounding and precision").
 from __future__ import annotations
 
 import copy
-import gc
 from typing import Any
 
 import numpy as np
@@ -26,10 +25,13 @@ import pytest
 import torch
 import transformers
 
+from benchmarks.accuracy import release_memory
 from benchmarks.qwen3_shapes import SHAPES
 from minivllm import LLM, SamplingParams
 from tests.model_utils import make_model_executor, randomize_weights
-from tests_gpu.test_model_gpu import NEW, assert_top5_at_first_difference, hf_greedy, last_logits, shared_prefix_prompts
+from tests_gpu.test_model_gpu import (
+    NEW, assert_top5_at_first_difference, fp32_logit_error, hf_greedy, shared_prefix_prompts,
+)
 
 FAMILIES = ("qwen2.5-0.5b", "llama-3.2-1b")
 QK_SCALE = 0.1  # attention scores of std ~2 (module docstring)
@@ -45,11 +47,6 @@ def numbers(name: str) -> dict[str, Any]:
     """The shapes' config numbers (a copy: transformers fills in nested dicts in place),
     without bos/eos (``generate`` must not stop early)."""
     return copy.deepcopy(dict(SHAPES[name][1], bos_token_id=None, eos_token_id=None))
-
-
-def release() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -74,7 +71,7 @@ def checkpoint(request, tmp_path_factory):
     expected = [hf_greedy(hf, p, NEW) for p in prompts]
     yield name, hf, path, prompts, expected
     del hf
-    release()
+    release_memory()
 
 
 def test_logits_match_hf_fp32(checkpoint) -> None:
@@ -83,14 +80,9 @@ def test_logits_match_hf_fp32(checkpoint) -> None:
                              block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024,
                              max_model_len=1024, enforce_eager=True)
     assert ex.model.architecture == SHAPES[name][0]
-    ctx = np.random.default_rng(0).integers(0, hf.config.vocab_size, 300).tolist()
-    ours = last_logits(ex, ctx)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
-    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-    print(f"{name}: fp32 max|diff|/max|ref| = {rel:.2e} (max|ref| {ref.abs().max().item():.1f})")
+    rel = fp32_logit_error(ex, hf, name)
     del ex
-    release()
+    release_memory()
     assert rel <= 1e-4
 
 
@@ -111,7 +103,7 @@ def test_greedy_fp32_matches_hf(checkpoint, engine: str) -> None:
             assert s.num_preemptions > 0
     finally:
         del llm
-        release()
+        release_memory()
 
 
 def test_bf16_top5_at_first_difference(checkpoint) -> None:

@@ -7,12 +7,11 @@ came from, both by the top-5 rule at the first differing greedy token (weights s
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
 
-from benchmarks.accuracy import make_bf16_checkpoint, random_prompts
+from benchmarks.accuracy import make_bf16_checkpoint, random_prompts, release_memory
 from fixtures.fp8_checkpoint import convert_checkpoint
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_token, quantize_fp8_per_token_group
@@ -30,11 +29,6 @@ BS, STEPS = 16, 32
 STD = 0.02
 
 
-def release() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """(bf16-valued checkpoint, its FP8 conversion, 16 prompts)."""
@@ -42,7 +36,7 @@ def checkpoints(tmp_path_factory):
     hf = make_bf16_checkpoint(str(root / "bf16"), std=STD, device="cuda")
     vocab = hf.config.vocab_size
     del hf
-    release()
+    release_memory()
     convert_checkpoint(root / "bf16", root / "fp8")
     return str(root / "bf16"), str(root / "fp8"), random_prompts(16, 32, vocab)
 
@@ -139,7 +133,7 @@ def test_fp8_kv_cache_under_graphs_in_both_scheduling_modes(checkpoints, async_s
         with LLM(src, kv_cache_dtype="fp8", skip_tokenizer_init=True, async_scheduling=async_scheduling,
                  gpu_memory_utilization=0.5, max_model_len=256, **opts) as llm:
             runs[name] = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        release()
+        release_memory()
     assert runs["graphs"] == runs["eager"]
 
 
@@ -162,4 +156,4 @@ def test_fp8_checkpoint_against_transformers_and_the_bf16_model(checkpoints) -> 
         agreed = [assert_top5_at_first_difference(ours, hf, p, STEPS) for p in prompts]
         print(f"\n[fp8 weights vs transformers {'FP8' if path == fp8 else 'bf16'}] tokens agreed per prompt: {agreed}")
         del hf
-        release()
+        release_memory()

@@ -65,6 +65,18 @@ def last_logits(ex: ModelExecutor, context: list[int]) -> torch.Tensor:
     return ex.compute_logits(plan)[0].float()
 
 
+def fp32_logit_error(ex: ModelExecutor, hf: Any, name: str) -> float:
+    """max |ours - HF| / max |HF| of the float32 logits at the last position of a random
+    300-token context (printed with ``name``)."""
+    ctx = np.random.default_rng(0).integers(0, hf.config.vocab_size, 300).tolist()
+    ours = last_logits(ex, ctx)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    print(f"{name}: fp32 max|diff|/max|ref| = {rel:.2e} (max|ref| {ref.abs().max().item():.1f})")
+    return rel
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
@@ -78,14 +90,7 @@ def test_logits_match_hf_fp32(checkpoint) -> None:
     ex = make_model_executor(path, device="cuda", dtype="float32", kernels="triton",
                              block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024,
                              enforce_eager=True)
-    rng = np.random.default_rng(0)
-    ctx = rng.integers(0, CONFIGS[name]["vocab_size"], 300).tolist()
-    ours = last_logits(ex, ctx)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
-    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-    print(f"{name}: fp32 max|diff|/max|ref| = {rel:.2e} (max|ref| {ref.abs().max().item():.1f})")
-    assert rel <= 1e-4
+    assert fp32_logit_error(ex, hf, name) <= 1e-4
 
 
 def test_bf16_top5_at_first_difference(checkpoint) -> None:

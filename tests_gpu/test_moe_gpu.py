@@ -13,24 +13,21 @@ differing token.
 from __future__ import annotations
 
 import copy
-import gc
 
 import numpy as np
 import pytest
 import torch
 import transformers
 
+from benchmarks.accuracy import release_memory
 from benchmarks.qwen3_shapes import SHAPES
 from minivllm import LLM, SamplingParams
 from tests.model_utils import make_model_executor, randomize_weights
-from tests_gpu.test_model_gpu import NEW, assert_top5_at_first_difference, hf_greedy, last_logits, shared_prefix_prompts
+from tests_gpu.test_model_gpu import (
+    NEW, assert_top5_at_first_difference, fp32_logit_error, hf_greedy, shared_prefix_prompts,
+)
 
 LAYERS = 4
-
-
-def release() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +47,7 @@ def checkpoint(tmp_path_factory):
     expected = [hf_greedy(hf, p, NEW) for p in prompts]
     yield hf, path, prompts, expected
     del hf
-    release()
+    release_memory()
 
 
 def test_logits_match_hf_fp32(checkpoint) -> None:
@@ -58,14 +55,9 @@ def test_logits_match_hf_fp32(checkpoint) -> None:
     ex = make_model_executor(path, device="cuda", dtype="float32", kernels="triton", block_size=16,
                              num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024,
                              enforce_eager=True)
-    ctx = np.random.default_rng(0).integers(0, hf.config.vocab_size, 300).tolist()
-    ours = last_logits(ex, ctx)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
-    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-    print(f"qwen3-moe: fp32 max|diff|/max|ref| = {rel:.2e}")
+    rel = fp32_logit_error(ex, hf, "qwen3-moe")
     del ex
-    release()
+    release_memory()
     assert rel <= 1e-4
 
 
@@ -84,7 +76,7 @@ def test_greedy_fp32_matches_hf_with_graphs(checkpoint, async_scheduling: bool) 
         assert llm.engine.executor.graph_runner.num_replays > 0 and llm.engine.stats.num_cached_tokens > 0
     finally:
         del llm
-        release()
+        release_memory()
 
 
 def test_bf16_top5_at_first_difference(checkpoint) -> None:
