@@ -26,7 +26,7 @@ without a launch of their own; program 0 writes x + residual as the new residual
 W tile loads before ``griddepcontrol.wait`` and the next kernel may start after the K loop,
 as in ``kernels/gemv.py`` (its module doc; ``_launch.pdl_supported``).
 
-Tiles by scale mode (``default_config``), from a sweep on an H200 (docs/tuning.md, "FP8"). With
+Tiles by W's height (``default_config``), from a sweep on an H200 (docs/tuning.md, "FP8"). With
 block scales a tile's scales are loaded per row and 128-column group, never per element.
 
 Torch reference: :func:`minivllm.kernels.reference.fp8_gemv_reference`.
@@ -61,16 +61,17 @@ class Fp8GemvConfig:
         check_tile_config(self, ("block_k",))
 
 
-# Measured on an H200 at Qwen3-0.6B and -8B shapes (docs/tuning.md, "FP8"): with block
-# scales, of the steps of one scale group, 16 columns a program was best; without per-tile
-# scales, 8 columns of 512.
-BLOCK_SCALED_CONFIG = Fp8GemvConfig(block_n=16, block_k=128)
-CHANNEL_CONFIG = Fp8GemvConfig(block_n=8, block_k=512)
+# Swept on an H200 at Qwen3-0.6B and -8B shapes (docs/tuning.md, "FP8"), the same in both
+# scale modes: 512 columns a step; a narrow W (N <= 2048: 0.6B's o and down, 1024 rows) wants
+# more, narrower programs and deeper pipelining, a wide one 16 columns a program.
+NARROW_MAX_N = 2048
+NARROW_CONFIG = Fp8GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=5)
+WIDE_CONFIG = Fp8GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3)
 
 
-def default_config(mode: ScaleMode) -> Fp8GemvConfig:
-    """The tiles for weights with scales of ``mode``."""
-    return BLOCK_SCALED_CONFIG if mode == "block" else CHANNEL_CONFIG
+def default_config(n: int) -> Fp8GemvConfig:
+    """The tiles for a W of ``n`` rows (output columns)."""
+    return NARROW_CONFIG if n <= NARROW_MAX_N else WIDE_CONFIG
 
 
 @triton.jit
@@ -159,7 +160,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
              config: Fp8GemvConfig | None = None, *, gated: bool = False, pdl: bool = False) -> torch.Tensor:
     """``x @ W^T`` (1, N) in x's dtype for one row x (1, K) and fp8 W with scales of ``mode``
     (arguments as :func:`minivllm.kernels.fp8_gemm.fp8_gemm`'s; ``config`` None:
-    ``default_config(mode)``). ``gated``: x is (1, 2K) = [gate | up] and the input is
+    ``default_config(N)``). ``gated``: x is (1, 2K) = [gate | up] and the input is
     ``silu(gate) * up`` (the SiLU-and-mul kernel's rounding). ``pdl``: take part in
     programmatic dependent launch where the device allows it; the same bits either way.
 
@@ -216,8 +217,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, m
             pdl: bool = False) -> None:
     """Launch the kernel on checked arguments; ``norm``: (norm weight, eps, residual or None,
     the buffer for x + residual)."""
-    config = config or default_config(mode)
     n, k = weight.shape
+    config = config or default_config(n)
     if n == 0:
         return
     use_pdl = takes_pdl(pdl, x) and k > 0

@@ -53,8 +53,8 @@ from minivllm.kernels.silu_and_mul import gated_silu
 @dataclass(frozen=True)
 class MoeGemvConfig:
     """Tiles of one stage (a tuning knob, not semantics). The 16-bit defaults below copy the
-    one-row GEMV's tiles (timed on an H200 in docs/tuning.md, "Experts at few tokens", not
-    swept)."""
+    one-row GEMV's tiles; a sweep of each stage on an H200 at one token found none faster by
+    more than 3% (docs/tuning.md, "Experts at few tokens")."""
 
     block_n: int = 4          # output columns per program; power of two
     block_k: int = 512        # reduction step; power of two >= 16
@@ -68,9 +68,10 @@ class MoeGemvConfig:
 
 GATE_UP_CONFIG = MoeGemvConfig(block_n=4, block_k=512)   # K = hidden (2048 at Qwen3-30B-A3B)
 DOWN_CONFIG = MoeGemvConfig(block_n=4, block_k=256)      # K = moe_intermediate (768)
-# Block-scaled FP8 experts, both stages: the one-row FP8 GEMV's measured tiles for them
-# (fp8_gemv.BLOCK_SCALED_CONFIG, one 128-column scale group a step).
-BLOCK_SCALED_CONFIG = MoeGemvConfig(block_n=16, block_k=128)
+# Block-scaled FP8 experts, swept per stage at Qwen3-30B-A3B's shapes on an H200 (docs/tuning.md,
+# "Experts at few tokens"): four scale groups a step in both.
+BLOCK_SCALED_GATE_UP_CONFIG = MoeGemvConfig(block_n=16, block_k=512)
+BLOCK_SCALED_DOWN_CONFIG = MoeGemvConfig(block_n=8, block_k=512)
 
 
 @triton.jit
@@ -169,7 +170,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         topk_ids: (T, k) int32 contiguous, every id in [0, E) (not checked: that would read
             the ids on the host).
         gate_up_config, down_config: tiles of the two stages (None: ``GATE_UP_CONFIG``,
-            ``DOWN_CONFIG``; ``BLOCK_SCALED_CONFIG`` for block-scaled FP8 experts).
+            ``DOWN_CONFIG``; the ``BLOCK_SCALED_`` ones for block-scaled FP8 experts).
         w13_scale, w2_scale: float32 scales of FP8 experts (None for 16-bit ones), as
             :func:`minivllm.kernels.fused_moe.check_experts` says; their rank is the mode.
         pdl: take part in programmatic dependent launch where the device allows it.
@@ -180,8 +181,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
             tensors on different devices.
     """
     mode = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    gate_up_config = gate_up_config or (BLOCK_SCALED_CONFIG if mode == "block" else GATE_UP_CONFIG)
-    down_config = down_config or (BLOCK_SCALED_CONFIG if mode == "block" else DOWN_CONFIG)
+    gate_up_config = gate_up_config or (BLOCK_SCALED_GATE_UP_CONFIG if mode == "block" else GATE_UP_CONFIG)
+    down_config = down_config or (BLOCK_SCALED_DOWN_CONFIG if mode == "block" else DOWN_CONFIG)
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
