@@ -79,3 +79,23 @@ def test_moe_gemv_refuses_bad_arguments() -> None:
         moe_gemv(x, w13, w2, weights[:1], ids)
     with pytest.raises(ValueError, match="block_n"):
         MoeGemvConfig(block_n=3)
+
+
+def test_ops_moe_routes_one_token_through_the_gemv(monkeypatch) -> None:
+    """At one bf16 token the router's logits come from the GEMV kernel (not cuBLAS), and the
+    layer's output is the reference's."""
+    import minivllm.kernels.gemv as gemv_module
+    from minivllm.layers.moe import moe_reference
+    from minivllm.layers.ops import Ops
+
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    experts, hidden, inter = 128, 64, 32   # N = 128 routers: 32 programs of 4 columns
+    x, w13, w2, _, _ = routed(1, experts, 2, hidden, inter, torch.bfloat16)
+    router = (torch.randn(experts, hidden, generator=torch.Generator().manual_seed(3)) / 8).to(torch.bfloat16)
+    ops = Ops.build("triton", torch.device("cpu"), torch.bfloat16)
+    out = ops.moe(x, router, w13, w2, 2, True)
+    assert calls == [(experts, hidden)]
+    ref = moe_reference(x, router, w13, w2, 2, True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)

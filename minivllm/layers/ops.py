@@ -241,8 +241,10 @@ class Ops:
         from minivllm.kernels.moe_gemv import moe_gemv
         from minivllm.kernels.moe_topk import moe_topk
 
-        logits = F.linear(x, router)                      # (T, E) in x's dtype, as transformers; the
-        weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)  # softmax widens them
+        # (T, E) in x's dtype, as transformers (the softmax widens them); at decode sizes through
+        # the GEMV where it takes the shape (cuBLAS spent 5 us a layer on this 0.5 MB at one row).
+        logits = self.gemv(x, router) if self.few_rows(x.shape[0]) else F.linear(x, router)
+        weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)
         if few:
             return moe_gemv(x, gate_up, down, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl)
         layout = moe_align(ids, gate_up.shape[0], pdl=self.pdl)
