@@ -6,10 +6,6 @@ No interpreter switch here: ``tests_gpu`` imports this module, and an import tha
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-from minivllm.kernels.fp8 import e4m3_pairs_to_fp16
 
 
 def cos_sin_table(head_dim: int, max_position: int, base: float) -> torch.Tensor:
@@ -47,20 +43,3 @@ def make_qk_norm_problem(
     args = [qkv.to(dtype), positions, *weights, 1e-6, cos_sin, k_cache, v_cache, slots]
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     return args, ref_args
-
-
-@triton.jit
-def _widen_pairs_kernel(words_ptr, out_ptr, N: tl.constexpr, PTX: tl.constexpr):
-    offs = tl.arange(0, N)
-    low, high = e4m3_pairs_to_fp16(tl.load(words_ptr.to(tl.pointer_type(tl.uint16)) + offs), PTX)
-    tl.store(out_ptr + 2 * offs, low)
-    tl.store(out_ptr + 2 * offs + 1, high)
-
-
-def widened_e4m3_codes(device: str, ptx: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``fp8.e4m3_pairs_to_fp16`` of every e4m3 code but NaN, torch's e4m3 -> fp16 of them),
-    both as int16 bits. The codes go in byte order, two to a 16-bit word."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0, 0], dtype=torch.uint8, device=device)
-    out = torch.empty(codes.numel(), dtype=torch.float16, device=device)
-    _widen_pairs_kernel[(1,)](codes.view(torch.int16), out, N=codes.numel() // 2, PTX=ptx)
-    return out.view(torch.int16), codes.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)

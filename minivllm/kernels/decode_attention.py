@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.fp8 import check_kv_scales, e4m3_pairs_to_fp16, exact_cast, is_fp8_cache
+from minivllm.kernels.fp8 import check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
     LOG2E, check_attention_args, check_host_int, check_tile_config, next_pow2, upcast_dot,
 )
@@ -89,7 +89,6 @@ def _decode_split_kernel(
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
     KV_FP8: tl.constexpr,                 # the cache holds e4m3 values of K / k_scale, V / v_scale
     FP16_DOTS: tl.constexpr,              # KV_FP8: the dots in fp16 (DecodeConfig.fp16_dots)
-    PTX_CVT: tl.constexpr,                # FP16_DOTS on CUDA: V widened by PTX (fp8.e4m3_pairs_to_fp16)
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -105,7 +104,6 @@ def _decode_split_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, HEAD_DIM // 2)
     heads = kv_head * GROUP + offs_g                                   # (BLOCK_G,)
     head_ok = offs_g < GROUP
     # Padding rows (BLOCK_G > GROUP, tl.dot needs >= 16 rows) are zeros: finite scores.
@@ -136,15 +134,9 @@ def _decode_split_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)      # (BLOCK_G, BLOCK_N), unscaled
         s = tl.where(valid[None, :], s, float("-inf"))
-        if FP16_DOTS:  # V read as e4m3 pairs, widened in the load's layout (fp8.e4m3_pairs_to_fp16)
-            words = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint16)) + (kv_off // 2)[:, None] + offs_w[None, :],
-                            mask=valid[:, None], other=0)
-            low, high = e4m3_pairs_to_fp16(words, PTX_CVT)
-            v = tl.reshape(tl.join(low, high), (BLOCK_N, HEAD_DIM))
-        else:
-            v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            if KV_FP8:
-                v = v.to(dtype)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            v = v.to(dtype)
         # Every tile holds >= 1 valid token, so m_i is finite after the first one.
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
 
@@ -265,7 +257,6 @@ def decode_attention(
         WRITE_FINAL=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q), KV_FP8=is_fp8_cache(k_cache), FP16_DOTS=config.fp16_dots,
-        PTX_CVT=not exact_cast(q),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:

@@ -255,29 +255,6 @@ def round_to_e4m3(y):
     return (magnitude | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign bit
 
 
-@triton.jit
-def e4m3_pairs_to_fp16(words, PTX: tl.constexpr):
-    """``(low, high)`` fp16 values, exactly, of the two e4m3 bytes in each uint16 of ``words``
-    (little-endian: the low byte is the first value). Why pairs: an e4m3 tile that ``tl.dot``
-    takes as its K-major B operand (P @ V) is read from shared memory a byte at a time on
-    sm_90 (no 8-bit transposing ldmatrix); widened from 16-bit words in the load's layout, the
-    tile goes to shared memory in fp16 and is read by ``ldmatrix.trans``. ``PTX``: one
-    ``cvt.rn.f16x2.e4m3x2`` a word (CUDA); else integer steps, for Triton's interpreter: the
-    sign, exponent and mantissa bits moved into fp16's fields give the value / 2^8 (fp16's
-    exponent bias is 8 more than e4m3's; e4m3 subnormals become fp16 subnormals, exactly),
-    then times 2^8. e4m3's NaN (0x7F) is not a value the cache holds."""
-    if PTX:
-        low, high = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-            "=h,=h,h", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    else:
-        lo = words & 0xFF
-        hi = words >> 8
-        low = (((lo & 0x80) << 8) | ((lo & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
-        high = (((hi & 0x80) << 8) | ((hi & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
-    return low, high
-
-
 # ---- the FP8 KV cache --------------------------------------------------------------------
 # An FP8 cache holds e4m3 values of K (V) by the module doc's rule, with one per-tensor
 # scale per layer and cache (1.0 unless the checkpoint gives self_attn.k_scale / v_scale).
