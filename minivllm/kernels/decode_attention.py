@@ -69,6 +69,39 @@ class DecodeConfig:
 
 
 @triton.jit
+def _fold_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
+               stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
+               BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+               KV_FP8: tl.constexpr, MASKED: tl.constexpr):
+    """Fold the BLOCK_N context tokens from ``n0`` into the online softmax; ``MASKED``: the
+    tile runs past ``end`` (its tokens there are neither looked up nor loaded)."""
+    pos = n0 + offs_n                                              # (BLOCK_N,)
+    valid = pos < end
+    # int64: the pool can exceed 2**31 elements. Masked lookups never touch the table's -1 padding.
+    if MASKED:
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(table_row + pos // BLOCK_SIZE).to(tl.int64)
+    kv_off = block * stride_cn + (pos % BLOCK_SIZE) * stride_cb + kv_head * stride_ch
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    if KV_FP8:
+        k = k.to(dtype)
+        v = v.to(dtype)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)      # (BLOCK_G, BLOCK_N), unscaled
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    # Every tile holds >= 1 valid token, so m_i is finite after the first one.
+    return online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,                                # (B, H, D)
     k_cache_ptr, v_cache_ptr,             # (N, bs, Hkv, D), same strides
@@ -121,24 +154,17 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)                             # running sum of exp
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     table_row = block_tables_ptr + seq * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n                                              # (BLOCK_N,)
-        valid = pos < end
-        # Masked lookups never touch the table's -1 padding; int64: the pool can exceed 2**31 elements.
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cn + (pos % BLOCK_SIZE) * stride_cb + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if KV_FP8:
-            k = k.to(dtype)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)      # (BLOCK_G, BLOCK_N), unscaled
-        s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if KV_FP8:
-            v = v.to(dtype)
-        # Every tile holds >= 1 valid token, so m_i is finite after the first one.
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+    # Whole tiles without masks (a masked load and lookup per token cost the FP8 cache a third
+    # of its speed, docs/tuning.md "FP8"), then the split's last, partial tile masked.
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N   # an empty split: start
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
+                                   stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
+                                   BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT, KV_FP8, False)
+    if full_end < end:
+        m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, full_end, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
+                                   stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
+                                   BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT, KV_FP8, True)
 
     # An empty split (or kv_len 0) has l_i == 0: output 0, log-sum-exp -inf (weight 0 in the merge).
     # Scores are base 2 (scaled by log2 e), so the split's log-sum-exp is m + log2(l), in base 2.
