@@ -55,3 +55,23 @@ def online_softmax_step(
 def normalize_rows(acc, l_i):
     """``acc / l`` per row, (M, D); a row that saw no key (l == 0, acc == 0) gives zeros."""
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
+def fold_kv_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2,
+               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+               KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """One K/V tile (keys at ``pos``) into the online softmax (:func:`online_softmax_step`);
+    MASKED: each row sees only keys at or before its position ``q_pos`` (a decode row: the
+    last context position); KV_FP8: the tile's e4m3 values first become DTYPE (the
+    model's; the scales are applied by the caller). Returns (m_i, l_i, acc)."""
+    if KV_FP8:
+        k = k.to(DTYPE)
+        v = v.to(DTYPE)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # (M, BLOCK_N), unscaled
+    if MASKED:
+        # A real row's q_pos < end, so this also hides the keys past `end` (loaded as 0).
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    return online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)

@@ -45,7 +45,7 @@ from minivllm.kernels.fp8 import check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
     LOG2E, check_attention_args, check_host_int, check_tile_config, next_pow2, upcast_dot,
 )
-from minivllm.kernels._softmax import normalize_rows, online_softmax_step
+from minivllm.kernels._softmax import fold_kv_tile, normalize_rows
 from minivllm.kernels.merge_attention_splits import merge_attention_splits
 
 # Splits beyond this add merge traffic and barely any parallelism.
@@ -69,7 +69,7 @@ class DecodeConfig:
 
 
 @triton.jit
-def _fold_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
+def _attend_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
                stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
                BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
                KV_FP8: tl.constexpr, MASKED: tl.constexpr):
@@ -89,16 +89,11 @@ def _fold_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, k
     else:
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
-    if KV_FP8:
-        k = k.to(dtype)
-        v = v.to(dtype)
-    if UPCAST_DOT:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)      # (BLOCK_G, BLOCK_N), unscaled
-    if MASKED:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    # Every tile holds >= 1 valid token, so m_i is finite after the first one.
-    return online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+    # Every tile holds >= 1 valid token, so m_i is finite after the first one; a row's last
+    # key is end - 1 (the mask hides the tile's tokens past it, loaded as 0).
+    last = tl.full([q.shape[0]], end - 1, tl.int32)
+    return fold_kv_tile(q, k, v, pos, last, m_i, l_i, acc, scale_log2, MASKED, DOT_PRECISION, UPCAST_DOT,
+                        KV_FP8, dtype)
 
 
 @triton.jit
@@ -158,11 +153,11 @@ def _decode_split_kernel(
     # of its speed, docs/tuning.md "FP8"), then the split's last, partial tile masked.
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N   # an empty split: start
     for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
                                    stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
                                    BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT, KV_FP8, False)
     if full_end < end:
-        m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, full_end, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
                                    stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
                                    BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT, KV_FP8, True)
 

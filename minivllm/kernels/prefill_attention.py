@@ -70,7 +70,7 @@ from minivllm.kernels._launch import (
     LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_tile_config,
     check_same_device, next_pow2, tma_rows_allowed, upcast_dot,
 )
-from minivllm.kernels._softmax import normalize_rows, online_softmax_step
+from minivllm.kernels._softmax import fold_kv_tile, normalize_rows
 
 
 @dataclass(frozen=True)
@@ -134,25 +134,6 @@ def _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb,
 
 
 @triton.jit
-def _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2,
-               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-               KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
-    """One K/V tile (keys at ``pos``) into the online softmax; MASKED: each row sees only
-    keys at or before its position; KV_FP8: the tile's e4m3 values first become DTYPE (the
-    model's; the scales are applied by the caller). Returns (m_i, l_i, acc)."""
-    if KV_FP8:
-        k = k.to(DTYPE)
-        v = v.to(DTYPE)
-    if UPCAST_DOT:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # (M, BLOCK_N), unscaled
-    if MASKED:
-        # A real row's q_pos < end, so this also hides the keys past `end` (loaded as 0).
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-    return online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
-
-
-@triton.jit
 def _attend_kv_range(
     q, q_pos, m_i, l_i, acc,              # (M, D) queries, (M,) positions, softmax state
     k_ptr, v_ptr,                         # caches, already offset to this KV head
@@ -163,7 +144,7 @@ def _attend_kv_range(
     MASKED: tl.constexpr,                 # False: every key in [start, end) is visible to every row
     USE_TMA: tl.constexpr,                # tiles come by tensor-memory copy (BLOCK_SIZE % BLOCK_N == 0)
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    KV_FP8: tl.constexpr, DTYPE: tl.constexpr,  # see _fold_tile
+    KV_FP8: tl.constexpr, DTYPE: tl.constexpr,  # see fold_kv_tile (_softmax.py)
 ):
     """Fold the keys [start, end) into the online softmax; returns (m_i, l_i, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -181,7 +162,7 @@ def _attend_kv_range(
             else:
                 block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos < end, other=0)
                 k, v = _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, True)
-            m_i, l_i, acc = _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2, True, DOT_PRECISION,
+            m_i, l_i, acc = fold_kv_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2, True, DOT_PRECISION,
                                        UPCAST_DOT, KV_FP8, DTYPE)
         return m_i, l_i, acc
     if USE_TMA:
@@ -194,7 +175,7 @@ def _attend_kv_range(
             k = k_desc.load([row, desc_col])
             v = v_desc.load([row, desc_col])
             block = tl.load(table_row + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end, other=0)
-            m_i, l_i, acc = _fold_tile(q, k, v, n0 + offs_n, q_pos, m_i, l_i, acc, scale_log2, False,
+            m_i, l_i, acc = fold_kv_tile(q, k, v, n0 + offs_n, q_pos, m_i, l_i, acc, scale_log2, False,
                                        DOT_PRECISION, UPCAST_DOT, KV_FP8, DTYPE)
         return m_i, l_i, acc
     # Block ids are looked up one tile ahead (loop-carried): the K/V loads' addresses then do
@@ -205,7 +186,7 @@ def _attend_kv_range(
         pos = n0 + offs_n                                              # (BLOCK_N,)
         k, v = _pointer_tile(k_ptr, v_ptr, block, pos, end, stride_cn, stride_cb, HEAD_DIM, BLOCK_SIZE, MASKED)
         block = tl.load(table_row + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end, other=0)
-        m_i, l_i, acc = _fold_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2, MASKED, DOT_PRECISION,
+        m_i, l_i, acc = fold_kv_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2, MASKED, DOT_PRECISION,
                                    UPCAST_DOT, KV_FP8, DTYPE)
     return m_i, l_i, acc
 
