@@ -16,15 +16,14 @@ defines them (``v ~= v_fp8 * scale``; ``scale = max(amax, AMAX_FLOOR) / 448``)::
     program's x rows, so the loop accumulates d unscaled and the epilogue multiplies by
     xs[:, None] * s[cols][None, :] once.
 
-The first pass rather than a separate quantization kernel: no (M, K) fp8 buffer and no
-second launch (decode-sized M is launch-bound); its price is one more read of x per column
-program (from L2 after the first). Both modes requantize x in every column program
-(cdiv(N, BLOCK_N) times): a few ALU ops per element beside the tensor-core dot, which at
-prefill sizes adds up to the order of the product itself (8B's gate_up at M = 2048: 384
-column programs each quantizing the 2048 x 4096 x). ``Fp8GemmConfig.prequantize`` takes the
-other road: ``kernels/fp8_quant.py`` quantizes x once (the same values), and the K loop
-reads e4m3 x and its scales. Which wins where, and the tiles, are for
-``python3 -m benchmarks.fp8_gemm --sweep`` on a GPU; the default stays in-loop.
+Two roads to the same values. In-loop (``Fp8GemmConfig.prequantize`` off): the first pass
+and the quantization run in every column program (cdiv(N, BLOCK_N) times), with no (M, K)
+fp8 buffer and no second launch, at the price of a few ALU ops per element beside the
+tensor-core dot, which at prefill sizes adds up to the order of the product itself (8B's
+gate_up at M = 2048: 384 column programs each quantizing the 2048 x 4096 x). Prequantized
+(the default, ``default_config``): ``kernels/fp8_quant.py`` quantizes x once and the K loop
+reads e4m3 x and its scales; on an H200 that was 1.2-4x faster at 64 and 2,048 rows
+(``python3 -m benchmarks.fp8_gemm --quick --sweep``; docs/tuning.md, "FP8").
 
 The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later).
 
