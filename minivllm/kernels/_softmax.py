@@ -59,8 +59,8 @@ def normalize_rows(acc, l_i):
 
 @triton.jit
 def fold_kv_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2,
-               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-               KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
     """One K/V tile (keys at ``pos``) into the online softmax (:func:`online_softmax_step`);
     MASKED: each row sees only keys at or before its position ``q_pos`` (a decode row: the
     last context position); KV_FP8: the tile's e4m3 values first become DTYPE (the

@@ -70,15 +70,15 @@ class DecodeConfig:
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
-               stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
-               BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-               KV_FP8: tl.constexpr, MASKED: tl.constexpr):
+                 stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 KV_FP8: tl.constexpr, MASKED: tl.constexpr):
     """Fold the BLOCK_N context tokens from ``n0`` into the online softmax; ``MASKED``: the
     tile runs past ``end`` (its tokens there are neither looked up nor loaded)."""
     pos = n0 + offs_n                                              # (BLOCK_N,)
-    valid = pos < end
     # int64: the pool can exceed 2**31 elements. Masked lookups never touch the table's -1 padding.
     if MASKED:
+        valid = pos < end
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     else:
         block = tl.load(table_row + pos // BLOCK_SIZE).to(tl.int64)

@@ -48,7 +48,7 @@ from minivllm.kernels.gemv import NORM_BLOCK_MAX, _input_rstd, _one_row_input, _
 
 @dataclass(frozen=True)
 class Fp8GemvConfig:
-    """Tile and launch parameters (a tuning knob, not semantics). Defaults by scale mode:
+    """Tile and launch parameters (a tuning knob, not semantics). Defaults by W's height:
     :func:`default_config`."""
 
     block_n: int = 16         # output columns (W rows) per program; power of two >= 1
