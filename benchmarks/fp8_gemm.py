@@ -35,7 +35,8 @@ each checked and timed as a contender of its own (``fp8_gemv[16x128 w4 s3]``), a
 fastest of each kernel beside its default's time (`` pre``: ``Fp8GemmConfig.prequantize``):
 the run that sets ``fp8_gemv.default_config`` and ``fp8_gemm.default_config``. ``--quick``:
 M = 1, 64, 2048 only. ``--smoke``: on the CPU under ``TRITON_INTERPRET=1`` (the Triton
-kernels in the interpreter), tiny shapes, every check, nothing timed, no CUDA call. Summary: ``$OUT/fp8_gemm.json``.
+kernels in the interpreter), tiny shapes, every check, nothing timed, no CUDA call.
+Summary: ``$OUT/fp8_gemm.json``.
 """
 
 from __future__ import annotations
