@@ -1,7 +1,7 @@
 """The GEMV kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at decode shapes,
 where a step reads every weight once and cuBLAS leaves bandwidth unused.
 
-    PYTHONPATH=. python3 -m benchmarks.gemv [--quick] [--rows 1,4,16] [--models 0.6b,8b,8b-tp2]
+    PYTHONPATH=. python3 -m benchmarks.gemv [--quick] [--rows 1,4,16] [--models 0.6b,8b,8b-tp2,30b-a3b]
 
 The decode GEMMs (qkv, o, gate_up, down; bf16) of Qwen3-0.6B, Qwen3-8B and one rank of
 Qwen3-8B at TP=2, x of ``--rows`` rows. Each call is timed in a CUDA graph as the decode
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_us
-from benchmarks.qwen3_shapes import QWEN3_0_6B, QWEN3_8B
+from benchmarks.qwen3_shapes import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B
 from benchmarks.report import write_summary
 from minivllm.kernels.gemv import (
     FEW_ROWS_CONFIG, ONE_ROW_BY_SHAPE, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes,
@@ -45,12 +45,18 @@ CANDIDATES = [
 
 
 def decode_gemms(model: str) -> list[tuple[str, int, int]]:
-    """(name, N, K) of one layer's four GEMMs: ``0.6b``, ``8b``, ``8b-tp2`` (one rank)."""
-    cfg, tp = {"0.6b": (QWEN3_0_6B, 1), "8b": (QWEN3_8B, 1), "8b-tp2": (QWEN3_8B, 2)}[model]
-    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    """(name, N, K) of one layer's dense GEMMs: ``0.6b``, ``8b``, ``8b-tp2`` (one rank): qkv,
+    o, gate_up, down; ``30b-a3b`` (Qwen3-30B-A3B): qkv, o and the router (its experts are
+    ``benchmarks.moe``'s)."""
+    cfg, tp = {"0.6b": (QWEN3_0_6B, 1), "8b": (QWEN3_8B, 1), "8b-tp2": (QWEN3_8B, 2),
+               "30b-a3b": (QWEN3_30B_A3B, 1)}[model]
+    h, d = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d // tp, max(1, cfg["num_key_value_heads"] // tp) * d
-    return [(f"{model} qkv", q + 2 * kv, h), (f"{model} o", h, q),
-            (f"{model} gate_up", 2 * i // tp, h), (f"{model} down", h, i // tp)]
+    attention = [(f"{model} qkv", q + 2 * kv, h), (f"{model} o", h, q)]
+    if "num_experts" in cfg:
+        return attention + [(f"{model} router", cfg["num_experts"], h)]
+    i = cfg["intermediate_size"]
+    return attention + [(f"{model} gate_up", 2 * i // tp, h), (f"{model} down", h, i // tp)]
 
 
 def time_us(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:

@@ -41,8 +41,8 @@ per token; exactly k at B = 1).
   tokens, else ``fused_moe_fp8_reference``) on that routing. Up to 16 tokens both Triton
   expert paths are also timed, each forced, to place the switch between them; ``--sweep``:
   and the per-pair GEMV with each stage's tiles of ``GEMV_SWEEP`` (the other at its default).
-  On a GPU the engine part also profiles batch-1 decode steps kernel by kernel
-  (``benchmarks.throughput.profile_decode``).
+  On a GPU the engine part also profiles decode steps kernel by kernel at batch 1 and at
+  ``--max-num-seqs`` (``benchmarks.throughput.profile_decode``).
 
 Summary: ``$OUT/moe.json`` (``summary_name``: ``moe_fp8`` for FP8 weights, ``_kv_fp8`` added
 for an FP8 KV cache), rewritten after each part. ``--smoke``: a tiny MoE on the CPU (FP8:
@@ -233,8 +233,10 @@ def engine_part(args: argparse.Namespace, path: str, device: str, c: ModelConfig
     workloads = [offline_workload(n, args.seed, args.smoke) for n in args.num_requests]
     results["batch1"] = batch1(llm, args, c, fmt, kv_token, gbs, workloads[0].id_limit)
     print_batch1(results["batch1"])
-    if device == "cuda":  # where a batch-1 step's GPU time goes, kernel by kernel
+    if device == "cuda":  # where a decode step's GPU time goes, kernel by kernel: batch 1 and a full batch
         results["decode_kernels"] = profile_decode(llm, workloads[0].id_limit)
+        results["decode_kernels_full_batch"] = profile_decode(llm, workloads[0].id_limit, batch=args.max_num_seqs,
+                                                              steps=16)
     write_summary(summary, results)
     results["offline"] = []
     for i, wl in enumerate(workloads):
@@ -407,25 +409,45 @@ def kernel_row(ops: Any, c: ModelConfig, tokens: int, device: str, dtype: torch.
     return row
 
 
-# (block_n, block_k) of one per-pair GEMV stage that --sweep times (4 warps, 3 stages).
-GEMV_SWEEP = [(bn, bk) for bn in (2, 4, 8, 16) for bk in (128, 256, 512)]
+# (block_n, block_k, num_warps, num_stages) of one per-pair GEMV stage that --sweep times. A
+# program's tile is 2 x block_n rows in stage 1 (gate and up), k x block_n in stage 2.
+GEMV_SWEEP = [(bn, bk, warps, stages) for bn in (1, 2, 4, 8, 16) for bk in (128, 256, 512)
+              for warps, stages in ((4, 3), (8, 3), (4, 5))]
 
 
 def sweep_per_pair(operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs, calls: int) -> dict[str, Any]:
-    """Graph us of the forced per-pair GEMV path with each stage's tiles swept in turn."""
+    """Graph us of the forced per-pair GEMV path with each stage's tiles swept in turn (None:
+    the tiles need more shared memory than the device has). Each tiling's output is first
+    checked against the default tiles' (the same sums in another order)."""
+    from triton.runtime.errors import OutOfResources
+
     from minivllm.kernels.moe_gemv import MoeGemvConfig
 
     per_pair = forced_paths()["per-pair GEMV"]
+    expected = per_pair(*operands(0), scales=inp.scales_of(0)).float()
+    base = TOL_FP8 if inp.scales is not None else TOL_FP32 if inp.operands(0)[0].dtype == torch.float32 else TOL_BF16
+    tol = base * max(1.0, expected.abs().max().item())
     out: dict[str, Any] = {}
     for stage in ("gate_up_config", "down_config"):
         times = {}
-        for bn, bk in GEMV_SWEEP:
-            tiles = {stage: MoeGemvConfig(block_n=bn, block_k=bk)}
-            times[f"{bn}x{bk}"] = graph_us(lambda i: per_pair(*operands(i), scales=inp.scales_of(i), **tiles), calls)
-        best = min(times, key=times.__getitem__)
+        for bn, bk, warps, stages in GEMV_SWEEP:
+            tiles = {stage: MoeGemvConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)}
+            name = f"{bn}x{bk}w{warps}s{stages}"
+            try:
+                got = per_pair(*operands(0), scales=inp.scales_of(0), **tiles).float()
+            except OutOfResources:
+                times[name] = None
+                continue
+            err = (got - expected).abs().max().item()
+            if not err <= tol:
+                raise AssertionError(f"per-pair GEMV with {stage} {name}: max error {err:.3g} > {tol:.3g}")
+            times[name] = graph_us(lambda i: per_pair(*operands(i), scales=inp.scales_of(i), **tiles), calls)
+        best = min((k for k in times if times[k] is not None), key=times.__getitem__)
         out[stage] = dict(us=times, best=best)
         print(f"    per-pair GEMV, {stage.removesuffix('_config')} tiles swept: best {best} "
-              f"{times[best]:.1f} us (of {len(times)})", flush=True)
+              f"{times[best]:.1f} us (of {len(times)}); "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda kv: kv[1] or 1e9)[:6]),
+              flush=True)
     return out
 
 

@@ -32,6 +32,8 @@ def test_gemv_sweep_rows_on_the_cpu(monkeypatch, capsys) -> None:
     assert "not taken" in capsys.readouterr().out     # 2-3 programs < the defaults' 32
     assert [name for name, _, _ in bench.decode_gemms("8b-tp2")] == [
         "8b-tp2 qkv", "8b-tp2 o", "8b-tp2 gate_up", "8b-tp2 down"]
+    assert bench.decode_gemms("30b-a3b") == [  # a sparse model: attention and the router
+        ("30b-a3b qkv", 5120, 2048), ("30b-a3b o", 2048, 4096), ("30b-a3b router", 128, 2048)]
 
 
 @pytest.mark.parametrize("timing", ["graph", "do_bench"])

@@ -142,11 +142,11 @@ def test_the_sweep_times_each_stage_s_tiles_and_names_the_fastest(tiny, monkeypa
     ops = Ops.build("triton", torch.device("cpu"), torch.float32)   # under the interpreter
     times = iter(range(100, 0, -1))                                   # each call faster than the last
     monkeypatch.setattr(moe, "graph_us", lambda call, calls: (call(0), float(next(times)))[1])
-    monkeypatch.setattr(moe, "GEMV_SWEEP", [(4, 16), (16, 32)])
+    monkeypatch.setattr(moe, "GEMV_SWEEP", [(4, 16, 4, 2), (16, 32, 2, 3)])
     row = moe.kernel_row(ops, tiny, 2, "cpu", torch.float32, gbs=100.0, timed=True, copies=1, calls=1, sweep=True)
     for stage in ("gate_up_config", "down_config"):
-        assert list(row["gemv_sweep"][stage]["us"]) == ["4x16", "16x32"]
-        assert row["gemv_sweep"][stage]["best"] == "16x32"
+        assert list(row["gemv_sweep"][stage]["us"]) == ["4x16w4s2", "16x32w2s3"]
+        assert row["gemv_sweep"][stage]["best"] == "16x32w2s3"
 
 
 def assert_timed(row: dict, forced: bool = True) -> None:

@@ -12,7 +12,7 @@ side's token is in the other's top-5).
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -110,17 +110,36 @@ def test_bf16_top5_at_first_difference(checkpoint) -> None:
 def assert_top5_at_first_difference(ex: ModelExecutor, hf16: Any, prompt: list[int], n: int) -> int:
     """Walk HF's bf16 greedy tokens; at the first one we would not pick, each side's token must be
     in the other's top 5. Returns how many tokens agreed."""
+    agreed, holds, detail = top5_at_first_difference(lambda ctx: last_logits(ex, ctx), hf_logits(hf16),
+                                                     hf_greedy(hf16, prompt, n), prompt)
+    assert holds, detail
+    return agreed
+
+
+def hf_logits(hf: Any) -> Callable[[list[int]], torch.Tensor]:
+    """HF's float logits at the last position of a context."""
+    def logits(ctx: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
+    return logits
+
+
+def top5_at_first_difference(mine: Callable[[list[int]], torch.Tensor], ref: Callable[[list[int]], torch.Tensor],
+                             ref_tokens: list[int], prompt: list[int]) -> tuple[int, bool, str]:
+    """Walk the reference's greedy ``ref_tokens`` after ``prompt`` with ``mine``'s logits:
+    (tokens agreed, whether at the first token ``mine`` would not pick each side's token is in
+    the other's top 5 (True where none differs), the two top-5s)."""
     ctx = list(prompt)
-    for t in hf_greedy(hf16, prompt, n):
-        mine = last_logits(ex, ctx)
-        ours_tok = int(mine.argmax())
-        if ours_tok != t:
-            with torch.no_grad():
-                ref = hf16(torch.tensor([ctx], device="cuda")).logits[0, -1].float()
-            assert ours_tok in ref.topk(5).indices.tolist() and t in mine.topk(5).indices.tolist()
-            break
+    for t in ref_tokens:
+        m = mine(ctx)
+        ours = int(m.argmax())
+        if ours != t:
+            r = ref(ctx)
+            top_m, top_r = m.topk(5), r.topk(5)
+            holds = ours in top_r.indices.tolist() and t in top_m.indices.tolist()
+            return len(ctx) - len(prompt), holds, f"mine {top_m} ref {top_r}"
         ctx.append(t)
-    return len(ctx) - len(prompt)
+    return len(ctx) - len(prompt), True, ""
 
 
 def shared_prefix_prompts(vocab: int, n: int = 16, seed: int = 0) -> list[list[int]]:

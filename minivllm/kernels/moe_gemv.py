@@ -3,16 +3,18 @@ reading only the selected experts' weights, with no alignment pass::
 
     stage 1  grid (P, cdiv(I, BLOCK_N))    program (p, n), p = t * k + j, e = topk_ids[t, j]
              act[p, n-block] = silu(x[t] @ W13[e, gate rows].T) * (x[t] @ W13[e, up rows].T)
-    stage 2  grid (T, cdiv(H, BLOCK_N))    program (t, n) walks token t's k choices
+    stage 2  grid (T, cdiv(H, BLOCK_N))    program (t, n): token t's k choices in one tile
              out[t, n-block] = sum_j w[t, j] * (act[t * k + j] @ W2[e_j, n-block].T)
 
 At decode a sparse layer is a weight stream, as a dense one is (``kernels/gemv.py``): the
 time is the selected experts' bytes over the memory bandwidth. The grouped GEMM of
 ``kernels/fused_moe.py`` reads the same bytes but pads every expert to 16 rows and needs the
 alignment pass first, and at one token its grid of (experts x column blocks) programs is too
-small to keep the memory system busy. Here every program is one row on the CUDA cores (the
-one-row GEMV's scheme: a (BLOCK_N, BLOCK_K) fp32 tile of products summed at the end), and
-there are P x cdiv(I, BLOCK_N) of them. Two tokens that pick one expert read its weights
+small to keep the memory system busy. Here every program is a few rows on the CUDA cores (the
+one-row GEMV's scheme: an fp32 tile of products per (row, k lane), summed at the end). Each
+program streams all its rows in one pipelined loop: stage 1 a column block's gate and up rows
+together, stage 2 the column block's rows of every choice of its token (k short loops, one
+after the other, kept too few bytes in flight: docs/tuning.md, "Experts at few tokens"). Two tokens that pick one expert read its weights
 twice (from L2 when they are close in time), so the caller takes this path for a few tokens
 only (``Ops.moe``).
 
@@ -52,9 +54,10 @@ from minivllm.kernels.silu_and_mul import gated_silu
 
 @dataclass(frozen=True)
 class MoeGemvConfig:
-    """Tiles of one stage (a tuning knob, not semantics). The 16-bit defaults below copy the
-    one-row GEMV's tiles; a sweep of each stage on an H200 at one token found none faster by
-    more than 3% (docs/tuning.md, "Experts at few tokens")."""
+    """Tiles of one stage (a tuning knob, not semantics): a program streams a tile of
+    2 x block_n weight rows in stage 1, top_k x block_n in stage 2. The defaults below are
+    from sweeps of each stage on an H200 at Qwen3-30B-A3B's shapes, one token (docs/tuning.md,
+    "Experts at few tokens")."""
 
     block_n: int = 4          # output columns per program; power of two
     block_k: int = 512        # reduction step; power of two >= 16
@@ -66,29 +69,27 @@ class MoeGemvConfig:
         check_tile_config(self, ("block_k",))
 
 
-GATE_UP_CONFIG = MoeGemvConfig(block_n=4, block_k=512)   # K = hidden (2048 at Qwen3-30B-A3B)
-DOWN_CONFIG = MoeGemvConfig(block_n=4, block_k=256)      # K = moe_intermediate (768)
-# Block-scaled FP8 experts, swept per stage at Qwen3-30B-A3B's shapes on an H200 (docs/tuning.md,
-# "Experts at few tokens"): four scale groups a step in both.
+GATE_UP_CONFIG = MoeGemvConfig(block_n=4, block_k=512)              # K = hidden (2048 at Qwen3-30B-A3B)
+DOWN_CONFIG = MoeGemvConfig(block_n=2, block_k=128)                 # K = moe_intermediate (768)
 BLOCK_SCALED_GATE_UP_CONFIG = MoeGemvConfig(block_n=16, block_k=512)
-BLOCK_SCALED_DOWN_CONFIG = MoeGemvConfig(block_n=8, block_k=512)
+BLOCK_SCALED_DOWN_CONFIG = MoeGemvConfig(block_n=2, block_k=128, num_warps=8)
 
 
 @triton.jit
-def _row_dot(w_rows, ws_rows, x_row, K, col_ok, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """(BLOCK_N,) fp32: ``W[rows] @ x`` for the weight rows at ``w_rows`` (BLOCK_N, 1) and
-    the row at ``x_row``, products kept per (column, k lane) and summed at the end. FP8: the
-    rows' scales at ``ws_rows`` (``fused_moe._scale_ptrs``), block scales on each weight,
-    a channel scale on the sum."""
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+def _rows_dot(w_rows, ws_rows, x_rows, K, row_ok, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+              BLOCK_K: tl.constexpr, GROUP: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """(R,) fp32: each weight row at ``w_rows`` (R, 1) dotted with its x row at ``x_rows``
+    ((R, 1), or one scalar pointer for every row), products kept per (row, k lane) and summed
+    at the end. FP8: the rows' scales at ``ws_rows`` (``fused_moe._scale_ptrs``), block scales
+    on each weight, a channel scale on the sum."""
+    acc = tl.zeros((w_rows.shape[0], BLOCK_K), tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = scaled_tile(_w_tile(w_rows, k, col_ok, K, False, False), ws_rows, k0, col_ok, K, BLOCK_SCALES, GROUP)
-        acc += w * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        w = scaled_tile(_w_tile(w_rows, k, row_ok, K, False, False), ws_rows, k0, row_ok, K, BLOCK_SCALES, GROUP)
+        acc += w * tl.load(x_rows + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
     y = tl.sum(acc, axis=1)
     if FP8 and not BLOCK_SCALES:
-        y *= tl.load(ws_rows, mask=col_ok, other=0.0)
+        y *= tl.load(ws_rows, mask=row_ok, other=0.0)
     return y
 
 
@@ -103,23 +104,27 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
+    """One tile of 2 BLOCK_N weight rows, column n's gate row then its up row, so that one
+    pipelined loop streams both."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
-    gate_rows = w13_ptr + expert * 2 * I * H + cols.to(tl.int64)[:, None] * H
-    gate = _row_dot(gate_rows, _scale_ptrs(ws_ptr, expert, 2 * I, cols, H, BLOCK_SCALES, GROUP), x_row, H,
-                    col_ok, FP8, BLOCK_SCALES, BLOCK_N, BLOCK_K, GROUP, NUM_STAGES)
-    up = _row_dot(gate_rows + I * H, _scale_ptrs(ws_ptr, expert, 2 * I, I + cols, H, BLOCK_SCALES, GROUP), x_row,
-                  H, col_ok, FP8, BLOCK_SCALES, BLOCK_N, BLOCK_K, GROUP, NUM_STAGES)
+    r = tl.arange(0, 2 * BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + r // 2
+    row_ok = cols < I
+    w_row = (r % 2) * I + cols                                   # row of expert's (2I, H) matrix
+    y = _rows_dot(w13_ptr + expert * 2 * I * H + w_row.to(tl.int64)[:, None] * H,
+                  _scale_ptrs(ws_ptr, expert, 2 * I, w_row, H, BLOCK_SCALES, GROUP),
+                  x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, H, row_ok,
+                  FP8, BLOCK_SCALES, BLOCK_K, GROUP, NUM_STAGES)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    gate, up = tl.split(tl.reshape(y, (BLOCK_N, 2)))
     dtype = act_ptr.dtype.element_ty
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(act_ptr + pair.to(tl.int64) * I + cols, gated_silu(gate.to(dtype), up.to(dtype), dtype),
-             mask=col_ok)
+             mask=cols < I)
 
 
 @triton.jit
@@ -131,26 +136,32 @@ def _down_kernel(
     weights_ptr,          # (P,) float32 routing weights
     out_ptr,              # (T, H) contiguous
     H, I,
-    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """One tile of TOP_K_POW2 x BLOCK_N weight rows, choice j's rows for the BLOCK_N columns
+    in turn (rows of choices past TOP_K masked off, their routing weight 0), so that one
+    pipelined loop streams every choice."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
-    dtype = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w2_ptr + expert * H * I + cols.to(tl.int64)[:, None] * I
-        y = _row_dot(rows, _scale_ptrs(ws_ptr, expert, H, cols, I, BLOCK_SCALES, GROUP), act_ptr + pair * I, I,
-                     col_ok, FP8, BLOCK_SCALES, BLOCK_N, BLOCK_K, GROUP, NUM_STAGES)
-        total += (y * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32)
+    r = tl.arange(0, TOP_K_POW2 * BLOCK_N)
+    choice = r // BLOCK_N
+    cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    row_ok = (choice < TOP_K) & (cols < H)
+    pair = token * TOP_K + tl.minimum(choice, TOP_K - 1)    # a padded row reads choice TOP_K - 1's act,
+    expert = tl.load(ids_ptr + pair).to(tl.int64)           # times weights masked to 0
+    y = _rows_dot(w2_ptr + expert[:, None] * H * I + cols.to(tl.int64)[:, None] * I,
+                  _scale_ptrs(ws_ptr, expert, H, cols, I, BLOCK_SCALES, GROUP),
+                  act_ptr + pair[:, None] * I, I, row_ok, FP8, BLOCK_SCALES, BLOCK_K, GROUP, NUM_STAGES)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + token * H + cols, total.to(dtype), mask=col_ok)
+    dtype = out_ptr.dtype.element_ty
+    weighted = (y * tl.load(weights_ptr + pair, mask=choice < TOP_K, other=0.0)).to(dtype).to(tl.float32)
+    total = tl.sum(tl.reshape(weighted, (TOP_K_POW2, BLOCK_N)), axis=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + token * H + cols, total.to(dtype), mask=cols < H)
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -201,7 +212,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     )
     _down_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
         act, w2, w2 if mode is None else w2_scale, topk_ids, topk_weights, out, hidden, inter,
-        TOP_K=top_k, **fp8, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
+        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), **fp8, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
         NUM_STAGES=down_config.num_stages, PDL=use_pdl,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages, **launch,
     )
