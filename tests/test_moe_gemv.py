@@ -19,6 +19,9 @@ from tests.test_moe_kernels import crafted_ids, expert_weights  # noqa: E402
 # Partial column blocks (I = 24, H = 40 with block_n 16) and several K steps of 16.
 TILES = {"gate_up_config": MoeGemvConfig(block_n=16, block_k=16, num_stages=2),
          "down_config": MoeGemvConfig(block_n=16, block_k=16, num_stages=2)}
+# One column a program: stage 1's tile is the column's gate and up rows, stage 2's its k rows.
+ONE_COLUMN = {"gate_up_config": MoeGemvConfig(block_n=1, block_k=16, num_stages=2),
+              "down_config": MoeGemvConfig(block_n=1, block_k=32, num_stages=2)}
 
 
 def routed(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype):
@@ -29,16 +32,17 @@ def routed(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype
     return x, w13, w2, weights, crafted_ids(tokens, experts, top_k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, TILES), (torch.bfloat16, TILES), (torch.float32, ONE_COLUMN)],
+                         ids=["fp32", "bf16", "fp32-one-column"])
 @pytest.mark.parametrize("tokens,experts,top_k", [
     (1, 8, 2),    # decode, one token
-    (4, 5, 3),    # expert 0 every token, expert 4 none
+    (4, 5, 3),    # expert 0 every token, expert 4 none; k not a power of two (padded rows)
     (3, 4, 4),    # k = E: every expert
     (2, 3, 1),    # k = 1
 ])
-def test_moe_gemv_is_reference_and_grouped_gemm(dtype, tokens, experts, top_k) -> None:
+def test_moe_gemv_is_reference_and_grouped_gemm(dtype, tokens, experts, top_k, tiles) -> None:
     x, w13, w2, weights, ids = routed(tokens, experts, top_k, 40, 24, dtype)
-    out = moe_gemv(x, w13, w2, weights, ids, **TILES)
+    out = moe_gemv(x, w13, w2, weights, ids, **tiles)
     assert out.dtype == dtype and out.shape == (tokens, 40)
     ref = fused_moe_reference(x, w13, w2, weights, ids)
     grouped = fused_moe(x, w13, w2, weights, moe_align(ids, experts, 16), FusedMoeConfig(block_n=16, block_k=16))

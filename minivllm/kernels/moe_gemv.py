@@ -69,10 +69,9 @@ class MoeGemvConfig:
         check_tile_config(self, ("block_k",))
 
 
-GATE_UP_CONFIG = MoeGemvConfig(block_n=4, block_k=512)              # K = hidden (2048 at Qwen3-30B-A3B)
-DOWN_CONFIG = MoeGemvConfig(block_n=2, block_k=128)                 # K = moe_intermediate (768)
-BLOCK_SCALED_GATE_UP_CONFIG = MoeGemvConfig(block_n=16, block_k=512)
-BLOCK_SCALED_DOWN_CONFIG = MoeGemvConfig(block_n=2, block_k=128, num_warps=8)
+GATE_UP_CONFIG = MoeGemvConfig(block_n=4, block_k=512)     # K = hidden (2048 at Qwen3-30B-A3B)
+BLOCK_SCALED_GATE_UP_CONFIG = MoeGemvConfig(block_n=16, block_k=128, num_warps=8)
+DOWN_CONFIG = MoeGemvConfig(block_n=1, block_k=128)        # K = moe_intermediate (768); both formats
 
 
 @triton.jit
@@ -180,8 +179,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         topk_weights: (T, k) float32 contiguous.
         topk_ids: (T, k) int32 contiguous, every id in [0, E) (not checked: that would read
             the ids on the host).
-        gate_up_config, down_config: tiles of the two stages (None: ``GATE_UP_CONFIG``,
-            ``DOWN_CONFIG``; the ``BLOCK_SCALED_`` ones for block-scaled FP8 experts).
+        gate_up_config, down_config: tiles of the two stages (None: ``GATE_UP_CONFIG``, or
+            ``BLOCK_SCALED_GATE_UP_CONFIG`` for block-scaled FP8 experts; ``DOWN_CONFIG``).
         w13_scale, w2_scale: float32 scales of FP8 experts (None for 16-bit ones), as
             :func:`minivllm.kernels.fused_moe.check_experts` says; their rank is the mode.
         pdl: take part in programmatic dependent launch where the device allows it.
@@ -193,7 +192,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     """
     mode = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     gate_up_config = gate_up_config or (BLOCK_SCALED_GATE_UP_CONFIG if mode == "block" else GATE_UP_CONFIG)
-    down_config = down_config or (BLOCK_SCALED_DOWN_CONFIG if mode == "block" else DOWN_CONFIG)
+    down_config = down_config or DOWN_CONFIG
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
