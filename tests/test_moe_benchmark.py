@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -212,6 +213,26 @@ def test_the_check_refuses_wrong_experts(request, fp8, tokens) -> None:
     assert moe.check_experts(ref, c, inp, 0)[1] <= (0 if fp8 else moe.TOL_FP32)
     with pytest.raises(AssertionError, match="experts: max error"):
         moe.check_experts(Off(), c, inp, 0)
+
+
+def test_decode_batches_are_the_fewest_steps_of_a_first_come_first_served_schedule() -> None:
+    assert moe.decode_batches([3, 1, 2], 8) == [3, 2, 1]          # every request at once, then the longest alone
+    assert moe.decode_batches([2, 2, 2], 2) == [2, 2, 1, 1]       # the third waits for a free slot
+    # 2 ends after step 0 and 4 takes its slot; 3 after step 3, 5 in; 0 and 4 after step 4
+    assert moe.decode_batches([5, 9, 1, 4, 4, 7], 4) == [4, 4, 4, 4, 4, 2, 2, 2, 2, 1, 1]
+
+
+def test_the_offline_floor_reads_the_weights_of_every_step_at_its_batch(tmp_path: Path, monkeypatch) -> None:
+    """Two requests of 1 and 3 tokens: steps of 2, 1, 1 tokens, each reading its own weights."""
+    c = ModelConfig.from_hf_json(moe.write_random_config(str(tmp_path / "model"), "qwen3-30b-a3b"))
+    wl = SimpleNamespace(prompt_lens=[4, 6], max_tokens=[1, 3])
+    monkeypatch.setattr(moe, "run_offline", lambda llm, wl, stream, label: dict(tok_s=1.0, completion_tokens=4, steps=3))
+    args = SimpleNamespace(max_num_seqs=256)
+    r = moe.offline(None, args, c, BF16, 10, 1.0, wl, stream=1)
+    weights = moe.step_weight_bytes(c, 2, BF16) + 2 * moe.step_weight_bytes(c, 1, BF16)
+    kv = (4 + 6 + 7 + 8) * 10
+    assert (r["floor_steps"], r["floor_batch"], r["weight_bytes"]) == (3, 2, weights)
+    assert r["floor_tok_s"] == pytest.approx(4 / ((weights + kv) / 1e9))
 
 
 def test_summary_names_and_goals_by_mode() -> None:
