@@ -21,7 +21,7 @@ from minivllm.kernels.fp8_quant import quantize_activations
 from minivllm.kernels.fp8_gemv import fp8_gemv
 from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference, quantize_kv_reference
 from tests.model_utils import agreement, make_model_executor
-from tests_gpu.test_model_gpu import hf_logits, last_logits, top5_at_first_difference
+from tests_gpu.test_model_gpu import hf_logits, last_logits, walk_to_first_difference
 
 BS, STEPS, RULE_PROMPTS = 16, 32, 48
 # Weights of std 0.02, where bf16 follows transformers' bf16: at std 0.1 the random model is so
@@ -167,7 +167,7 @@ def test_fp8_checkpoint_against_transformers_and_the_bf16_model(checkpoints) -> 
     for name, mine, ref in (("ours vs transformers FP8", lambda ctx: last_logits(ours, ctx), hf8),
                             ("ours vs transformers bf16", lambda ctx: last_logits(ours, ctx), hf16),
                             ("transformers FP8 vs bf16", hf_logits(hf8), hf16)):
-        walks = [top5_at_first_difference(mine, hf_logits(ref), toks, p) for p, toks in zip(prompts, greedy[id(ref)])]
+        walks = [walk_to_first_difference(mine, hf_logits(ref), toks, p) for p, toks in zip(prompts, greedy[id(ref)])]
         failures[name] = sum(not holds for _, holds, _ in walks)
         print(f"\n[{name}] top-5 rule failed at {failures[name]}/{RULE_PROMPTS} prompts; "
               f"tokens agreed per prompt: {[agreed for agreed, _, _ in walks]}")

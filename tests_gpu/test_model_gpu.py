@@ -110,7 +110,7 @@ def test_bf16_top5_at_first_difference(checkpoint) -> None:
 def assert_top5_at_first_difference(ex: ModelExecutor, hf16: Any, prompt: list[int], n: int) -> int:
     """Walk HF's bf16 greedy tokens; at the first one we would not pick, each side's token must be
     in the other's top 5. Returns how many tokens agreed."""
-    agreed, holds, detail = top5_at_first_difference(lambda ctx: last_logits(ex, ctx), hf_logits(hf16),
+    agreed, holds, detail = walk_to_first_difference(lambda ctx: last_logits(ex, ctx), hf_logits(hf16),
                                                      hf_greedy(hf16, prompt, n), prompt)
     assert holds, detail
     return agreed
@@ -124,7 +124,7 @@ def hf_logits(hf: Any) -> Callable[[list[int]], torch.Tensor]:
     return logits
 
 
-def top5_at_first_difference(mine: Callable[[list[int]], torch.Tensor], ref: Callable[[list[int]], torch.Tensor],
+def walk_to_first_difference(mine: Callable[[list[int]], torch.Tensor], ref: Callable[[list[int]], torch.Tensor],
                              ref_tokens: list[int], prompt: list[int]) -> tuple[int, bool, str]:
     """Walk the reference's greedy ``ref_tokens`` after ``prompt`` with ``mine``'s logits:
     (tokens agreed, whether at the first token ``mine`` would not pick each side's token is in
