@@ -31,9 +31,9 @@ per token; exactly k at B = 1).
   p_i, m_i new) reading the K/V of p_i + j positions:
   floor_s = (sum_s weights(B_s) + sum_i sum_{j < m_i} (p_i + j) kv_token) / bw.
   Requests of different lengths end the run in steps of fewer tokens, each of which still
-  reads nearly every expert (at 64 tokens 126 of 128 are expected): offline-256's 148,756
-  tokens take at least 1,021 steps, 146 tokens a step on average, not 256. Goal >= 0.70 of
-  the floor's tok/s.
+  reads nearly every expert, so full steps of max_num_seqs tokens would be a floor no
+  schedule reaches (docs/tuning.md, "Experts at few tokens"). Goal >= 0.70 of the floor's
+  tok/s.
 - kernel: one layer's ``Ops.moe`` (router GEMM, ``moe_topk``, then ``moe_gemv`` at a few
   tokens or ``moe_align`` + ``fused_moe``) at ``--kernel-tokens`` tokens on random inputs,
   timed in a CUDA graph (cycling over two copies of the weights, other tokens per call), in

@@ -226,7 +226,8 @@ def test_the_offline_floor_reads_the_weights_of_every_step_at_its_batch(tmp_path
     """Two requests of 1 and 3 tokens: steps of 2, 1, 1 tokens, each reading its own weights."""
     c = ModelConfig.from_hf_json(moe.write_random_config(str(tmp_path / "model"), "qwen3-30b-a3b"))
     wl = SimpleNamespace(prompt_lens=[4, 6], max_tokens=[1, 3])
-    monkeypatch.setattr(moe, "run_offline", lambda llm, wl, stream, label: dict(tok_s=1.0, completion_tokens=4, steps=3))
+    monkeypatch.setattr(moe, "run_offline",
+                        lambda llm, wl, stream, label: dict(tok_s=1.0, completion_tokens=4, steps=3))
     args = SimpleNamespace(max_num_seqs=256)
     r = moe.offline(None, args, c, BF16, 10, 1.0, wl, stream=1)
     weights = moe.step_weight_bytes(c, 2, BF16) + 2 * moe.step_weight_bytes(c, 1, BF16)

@@ -10,13 +10,13 @@ At decode a sparse layer is a weight stream, as a dense one is (``kernels/gemv.p
 time is the selected experts' bytes over the memory bandwidth. The grouped GEMM of
 ``kernels/fused_moe.py`` reads the same bytes but pads every expert to 16 rows and needs the
 alignment pass first, and at one token its grid of (experts x column blocks) programs is too
-small to keep the memory system busy. Here every program is a few rows on the CUDA cores (the
-one-row GEMV's scheme: an fp32 tile of products per (row, k lane), summed at the end). Each
-program streams all its rows in one pipelined loop: stage 1 a column block's gate and up rows
-together, stage 2 the column block's rows of every choice of its token (k short loops, one
-after the other, kept too few bytes in flight: docs/tuning.md, "Experts at few tokens"). Two tokens that pick one expert read its weights
-twice (from L2 when they are close in time), so the caller takes this path for a few tokens
-only (``Ops.moe``).
+small to keep the memory system busy. Here every program is a few weight rows on the CUDA
+cores (the one-row GEMV's scheme: an fp32 tile of products per (row, k lane), summed at the
+end), streamed in one pipelined loop: in stage 1 a column block's gate and up rows, in stage 2
+the column block's rows of every choice of its token (k short loops one after the other kept
+too few bytes in flight: docs/tuning.md, "Experts at few tokens"). Two tokens that pick one
+expert read its weights twice (from L2 when they are close in time), so the caller takes this
+path for a few tokens only (``Ops.moe``).
 
 Rounding at fused_moe's points, so the two paths differ only in the order of each dot
 product's fp32 sum: gate and up rounded to x's dtype, then ``gated_silu``; each choice's down
@@ -211,8 +211,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     )
     _down_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
         act, w2, w2 if mode is None else w2_scale, topk_ids, topk_weights, out, hidden, inter,
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), **fp8, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
-        NUM_STAGES=down_config.num_stages, PDL=use_pdl,
+        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), **fp8, BLOCK_N=down_config.block_n,
+        BLOCK_K=down_config.block_k, NUM_STAGES=down_config.num_stages, PDL=use_pdl,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages, **launch,
     )
     return out
