@@ -4,7 +4,7 @@ layer alone; in bf16, or (``--weights fp8``) in Qwen3-30B-A3B-FP8's format.
 
     PYTHONPATH=. python3 -m benchmarks.moe [--weights bf16|fp8] [--kv-cache-dtype auto|fp8]
         [--num-requests 256,1024] [--batch1-repeats 3] [--kernel-tokens 1,16,64,256]
-        [--kernels auto|triton|torch] [--sweep] [--smoke]
+        [--kernels auto|triton|torch] [--sweep] [--parts kernel,batch1,profile,offline] [--smoke]
 
 ``--weights fp8``: the config gains Qwen's FP8 ``quantization_config`` (a copy beside the
 bf16 one, ``<model-dir>-fp8``, as ``benchmarks.fp8`` writes it): the decoder's linear layers
@@ -48,6 +48,9 @@ per token; exactly k at B = 1).
   On a GPU the engine part also profiles decode steps kernel by kernel at batch 1 and at
   ``--max-num-seqs`` (``benchmarks.throughput.profile_decode``).
 
+``--parts`` (default all of ``PARTS``): kernel, batch1, profile, offline; the engine is built
+only for a part other than kernel.
+
 Summary: ``$OUT/moe.json`` (``summary_name``: ``moe_fp8`` for FP8 weights, ``_kv_fp8`` added
 for an FP8 KV cache), rewritten after each part. ``--smoke``: a tiny MoE on the CPU (FP8:
 with every layer part on a 128 edge), kernels="torch", nothing timed in the kernel part (its
@@ -89,6 +92,7 @@ TOL_BF16, TOL_FP32 = 1.6e-2, 1e-4      # as the kernel tests
 # e4m3 experts against their references, as tests/test_moe_fp8.py bounds bf16 (the
 # interpreter truncates bf16 casts; an act value may land on the neighbouring e4m3 value).
 TOL_FP8 = 5e-2
+PARTS = ("kernel", "batch1", "profile", "offline")
 PATHS_MAX_TOKENS = 16                  # both expert paths timed, forced, up to this many tokens
 FP8_SCALE_BYTES = 4                    # a float32 scale per 128 x 128 block of an e4m3 weight
 KV_SCALE_BYTES = 2 * 4                 # a layer's K and V cache scales, float32 (read by an FP8 cache only)
@@ -255,18 +259,20 @@ def engine_part(args: argparse.Namespace, path: str, device: str, c: ModelConfig
           f"parameters {results['bytes']['parameters'] / 1e9:.3f} GB; KV pool {llm.engine.num_blocks} blocks "
           f"of {executor.kv_dtype}", flush=True)
     workloads = [offline_workload(n, args.seed, args.smoke) for n in args.num_requests]
-    results["batch1"] = batch1(llm, args, c, fmt, kv_token, gbs, workloads[0].id_limit)
-    print_batch1(results["batch1"])
-    if device == "cuda":  # where a decode step's GPU time goes, kernel by kernel: batch 1 and a full batch
+    if "batch1" in args.parts:
+        results["batch1"] = batch1(llm, args, c, fmt, kv_token, gbs, workloads[0].id_limit)
+        print_batch1(results["batch1"])
+    if "profile" in args.parts and device == "cuda":  # a decode step kernel by kernel: batch 1, a full batch
         results["decode_kernels"] = profile_decode(llm, workloads[0].id_limit)
         results["decode_kernels_full_batch"] = profile_decode(llm, workloads[0].id_limit, batch=args.max_num_seqs,
                                                               steps=16)
     write_summary(summary, results)
-    results["offline"] = []
-    for i, wl in enumerate(workloads):
-        results["offline"].append(offline(llm, args, c, fmt, kv_token, gbs, wl, stream=1 + i))
-        print_offline(results["offline"][-1])
-        write_summary(summary, results)
+    if "offline" in args.parts:
+        results["offline"] = []
+        for i, wl in enumerate(workloads):
+            results["offline"].append(offline(llm, args, c, fmt, kv_token, gbs, wl, stream=1 + i))
+            print_offline(results["offline"][-1])
+            write_summary(summary, results)
     llm.close()
 
 
@@ -563,8 +569,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-dir", default=None,
                     help="where config.json is written once (--weights fp8: its FP8 copy in <model-dir>-fp8)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny MoE on the CPU: checks the code paths only")
     args = ap.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    if not args.parts or set(args.parts) - set(PARTS):
+        ap.error(f"--parts: a comma list from {PARTS}, got {','.join(args.parts)!r}")
     # What build_llm reads and this benchmark fixes: one GPU, weights filled on the device.
     args.tensor_parallel_size, args.disable_custom_all_reduce, args.load_format = 1, False, "dummy"
     if args.smoke:
@@ -585,9 +595,11 @@ def main(argv: list[str] | None = None) -> None:
           f"KV cache {args.kv_cache_dtype}: copy bandwidth {gbs:,.0f} GB/s", flush=True)
     results: dict[str, Any] = {"args": vars(args), "shapes": SHAPES_NAME, "weights": args.weights,
                                "copy_gbs": gbs}
-    results["kernel"] = kernel_part(args, device, c, gbs)
-    write_summary(summary, results)
-    engine_part(args, path, device, c, gbs, results, summary)
+    if "kernel" in args.parts:
+        results["kernel"] = kernel_part(args, device, c, gbs)
+        write_summary(summary, results)
+    if set(args.parts) - {"kernel"}:
+        engine_part(args, path, device, c, gbs, results, summary)
 
 
 if __name__ == "__main__":

@@ -236,6 +236,20 @@ def test_the_offline_floor_reads_the_weights_of_every_step_at_its_batch(tmp_path
     assert r["floor_tok_s"] == pytest.approx(4 / ((weights + kv) / 1e9))
 
 
+def test_parts_run_alone(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    common = ["--smoke", "--model-dir", str(tmp_path / "model"), "--num-requests", "128", "--batch1-repeats", "1",
+              "--kernel-tokens", "1"]
+    moe.main([*common, "--parts", "kernel"])
+    d = json.loads((tmp_path / "out" / "moe.json").read_text())
+    assert "kernel" in d and not {"batch1", "offline"} & set(d)
+    moe.main([*common, "--parts", "offline"])
+    d = json.loads((tmp_path / "out" / "moe.json").read_text())
+    assert [r["workload"] for r in d["offline"]] == ["offline-2"] and not {"kernel", "batch1"} & set(d)
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--parts", "kernel,offlne"])
+
+
 def test_summary_names_and_goals_by_mode() -> None:
     names = {tuple(a): moe.summary_name(moe.parse_args(a)) for a in
              ([], ["--weights", "fp8"], ["--kv-cache-dtype", "fp8"], ["--weights", "fp8", "--kv-cache-dtype", "fp8"])}
