@@ -23,12 +23,11 @@ from tests.test_moe_kernels import crafted_ids, expert_weights  # noqa: E402
 
 MODES = ("block", "channel")
 DTYPES = (torch.bfloat16, torch.float16)
-# K steps of 64 inside each 128-column scale group, of two whole groups, and the defaults.
+# K steps of 64 inside each 128-column scale group, and of two whole groups.
 GEMV_TILES = [{"gate_up_config": MoeGemvConfig(block_n=32, block_k=64, num_stages=2),
                "down_config": MoeGemvConfig(block_n=32, block_k=64, num_stages=2)},
               {"gate_up_config": MoeGemvConfig(block_n=32, block_k=256, num_stages=2),
-               "down_config": MoeGemvConfig(block_n=32, block_k=256, num_stages=2)},
-              {}]  # the defaults: K steps of one whole group, one column a program in stage 2
+               "down_config": MoeGemvConfig(block_n=32, block_k=256, num_stages=2)}]
 
 
 def quantized_experts(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +95,8 @@ def test_fused_moe_fp8_is_reference(dtype, mode, tokens, experts, top_k, hidden,
     assert_near(out, fused_moe_fp8_reference(x, q13, q2, weights, ids, s13, s2, mode), dtype)
 
 
-# fp16 (the check that pins the scales) with both tiles, block-scaled with the defaults too (the
-# channel mode's are the 16-bit ones, tested in test_moe_gemv); bf16 with the second.
+# fp16 (the check that pins the scales) with both tiles; bf16 with the second.
 @pytest.mark.parametrize("dtype,mode,tiles", [(torch.float16, m, t) for m in MODES for t in (0, 1)]
-                         + [(torch.float16, "block", 2)]
                          + [(torch.bfloat16, m, 1) for m in MODES])
 def test_moe_gemv_fp8_is_reference(dtype, mode, tiles) -> None:
     """Four tokens over four experts: expert 0 receives every token, expert 3 none."""

@@ -32,15 +32,18 @@ def routed(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype
     return x, w13, w2, weights, crafted_ids(tokens, experts, top_k)
 
 
-@pytest.mark.parametrize("dtype,tiles", [(torch.float32, TILES), (torch.bfloat16, TILES), (torch.float32, ONE_COLUMN)],
-                         ids=["fp32", "bf16", "fp32-one-column"])
-@pytest.mark.parametrize("tokens,experts,top_k", [
+ROUTINGS = [
     (1, 8, 2),    # decode, one token
     (4, 5, 3),    # expert 0 every token, expert 4 none; k not a power of two (padded rows)
     (3, 4, 4),    # k = E: every expert
     (2, 3, 1),    # k = 1
-])
-def test_moe_gemv_is_reference_and_grouped_gemm(dtype, tokens, experts, top_k, tiles) -> None:
+]
+
+
+@pytest.mark.parametrize("dtype,tiles,tokens,experts,top_k",
+                         [(dtype, TILES, *r) for dtype in (torch.float32, torch.bfloat16) for r in ROUTINGS]
+                         + [(torch.float32, ONE_COLUMN, *r) for r in ROUTINGS[:2]])
+def test_moe_gemv_is_reference_and_grouped_gemm(dtype, tiles, tokens, experts, top_k) -> None:
     x, w13, w2, weights, ids = routed(tokens, experts, top_k, 40, 24, dtype)
     out = moe_gemv(x, w13, w2, weights, ids, **tiles)
     assert out.dtype == dtype and out.shape == (tokens, 40)
