@@ -139,15 +139,22 @@ def test_kernel_row_checks_then_times_the_triton_experts(tiny, monkeypatch, toke
     assert_timed(row)
 
 
-def test_the_sweep_times_each_stage_s_tiles_and_names_the_fastest(tiny, monkeypatch) -> None:
+def test_the_sweep_checks_and_times_each_stage_s_tiles_and_names_the_fastest(tiny, monkeypatch) -> None:
     ops = Ops.build("triton", torch.device("cpu"), torch.float32)   # under the interpreter
     times = iter(range(100, 0, -1))                                   # each call faster than the last
-    monkeypatch.setattr(moe, "graph_us", lambda call, calls: (call(0), float(next(times)))[1])
+    # Not called through: the sweep runs every tiling once itself, to check it.
+    monkeypatch.setattr(moe, "graph_us", lambda call, calls: float(next(times)))
     monkeypatch.setattr(moe, "GEMV_SWEEP", [(4, 16, 4, 2), (16, 32, 2, 3)])
     row = moe.kernel_row(ops, tiny, 2, "cpu", torch.float32, gbs=100.0, timed=True, copies=1, calls=1, sweep=True)
     for stage in ("gate_up_config", "down_config"):
         assert list(row["gemv_sweep"][stage]["us"]) == ["4x16w4s2", "16x32w2s3"]
         assert row["gemv_sweep"][stage]["best"] == "16x32w2s3"
+    paths = moe.forced_paths()
+    wrong = dict(paths, **{"per-pair GEMV": lambda *a, **tiles: paths["per-pair GEMV"](*a, **tiles) + len(tiles)})
+    monkeypatch.setattr(moe, "forced_paths", lambda: wrong)            # a tiling that changes the output
+    inp = moe.kernel_inputs(tiny, 2, 1, 1, "cpu", torch.float32, seed=2, fp8=False)
+    with pytest.raises(AssertionError, match="gate_up_config 4x16w4s2: max error"):
+        moe.sweep_per_pair(lambda i: (*inp.operands(i), tiny.num_experts_per_tok, tiny.norm_topk_prob), inp, 1)
 
 
 def assert_timed(row: dict, forced: bool = True) -> None:
