@@ -140,8 +140,8 @@ def _down_kernel(
     PDL: tl.constexpr,
 ):
     """One tile of TOP_K_POW2 x BLOCK_N weight rows, choice j's rows for the BLOCK_N columns
-    in turn (rows of choices past TOP_K masked off, their routing weight 0), so that one
-    pipelined loop streams every choice."""
+    in turn, so that one pipelined loop streams every choice. A row past TOP_K (k not a power
+    of two) repeats choice TOP_K - 1's addresses with its weights masked off, and counts 0."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
@@ -149,15 +149,15 @@ def _down_kernel(
     choice = r // BLOCK_N
     cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
     row_ok = (choice < TOP_K) & (cols < H)
-    pair = token * TOP_K + tl.minimum(choice, TOP_K - 1)    # a padded row reads choice TOP_K - 1's act,
-    expert = tl.load(ids_ptr + pair).to(tl.int64)           # times weights masked to 0
+    pair = token * TOP_K + tl.minimum(choice, TOP_K - 1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     y = _rows_dot(w2_ptr + expert[:, None] * H * I + cols.to(tl.int64)[:, None] * I,
                   _scale_ptrs(ws_ptr, expert, H, cols, I, BLOCK_SCALES, GROUP),
                   act_ptr + pair[:, None] * I, I, row_ok, FP8, BLOCK_SCALES, BLOCK_K, GROUP, NUM_STAGES)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
-    weighted = (y * tl.load(weights_ptr + pair, mask=choice < TOP_K, other=0.0)).to(dtype).to(tl.float32)
+    weighted = tl.where(choice < TOP_K, (y * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32), 0.0)
     total = tl.sum(tl.reshape(weighted, (TOP_K_POW2, BLOCK_N)), axis=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + token * H + cols, total.to(dtype), mask=cols < H)
