@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ab import alternating_medians
 from minivllm.kernels._launch import LOG2E, next_pow2, upcast_dot
 from minivllm.kernels._softmax import fold_kv_tile, normalize_rows
 from minivllm.kernels.decode_attention import (
@@ -173,13 +174,9 @@ def main() -> None:
         if args.check or device != "cuda":
             print(f"{name}: both kernels match the reference")
             continue
-        from benchmarks.gpu_timing import graph_us
-        times = {"A": [], "B": []}
-        for _ in range(3):                      # alternating, as A/B on one device should be
-            times["A"].append(graph_us(a, 1))
-            times["B"].append(graph_us(b, 1))
-        print(f"{name} cache, {batch} x {context:,}: per-token lookup {sorted(times['A'])[1]:.1f} us, "
-              f"per-block lookup {sorted(times['B'])[1]:.1f} us (medians of 3, alternating)", flush=True)
+        us = alternating_medians({"per token": a, "per block": b}, calls=1)
+        print(f"{name} cache, {batch} x {context:,}: per-token lookup {us['per token']:.1f} us, "
+              f"per-block lookup {us['per block']:.1f} us (medians of 3, alternating)", flush=True)
 
 
 if __name__ == "__main__":

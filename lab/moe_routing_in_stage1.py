@@ -4,7 +4,7 @@ for itself, with no top-k kernel between the router and the experts?
 The product runs router GEMV -> ``moe_topk`` -> stage 1 -> stage 2 (``kernels/moe_gemv.py``),
 each a node of the step's dependent chain. Here every stage-1 program reads its token's E
 router logits (512 bytes at Qwen3-30B-A3B), takes the same softmax and top-k as
-``moe_topk`` (the same operations in the same order, so the same ids and weights), streams
+``moe_topk`` (its ``route_row``: the same ids and weights), streams
 its expert's rows, and the programs of the first column block write the pair's id and
 weight for stage 2 (the product's ``_down_kernel``, unchanged). One launch fewer a layer;
 each program does a top-k of E values before its first weight load.
@@ -22,11 +22,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ab import alternating_medians
 from minivllm.kernels._launch import next_pow2, takes_pdl
 from minivllm.kernels.fp8 import FP8_GROUP
 from minivllm.kernels.fused_moe import _scale_ptrs
 from minivllm.kernels.moe_gemv import DOWN_CONFIG, GATE_UP_CONFIG, _down_kernel, _rows_dot, moe_gemv
-from minivllm.kernels.moe_topk import moe_topk
+from minivllm.kernels.moe_topk import moe_topk, route_row
 from minivllm.kernels.silu_and_mul import gated_silu
 
 
@@ -47,17 +48,7 @@ def _gate_up_routed_kernel(
     experts = tl.arange(0, BLOCK_E)
     valid = experts < E
     logits = tl.load(logits_ptr + token * stride_l + experts, mask=valid, other=-float("inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)
-    rank = tl.full((BLOCK_E,), -1, tl.int32)
-    left = tl.where(valid, p, -1.0)
-    for i in range(TOP_K):
-        best = tl.max(left, axis=0)
-        pick = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
-        rank = tl.where(experts == pick, i, rank)
-        left = tl.where(experts == pick, -1.0, left)
-    if NORM:
-        p = p / tl.sum(tl.where(rank >= 0, p, 0.0), axis=0)
+    p, rank = route_row(logits, experts, valid, TOP_K, NORM, BLOCK_E)
     mine = rank == choice
     expert = tl.sum(tl.where(mine, experts, 0), axis=0).to(tl.int64)
     if tl.program_id(1) == 0:
@@ -126,20 +117,15 @@ def main() -> None:
         print(f"{tokens} token(s): the same ids, weights and output as moe_topk + moe_gemv")
         if args.check or device != "cuda":
             continue
-        from benchmarks.gpu_timing import graph_us
-
         def a(i):
             w, d = moe_topk(logits, top_k, True, pdl=True)
             return moe_gemv(x, w13[i % copies], w2[i % copies], w, d, pdl=True)
 
         def b(i):
             return routed_experts(x, logits, w13[i % copies], w2[i % copies], top_k, True, pdl=True)[0]
-        times = {"A": [], "B": []}
-        for _ in range(3):                      # alternating
-            times["A"].append(graph_us(a, 4))
-            times["B"].append(graph_us(b, 4))
-        print(f"  moe_topk + moe_gemv {sorted(times['A'])[1]:.1f} us, routed in stage 1 "
-              f"{sorted(times['B'])[1]:.1f} us (medians of 3, alternating; router logits given)", flush=True)
+        us = alternating_medians({"apart": a, "in stage 1": b}, calls=4)
+        print(f"  moe_topk + moe_gemv {us['apart']:.1f} us, routed in stage 1 {us['in stage 1']:.1f} us "
+              f"(medians of 3, alternating; router logits given)", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,26 @@ MAX_EXPERTS = 4096  # one row of probabilities per program, in registers
 
 
 @triton.jit
+def route_row(logits, experts, valid, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(p, rank) of one token's fp32 ``logits`` (BLOCK_E,) over lanes ``experts``, E of them
+    ``valid``: p the softmax (renormalised over the chosen when NORM), rank[e] = i when
+    expert e is the i-th largest, -1 when not chosen."""
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)                                          # (BLOCK_E,), 0 past E
+    # Probabilities are >= 0, so -1 marks lanes that can never win (past E, or already chosen).
+    rank = tl.full((BLOCK_E,), -1, tl.int32)
+    left = tl.where(valid, p, -1.0)
+    for i in range(TOP_K):
+        best = tl.max(left, axis=0)
+        pick = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
+        rank = tl.where(experts == pick, i, rank)
+        left = tl.where(experts == pick, -1.0, left)
+    if NORM:
+        p = p / tl.sum(tl.where(rank >= 0, p, 0.0), axis=0)
+    return p, rank
+
+
+@triton.jit
 def _moe_topk_kernel(
     logits_ptr,                          # (T, E) float32/bf16/fp16, last dim contiguous
     weights_ptr,                         # (T, TOP_K) float32 contiguous
@@ -40,20 +60,8 @@ def _moe_topk_kernel(
     experts = tl.arange(0, BLOCK_E)
     valid = experts < E
     logits = tl.load(logits_ptr + row * stride_l + experts, mask=valid, other=-float("inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)                                          # (BLOCK_E,), 0 past E
-    # rank[e] = i when expert e is the i-th largest, -1 when not chosen. Probabilities are
-    # >= 0, so -1 marks lanes that can never win (past E, or already chosen).
-    rank = tl.full((BLOCK_E,), -1, tl.int32)
-    left = tl.where(valid, p, -1.0)
-    for i in range(TOP_K):
-        best = tl.max(left, axis=0)
-        pick = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
-        rank = tl.where(experts == pick, i, rank)
-        left = tl.where(experts == pick, -1.0, left)
+    p, rank = route_row(logits, experts, valid, TOP_K, NORM, BLOCK_E)
     chosen = rank >= 0
-    if NORM:
-        p = p / tl.sum(tl.where(chosen, p, 0.0), axis=0)
     # Scatter by rank: column i of the outputs receives the i-th largest.
     tl.store(weights_ptr + row * TOP_K + rank, p, mask=chosen)
     tl.store(ids_ptr + row * TOP_K + rank, experts, mask=chosen)
