@@ -356,6 +356,14 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     return fp8(x, w13, w2, weights, ids, w13_scale, w2_scale, "block")
 
 
+def experts_tolerance(inp: KernelInputs, ref: torch.Tensor) -> float:
+    """The max error allowed against ``ref``: by format (FP8 experts, fp32 or 16-bit x), scaled
+    by the output's size where it exceeds 1."""
+    x_dtype = inp.operands(0)[0].dtype
+    base = TOL_FP8 if inp.scales is not None else TOL_FP32 if x_dtype == torch.float32 else TOL_BF16
+    return base * max(1.0, ref.abs().max().item())
+
+
 def check_experts(ops: Any, c: ModelConfig, inp: KernelInputs, call: int) -> tuple[int, float]:
     """(distinct experts, max error) of ``ops.moe`` on call ``call``'s inputs.
 
@@ -385,8 +393,7 @@ def check_experts(ops: Any, c: ModelConfig, inp: KernelInputs, call: int) -> tup
         raise AssertionError("the routing weights are not the chosen experts' probabilities")
     ref = experts_reference(x, w13, w2, weights, ids, inp.scales_of(call)).float()
     err = (out.float() - ref).abs().max().item()
-    base = TOL_FP8 if inp.scales is not None else TOL_FP32 if x.dtype == torch.float32 else TOL_BF16
-    tol = base * max(1.0, ref.abs().max().item())
+    tol = experts_tolerance(inp, ref)
     if not err <= tol:
         raise AssertionError(f"experts: max error {err:.3g} > {tol:.3g}")
     return int(torch.unique(ids).numel()), err
@@ -455,8 +462,7 @@ def sweep_per_pair(operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs
 
     per_pair = forced_paths()["per-pair GEMV"]
     expected = per_pair(*operands(0), scales=inp.scales_of(0)).float()
-    base = TOL_FP8 if inp.scales is not None else TOL_FP32 if inp.operands(0)[0].dtype == torch.float32 else TOL_BF16
-    tol = base * max(1.0, expected.abs().max().item())
+    tol = experts_tolerance(inp, expected)
     out: dict[str, Any] = {}
     for stage in ("gate_up_config", "down_config"):
         times = {}
@@ -476,7 +482,8 @@ def sweep_per_pair(operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs
         out[stage] = dict(us=times, best=best)
         print(f"    per-pair GEMV, {stage.removesuffix('_config')} tiles swept: best {best} "
               f"{times[best]:.1f} us (of {len(times)}); "
-              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda kv: kv[1] or 1e9)[:6]),
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted((kv for kv in times.items() if kv[1] is not None),
+                                                             key=lambda kv: kv[1])[:6]),
               flush=True)
     return out
 

@@ -159,16 +159,18 @@ def test_fp8_checkpoint_against_transformers_and_the_bf16_model(checkpoints) -> 
                                                quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(src, device_map="cuda", dtype=torch.bfloat16).eval()
     prompts = random_prompts(RULE_PROMPTS, 32, hf16.config.vocab_size)
-    greedy = {id(m): hf_greedy(m, prompts, STEPS, batched=True) for m in (hf8, hf16)}
+    refs = {"FP8": hf8, "bf16": hf16}
+    greedy = {name: hf_greedy(m, prompts, STEPS, batched=True) for name, m in refs.items()}
     failures = {}
-    for name, mine, ref in (("ours vs transformers FP8", lambda ctx: last_logits(ours, ctx), hf8),
-                            ("ours vs transformers bf16", lambda ctx: last_logits(ours, ctx), hf16),
-                            ("transformers FP8 vs bf16", hf_logits(hf8), hf16)):
-        walks = [walk_to_first_difference(mine, hf_logits(ref), toks, p) for p, toks in zip(prompts, greedy[id(ref)])]
+    for name, mine, ref in (("ours vs transformers FP8", lambda ctx: last_logits(ours, ctx), "FP8"),
+                            ("ours vs transformers bf16", lambda ctx: last_logits(ours, ctx), "bf16"),
+                            ("transformers FP8 vs bf16", hf_logits(hf8), "bf16")):
+        walks = [walk_to_first_difference(mine, hf_logits(refs[ref]), toks, p)
+                 for p, toks in zip(prompts, greedy[ref])]
         failures[name] = sum(not holds for _, holds, _ in walks)
         print(f"\n[{name}] top-5 rule failed at {failures[name]}/{RULE_PROMPTS} prompts; "
               f"tokens agreed per prompt: {[agreed for agreed, _, _ in walks]}")
-    del hf8, hf16
+    del hf8, hf16, refs
     release_memory()
     noise = failures["transformers FP8 vs bf16"]
     assert failures["ours vs transformers FP8"] <= noise and failures["ours vs transformers bf16"] <= noise, failures

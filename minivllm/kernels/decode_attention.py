@@ -20,9 +20,8 @@ dtype in registers (exact) before the dots; the K scale multiplies the softmax s
 the V scale the normalised output. ``DecodeConfig.fp16_dots`` turns them into fp16 instead
 (one PTX conversion a pair of values, ``cvt.rn.f16x2.e4m3x2``) and q with them: exact for
 bf16 q of magnitude 2^-14 to 65504 (fp16 holds bf16's 8 significant bits), and P is rounded
-to fp16, finer than bf16. The default for an FP8 cache and 16-bit q: on an H200 it took the
-kernel from 176.6 to 128-130 us at 16 x 8,192 tokens (``benchmarks.fp8 --parts attention
---sweep``; docs/tuning.md, "FP8").
+to fp16, finer than bf16. The default for an FP8 cache and 16-bit q, the faster on an H200
+(``benchmarks.fp8 --parts attention --sweep``; docs/tuning.md, "FP8").
 
 CUDA-graph capturable: the split count depends on shapes only (batch, KV heads,
 block-table width * block size, SM count), never on tensor values, and nothing
@@ -204,8 +203,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 
 def default_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool = False) -> DecodeConfig:
     """Tiles of at most 16 KiB of K (or V) per program, 32 to 64 tokens (an FP8 cache: up to
-    128, widened to fp16 for 16-bit q): the fastest, or within 4% of it, of a sweep on an H200
-    at 16 x 8,192 tokens, head_dim 128 (docs/tuning.md, "FP8")."""
+    128, widened to fp16 for 16-bit q), from a sweep on an H200 (docs/tuning.md, "FP8")."""
     item = 1 if fp8_cache else 4 if dtype == torch.float32 else 2
     block_n = max(32, min(128 if fp8_cache else 64, 16384 // (head_dim * item)))
     return DecodeConfig(block_n=block_n, fp16_dots=fp8_cache and dtype != torch.float32)

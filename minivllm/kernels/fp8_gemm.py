@@ -22,8 +22,8 @@ fp8 buffer and no second launch, at the price of a few ALU ops per element besid
 tensor-core dot, which at prefill sizes adds up to the order of the product itself (8B's
 gate_up at M = 2048: 384 column programs each quantizing the 2048 x 4096 x). Prequantized
 (the default, ``default_config``): ``kernels/fp8_quant.py`` quantizes x once and the K loop
-reads e4m3 x and its scales; on an H200 that was 1.2-4x faster at 64 and 2,048 rows
-(``python3 -m benchmarks.fp8_gemm --quick --sweep``; docs/tuning.md, "FP8").
+reads e4m3 x and its scales, the faster on an H200 at every size swept (``python3 -m
+benchmarks.fp8_gemm --quick --sweep``; docs/tuning.md, "FP8").
 
 The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later).
 
@@ -81,8 +81,8 @@ class Fp8GemmConfig:
 
 
 # Swept on an H200 at Qwen3-0.6B and -8B shapes, both scale modes (docs/tuning.md, "FP8"):
-# x quantized once first won at 64 and 2,048 rows (x1.2-4 over the in-loop quantization), and
-# above 64 rows 64 x 128 tiles were within 10% of the fastest of 16 configs at every shape.
+# x quantized once first won at every size, and above 64 rows 64 x 128 tiles were near the
+# fastest at every shape.
 MANY_ROWS_CONFIG = Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, prequantize=True)
 
 

@@ -12,9 +12,8 @@ through the correctly rounded reciprocal)::
 
 The FP8 GEMM (``kernels/fp8_gemm.py``) takes x from here by default
 (``Fp8GemmConfig.prequantize``); without it, it quantizes x inside its K loop, once per
-column program, which on an H200 was 1.2-4x slower at 64 and 2,048 rows (docs/tuning.md,
-"FP8"). The same values either way: the GEMM's in-loop quantization and this kernel apply
-one rule.
+column program, which on an H200 was slower (docs/tuning.md, "FP8"). The same values either
+way: the GEMM's in-loop quantization and this kernel apply one rule.
 
 Torch reference: :func:`minivllm.kernels.fp8.quantize_fp8_per_token_group` ("block") and
 :func:`minivllm.kernels.fp8.quantize_fp8_per_token` ("channel").

@@ -242,7 +242,7 @@ class Ops:
         from minivllm.kernels.moe_topk import moe_topk
 
         # (T, E) in x's dtype, as transformers (the softmax widens them); at decode sizes through
-        # the GEMV where it takes the shape (cuBLAS spent 5 us a layer on this 0.5 MB at one row).
+        # the GEMV where it takes the shape (docs/tuning.md, "Experts at few tokens").
         logits = self.gemv(x, router) if self.few_rows(x.shape[0]) else F.linear(x, router)
         weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)
         if few:
