@@ -4,7 +4,7 @@ for itself, with no top-k kernel between the router and the experts?
 The product runs router GEMV -> ``moe_topk`` -> stage 1 -> stage 2 (``kernels/moe_gemv.py``),
 each a node of the step's dependent chain. Here every stage-1 program reads its token's E
 router logits (512 bytes at Qwen3-30B-A3B), takes the same softmax and top-k as
-``moe_topk`` (its ``route_row``: the same ids and weights), streams
+``moe_topk`` (its ``route_row``: the same ids, and the weights to rounding), streams
 its expert's rows, and the programs of the first column block write the pair's id and
 weight for stage 2 (the product's ``_down_kernel``, unchanged). One launch fewer a layer;
 each program does a top-k of E values before its first weight load.
@@ -112,9 +112,14 @@ def main() -> None:
         w_ref, ids_ref = moe_topk(logits, top_k, True)
         ref = moe_gemv(x, w13[0], w2[0], w_ref, ids_ref)
         out, weights, ids = routed_experts(x, logits, w13[0], w2[0], top_k, True)
-        assert torch.equal(ids, ids_ref) and torch.equal(weights, w_ref), (ids, ids_ref)
-        assert torch.equal(out, ref), (out - ref).abs().max()
-        print(f"{tokens} token(s): the same ids, weights and output as moe_topk + moe_gemv")
+        # The same ids; the weights to an ulp or so: the softmax's sums reduce in another order
+        # when the kernel has another number of warps (on the GPU; the interpreter is exact).
+        assert torch.equal(ids, ids_ref), (ids, ids_ref)
+        torch.testing.assert_close(weights, w_ref, rtol=1e-6, atol=0)
+        assert torch.equal(out, moe_gemv(x, w13[0], w2[0], weights, ids)), "stage 2 of the routed pairs"
+        worst = (weights - w_ref).abs().max().item()
+        print(f"{tokens} token(s): the same ids as moe_topk, weights within {worst:.1e}, and the "
+              f"output moe_gemv gives for them")
         if args.check or device != "cuda":
             continue
         def a(i):
