@@ -46,7 +46,8 @@ per token; exactly k at B = 1).
   expert paths are also timed, each forced, to place the switch between them; ``--sweep``:
   and the per-pair GEMV with each stage's tiles of ``GEMV_SWEEP`` (the other at its default).
   On a GPU the engine part also profiles decode steps kernel by kernel at batch 1 and at
-  ``--max-num-seqs`` (``benchmarks.throughput.profile_decode``).
+  ``--max-num-seqs`` (``benchmarks.throughput.profile_decode``), and a prefill of 16 x 1,024
+  tokens (``profile_prefill``): an offline run's prompts cost that many us a 1,000 tokens.
 
 ``--parts`` (default all of ``PARTS``): kernel, batch1, profile, offline; the engine is built
 only for a part other than kernel.
@@ -76,7 +77,7 @@ from benchmarks.long_context import kv_bytes_per_token
 from benchmarks.qwen3_shapes import SMOKE_MOE_SHAPES, SMOKE_SHAPES, write_random_config
 from benchmarks.report import write_summary
 from benchmarks.throughput import (Workload, bench_device, build_llm, median_run, met, offline_workload,
-                                   profile_decode, run_batch1, run_offline, sync)
+                                   profile_decode, profile_prefill, run_batch1, run_offline, sync)
 from minivllm.config import FP8_WEIGHT_BLOCK, ModelConfig, cdiv
 
 if TYPE_CHECKING:
@@ -262,10 +263,11 @@ def engine_part(args: argparse.Namespace, path: str, device: str, c: ModelConfig
     if "batch1" in args.parts:
         results["batch1"] = batch1(llm, args, c, fmt, kv_token, gbs, workloads[0].id_limit)
         print_batch1(results["batch1"])
-    if "profile" in args.parts and device == "cuda":  # a decode step kernel by kernel: batch 1, a full batch
+    if "profile" in args.parts and device == "cuda":  # decode steps at batch 1 and a full batch; a prefill
         results["decode_kernels"] = profile_decode(llm, workloads[0].id_limit)
         results["decode_kernels_full_batch"] = profile_decode(llm, workloads[0].id_limit, batch=args.max_num_seqs,
                                                               steps=16)
+        results["prefill_kernels"] = profile_prefill(llm, workloads[0].id_limit)
     write_summary(summary, results)
     if "offline" in args.parts:
         results["offline"] = []

@@ -293,6 +293,31 @@ def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32) -> 
     return r
 
 
+def profile_prefill(llm: Any, id_limit: int, prompts: int = 16, length: int = 1024) -> dict[str, Any]:
+    """GPU kernel time of prefilling ``prompts`` fresh prompts of ``length`` tokens (max_tokens
+    1: one sampled token each, no decode step), per 1,000 prompt tokens, and the costliest
+    kernels; with a step budget of at least prompts x length, one step."""
+    from minivllm import SamplingParams
+
+    rng = np.random.default_rng(12)
+
+    def run() -> None:
+        batch = [rng.integers(0, id_limit, length).tolist() for _ in range(prompts)]
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+
+    run()                                                                # warm-up, same shapes
+    kernels = _profiled_kernel_us(run)
+    per_1k = 1000 / (prompts * length)
+    r = dict(prompts=prompts, length=length, kernel_us_per_1k_tokens=sum(kernels.values()) * per_1k,
+             top_kernels=[dict(name=name[:120], us_per_1k_tokens=t * per_1k)
+                          for name, t in kernels.most_common(TOP_KERNELS)])
+    print(f"prefill of {prompts} x {length} tokens: GPU kernels {r['kernel_us_per_1k_tokens']:.0f} us per 1,000 "
+          f"prompt tokens", flush=True)
+    for k in r["top_kernels"]:
+        print(f"  {k['us_per_1k_tokens']:8.1f} us/1k tokens  {k['name'][:100]}")
+    return r
+
+
 TOP_KERNELS = 12
 
 

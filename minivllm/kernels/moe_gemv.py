@@ -14,7 +14,8 @@ small to keep the memory system busy. Here every program is a few weight rows on
 cores (the one-row GEMV's scheme: an fp32 tile of products per (row, k lane), summed at the
 end), streamed in one pipelined loop: in stage 1 a column block's gate and up rows, in stage 2
 the column block's rows of every choice of its token (k short loops one after the other kept
-too few bytes in flight: docs/tuning.md, "Experts at few tokens"). Two tokens that pick one
+too few bytes in flight), each choice's act row loaded once a step for all the block's
+columns (docs/tuning.md, "Experts at few tokens"). Two tokens that pick one
 expert read its weights twice (from L2 when they are close in time), so the caller takes this
 path for a few tokens only (``Ops.moe``).
 
@@ -44,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_power_of_two, check_same_device, check_tile_config, takes_pdl
+from minivllm.kernels._launch import (check_dtype, check_power_of_two, check_same_device, check_tile_config, next_pow2,
+                                      takes_pdl)
 from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
 from minivllm.kernels.fp8_gemv import scaled_tile
 from minivllm.kernels.fused_moe import _scale_ptrs, check_experts
@@ -71,7 +73,7 @@ class MoeGemvConfig:
 
 GATE_UP_CONFIG = MoeGemvConfig(block_n=4, block_k=512)     # K = hidden (2048 at Qwen3-30B-A3B)
 BLOCK_SCALED_GATE_UP_CONFIG = MoeGemvConfig(block_n=16, block_k=128, num_warps=8)
-DOWN_CONFIG = MoeGemvConfig(block_n=1, block_k=128)        # K = moe_intermediate (768); both formats
+DOWN_CONFIG = MoeGemvConfig(block_n=8, block_k=128)        # K = moe_intermediate (768); both formats
 
 
 @triton.jit
@@ -136,30 +138,44 @@ def _down_kernel(
     out_ptr,              # (T, H) contiguous
     H, I,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One tile of TOP_K_POW2 x BLOCK_N weight rows, choice j's rows for the BLOCK_N columns
-    in turn, so that one pipelined loop streams every choice. A row past TOP_K (k not a power
-    of two) repeats choice TOP_K - 1's addresses with its weights masked off, and counts 0."""
+    """Token t's TOP_K choices for BLOCK_N columns: a (TOP_K_POW2, BLOCK_N, SUB_K) weight
+    tile against a (TOP_K_POW2, SUB_K) act tile, each choice's act row loaded once for all the
+    columns. A choice past TOP_K (k not a power of two) repeats choice TOP_K - 1's addresses
+    with its weights masked off, and counts 0. SUB_K = BLOCK_K, or GROUP for block scales
+    when BLOCK_K is longer (one scale a row in each sub-step)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, TOP_K_POW2 * BLOCK_N)
-    choice = r // BLOCK_N
-    cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-    row_ok = (choice < TOP_K) & (cols < H)
+    choice = tl.arange(0, TOP_K_POW2)
     pair = token * TOP_K + tl.minimum(choice, TOP_K - 1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    y = _rows_dot(w2_ptr + expert[:, None] * H * I + cols.to(tl.int64)[:, None] * I,
-                  _scale_ptrs(ws_ptr, expert, H, cols, I, BLOCK_SCALES, GROUP),
-                  act_ptr + pair[:, None] * I, I, row_ok, FP8, BLOCK_SCALES, BLOCK_K, GROUP, NUM_STAGES)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)                             # (C,)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (choice < TOP_K)[:, None] & (cols < H)[None, :]                     # (C, N)
+    w_rows = w2_ptr + expert[:, None] * H * I + cols.to(tl.int64)[None, :] * I
+    k_groups = tl.cdiv(I, GROUP)
+    s_rows = ws_ptr + expert[:, None] * tl.cdiv(H, GROUP) * k_groups + (cols // GROUP)[None, :] * k_groups
+    acc = tl.zeros((TOP_K_POW2, BLOCK_N, SUB_K), tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+        for k1 in tl.static_range(0, BLOCK_K, SUB_K):
+            k = k0 + k1 + tl.arange(0, SUB_K)
+            k_ok = k < I
+            w = tl.load(w_rows[:, :, None] + k[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :],
+                        other=0.0).to(tl.float32)
+            if BLOCK_SCALES:
+                w *= tl.load(s_rows + (k0 + k1) // GROUP, mask=ok, other=0.0)[:, :, None]
+            a = tl.load(act_ptr + pair[:, None] * I + k[None, :], mask=k_ok[None, :], other=0.0)
+            acc += w * a.to(tl.float32)[:, None, :]
+    y = tl.sum(acc, axis=2)                                                  # (C, N)
+    if FP8 and not BLOCK_SCALES:
+        y *= tl.load(ws_ptr + expert[:, None] * H + cols[None, :], mask=ok, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
-    weighted = tl.where(choice < TOP_K, (y * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32), 0.0)
-    total = tl.sum(tl.reshape(weighted, (TOP_K_POW2, BLOCK_N)), axis=0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    weighted = (y * tl.load(weights_ptr + pair)[:, None]).to(dtype).to(tl.float32)
+    total = tl.sum(tl.where(ok, weighted, 0.0), axis=0)
     tl.store(out_ptr + token * H + cols, total.to(dtype), mask=cols < H)
 
 
@@ -211,8 +227,9 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     )
     _down_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
         act, w2, w2 if mode is None else w2_scale, topk_ids, topk_weights, out, hidden, inter,
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), **fp8, BLOCK_N=down_config.block_n,
-        BLOCK_K=down_config.block_k, NUM_STAGES=down_config.num_stages, PDL=use_pdl,
+        TOP_K=top_k, TOP_K_POW2=next_pow2(top_k), **fp8, BLOCK_N=down_config.block_n,
+        BLOCK_K=down_config.block_k, SUB_K=min(down_config.block_k, FP8_GROUP) if mode == "block" else
+        down_config.block_k, NUM_STAGES=down_config.num_stages, PDL=use_pdl,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages, **launch,
     )
     return out
