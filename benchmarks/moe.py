@@ -44,7 +44,9 @@ per token; exactly k at B = 1).
   (``fused_moe_reference``; FP8: ``moe_gemv_fp8_reference`` up to ``MOE_GEMV_MAX_TOKENS``
   tokens, else ``fused_moe_fp8_reference``) on that routing. Up to 16 tokens both Triton
   expert paths are also timed, each forced, to place the switch between them; ``--sweep``:
-  and the per-pair GEMV with each stage's tiles of ``GEMV_SWEEP`` (the other at its default).
+  and the per-pair GEMV with each stage's tiles of ``GEMV_SWEEP`` (the other at its default),
+  and above ``MOE_GEMV_MAX_TOKENS`` tokens the grouped GEMM with each tiling of
+  ``GROUPED_SWEEP`` (a prefill gives each expert hundreds of rows: ``--kernel-tokens 16384``).
   On a GPU the engine part also profiles decode steps kernel by kernel at batch 1 and at
   ``--max-num-seqs`` (``benchmarks.throughput.profile_decode``), and a prefill of 16 x 1,024
   tokens (``profile_prefill``): an offline run's prompts cost that many us a 1,000 tokens.
@@ -132,6 +134,12 @@ def expert_bytes(c: ModelConfig, fmt: WeightFormat) -> int:
     """One expert of one layer: gate and up (2I, H) as the engine stacks them, down (H, I)."""
     h, i = c.hidden_size, c.moe_intermediate_size
     return fmt.linear(2 * i, h) + fmt.linear(h, i)
+
+
+def expert_flops(c: ModelConfig, tokens: int) -> int:
+    """Multiply-adds x 2 of one layer's experts for ``tokens`` tokens: each of the k chosen
+    experts' gate, up and down projections."""
+    return tokens * c.num_experts_per_tok * 3 * 2 * c.hidden_size * c.moe_intermediate_size
 
 
 def sparse_layers(c: ModelConfig) -> int:
@@ -420,8 +428,10 @@ def kernel_row(ops: Any, c: ModelConfig, tokens: int, device: str, dtype: torch.
                fp8: bool = False, sweep: bool = False) -> dict[str, Any]:
     """Checked, then (``timed``) the graph time of ``ops.moe`` and the eager torch loop's;
     ``fp8``: e4m3 experts with block scales; ``sweep``: also the per-pair GEMV with each
-    stage's tiles of ``GEMV_SWEEP`` (the other stage at its default)."""
-    from minivllm.layers.ops import Ops
+    stage's tiles of ``GEMV_SWEEP`` (the other stage at its default) up to
+    ``PATHS_MAX_TOKENS`` tokens, the grouped GEMM's tiles of ``GROUPED_SWEEP`` above
+    ``MOE_GEMV_MAX_TOKENS``."""
+    from minivllm.layers.ops import MOE_GEMV_MAX_TOKENS, Ops
 
     inp = kernel_inputs(c, tokens, calls, copies, device, dtype, seed=tokens, fp8=fp8)
     checks = [check_experts(ops, c, inp, i) for i in range(calls)]
@@ -439,12 +449,14 @@ def kernel_row(ops: Any, c: ModelConfig, tokens: int, device: str, dtype: torch.
         us = graph_us(lambda i: ops.moe(*operands(i), scales=inp.scales_of(i)), calls)
         torch_us = eager_us(lambda i: torch_ops.moe(*operands(i), scales=inp.scales_of(i)), calls, device)
         row.update(graph_us=us, GBs=nbytes / us / 1e3, pct_copy=100 * nbytes / us / 1e3 / gbs,
-                   torch_us=torch_us, speedup=torch_us / us)
+                   tflops=expert_flops(c, tokens) / us / 1e6, torch_us=torch_us, speedup=torch_us / us)
         if ops.triton and tokens <= PATHS_MAX_TOKENS:
             row["paths_us"] = {name: graph_us(lambda i, f=f: f(*operands(i), scales=inp.scales_of(i)), calls)
                                for name, f in forced_paths().items()}
             if sweep:
                 row["gemv_sweep"] = sweep_per_pair(operands, inp, calls)
+        if ops.triton and sweep and tokens > MOE_GEMV_MAX_TOKENS:
+            row["grouped_sweep"] = sweep_grouped(operands, inp, calls)
     return row
 
 
@@ -490,6 +502,43 @@ def sweep_per_pair(operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs
     return out
 
 
+# (block_m, block_n, block_k, num_warps, num_stages) of the grouped GEMM that --sweep times
+# above MOE_GEMV_MAX_TOKENS: block_m is the alignment's (rows of one expert a block), the rest
+# FusedMoeConfig's for both stages (FP8 experts step K by the 128-column group whatever block_k).
+GROUPED_SWEEP = [(16, 64, 64, 4, 2)] + [(bm, bn, bk, warps, stages) for bm in (16, 64, 128) for bn in (64, 128)
+                                        for bk in (64, 128) for warps, stages in ((4, 3), (8, 3))]
+
+
+def sweep_grouped(operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs, calls: int) -> dict[str, Any]:
+    """Graph us of the forced grouped-GEMM path with each tiling of ``GROUPED_SWEEP`` (None:
+    more shared memory than the device has), each output first checked against the default
+    tiling's."""
+    from triton.runtime.errors import OutOfResources
+
+    from minivllm.kernels.fused_moe import FusedMoeConfig
+
+    grouped = forced_paths()["grouped GEMM"]
+    expected = grouped(*operands(0), scales=inp.scales_of(0)).float()
+    tol = experts_tolerance(inp, expected)
+    times: dict[str, float | None] = {}
+    for bm, bn, bk, warps, stages in GROUPED_SWEEP:
+        tiles = dict(block_m=bm, config=FusedMoeConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
+        name = f"m{bm} n{bn} k{bk} w{warps} s{stages}"
+        try:
+            got = grouped(*operands(0), scales=inp.scales_of(0), **tiles).float()
+        except OutOfResources:
+            times[name] = None
+            continue
+        err = (got - expected).abs().max().item()
+        if not err <= tol:
+            raise AssertionError(f"grouped GEMM with {name}: max error {err:.3g} > {tol:.3g}")
+        times[name] = graph_us(lambda i: grouped(*operands(i), scales=inp.scales_of(i), **tiles), calls)
+    fitted = sorted((kv for kv in times.items() if kv[1] is not None), key=lambda kv: kv[1])
+    print(f"    grouped GEMM tiles swept: best {fitted[0][0]} {fitted[0][1]:.1f} us (of {len(times)}); "
+          + ", ".join(f"{k} {v:.1f}" for k, v in fitted[1:6]), flush=True)
+    return dict(us=times, best=fitted[0][0])
+
+
 def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
     """The two Triton expert paths ``Ops.moe`` chooses between by token count
     (``MOE_GEMV_MAX_TOKENS``), each forced, with the same routing kernels before them."""
@@ -498,9 +547,10 @@ def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
     from minivllm.kernels.moe_gemv import moe_gemv
     from minivllm.kernels.moe_topk import moe_topk
 
-    def grouped(x, router, w13, w2, k, norm, *, scales=(None, None)):
+    def grouped(x, router, w13, w2, k, norm, *, scales=(None, None), block_m=16, config=None):
         weights, ids = moe_topk(F.linear(x, router), k, norm)
-        return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0]), w13_scale=scales[0], w2_scale=scales[1])
+        return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0], block_m), config,
+                         w13_scale=scales[0], w2_scale=scales[1])
 
     def per_pair(x, router, w13, w2, k, norm, *, scales=(None, None), **tiles):
         weights, ids = moe_topk(F.linear(x, router), k, norm)
@@ -517,7 +567,8 @@ def print_kernel_row(r: dict[str, Any], gbs: float) -> None:
         print(head + " (untimed)", flush=True)
         return
     print(f"{head}; graph {r['graph_us']:7.1f} us = {r['GBs']:6,.0f} GB/s = {r['pct_copy']:4.1f}% of copy "
-          f"{gbs:,.0f} GB/s; torch loop {r['torch_us']:8.1f} us (x{r['speedup']:.1f})", flush=True)
+          f"{gbs:,.0f} GB/s, {r['tflops']:5.1f} TFLOP/s; torch loop {r['torch_us']:8.1f} us (x{r['speedup']:.1f})",
+          flush=True)
     for name, us in r.get("paths_us", {}).items():
         print(f"    {name:>14} forced: graph {us:7.1f} us = {100 * r['expert_bytes'] / us / 1e3 / gbs:4.1f}% of copy",
               flush=True)

@@ -157,6 +157,28 @@ def test_the_sweep_checks_and_times_each_stage_s_tiles_and_names_the_fastest(tin
         moe.sweep_per_pair(lambda i: (*inp.operands(i), tiny.num_experts_per_tok, tiny.norm_topk_prob), inp, 1)
 
 
+def test_the_grouped_sweep_checks_and_times_each_tiling_and_names_the_fastest(tiny, monkeypatch) -> None:
+    ops = Ops.build("triton", torch.device("cpu"), torch.float32)   # under the interpreter
+    times = iter(range(100, 0, -1))
+    monkeypatch.setattr(moe, "graph_us", lambda call, calls: float(next(times)))
+    monkeypatch.setattr(moe, "PATHS_MAX_TOKENS", MOE_GEMV_MAX_TOKENS)  # the grouped sweep alone
+    monkeypatch.setattr(moe, "GROUPED_SWEEP", [(16, 16, 16, 4, 2), (32, 16, 32, 2, 3)])
+    tokens = MOE_GEMV_MAX_TOKENS + 1
+    row = moe.kernel_row(ops, tiny, tokens, "cpu", torch.float32, gbs=100.0, timed=True, copies=1, calls=1,
+                         sweep=True)
+    assert "gemv_sweep" not in row
+    assert list(row["grouped_sweep"]["us"]) == ["m16 n16 k16 w4 s2", "m32 n16 k32 w2 s3"]
+    assert row["grouped_sweep"]["best"] == "m32 n16 k32 w2 s3"
+    flops = tokens * tiny.num_experts_per_tok * 3 * 2 * tiny.hidden_size * tiny.moe_intermediate_size
+    assert row["tflops"] == pytest.approx(flops / (row["graph_us"] * 1e-6) / 1e12)
+    grouped = moe.forced_paths()["grouped GEMM"]
+    wrong = {"grouped GEMM": lambda *a, block_m=16, **k: grouped(*a, block_m=block_m, **k) + (block_m > 16)}
+    monkeypatch.setattr(moe, "forced_paths", lambda: wrong)            # a tiling that changes the output
+    inp = moe.kernel_inputs(tiny, tokens, 1, 1, "cpu", torch.float32, seed=3, fp8=False)
+    with pytest.raises(AssertionError, match="grouped GEMM with m32 n16 k32 w2 s3: max error"):
+        moe.sweep_grouped(lambda i: (*inp.operands(i), tiny.num_experts_per_tok, tiny.norm_topk_prob), inp, 1)
+
+
 def assert_timed(row: dict, forced: bool = True) -> None:
     """The row's rates from a graph time of 10 us against 100 GB/s; ``forced``: both forced
     paths timed too."""
