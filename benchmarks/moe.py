@@ -467,38 +467,18 @@ GEMV_SWEEP = [(bn, bk, warps, stages) for bn in (1, 2, 4, 8, 16) for bk in (128,
 
 
 def sweep_per_pair(operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs, calls: int) -> dict[str, Any]:
-    """Graph us of the forced per-pair GEMV path with each stage's tiles swept in turn (None:
-    the tiles need more shared memory than the device has). Each tiling's output is first
-    checked against the default tiles' (the same sums in another order)."""
-    from triton.runtime.errors import OutOfResources
-
+    """Graph us of the forced per-pair GEMV path with each stage's tiles swept in turn (as
+    ``checked_sweep``); the other stage at its default."""
     from minivllm.kernels.moe_gemv import MoeGemvConfig
 
     per_pair = forced_paths()["per-pair GEMV"]
-    expected = per_pair(*operands(0), scales=inp.scales_of(0)).float()
-    tol = experts_tolerance(inp, expected)
     out: dict[str, Any] = {}
     for stage in ("gate_up_config", "down_config"):
-        times = {}
-        for bn, bk, warps, stages in GEMV_SWEEP:
-            tiles = {stage: MoeGemvConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)}
-            name = f"{bn}x{bk}w{warps}s{stages}"
-            try:
-                got = per_pair(*operands(0), scales=inp.scales_of(0), **tiles).float()
-            except OutOfResources:
-                times[name] = None
-                continue
-            err = (got - expected).abs().max().item()
-            if not err <= tol:
-                raise AssertionError(f"per-pair GEMV with {stage} {name}: max error {err:.3g} > {tol:.3g}")
-            times[name] = graph_us(lambda i: per_pair(*operands(i), scales=inp.scales_of(i), **tiles), calls)
-        best = min((k for k in times if times[k] is not None), key=times.__getitem__)
-        out[stage] = dict(us=times, best=best)
-        print(f"    per-pair GEMV, {stage.removesuffix('_config')} tiles swept: best {best} "
-              f"{times[best]:.1f} us (of {len(times)}); "
-              + ", ".join(f"{k} {v:.1f}" for k, v in sorted((kv for kv in times.items() if kv[1] is not None),
-                                                             key=lambda kv: kv[1])[:6]),
-              flush=True)
+        tilings = {f"{bn}x{bk}w{warps}s{stages}":
+                   {stage: MoeGemvConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)}
+                   for bn, bk, warps, stages in GEMV_SWEEP}
+        out[stage] = checked_sweep(per_pair, tilings, operands, inp, calls,
+                                   f"per-pair GEMV, {stage.removesuffix('_config')}")
     return out
 
 
@@ -510,31 +490,43 @@ GROUPED_SWEEP = [(16, 64, 64, 4, 2)] + [(bm, bn, bk, warps, stages) for bm in (1
 
 
 def sweep_grouped(operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs, calls: int) -> dict[str, Any]:
-    """Graph us of the forced grouped-GEMM path with each tiling of ``GROUPED_SWEEP`` (None:
-    more shared memory than the device has), each output first checked against the default
-    tiling's."""
-    from triton.runtime.errors import OutOfResources
-
+    """Graph us of the forced grouped-GEMM path with each tiling of ``GROUPED_SWEEP`` (as
+    ``checked_sweep``)."""
     from minivllm.kernels.fused_moe import FusedMoeConfig
 
-    grouped = forced_paths()["grouped GEMM"]
-    expected = grouped(*operands(0), scales=inp.scales_of(0)).float()
+    tilings = {f"m{bm} n{bn} k{bk} w{warps} s{stages}":
+               dict(block_m=bm, config=FusedMoeConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
+               for bm, bn, bk, warps, stages in GROUPED_SWEEP}
+    return checked_sweep(forced_paths()["grouped GEMM"], tilings, operands, inp, calls, "grouped GEMM")
+
+
+def checked_sweep(path: Callable[..., torch.Tensor], tilings: dict[str, dict[str, Any]],
+                  operands: Callable[[int], tuple[Any, ...]], inp: KernelInputs, calls: int,
+                  what: str) -> dict[str, Any]:
+    """``{"us": {name: graph us or None}, "best": name}`` of ``path`` with each of ``tilings``
+    (its keyword arguments by name; None: more shared memory than the device has), each
+    output first checked against the path's default output (the same sums in another order).
+
+    Raises:
+        AssertionError: a tiling's output off the default's by more than the tolerance.
+    """
+    from triton.runtime.errors import OutOfResources
+
+    expected = path(*operands(0), scales=inp.scales_of(0)).float()
     tol = experts_tolerance(inp, expected)
     times: dict[str, float | None] = {}
-    for bm, bn, bk, warps, stages in GROUPED_SWEEP:
-        tiles = dict(block_m=bm, config=FusedMoeConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
-        name = f"m{bm} n{bn} k{bk} w{warps} s{stages}"
+    for name, tiles in tilings.items():
         try:
-            got = grouped(*operands(0), scales=inp.scales_of(0), **tiles).float()
+            got = path(*operands(0), scales=inp.scales_of(0), **tiles).float()
         except OutOfResources:
             times[name] = None
             continue
         err = (got - expected).abs().max().item()
         if not err <= tol:
-            raise AssertionError(f"grouped GEMM with {name}: max error {err:.3g} > {tol:.3g}")
-        times[name] = graph_us(lambda i: grouped(*operands(i), scales=inp.scales_of(i), **tiles), calls)
+            raise AssertionError(f"{what} with {name}: max error {err:.3g} > {tol:.3g}")
+        times[name] = graph_us(lambda i, t=tiles: path(*operands(i), scales=inp.scales_of(i), **t), calls)
     fitted = sorted((kv for kv in times.items() if kv[1] is not None), key=lambda kv: kv[1])
-    print(f"    grouped GEMM tiles swept: best {fitted[0][0]} {fitted[0][1]:.1f} us (of {len(times)}); "
+    print(f"    {what} tiles swept: best {fitted[0][0]} {fitted[0][1]:.1f} us (of {len(times)}); "
           + ", ".join(f"{k} {v:.1f}" for k, v in fitted[1:6]), flush=True)
     return dict(us=times, best=fitted[0][0])
 

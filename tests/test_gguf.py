@@ -110,9 +110,14 @@ def llama_cpp_permute(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def test_parity_fails_when_the_qk_rows_stay_permuted(llm, hf) -> None:
     """The loaded q/k rows given llama.cpp's order again: greedy output leaves transformers'.
-    So the parity test above fails if the loader stops undoing the permutation."""
+    So the parity test above fails if the loader stops undoing the permutation. The permuted
+    run's prompt starts with one token more: no block of it is a block of another prompt, so
+    the K/V it computes with the wrong rows never serves a later prompt of this module's
+    engine from the prefix cache (the chat template's system text is every chat's prefix)."""
     ids = llm.chat_prompt_ids([{"role": "user", "content": PROMPTS[0]}])
     want = hf_greedy(hf, ids, NEW_TOKENS)
+    odd = ids[:1] + ids
+    want_odd = hf_greedy(hf, odd, NEW_TOKENS)
     c = llm.model_config
     qk_rows = (c.num_attention_heads + c.num_key_value_heads) * c.head_dim
     weights = [layer.self_attn.qkv_proj.weight for layer in llm.engine.executor.model.model.layers]
@@ -121,7 +126,7 @@ def test_parity_fails_when_the_qk_rows_stay_permuted(llm, hf) -> None:
         with torch.no_grad():
             for w in weights:
                 w.data[:qk_rows] = llama_cpp_permute(w.data[:qk_rows], c.head_dim)
-        assert list(greedy(llm, [ids], NEW_TOKENS)[0].token_ids) != want
+        assert list(greedy(llm, [odd], NEW_TOKENS)[0].token_ids) != want_odd
     finally:
         with torch.no_grad():
             for w, s in zip(weights, saved):

@@ -139,7 +139,9 @@ def test_two_engines_in_one_process_do_not_influence_each_other() -> None:
     float32; Triton kernels, the GEMV and the small-batch forward in bfloat16, under the
     interpreter), their steps interleaved: each gives exactly the tokens and logprobs it
     gives alone. Nothing that picks a kernel, PDL or a communicator is process-wide."""
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    # A prefill and two decode steps (the second reads the cache the first wrote): each path
+    # once; more tokens would only repeat them under the interpreter.
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3)
     prompts = [[5, 6, 7, 8], [9, 10]]
     options = {"ref": dict(kernels="torch", dtype="float32"), "triton": dict(kernels="triton", dtype="bfloat16")}
 

@@ -153,7 +153,7 @@ def test_the_sweep_checks_and_times_each_stage_s_tiles_and_names_the_fastest(tin
     wrong = dict(paths, **{"per-pair GEMV": lambda *a, **tiles: paths["per-pair GEMV"](*a, **tiles) + len(tiles)})
     monkeypatch.setattr(moe, "forced_paths", lambda: wrong)            # a tiling that changes the output
     inp = moe.kernel_inputs(tiny, 2, 1, 1, "cpu", torch.float32, seed=2, fp8=False)
-    with pytest.raises(AssertionError, match="gate_up_config 4x16w4s2: max error"):
+    with pytest.raises(AssertionError, match="per-pair GEMV, gate_up with 4x16w4s2: max error"):
         moe.sweep_per_pair(lambda i: (*inp.operands(i), tiny.num_experts_per_tok, tiny.norm_topk_prob), inp, 1)
 
 

@@ -412,7 +412,9 @@ def test_decoder_leaves_every_row_parallel_sum_to_the_norm_after_it() -> None:
     from minivllm import LLM, SamplingParams
 
     fixture = str(Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen3")
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    # A prefill and two decode steps (the second reads what the first wrote): every kind of
+    # forward; the counts below are per forward, so more tokens would only repeat them.
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
     for dtype in ("float32", "bfloat16"):  # bfloat16: the GEMV kernel's small-batch forward
         with LLM(fixture, device="cpu", kernels="triton", dtype=dtype, skip_tokenizer_init=True,

@@ -31,6 +31,7 @@ head, from Hugging Face's rotate-half RoPE layout to GGML's adjacent pairs;
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -91,16 +92,18 @@ def find_gguf(directory: str) -> str | None:
 
 
 def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
-    """A reader of ``path`` whose architecture and tensor types are supported.
+    """A reader of ``path`` whose architecture and tensor types are supported. The last
+    file's reader is kept (while the file keeps its size and modification time), so that a
+    load's config and its weights parse the file's header once: seconds for a file with a
+    large vocabulary.
 
     Raises:
         ValueError: not a readable GGUF file, an unsupported architecture, or tensors of
             unsupported types (each type named, with the tensors that use it).
     """
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
+        st = os.stat(path)
+        reader = _reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"{os.fspath(path)}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     arch = _value(reader, "general.architecture", path)
@@ -117,6 +120,14 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
         raise ValueError(f"{os.fspath(path)}: unsupported GGUF tensor type(s): {found}; supported: "
                          f"{sorted(SUPPORTED_TYPES)}")
     return reader
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    """``gguf.GGUFReader(path)``, memoised by the file's identity (``open_gguf``)."""
+    import gguf
+
+    return gguf.GGUFReader(path)
 
 
 def hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
