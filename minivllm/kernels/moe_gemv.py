@@ -77,17 +77,17 @@ DOWN_CONFIG = MoeGemvConfig(block_n=8, block_k=128)        # K = moe_intermediat
 
 
 @triton.jit
-def _rows_dot(w_rows, ws_rows, x_rows, K, row_ok, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+def _rows_dot(w_rows, ws_rows, x_row, K, row_ok, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr,
               BLOCK_K: tl.constexpr, GROUP: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """(R,) fp32: each weight row at ``w_rows`` (R, 1) dotted with its x row at ``x_rows``
-    ((R, 1), or one scalar pointer for every row), products kept per (row, k lane) and summed
-    at the end. FP8: the rows' scales at ``ws_rows`` (``fused_moe._scale_ptrs``), block scales
-    on each weight, a channel scale on the sum."""
+    """(R,) fp32: each weight row at ``w_rows`` (R, 1) dotted with the one x row at ``x_row``,
+    products kept per (row, k lane) and summed at the end. FP8: the rows' scales at
+    ``ws_rows`` (``fused_moe._scale_ptrs``), block scales on each weight, a channel scale on
+    the sum."""
     acc = tl.zeros((w_rows.shape[0], BLOCK_K), tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         w = scaled_tile(_w_tile(w_rows, k, row_ok, K, False, False), ws_rows, k0, row_ok, K, BLOCK_SCALES, GROUP)
-        acc += w * tl.load(x_rows + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
+        acc += w * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if FP8 and not BLOCK_SCALES:
         y *= tl.load(ws_rows, mask=row_ok, other=0.0)
@@ -155,8 +155,7 @@ def _down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (choice < TOP_K)[:, None] & (cols < H)[None, :]                     # (C, N)
     w_rows = w2_ptr + expert[:, None] * H * I + cols.to(tl.int64)[None, :] * I
-    k_groups = tl.cdiv(I, GROUP)
-    s_rows = ws_ptr + expert[:, None] * tl.cdiv(H, GROUP) * k_groups + (cols // GROUP)[None, :] * k_groups
+    s_rows = _scale_ptrs(ws_ptr, expert[:, None], H, cols[None, :], I, BLOCK_SCALES, GROUP)   # (C, N)
     acc = tl.zeros((TOP_K_POW2, BLOCK_N, SUB_K), tl.float32)
     for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
         for k1 in tl.static_range(0, BLOCK_K, SUB_K):
@@ -170,7 +169,7 @@ def _down_kernel(
             acc += w * a.to(tl.float32)[:, None, :]
     y = tl.sum(acc, axis=2)                                                  # (C, N)
     if FP8 and not BLOCK_SCALES:
-        y *= tl.load(ws_ptr + expert[:, None] * H + cols[None, :], mask=ok, other=0.0)
+        y *= tl.load(s_rows, mask=ok, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
