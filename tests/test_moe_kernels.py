@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from minivllm.kernels.fused_moe import FusedMoeConfig, fused_moe  # noqa: E402
+from minivllm.kernels.fused_moe import FusedMoeConfig, default_tiles, fused_moe  # noqa: E402
 from minivllm.kernels.moe_align import (  # noqa: E402
     ONE_PROGRAM_MAX_CHUNKS, TILE_CHUNKS, MoeAlignment, max_blocks, moe_align,
 )
@@ -160,6 +160,32 @@ def test_fused_moe_is_reference(dtype, tokens, experts, top_k, inter) -> None:
     # the interpreter truncates bf16 casts), a few ulps of 2**-8.
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tokens", [8, 64, 256])  # 4, 32 and 128 rows an expert: each of the layer's tilings
+def test_layer_tiles_are_reference(tokens) -> None:
+    """The tiles the layer takes by rows per expert (``default_tiles``) give the reference's
+    output, blocks of 16, 64 and 128 rows."""
+    hidden, experts, top_k, inter = 32, 4, 2, 16
+    block_m, config = default_tiles(tokens, top_k, experts, fp8=False)
+    assert block_m == {8: 16, 64: 64, 256: 128}[tokens]
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = crafted_ids(tokens, experts, top_k)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    w13, w2 = expert_weights(experts, hidden, inter, torch.float32)
+    out = fused_moe(x, w13, w2, weights, moe_align(ids, experts, block_m), config)
+    torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_layer_tiles_grow_with_rows_per_expert() -> None:
+    """Decode batches of Qwen3-30B-A3B (128 experts, top-8) keep 16-row blocks; a prefill
+    chunk takes the largest blocks of its format."""
+    for fp8 in (False, True):
+        assert default_tiles(256, 8, 128, fp8)[0] == 16
+        assert default_tiles(8192, 8, 128, fp8)[0] == (64 if fp8 else 128)
+        sizes = [default_tiles(t, 8, 128, fp8)[0] for t in (1, 256, 512, 1024, 2048, 8192)]
+        assert sizes == sorted(sizes)
 
 
 def test_routed_block_is_transformers_qwen3_moe() -> None:

@@ -60,9 +60,9 @@ _FP8_X_DTYPES = (torch.bfloat16, torch.float16)  # as fp8_gemm's x
 
 @dataclass(frozen=True)
 class FusedMoeConfig:
-    """Tile and launch parameters of both stages (a tuning knob, not semantics; not tuned:
-    no GPU measurement yet). BLOCK_M is the alignment's ``block_m``. FP8 experts step K by
-    the 128-column activation group instead of ``block_k``."""
+    """Tile and launch parameters of both stages (a tuning knob, not semantics; the ones
+    the layer uses are :func:`default_tiles`'). BLOCK_M is the alignment's ``block_m``. FP8
+    experts step K by the 128-column activation group instead of ``block_k``."""
 
     block_n: int = 64         # output columns per program; power of two >= 16
     block_k: int = 64         # reduction step of 16-bit experts; power of two >= 16
@@ -72,6 +72,23 @@ class FusedMoeConfig:
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_n", "block_k"))
 
+
+
+def default_tiles(tokens: int, top_k: int, num_experts: int, fp8: bool) -> tuple[int, FusedMoeConfig]:
+    """``(block_m, config)`` for ``tokens`` tokens' pairs over ``num_experts`` experts, by the
+    rows an expert gets on average (tokens * top_k / num_experts): 16-row blocks while that
+    is under 32 (decode: a block holds the few pairs an expert gets, padding least), then 64,
+    and for 16-bit experts 128 from 128 rows (prefill: each weight tile reused over more
+    rows). From the tiling sweep of ``benchmarks.moe --sweep`` (docs/tuning.md, "Experts at
+    many tokens"); the shape decides, so each captured batch size keeps its tiles."""
+    rows = tokens * top_k / num_experts
+    if rows < 32:
+        return 16, FusedMoeConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
+    if fp8:
+        return 64, FusedMoeConfig(block_n=128, num_warps=8, num_stages=3)
+    if rows < 128:
+        return 64, FusedMoeConfig(block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return 128, FusedMoeConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 @triton.jit
 def _grouped_gemm_kernel(

@@ -236,7 +236,7 @@ class Ops:
             weights, ids = ref.moe_topk_reference(F.linear(x, router).float(), top_k, norm_topk_prob)
             experts = ref.moe_gemv_fp8_reference if few else ref.fused_moe_fp8_reference
             return experts(x, gate_up, down, weights, ids, w13_scale, w2_scale, fp8_mode(w13_scale, gate_up))
-        from minivllm.kernels.fused_moe import fused_moe
+        from minivllm.kernels.fused_moe import default_tiles, fused_moe
         from minivllm.kernels.moe_align import moe_align
         from minivllm.kernels.moe_gemv import moe_gemv
         from minivllm.kernels.moe_topk import moe_topk
@@ -247,8 +247,10 @@ class Ops:
         weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)
         if few:
             return moe_gemv(x, gate_up, down, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl)
-        layout = moe_align(ids, gate_up.shape[0], pdl=self.pdl)
-        return fused_moe(x, gate_up, down, weights, layout, w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl)
+        block_m, tiles = default_tiles(x.shape[0], top_k, gate_up.shape[0], fp8)
+        layout = moe_align(ids, gate_up.shape[0], block_m, pdl=self.pdl)
+        return fused_moe(x, gate_up, down, weights, layout, tiles, w13_scale=w13_scale, w2_scale=w2_scale,
+                         pdl=self.pdl)
 
     # ---- attention ---------------------------------------------------------------
 
