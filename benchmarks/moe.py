@@ -534,7 +534,6 @@ def checked_sweep(path: Callable[..., torch.Tensor], tilings: dict[str, dict[str
 def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
     """The two Triton expert paths ``Ops.moe`` chooses between by token count
     (``MOE_GEMV_MAX_TOKENS``), each forced, with the same routing kernels before them."""
-    from minivllm.kernels.fp8 import FP8_DTYPE
     from minivllm.kernels.fused_moe import default_tiles, fused_moe
     from minivllm.kernels.moe_align import moe_align
     from minivllm.kernels.moe_gemv import moe_gemv
@@ -543,7 +542,7 @@ def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
     def grouped(x, router, w13, w2, k, norm, *, scales=(None, None), block_m=None, config=None):
         weights, ids = moe_topk(F.linear(x, router), k, norm)
         if block_m is None:  # the layer's tiles
-            block_m, config = default_tiles(x.shape[0], k, w13.shape[0], w13.dtype == FP8_DTYPE)
+            block_m, config = default_tiles(x.shape[0], k, w13.shape[0], w13.dtype)
         return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0], block_m), config,
                          w13_scale=scales[0], w2_scale=scales[1])
 

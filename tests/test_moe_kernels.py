@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from minivllm.kernels.fp8 import FP8_DTYPE  # noqa: E402
 from minivllm.kernels.fused_moe import FusedMoeConfig, default_tiles, fused_moe  # noqa: E402
 from minivllm.kernels.moe_align import (  # noqa: E402
     ONE_PROGRAM_MAX_CHUNKS, TILE_CHUNKS, MoeAlignment, max_blocks, moe_align,
@@ -167,7 +168,7 @@ def test_layer_tiles_are_reference(tokens) -> None:
     """The tiles the layer takes by rows per expert (``default_tiles``) give the reference's
     output, blocks of 16, 64 and 128 rows."""
     hidden, experts, top_k, inter = 32, 4, 2, 16
-    block_m, config = default_tiles(tokens, top_k, experts, fp8=False)
+    block_m, config = default_tiles(tokens, top_k, experts, torch.float32)
     assert block_m == {8: 16, 64: 64, 256: 128}[tokens]
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -181,11 +182,13 @@ def test_layer_tiles_are_reference(tokens) -> None:
 def test_layer_tiles_grow_with_rows_per_expert() -> None:
     """Decode batches of Qwen3-30B-A3B (128 experts, top-8) keep 16-row blocks; a prefill
     chunk takes the largest blocks of its format."""
-    for fp8 in (False, True):
-        assert default_tiles(256, 8, 128, fp8)[0] == 16
-        assert default_tiles(8192, 8, 128, fp8)[0] == (64 if fp8 else 128)
-        sizes = [default_tiles(t, 8, 128, fp8)[0] for t in (1, 256, 512, 1024, 2048, 8192)]
+    for dtype in (torch.bfloat16, torch.float32, FP8_DTYPE):
+        assert default_tiles(256, 8, 128, dtype)[0] == 16
+        assert default_tiles(8192, 8, 128, dtype)[0] == (64 if dtype == FP8_DTYPE else 128)
+        sizes = [default_tiles(t, 8, 128, dtype)[0] for t in (1, 256, 512, 1024, 2048, 8192)]
         assert sizes == sorted(sizes)
+    # float32 tiles fit the shared memory the pipelined 16-bit ones fill: K steps of 32
+    assert {default_tiles(t, 8, 128, torch.float32)[1].block_k for t in (1, 1024, 8192)} == {32}
 
 
 def test_routed_block_is_transformers_qwen3_moe() -> None:

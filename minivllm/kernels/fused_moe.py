@@ -30,8 +30,8 @@ The rounding points after the fp32 sums are the 16-bit ones. The fp8 ``tl.dot`` 
 tensor cores (compute capability 8.9 or later). Block scales need I to be a
 multiple of 128, so that no scale block holds both gate and up rows (the up rows' scales
 start at block row I / 128). Which scales the weights carry follows from their rank
-(:func:`check_experts`). The requantization per column program, its cost and the tiles are
-as in ``kernels/fp8_gemm.py``'s doc (not tuned on a GPU).
+(:func:`check_experts`). The requantization per column program and its cost are as in
+``kernels/fp8_gemm.py``'s doc. The layer's tiles, by rows per expert: :func:`default_tiles`.
 
 Torch references: :func:`minivllm.kernels.reference.fused_moe_reference`, and
 :func:`~minivllm.kernels.reference.fused_moe_fp8_reference` for FP8 experts.
@@ -39,7 +39,7 @@ Torch references: :func:`minivllm.kernels.reference.fused_moe_reference`, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -74,21 +74,27 @@ class FusedMoeConfig:
 
 
 
-def default_tiles(tokens: int, top_k: int, num_experts: int, fp8: bool) -> tuple[int, FusedMoeConfig]:
-    """``(block_m, config)`` for ``tokens`` tokens' pairs over ``num_experts`` experts, by the
-    rows an expert gets on average (tokens * top_k / num_experts): 16-row blocks while that
-    is under 32 (decode: a block holds the few pairs an expert gets, padding least), then 64,
-    and for 16-bit experts 128 from 128 rows (prefill: each weight tile reused over more
-    rows). From the tiling sweep of ``benchmarks.moe --sweep`` (docs/tuning.md, "Experts at
-    many tokens"); the shape decides, so each captured batch size keeps its tiles."""
+def default_tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> tuple[int, FusedMoeConfig]:
+    """``(block_m, config)`` for ``tokens`` tokens' pairs over ``num_experts`` experts of
+    weight ``dtype``, by the rows an expert gets on average (tokens * top_k / num_experts):
+    16-row blocks while that is under 32 (decode: a block holds the few pairs an expert
+    gets, padding least), then 64, and for 16-bit experts 128 from 128 rows (prefill: each
+    weight tile reused over more rows). From the tiling sweep of ``benchmarks.moe --sweep``
+    (docs/tuning.md, "Experts at many tokens"); float32 experts step K by 32 columns, which
+    keeps the pipelined tiles within shared memory. The shape decides, so each captured
+    batch size keeps its tiles."""
     rows = tokens * top_k / num_experts
+    fp8, wide = dtype == FP8_DTYPE, dtype.itemsize == 4
     if rows < 32:
-        return 16, FusedMoeConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
-    if fp8:
-        return 64, FusedMoeConfig(block_n=128, num_warps=8, num_stages=3)
-    if rows < 128:
-        return 64, FusedMoeConfig(block_n=64, block_k=64, num_warps=4, num_stages=3)
-    return 128, FusedMoeConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)
+        block_m, config = 16, FusedMoeConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
+    elif fp8:
+        block_m, config = 64, FusedMoeConfig(block_n=128, num_warps=8, num_stages=3)
+    elif rows < 128:
+        block_m, config = 64, FusedMoeConfig(block_n=64, block_k=64, num_warps=4, num_stages=3)
+    else:
+        block_m, config = 128, FusedMoeConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return block_m, replace(config, block_k=32) if wide else config
+
 
 @triton.jit
 def _grouped_gemm_kernel(

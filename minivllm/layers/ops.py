@@ -247,7 +247,7 @@ class Ops:
         weights, ids = moe_topk(logits, top_k, norm_topk_prob, pdl=self.pdl)
         if few:
             return moe_gemv(x, gate_up, down, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, pdl=self.pdl)
-        block_m, tiles = default_tiles(x.shape[0], top_k, gate_up.shape[0], fp8)
+        block_m, tiles = default_tiles(x.shape[0], top_k, gate_up.shape[0], gate_up.dtype)
         layout = moe_align(ids, gate_up.shape[0], block_m, pdl=self.pdl)
         return fused_moe(x, gate_up, down, weights, layout, tiles, w13_scale=w13_scale, w2_scale=w2_scale,
                          pdl=self.pdl)
