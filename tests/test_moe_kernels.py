@@ -17,9 +17,10 @@ from minivllm.kernels.fused_moe import FusedMoeConfig, default_tiles, fused_moe 
 from minivllm.kernels.moe_align import (  # noqa: E402
     ONE_PROGRAM_MAX_CHUNKS, TILE_CHUNKS, MoeAlignment, max_blocks, moe_align,
 )
+from minivllm.kernels.moe_sum import moe_sum  # noqa: E402
 from minivllm.kernels.moe_topk import moe_topk  # noqa: E402
 from minivllm.kernels.reference import (  # noqa: E402
-    fused_moe_reference, moe_align_reference, moe_topk_reference,
+    fused_moe_reference, moe_align_reference, moe_sum_reference, moe_topk_reference,
 )
 
 SMALL = FusedMoeConfig(block_n=16, block_k=16)  # several column blocks and K steps at H = 32
@@ -226,6 +227,38 @@ def _hf_expert_tensors(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
     # Older transformers: a ModuleList of dense MLPs, stacked here the way the loader does.
     w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]).data
     return w13, torch.stack([e.down_proj.weight for e in experts]).data
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(3, 8, 40), (2, 3, 1100), (4, 1, 16), (0, 2, 8)])
+def test_moe_sum_is_reference(dtype, tokens, top_k, hidden) -> None:
+    """k a power of two or not (masked choices), H past one column block, k = 1, no tokens."""
+    rows = (torch.randn(tokens * top_k, hidden, generator=torch.Generator().manual_seed(top_k)) * 4).to(dtype)
+    got = moe_sum(rows, top_k)
+    ref = moe_sum_reference(rows, top_k)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    # Sums of k float32 values in another order: a few float32 ulps, then one rounding.
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    out = torch.full((tokens, hidden), float("nan"), dtype=dtype)
+    assert moe_sum(rows, top_k, out) is out
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_moe_sum_refuses_bad_arguments() -> None:
+    rows = torch.zeros(6, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_sum(rows, 0)
+    with pytest.raises(ValueError, match="rows"):
+        moe_sum(rows, 4)
+    with pytest.raises(ValueError, match="rows"):
+        moe_sum(torch.zeros(8, 4)[:, ::2], 2)
+    with pytest.raises(TypeError, match="rows"):
+        moe_sum(rows.to(torch.int32), 2)
+    with pytest.raises(ValueError, match="out"):
+        moe_sum(rows, 2, torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="out"):
+        moe_sum(rows, 2, torch.zeros(3, 4, dtype=torch.int64))
 
 
 def test_launchers_refuse_bad_arguments() -> None:

@@ -14,7 +14,8 @@ is sized for the worst case so that it needs no host sync.
 Rounding where transformers' ``Qwen3MoeExperts`` rounds in x's dtype: gate and up after
 their fp32 sums, silu(gate), and the product (the SiLU-and-mul kernel's ``gated_silu``);
 the down projection's fp32 sum is scaled by the routing weight before its one rounding,
-and the k rows of a token are summed in fp32 (transformers adds them in x's dtype).
+and the k rows of a token are summed in fp32 (transformers adds them in x's dtype) by
+``kernels/moe_sum.py``.
 With k = 1 stage 2 writes ``out`` directly.
 
 FP8 experts (float8_e4m3fn W13 and W2 with float32 scales, ``kernels/fp8.py``): W8A8 as
@@ -52,6 +53,7 @@ from minivllm.kernels._launch import (
 from minivllm.kernels.fp8 import FP8_DTYPE, FP8_GROUP, ScaleMode, e4m3_scales, exact_cast, quantize_e4m3
 from minivllm.kernels.fp8_gemm import _w_tile, _x_tile
 from minivllm.kernels.moe_align import MoeAlignment
+from minivllm.kernels.moe_sum import moe_sum
 from minivllm.kernels.silu_and_mul import gated_silu
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -272,7 +274,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     down = out if top_k == 1 else torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _launch(act, w2, w2_scale, down, topk_weights, alignment, config, mode, gated=False, pdl=pdl)
     if top_k > 1:
-        out.copy_(down.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32))
+        moe_sum(down, top_k, out)
     return out
 
 

@@ -231,7 +231,8 @@ def _place(ids_ptr, sorted_ptr, first, last, base, experts, CHUNK: tl.constexpr)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, chunk: int | None = None,
-              one_program: bool | None = None, pdl: bool = False) -> MoeAlignment:
+              one_program: bool | None = None, tile_chunks: int | None = None,
+              pdl: bool = False) -> MoeAlignment:
     """The aligned layout (module doc) of ``topk_ids`` (T, k) int32, every id in
     [0, ``num_experts``) (not checked: that would read the ids on the host).
 
@@ -244,13 +245,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, ch
         one_program: the one-program kernel (True) or the three-kernel grid (False);
             None: one program while P <= ``ONE_PROGRAM_MAX_CHUNKS`` chunks. The layout
             is the same either way.
+        tile_chunks: chunks each grid program walks, a power of two (None:
+            ``TILE_CHUNKS``); a tuning knob, not semantics.
         pdl: let the next kernel start early where the device allows programmatic
             dependent launch.
 
     Raises:
         TypeError: topk_ids not int32.
         ValueError: topk_ids not a contiguous 2-D tensor, num_experts outside
-            [1, ``MAX_EXPERTS``], block_m / chunk not a power of two as above, or more
+            [1, ``MAX_EXPERTS``], block_m / chunk / tile_chunks not a power of two as above, or more
             rows than int32 offsets reach.
     """
     check_dtype("topk_ids", topk_ids, (torch.int32,))
@@ -263,9 +266,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, ch
     block_e = next_pow2(num_experts)
     chunk = chunk if chunk is not None else max(16, CHUNK_ELEMENTS // block_e)
     check_power_of_two("chunk", chunk)
+    tile_chunks = tile_chunks if tile_chunks is not None else TILE_CHUNKS
+    check_power_of_two("tile_chunks", tile_chunks)
     pairs = topk_ids.numel()
     blocks = max_blocks(pairs, num_experts, block_m)
-    if blocks * block_m + TILE_CHUNKS * chunk > MAX_ROWS:  # the rows, and a grid tile's end past P
+    if blocks * block_m + tile_chunks * chunk > MAX_ROWS:  # the rows, and a grid tile's end past P
         raise ValueError(f"topk_ids has {pairs} pairs: their {blocks * block_m} rows pass int32 offsets")
     device = topk_ids.device
     out = MoeAlignment(
@@ -285,16 +290,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, ch
             SIGNAL_NEXT=takes_pdl(pdl, topk_ids), num_warps=4,
         )
     else:
-        _launch_grid(topk_ids, out, num_experts, chunk, takes_pdl(pdl, topk_ids))
+        _launch_grid(topk_ids, out, num_experts, chunk, tile_chunks, takes_pdl(pdl, topk_ids))
     return out
 
 
-def _launch_grid(topk_ids: torch.Tensor, out: MoeAlignment, num_experts: int, chunk: int,
+def _launch_grid(topk_ids: torch.Tensor, out: MoeAlignment, num_experts: int, chunk: int, tile_chunks: int,
                  signal_next: bool) -> None:
     """The three kernels of the grid path (module doc), writing ``out``."""
     pairs, blocks, block_m = out.num_pairs, out.block_expert.shape[0], out.block_m
     block_e = next_pow2(num_experts)
-    tile = TILE_CHUNKS * chunk
+    tile = tile_chunks * chunk
     tiles = triton.cdiv(pairs, tile)
     # (tiles + 1, BLOCK_E): per-tile counts, then per-tile offsets and the totals. Every
     # entry is written before it is read, so no zero fill; the caching allocator serves it
