@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from minivllm.kernels.fp8 import FP8_DTYPE  # noqa: E402
 from minivllm.kernels.fused_moe import FusedMoeConfig, default_tiles, fused_moe  # noqa: E402
 from minivllm.kernels.moe_align import (  # noqa: E402
-    ONE_PROGRAM_MAX_CHUNKS, TILE_CHUNKS, MoeAlignment, max_blocks, moe_align,
+    GRID_TILES, MAX_TILE_CHUNKS, ONE_PROGRAM_MAX_CHUNKS, MoeAlignment, grid_tile_chunks, max_blocks, moe_align,
 )
 from minivllm.kernels.moe_sum import moe_sum  # noqa: E402
 from minivllm.kernels.moe_topk import moe_topk  # noqa: E402
@@ -118,14 +118,16 @@ def test_align_layout(tokens, experts, top_k, block_m, chunk) -> None:
     (100, 8, 3, 16, 4),    # ten tiles of 32 pairs: the scan takes several steps of 4 rows
 ])
 def test_align_grid_is_one_program(tokens, experts, top_k, block_m, chunk) -> None:
-    """The grid path, forced over tiles of TILE_CHUNKS * chunk pairs, gives the reference's
-    layout and the one program's tensors to the last entry."""
+    """The grid path, forced over tiles of 8 chunks (the cases' comments) and of its
+    default size, gives the reference's layout and the one program's tensors to the last
+    entry."""
     ids = crafted_ids(tokens, experts, top_k)
-    grid = moe_align(ids, experts, block_m, chunk=chunk, one_program=False)
-    check_layout(grid, ids, experts)
     one = moe_align(ids, experts, block_m, chunk=chunk, one_program=True)
-    for name in ("sorted_pair_ids", "block_expert", "num_blocks"):
-        assert torch.equal(getattr(grid, name), getattr(one, name)), name
+    for tile_chunks in (8, None):
+        grid = moe_align(ids, experts, block_m, chunk=chunk, one_program=False, tile_chunks=tile_chunks)
+        check_layout(grid, ids, experts)
+        for name in ("sorted_pair_ids", "block_expert", "num_blocks"):
+            assert torch.equal(getattr(grid, name), getattr(one, name)), name
 
 
 @pytest.mark.parametrize("tokens,one_program", [(11, None), (90, True), (90, False)])
@@ -138,7 +140,16 @@ def test_align_random_ids(tokens, one_program) -> None:
 def test_grid_cases_span_several_tiles() -> None:
     """The 300-pair cases above span several grid tiles at chunk 16 and pass the one-program
     limit (the default switch) only while the constants stay about this size."""
-    assert 2 * TILE_CHUNKS * 16 < 300 and 300 > ONE_PROGRAM_MAX_CHUNKS * 16
+    assert 2 * 8 * 16 < 300 and 300 > ONE_PROGRAM_MAX_CHUNKS * 16
+    assert grid_tile_chunks(300, 16) == 1  # default tiles: 19 of one chunk
+
+
+def test_grid_tiles_grow_with_pairs() -> None:
+    """One chunk a program at decode sizes, about GRID_TILES programs above, at most
+    MAX_TILE_CHUNKS chunks."""
+    assert grid_tile_chunks(2048, 32) == 1
+    assert grid_tile_chunks(16384, 32) == 4 and -(-16384 // (4 * 32)) == GRID_TILES
+    assert grid_tile_chunks(1 << 20, 32) == MAX_TILE_CHUNKS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,9 +19,9 @@ used rows by P + min(E, P) * (BLOCK_M - 1).
 
 The work, in steps of CHUNK pairs (a (CHUNK, E) one-hot in registers), on either path::
 
-    one program (P <= ONE_PROGRAM_MAX_CHUNKS * CHUNK, decode):
+    one program (P <= ONE_PROGRAM_MAX_CHUNKS * CHUNK, a few tokens):
         count per expert -> segments, num_blocks, labels -> place every pair
-    grid (prefill), tiles of TILE = TILE_CHUNKS * CHUNK pairs, three launches:
+    grid (more), tiles of TILE = tile_chunks * CHUNK pairs, three launches:
         1 (tiles)   counts of each tile               -> scratch[tile, e]
         2 (one)     column-wise exclusive scan        -> scratch[tile, e], totals, num_blocks
         3 (tiles)   segments from the totals; label a share of the blocks; place the
@@ -29,11 +29,12 @@ The work, in steps of CHUNK pairs (a (CHUNK, E) one-hot in registers), on either
 
 Labelling writes each block's expert and the sentinel only in rows that no pair takes, so
 it needs no ordering against the placement (in one program, or spread over the grid).
-Why two paths: one program walks every pair twice, thousands of dependent steps at prefill
-P; a grid program walks 2 * TILE_CHUNKS steps and the scan P / (TILE * CHUNK), at the cost
-of two more launches, which decode sizes do not repay. A grid program walks several chunks,
-not one, so that the scan has fewer rows; per-tile counts rather than atomics keep the
-layout deterministic. Both constants are reasoned guesses, not measured on a GPU yet.
+Why two paths: one program walks every pair twice in dependent steps; a grid program walks
+2 * tile_chunks steps and the scan P / (TILE * CHUNK), at the cost of two more launches,
+which only the fewest pairs do not repay. :func:`grid_tile_chunks` sizes the tiles for
+about ``GRID_TILES`` programs: one chunk each at decode sizes, more at prefill ones so that
+the scan keeps few rows. Per-tile counts rather than atomics keep the layout deterministic.
+The constants are from a sweep on an H200 (docs/tuning.md, "Experts at many tokens").
 
 Torch reference: :func:`minivllm.kernels.reference.moe_align_reference`.
 """
@@ -51,9 +52,10 @@ from minivllm.kernels._launch import check_dtype, check_power_of_two, next_pow2,
 MAX_EXPERTS = 4096
 CHUNK_ELEMENTS = 4096  # CHUNK * BLOCK_E one-hot entries in registers per pass step
 # One program while each of its passes takes at most this many steps: past it, the grid's
-# 2 * TILE_CHUNKS steps per program, its scan and two more launches cost less.
-ONE_PROGRAM_MAX_CHUNKS = 16
-TILE_CHUNKS = 8        # chunks each program of the grid kernels walks
+# few steps per program, its scan and two more launches cost less.
+ONE_PROGRAM_MAX_CHUNKS = 2
+GRID_TILES = 128       # grid programs aimed at (grid_tile_chunks)
+MAX_TILE_CHUNKS = 8    # chunks a grid program walks at most
 MAX_ROWS = 2 ** 31 - 1  # pair ids and row offsets are int32
 
 
@@ -230,6 +232,11 @@ def _place(ids_ptr, sorted_ptr, first, last, base, experts, CHUNK: tl.constexpr)
         base += tl.sum(hit, axis=0)
 
 
+def grid_tile_chunks(pairs: int, chunk: int) -> int:
+    """Chunks a grid program walks for ``pairs`` pairs in steps of ``chunk``: the power of
+    two that gives about ``GRID_TILES`` programs, from 1 to ``MAX_TILE_CHUNKS``."""
+    return min(MAX_TILE_CHUNKS, next_pow2(-(-pairs // (chunk * GRID_TILES))))
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, chunk: int | None = None,
               one_program: bool | None = None, tile_chunks: int | None = None,
               pdl: bool = False) -> MoeAlignment:
@@ -246,7 +253,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, ch
             None: one program while P <= ``ONE_PROGRAM_MAX_CHUNKS`` chunks. The layout
             is the same either way.
         tile_chunks: chunks each grid program walks, a power of two (None:
-            ``TILE_CHUNKS``); a tuning knob, not semantics.
+            :func:`grid_tile_chunks`); a tuning knob, not semantics.
         pdl: let the next kernel start early where the device allows programmatic
             dependent launch.
 
@@ -266,9 +273,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, ch
     block_e = next_pow2(num_experts)
     chunk = chunk if chunk is not None else max(16, CHUNK_ELEMENTS // block_e)
     check_power_of_two("chunk", chunk)
-    tile_chunks = tile_chunks if tile_chunks is not None else TILE_CHUNKS
-    check_power_of_two("tile_chunks", tile_chunks)
     pairs = topk_ids.numel()
+    tile_chunks = tile_chunks if tile_chunks is not None else grid_tile_chunks(pairs, chunk)
+    check_power_of_two("tile_chunks", tile_chunks)
     blocks = max_blocks(pairs, num_experts, block_m)
     if blocks * block_m + tile_chunks * chunk > MAX_ROWS:  # the rows, and a grid tile's end past P
         raise ValueError(f"topk_ids has {pairs} pairs: their {blocks * block_m} rows pass int32 offsets")
