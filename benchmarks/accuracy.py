@@ -200,6 +200,18 @@ def token_stats(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
             "logits_rel": rows.mean().item()}
 
 
+def teacher_forced_against_reference(ref_logits: torch.Tensor, hf16, ex, prompts: list[list[int]],
+                                     cont: torch.Tensor) -> dict[str, dict[str, float]]:
+    """HF's bf16 model ``hf16`` and our executor ``ex`` over one teacher-forced context
+    (``cont`` (B, steps), the reference's greedy tokens), each side's logits against the
+    one reference ``ref_logits`` (steps + 1, B, V) (:func:`hf_teacher_forced` of the
+    float32 model on the same weights), as :func:`token_stats`. Unlike
+    :func:`teacher_forced_flips` both sides meet the same reference, so weights that are
+    not 16-bit to begin with (a GGUF file's) count the same for both."""
+    theirs = token_stats(hf_teacher_forced(hf16, prompts, cont, batched=False), ref_logits)
+    ours = ours_teacher_forced(ex, prompts, cont.shape[1], cont)[0].to(ref_logits.device)
+    return {"ours": token_stats(ours, ref_logits), "hf": theirs}
+
 def teacher_forced_flips(path: str, hf32, prompts: list[list[int]], steps: int, device: str = "cuda",
                          hf_batched: bool = False) -> dict[str, dict[str, float]]:
     """Each side's bf16 logits over the same teacher-forced context (our float32 greedy
