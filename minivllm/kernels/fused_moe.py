@@ -62,9 +62,9 @@ _FP8_X_DTYPES = (torch.bfloat16, torch.float16)  # as fp8_gemm's x
 
 @dataclass(frozen=True)
 class FusedMoeConfig:
-    """Tile and launch parameters of both stages (a tuning knob, not semantics; the ones
-    the layer uses are :func:`default_tiles`'). BLOCK_M is the alignment's ``block_m``. FP8
-    experts step K by the 128-column activation group instead of ``block_k``."""
+    """Tile and launch parameters of both stages (a tuning knob, not semantics; the layer
+    takes :func:`default_tiles`). BLOCK_M is the alignment's ``block_m``. FP8 experts step
+    K by the 128-column activation group instead of ``block_k``."""
 
     block_n: int = 64         # output columns per program; power of two >= 16
     block_k: int = 64         # reduction step of 16-bit experts; power of two >= 16
@@ -73,7 +73,6 @@ class FusedMoeConfig:
 
     def __post_init__(self) -> None:
         check_tile_config(self, ("block_n", "block_k"))
-
 
 
 def default_tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> tuple[int, FusedMoeConfig]:

@@ -237,6 +237,7 @@ def grid_tile_chunks(pairs: int, chunk: int) -> int:
     two that gives about ``GRID_TILES`` programs, from 1 to ``MAX_TILE_CHUNKS``."""
     return min(MAX_TILE_CHUNKS, next_pow2(-(-pairs // (chunk * GRID_TILES))))
 
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, chunk: int | None = None,
               one_program: bool | None = None, tile_chunks: int | None = None,
               pdl: bool = False) -> MoeAlignment:
@@ -260,8 +261,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = 16, *, ch
     Raises:
         TypeError: topk_ids not int32.
         ValueError: topk_ids not a contiguous 2-D tensor, num_experts outside
-            [1, ``MAX_EXPERTS``], block_m / chunk / tile_chunks not a power of two as above, or more
-            rows than int32 offsets reach.
+            [1, ``MAX_EXPERTS``], block_m / chunk / tile_chunks not a power of two as
+            above, or more rows than int32 offsets reach.
     """
     check_dtype("topk_ids", topk_ids, (torch.int32,))
     if topk_ids.dim() != 2 or not topk_ids.is_contiguous():
