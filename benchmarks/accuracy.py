@@ -94,19 +94,49 @@ def top5_at_first_difference(hf32, prompts: list[list[int]], ref: list[list[int]
     return hits
 
 
-@torch.no_grad()
+def length_groups(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts' indices grouped by prompt length, in order of first appearance: each
+    group batches without padding."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    return list(groups.values())
+
+
 def hf_greedy(hf, prompts: list[list[int]], n: int, batched: bool = False) -> list[list[int]]:
-    """HF ``generate``, greedy, ``n`` tokens, one prompt at a time (``batched``: all at
-    once, which needs prompts of one length: no padding)."""
-    device = next(hf.parameters()).device
-    groups = [prompts] if batched else [[p] for p in prompts]
-    out = []
+    """HF's plain greedy decode: the argmax of each step's logits, ``n`` tokens, an
+    end-of-sequence token taken like any other (as our engine with ``ignore_eos``; no logits
+    processors: ``generate``'s ``min_new_tokens`` would forbid EOS instead). One prompt at a
+    time, or (``batched``) the prompts of each length at once (:func:`length_groups`)."""
+    groups = length_groups(prompts) if batched else [[i] for i in range(len(prompts))]
+    out: list[list[int]] = [[] for _ in prompts]
     for group in groups:
-        ids = torch.tensor(group, device=device)
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-        out += gen[:, ids.shape[1]:].tolist()
+        _, fed = _hf_decode(hf, [prompts[i] for i in group], n, None)
+        for i, row in zip(group, fed.tolist()):
+            out[i] = row
     return out
+
+
+@torch.no_grad()
+def _hf_decode(hf, prompts: list[list[int]], steps: int, cont: torch.Tensor | None,
+               keep_logits: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Prompts of one length, then ``steps`` tokens over a DynamicCache: ``cont`` (B, steps)
+    fed, or each step's argmax when None. Returns the float32 logits (steps + 1, B, V) when
+    ``keep_logits`` (else None) and the fed tokens (B, steps)."""
+    device = next(hf.parameters()).device
+    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    cache, x = _new_cache(hf), torch.tensor(prompts, device=device)
+    logits, fed = [], []
+    for s in range(steps + 1):
+        last = hf(input_ids=x, use_cache=True, **{kw: cache}).logits[:, -1].float()
+        if keep_logits:
+            logits.append(last)
+        if s == steps:
+            break
+        x = (cont[:, s].to(device) if cont is not None else last.argmax(-1))[:, None]
+        fed.append(x)
+    out = torch.cat(fed, dim=1) if fed else torch.zeros(len(prompts), 0, dtype=torch.long, device=device)
+    return (torch.stack(logits) if keep_logits else None), out
 
 
 def make_llm(path: str, dtype: str, prompts: list[list[int]], n: int, device: str = "cuda",
@@ -124,10 +154,11 @@ def make_llm(path: str, dtype: str, prompts: list[list[int]], n: int, device: st
 
 
 def engine_greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy completions of ``n`` tokens through ``LLM.generate``."""
+    """Greedy completions of ``n`` tokens through ``LLM.generate``, an end-of-sequence token
+    taken like any other (as :func:`hf_greedy`)."""
     from minivllm import SamplingParams
 
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     return [list(o.token_ids) for o in outs]
 
 
@@ -174,20 +205,18 @@ def _new_cache(hf: torch.nn.Module) -> Any:
         return DynamicCache()
 
 
-@torch.no_grad()
 def hf_teacher_forced(hf, prompts: list[list[int]], cont: torch.Tensor, batched: bool = True) -> torch.Tensor:
     """HF's float32 logits (steps + 1, B, V) of the prompts and then each fed token of
-    ``cont`` (B, steps), decoding over a DynamicCache; ``batched=False``: one prompt at a time."""
-    if not batched:
-        return torch.cat([hf_teacher_forced(hf, [p], cont[i:i + 1]) for i, p in enumerate(prompts)], dim=1)
-    device = next(hf.parameters()).device
-    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    cache, x, out = _new_cache(hf), torch.tensor(prompts, device=device), []
-    for s in range(cont.shape[1] + 1):
-        out.append(hf(input_ids=x, use_cache=True, **{kw: cache}).logits[:, -1].float())
-        if s < cont.shape[1]:
-            x = cont[:, s:s + 1].to(device)
-    return torch.stack(out)
+    ``cont`` (B, steps), decoding over a DynamicCache: the prompts of each length at once
+    (:func:`length_groups`); ``batched=False``: one prompt at a time."""
+    groups = length_groups(prompts) if batched else [[i] for i in range(len(prompts))]
+    out = None
+    for g in groups:
+        part, _ = _hf_decode(hf, [prompts[i] for i in g], cont.shape[1], cont[g], keep_logits=True)
+        if out is None:
+            out = torch.empty(cont.shape[1] + 1, len(prompts), part.shape[-1], device=part.device)
+        out[:, g] = part
+    return out
 
 
 def token_stats(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -208,7 +237,7 @@ def teacher_forced_against_reference(ref_logits: torch.Tensor, hf16, ex, prompts
     float32 model on the same weights), as :func:`token_stats`. Unlike
     :func:`teacher_forced_flips` both sides meet the same reference, so weights that are
     not 16-bit to begin with (a GGUF file's) count the same for both."""
-    theirs = token_stats(hf_teacher_forced(hf16, prompts, cont, batched=False), ref_logits)
+    theirs = token_stats(hf_teacher_forced(hf16, prompts, cont), ref_logits)
     ours = ours_teacher_forced(ex, prompts, cont.shape[1], cont)[0].to(ref_logits.device)
     return {"ours": token_stats(ours, ref_logits), "hf": theirs}
 
