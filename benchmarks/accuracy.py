@@ -13,8 +13,9 @@ Prompts: random ids, all of one length (HF then batches them without padding).
   differs ("flip"), how often it falls outside float32's top-5, the logits' relative
   error. Ours through the executor the engine builds (CUDA graphs where it has them),
   HF one prompt at a time.
-- greedy: ``LLM.generate`` against HF ``generate``, per prompt the tokens identical to
-  float32 before the first difference, and whether that first bf16 token is in float32's
+- greedy: ``LLM.generate`` against HF's argmax loop (:func:`hf_greedy`; both take an
+  end-of-sequence token like any other), per prompt the tokens identical to float32 before
+  the first difference, and whether that first bf16 token is in float32's
   top-5 (HF's float32 model on the shared context; a prompt without a difference counts).
 
 With ``$OUT`` set, ``$OUT/accuracy.json``. ``--smoke``: a tiny model on the CPU.
