@@ -95,9 +95,11 @@ def top5_at_first_difference(hf32, prompts: list[list[int]], ref: list[list[int]
     return hits
 
 
-def length_groups(prompts: list[list[int]]) -> list[list[int]]:
+def length_groups(prompts: list[list[int]], batched: bool = True) -> list[list[int]]:
     """The prompts' indices grouped by prompt length, in order of first appearance: each
-    group batches without padding."""
+    group batches without padding (``batched=False``: one prompt a group)."""
+    if not batched:
+        return [[i] for i in range(len(prompts))]
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(len(p), []).append(i)
@@ -109,7 +111,7 @@ def hf_greedy(hf, prompts: list[list[int]], n: int, batched: bool = False) -> li
     end-of-sequence token taken like any other (as our engine with ``ignore_eos``; no logits
     processors: ``generate``'s ``min_new_tokens`` would forbid EOS instead). One prompt at a
     time, or (``batched``) the prompts of each length at once (:func:`length_groups`)."""
-    groups = length_groups(prompts) if batched else [[i] for i in range(len(prompts))]
+    groups = length_groups(prompts, batched)
     out: list[list[int]] = [[] for _ in prompts]
     for group in groups:
         _, fed = _hf_decode(hf, [prompts[i] for i in group], n, None)
@@ -210,7 +212,7 @@ def hf_teacher_forced(hf, prompts: list[list[int]], cont: torch.Tensor, batched:
     """HF's float32 logits (steps + 1, B, V) of the prompts and then each fed token of
     ``cont`` (B, steps), decoding over a DynamicCache: the prompts of each length at once
     (:func:`length_groups`); ``batched=False``: one prompt at a time."""
-    groups = length_groups(prompts) if batched else [[i] for i in range(len(prompts))]
+    groups = length_groups(prompts, batched)
     out = None
     for g in groups:
         part, _ = _hf_decode(hf, [prompts[i] for i in g], cont.shape[1], cont[g], keep_logits=True)
@@ -241,6 +243,7 @@ def teacher_forced_against_reference(ref_logits: torch.Tensor, hf16, ex, prompts
     theirs = token_stats(hf_teacher_forced(hf16, prompts, cont), ref_logits)
     ours = ours_teacher_forced(ex, prompts, cont.shape[1], cont)[0].to(ref_logits.device)
     return {"ours": token_stats(ours, ref_logits), "hf": theirs}
+
 
 def teacher_forced_flips(path: str, hf32, prompts: list[list[int]], steps: int, device: str = "cuda",
                          hf_batched: bool = False) -> dict[str, dict[str, float]]:

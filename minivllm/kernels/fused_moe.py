@@ -40,6 +40,7 @@ Torch references: :func:`minivllm.kernels.reference.fused_moe_reference`, and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -85,12 +86,19 @@ def default_tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype)
     keeps the pipelined tiles within shared memory. The shape decides, so each captured
     batch size keeps its tiles."""
     rows = tokens * top_k / num_experts
-    fp8, wide = dtype == FP8_DTYPE, dtype.itemsize == 4
-    if rows < 32:  # FP8: 128 columns a program; 16-bit: 64, as fast at a full batch, more programs below it
+    size = 0 if rows < 32 else 1 if rows < 128 else 2
+    return _tiles(size, dtype == FP8_DTYPE, dtype.itemsize == 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles(size: int, fp8: bool, wide: bool) -> tuple[int, FusedMoeConfig]:
+    """:func:`default_tiles` for a size class (0: under 32 rows an expert, 1: under 128, 2:
+    more), built once per class rather than on every layer of every step."""
+    if size == 0:  # FP8: 128 columns a program; 16-bit: 64, as fast at a full batch, more programs below it
         block_m, config = 16, FusedMoeConfig(block_n=128 if fp8 else 64, block_k=128, num_warps=4, num_stages=3)
     elif fp8:
         block_m, config = 64, FusedMoeConfig(block_n=128, num_warps=8, num_stages=3)
-    elif rows < 128:
+    elif size == 1:
         block_m, config = 64, FusedMoeConfig(block_n=64, block_k=64, num_warps=4, num_stages=3)
     else:
         block_m, config = 128, FusedMoeConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)

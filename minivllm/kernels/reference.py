@@ -229,11 +229,11 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return out.to(x.dtype)
 
 
-
 def moe_sum_reference(rows: torch.Tensor, top_k: int) -> torch.Tensor:
     """What ``kernels/moe_sum.py`` returns: rows (T * k, H) -> (T, H), each token's k rows
     summed in float32 and rounded once to rows' dtype."""
     return rows.view(-1, top_k, rows.shape[1]).sum(dim=1, dtype=torch.float32).to(rows.dtype)
+
 
 # FP8 (e4m3) weights: dequantize, then compute in float32 (scales: kernels/fp8.py).
 
