@@ -124,9 +124,12 @@ def offline_part(args: argparse.Namespace, path: str, device: str) -> dict[str, 
             run = run_offline(llm, wl, stream=1 + r, label=f"{name}, round {r}")
             run["kv_blocks"] = llm.engine.num_blocks
             run["batch1"] = run_batch1(llm, 100 + r, f"{name}, round {r}", args.smoke, wl.id_limit)
-            if device == "cuda" and r == 0:  # where a batch-1 step's GPU time goes, kernel by kernel
+            if device == "cuda" and r == 0:  # where a step's GPU time goes, kernel by kernel
                 print(f"[{name}]", end=" ")
                 run["decode_kernels"] = profile_decode(llm, wl.id_limit)
+                print(f"[{name}]", end=" ")  # a full batch at about the workload's mean context
+                run["decode_kernels_batch256"] = profile_decode(llm, wl.id_limit, batch=256, steps=16,
+                                                                prompt_len=768)
             runs[name].append(run)
             llm.close()
             del llm

@@ -262,8 +262,9 @@ def run_minivllm(args: argparse.Namespace, path: str, device: str, wl: Workload)
     return results
 
 
-def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32) -> dict[str, Any]:
-    """GPU kernel time per decode step at ``batch`` (rank 0's GPU, under the torch profiler)
+def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32, prompt_len: int = 128) -> dict[str, Any]:
+    """GPU kernel time per decode step at ``batch`` over prompts of ``prompt_len`` tokens (rank
+    0's GPU, under the torch profiler)
     and the all-reduce share of it (NCCL kernels; 0 at TP=1). Decode only: the kernels of
     a prefill-only run (max_tokens 1) are subtracted from those of a ``steps + 1``-token run
     on other prompts of the same lengths."""
@@ -272,7 +273,7 @@ def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32) -> 
     rng = np.random.default_rng(11)
 
     def run(max_tokens: int) -> None:  # fresh prompts each time: no prefix-cache hits
-        prompts = [rng.integers(0, id_limit, 128).tolist() for _ in range(batch)]
+        prompts = [rng.integers(0, id_limit, prompt_len).tolist() for _ in range(batch)]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                      use_tqdm=False)
 
@@ -283,10 +284,10 @@ def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32) -> 
     total = sum(decode.values())
     nccl = sum(t for name, t in decode.items() if is_all_reduce_kernel(name))
     top = [dict(name=name[:120], us_per_step=t / steps) for name, t in decode.most_common(TOP_KERNELS)]
-    r = dict(batch=batch, decode_steps=steps, kernel_us_per_step=total / steps,
+    r = dict(batch=batch, prompt_len=prompt_len, decode_steps=steps, kernel_us_per_step=total / steps,
              allreduce_us_per_step=nccl / steps, allreduce_share=nccl / total if total > 0 else 0.0,
              top_kernels=top)
-    print(f"decode at batch {batch}: GPU kernels {r['kernel_us_per_step']:.0f} us/step, all-reduce "
+    print(f"decode at batch {batch} (prompts of {prompt_len}): GPU kernels {r['kernel_us_per_step']:.0f} us/step, all-reduce "
           f"{r['allreduce_us_per_step']:.0f} us/step = {100 * r['allreduce_share']:.1f}% (rank 0)", flush=True)
     for k in top:
         print(f"  {k['us_per_step']:8.1f} us/step  {k['name'][:100]}")
