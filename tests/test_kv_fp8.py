@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.kernels.decode_attention import DecodeConfig, decode_attention  # noqa: E402
 from minivllm.kernels.prefill_attention import PrefillConfig, prefill_attention, tma_allowed  # noqa: E402
+from minivllm.kernels.prefill_attention import default_config as default_prefill_config  # noqa: E402
 from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store  # noqa: E402
 from minivllm.kernels.reference import (  # noqa: E402
     paged_attention_reference, qk_norm_rope_store_reference, quantize_kv_reference,
@@ -130,6 +131,16 @@ def test_prefill_attention_reads_fp8_by_pointer_and_by_box(dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(with_tma.float(), ref, atol=tol, rtol=tol)
     assert torch.equal(with_tma, without)
+    if dtype == torch.bfloat16:  # the dots in fp16, by box and by pointer: q exact, P finer
+        fp16 = dataclasses.replace(config, fp16_dots=True)
+        wide = prefill_attention(*args, config=fp16, k_scale=K_SCALE, v_scale=V_SCALE)
+        assert wide.dtype == dtype and not torch.equal(wide, with_tma)  # another rounding of P
+        torch.testing.assert_close(wide.float(), ref, atol=tol, rtol=tol)
+        assert torch.equal(wide, prefill_attention(*args, config=dataclasses.replace(fp16, tma=False, tma_io=False),
+                                                   k_scale=K_SCALE, v_scale=V_SCALE))
+        assert default_prefill_config(dtype, 16, 70, fp8_cache=True).fp16_dots
+        assert not default_prefill_config(torch.float32, 16, 70, fp8_cache=True).fp16_dots
+        assert not default_prefill_config(dtype, 16, 70).fp16_dots
 
 
 def test_fp8_attention_refuses_missing_or_bad_scales() -> None:
@@ -154,6 +165,12 @@ def test_fp8_attention_refuses_missing_or_bad_scales() -> None:
     cu = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         prefill_attention(q, k8, v8, cu, kv_lens, tables, 0.25, 1)
+    with pytest.raises(ValueError, match="fp16_dots"):
+        prefill_attention(q.bfloat16(), k8.float().bfloat16(), v8.float().bfloat16(), cu, kv_lens, tables, 0.25, 1,
+                          config=PrefillConfig(fp16_dots=True))
+    with pytest.raises(ValueError, match="fp16_dots"):
+        prefill_attention(q, k8, v8, cu, kv_lens, tables, 0.25, 1, config=PrefillConfig(fp16_dots=True),
+                          k_scale=K_SCALE, v_scale=V_SCALE)
 
 
 # ---- the engine -------------------------------------------------------------------------

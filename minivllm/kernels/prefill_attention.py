@@ -37,7 +37,9 @@ than BLOCK_M x D pointers.
 
 An FP8 cache (``kernels/fp8.py``) comes as e4m3 tiles (by pointer or TMA box alike),
 turned into q's dtype in registers (exact) before the dots; the K scale multiplies the
-softmax scale and the V scale the normalised output.
+softmax scale and the V scale the normalised output. ``PrefillConfig.fp16_dots`` turns
+them into fp16 instead, and q with them, as the decode kernel does (its module doc says
+when that is exact); the default for an FP8 cache and 16-bit q.
 
 Grid: one program per (KV head, sequence, q tile) plus one extra "sequence" B
 whose programs zero the output rows that belong to no sequence (before
@@ -58,6 +60,7 @@ Torch reference: :func:`minivllm.kernels.reference.paged_attention_reference`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,9 +87,10 @@ class PrefillConfig:
     heavy_first: bool = True  # q tiles on the slowest grid axis, longest first (see module doc)
     tma: bool = True          # K/V tiles by tensor-memory copy where allowed (see tma_allowed)
     tma_io: bool = True       # the Q tile and whole output tiles too, where allowed (see tma_io_allowed)
+    fp16_dots: bool = False   # an FP8 cache: widen its tiles (and q) to fp16, not q's dtype (module doc)
 
     def __post_init__(self) -> None:
-        check_tile_config(self, ("block_m", "block_n"), ("heavy_first", "tma", "tma_io"))
+        check_tile_config(self, ("block_m", "block_n"), ("heavy_first", "tma", "tma_io", "fp16_dots"))
 
 
 # Default configs, first matching row wins: (fp32?, head_dim <=, max_q_len >=, config).
@@ -106,13 +110,16 @@ _FALLBACK_CONFIG = PrefillConfig(16, 16, num_warps=4, num_stages=1)
 _MAX_GRID_YZ = 65535
 
 
-def default_config(dtype: torch.dtype, head_dim: int, max_q_len: int) -> PrefillConfig:
-    """The table's config for this dtype, head_dim and longest chunk (see ``CONFIG_TABLE``)."""
+def default_config(dtype: torch.dtype, head_dim: int, max_q_len: int, fp8_cache: bool = False) -> PrefillConfig:
+    """The table's config for this dtype, head_dim and longest chunk (see ``CONFIG_TABLE``);
+    over an FP8 cache with 16-bit q, its dots in fp16 (docs/tuning.md, "FP8")."""
     fp32 = dtype == torch.float32
-    for is_fp32, max_dim, min_q, config in CONFIG_TABLE:
+    config = _FALLBACK_CONFIG
+    for is_fp32, max_dim, min_q, row in CONFIG_TABLE:
         if is_fp32 == fp32 and head_dim <= max_dim and max_q_len >= min_q:
-            return config
-    return _FALLBACK_CONFIG
+            config = row
+            break
+    return dataclasses.replace(config, fp16_dots=True) if fp8_cache and not fp32 else config
 
 
 @triton.jit
@@ -199,7 +206,7 @@ def _attend_q_tile(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr, TMA_IO: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     """Attention of one q tile (BLOCK_Q tokens x GROUP heads) of one sequence; writes its rows."""
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -221,6 +228,9 @@ def _attend_q_tile(
             q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
                         + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
         dtype = q.dtype
+        if FP16_DOTS:
+            dtype = tl.float16
+            q = q.to(dtype)
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr)
         if UPCAST_DOT:
@@ -301,6 +311,7 @@ def _prefill_kernel(
     USE_TMA: tl.constexpr,                # K/V tiles by tensor-memory copy (see PrefillConfig.tma)
     TMA_IO: tl.constexpr,                 # the Q tile and whole output tiles too (PrefillConfig.tma_io)
     KV_FP8: tl.constexpr,                 # the cache holds e4m3 values of K / k_scale, V / v_scale
+    FP16_DOTS: tl.constexpr,              # KV_FP8: the dots in fp16 (PrefillConfig.fp16_dots)
 ):
     if USE_MAP:
         entry = tl.program_id(0)
@@ -313,7 +324,7 @@ def _prefill_kernel(
                            seq, kv_head, tl.load(tile_map_ptr + 2 * entry + 1), scale_log2,
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
                            GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, TMA_IO, DOT_PRECISION,
-                           UPCAST_DOT, KV_FP8)
+                           UPCAST_DOT, KV_FP8, FP16_DOTS)
         return
     # Grid (Hkv, B+1, tiles) when HEAVY_FIRST, else (tiles, Hkv, B+1); q tiles reversed either way.
     if HEAVY_FIRST:
@@ -340,7 +351,7 @@ def _prefill_kernel(
                        seq, kv_head, q_tile, scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cb,
                        GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, USE_TMA, TMA_IO, DOT_PRECISION,
-                       UPCAST_DOT, KV_FP8)
+                       UPCAST_DOT, KV_FP8, FP16_DOTS)
 
 
 def prefill_attention(
@@ -381,13 +392,16 @@ def prefill_attention(
             not a PrefillConfig.
         ValueError: mismatched shapes, strided last dimensions, H not a multiple of
             Hkv, head_dim or block_size not a power of two, a bad scale, negative
-            max_q_len, or tensors on different devices.
+            max_q_len, tensors on different devices, an FP8 cache without scales, or
+            ``fp16_dots`` without an FP8 cache and a bf16/fp16 q.
     """
     check_attention_args(q, k_cache, v_cache, kv_lens, block_tables, scale, cu_seqlens_q=cu_seqlens_q)
     k_scale, v_scale = check_kv_scales(k_cache, k_scale, v_scale)
     check_host_int("max_q_len", max_q_len, minimum=0)
     if config is not None and not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig or None, got {type(config).__name__}")
+    if config is not None and config.fp16_dots and not (is_fp8_cache(k_cache) and q.dtype != torch.float32):
+        raise ValueError(f"fp16_dots widens an FP8 cache for 16-bit q; got a {k_cache.dtype} cache and {q.dtype} q")
     if tile_map is not None:
         check_dtype("tile_map", tile_map, (torch.int32,))
         if tile_map.dim() != 2 or tile_map.shape[1] != 2 or not tile_map.is_contiguous():
@@ -398,7 +412,7 @@ def prefill_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
-    config = config or default_config(q.dtype, head_dim, int(max_q_len))
+    config = config or default_config(q.dtype, head_dim, int(max_q_len), is_fp8_cache(k_cache))
     group = num_heads // num_kv_heads
     block_m, block_q = _tile_shape(config, group)
     heavy_first = config.heavy_first
@@ -432,7 +446,7 @@ def prefill_attention(
         HEAVY_FIRST=heavy_first,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q), USE_MAP=tile_map is not None, USE_TMA=use_tma, TMA_IO=tma_io,
-        KV_FP8=is_fp8_cache(k_cache),
+        KV_FP8=is_fp8_cache(k_cache), FP16_DOTS=config.fp16_dots,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
