@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 
+import benchmarks.accuracy
 from benchmarks.qwen3_shapes import QWEN3_0_6B
 from minivllm import LLM, SamplingParams
 from minivllm.engine.plan import StepPlan
@@ -78,11 +79,9 @@ def fp32_logit_error(ex: ModelExecutor, hf: Any, name: str) -> float:
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt], device="cuda")
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    """HF's plain argmax decode of one prompt (an end token taken like any other, as our
+    runs with ``ignore_eos`` take it)."""
+    return benchmarks.accuracy.hf_greedy(hf, [prompt], n)[0]
 
 
 def test_logits_match_hf_fp32(checkpoint) -> None:
