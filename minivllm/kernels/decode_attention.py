@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.fp8 import check_kv_scales, is_fp8_cache
+from minivllm.kernels.fp8 import check_fp16_dots, check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
     LOG2E, check_attention_args, check_host_int, check_tile_config, next_pow2, upcast_dot,
 )
@@ -201,6 +201,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(next_pow2(wanted), max_tiles, MAX_SPLITS))
 
 
+@functools.lru_cache(maxsize=None)  # a few (dtype, head_dim) pairs; called every layer of every step
 def default_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool = False) -> DecodeConfig:
     """Tiles of at most 16 KiB of K (or V) per program, 32 to 64 tokens (an FP8 cache: up to
     128, widened to fp16 for 16-bit q), from a sweep on an H200 (docs/tuning.md, "FP8")."""
@@ -248,8 +249,8 @@ def decode_attention(
         check_host_int("num_splits", num_splits, minimum=1)
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
-    if config is not None and config.fp16_dots and not (is_fp8_cache(k_cache) and q.dtype != torch.float32):
-        raise ValueError(f"fp16_dots widens an FP8 cache for 16-bit q; got a {k_cache.dtype} cache and {q.dtype} q")
+    if config is not None:
+        check_fp16_dots(config.fp16_dots, q, k_cache)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     config = config or default_config(q.dtype, head_dim, is_fp8_cache(k_cache))

@@ -269,6 +269,16 @@ def is_fp8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8_DTYPE
 
 
+def check_fp16_dots(fp16_dots: bool, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """An attention config's ``fp16_dots`` widens an FP8 cache's tiles for 16-bit q only.
+
+    Raises:
+        ValueError: ``fp16_dots`` with a cache in q's dtype, or with float32 q.
+    """
+    if fp16_dots and not (is_fp8_cache(k_cache) and q.dtype != torch.float32):
+        raise ValueError(f"fp16_dots widens an FP8 cache for 16-bit q; got a {k_cache.dtype} cache and {q.dtype} q")
+
+
 def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
                     v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The scales a kernel passes for this cache: for an FP8 cache, ``k_scale`` and

@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.fp8 import check_kv_scales, is_fp8_cache
+from minivllm.kernels.fp8 import check_fp16_dots, check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
     LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_tile_config,
     check_same_device, next_pow2, tma_rows_allowed, upcast_dot,
@@ -107,6 +107,8 @@ CONFIG_TABLE: tuple[tuple[bool, int, int, PrefillConfig], ...] = (
     (True, 256, 0, PrefillConfig(16, 32, num_warps=8, num_stages=2)),
 )
 _FALLBACK_CONFIG = PrefillConfig(16, 16, num_warps=4, num_stages=1)
+# Each default with its dots in fp16, built once (default_config runs every layer of every step).
+_FP16_DOTS = {c: dataclasses.replace(c, fp16_dots=True) for c in (*(row[3] for row in CONFIG_TABLE), _FALLBACK_CONFIG)}
 _MAX_GRID_YZ = 65535
 
 
@@ -119,7 +121,7 @@ def default_config(dtype: torch.dtype, head_dim: int, max_q_len: int, fp8_cache:
         if is_fp32 == fp32 and head_dim <= max_dim and max_q_len >= min_q:
             config = row
             break
-    return dataclasses.replace(config, fp16_dots=True) if fp8_cache and not fp32 else config
+    return _FP16_DOTS[config] if fp8_cache and not fp32 else config
 
 
 @triton.jit
@@ -400,8 +402,8 @@ def prefill_attention(
     check_host_int("max_q_len", max_q_len, minimum=0)
     if config is not None and not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig or None, got {type(config).__name__}")
-    if config is not None and config.fp16_dots and not (is_fp8_cache(k_cache) and q.dtype != torch.float32):
-        raise ValueError(f"fp16_dots widens an FP8 cache for 16-bit q; got a {k_cache.dtype} cache and {q.dtype} q")
+    if config is not None:
+        check_fp16_dots(config.fp16_dots, q, k_cache)
     if tile_map is not None:
         check_dtype("tile_map", tile_map, (torch.int32,))
         if tile_map.dim() != 2 or tile_map.shape[1] != 2 or not tile_map.is_contiguous():
