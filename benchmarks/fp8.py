@@ -75,8 +75,9 @@ SMOKE_FP8_SHAPES = {**SMOKE_SHAPES, "hidden_size": 256, "intermediate_size": 256
 QWEN_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
 PARTS = ("offline", "long_context", "attention", "accuracy")
-# (block_n, num_warps, num_stages) of the decode attention kernel that --sweep times; over the
-# e4m3 cache each also with fp16 dots (DecodeConfig.fp16_dots).
+# (block_n, num_warps, num_stages) of the decode attention kernel that --sweep times, each by
+# pointers and, where the blocks of 64 hold whole tiles, by tensor-memory boxes
+# (DecodeConfig.tma); over the e4m3 cache each also with fp16 dots (DecodeConfig.fp16_dots).
 ATTENTION_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 
 
@@ -182,7 +183,7 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
     numbers = SMOKE_FP8_SHAPES if args.smoke else SHAPES[args.shapes][1]
     heads, kv_heads, dim = numbers["num_attention_heads"], numbers["num_key_value_heads"], numbers["head_dim"]
-    batch, context, block = (2, 64, 16) if args.smoke else (args.long_prompts, args.long_len, 64)
+    batch, context, block = (2, 64, 32) if args.smoke else (args.long_prompts, args.long_len, 64)
     gen = torch.Generator(device).manual_seed(args.seed)
     width = context // block
     shape = (batch * width, block, kv_heads, dim)
@@ -214,14 +215,21 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
               f"{us:.1f} us, K/V {kv / 1e9:.3f} GB = {out[name]['gbs']:,.0f} GB/s = "
               f"{100 * out[name]['copy_fraction']:.1f}% of copy {gbs:,.0f} GB/s", flush=True)
         if args.sweep:
-            grid = ATTENTION_SWEEP[:2] if args.smoke else ATTENTION_SWEEP
-            grid = [(*c, False) for c in grid] + ([(*c, True) for c in grid] if name == "fp8" else [])
+            tiles = ATTENTION_SWEEP[:2] if args.smoke else ATTENTION_SWEEP
+            grid = [(*c, dots, tma) for c in tiles for dots in ((False, True) if name == "fp8" else (False,))
+                    for tma in (False, True) if not tma or block % c[0] == 0]
             times = {cfg: timed(kc, vc, scales, DecodeConfig(*cfg)) for cfg in grid}
             best = min(times, key=times.__getitem__)
-            out[name]["sweep"] = [dict(block_n=c[0], num_warps=c[1], num_stages=c[2], fp16_dots=c[3], us=t)
-                                  for c, t in times.items()]
+            out[name]["sweep"] = [dict(block_n=c[0], num_warps=c[1], num_stages=c[2], fp16_dots=c[3], tma=c[4],
+                                       us=t) for c, t in times.items()]
             print(f"  best of {len(grid)} tiles: block_n {best[0]}, {best[1]} warps, {best[2]} stages"
-                  f"{', fp16 dots' if best[3] else ''}: {times[best]:.1f} us (default {us:.1f})", flush=True)
+                  f"{', fp16 dots' if best[3] else ''}{', boxes' if best[4] else ''}: {times[best]:.1f} us "
+                  f"(default {us:.1f})", flush=True)
+            for tma in (False, True):
+                mine = {c: t for c, t in times.items() if c[4] == tma}
+                if mine:
+                    b = min(mine, key=mine.__getitem__)
+                    print(f"    best {'by boxes' if tma else 'by pointers'}: {b[:4]} {mine[b]:.1f} us", flush=True)
     return out
 
 

@@ -23,8 +23,10 @@ def test_smoke_run_writes_every_part_and_its_section(tmp_path: Path, monkeypatch
     assert all(r["us"] > 0 and r["gbs"] > 0 for r in d["attention"].values())
     assert d["attention"]["fp8"]["kv_bytes"] * 2 == d["attention"]["bf16"]["kv_bytes"]
     sweeps = {name: r["sweep"] for name, r in d["attention"].items()}
-    assert len(sweeps["bf16"]) == 2 and len(sweeps["fp8"]) == 4          # fp8: each tile with fp16 dots too
-    assert [t["fp16_dots"] for t in sweeps["fp8"]].count(True) == 2
+    # each tile by pointers and by boxes (blocks of 32 hold tiles of 32); fp8: with fp16 dots too
+    assert len(sweeps["bf16"]) == 4 and len(sweeps["fp8"]) == 8
+    assert [t["fp16_dots"] for t in sweeps["fp8"]].count(True) == 4
+    assert [t["tma"] for t in sweeps["bf16"]].count(True) == 2
     assert all(t["us"] > 0 for ts in sweeps.values() for t in ts)
     for r in d["offline"].values():
         assert len(r["rounds"]) == 2 and r["tok_s"] > 0 and r["batch1"]["ms_per_token"] > 0

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from minivllm.kernels.decode_attention import (  # noqa: E402
     MAX_SPLITS, TARGET_PROGRAMS_PER_SM, DecodeConfig, choose_num_splits, decode_attention,
 )
+from minivllm.kernels._launch import tma_allowed  # noqa: E402
 from minivllm.kernels.merge_attention_splits import (  # noqa: E402
     merge_attention_splits, merge_attention_splits_reference,
 )
@@ -148,6 +149,25 @@ def test_decode_attention_matches_reference(case) -> None:
         assert out.shape == q.shape and out.dtype == dtype
         assert_close(out, ref, dtype)
         assert (out[kv_lens == 0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_whole_tiles_by_box_and_by_pointer(dtype) -> None:
+    """Blocks of 32 hold whole tiles of 16 or 32: those come as tensor-memory boxes, the
+    split's partial last tile by pointers; the same answers as pointers throughout."""
+    gen = torch.Generator().manual_seed(13)
+    lens = [0, 1, 31, 32, 70, 129]
+    k_cache, v_cache, tables = make_paged_kv(lens, 32, 2, 16, dtype, gen)
+    assert tma_allowed(k_cache, 16) and tma_allowed(k_cache, 32)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 4, 16, generator=gen).to(dtype)
+    ref = reference_fp32(q, k_cache, v_cache, torch.arange(len(lens) + 1, dtype=torch.int32), kv_lens, tables, 0.25)
+    for num_splits, block_n in ((1, 32), (3, 16), (3, 32)):
+        outs = [decode_attention(q, k_cache, v_cache, kv_lens, tables, 0.25, num_splits=num_splits,
+                                 config=DecodeConfig(block_n=block_n, tma=tma)) for tma in (True, False)]
+        for out in outs:
+            assert_close(out, ref, dtype)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
 
 
 def test_decode_attention_strided_q() -> None:

@@ -113,6 +113,25 @@ def test_decode_attention_reads_fp8_through_the_scales(dtype) -> None:
         torch.testing.assert_close(fp16.float(), ref, atol=tol, rtol=tol)
 
 
+def test_decode_attention_reads_fp8_by_box_as_by_pointer() -> None:
+    """e4m3 tiles as tensor-memory boxes (blocks of 32 hold whole tiles of 16): the
+    pointer path's answer, with bf16 and fp16 dots."""
+    gen = torch.Generator().manual_seed(6)
+    lens = [1, 32, 70, 129]
+    k8, v8, tables = fp8_paged(lens, 32, 2, 32, gen)
+    assert tma_allowed(k8, 16)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 4, 32, generator=gen).bfloat16()
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    ref = paged_attention_reference(q.float(), k8, v8, cu, kv_lens, tables, 32 ** -0.5, K_SCALE, V_SCALE)
+    for fp16_dots in (False, True):
+        outs = [decode_attention(q, k8, v8, kv_lens, tables, 32 ** -0.5, num_splits=3,
+                                 config=DecodeConfig(block_n=16, fp16_dots=fp16_dots, tma=tma),
+                                 k_scale=K_SCALE, v_scale=V_SCALE) for tma in (True, False)]
+        torch.testing.assert_close(outs[0].float(), ref, atol=1.6e-2, rtol=1.6e-2)
+        assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_reads_fp8_by_pointer_and_by_box(dtype) -> None:
     gen = torch.Generator().manual_seed(9)

@@ -19,7 +19,9 @@ from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per
 from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8
 from minivllm.kernels.fp8_quant import quantize_activations
 from minivllm.kernels.fp8_gemv import fp8_gemv
-from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference, quantize_kv_reference
+from minivllm.kernels.reference import (
+    fp8_gemm_reference, fp8_gemv_reference, paged_attention_reference, quantize_kv_reference,
+)
 from tests.model_utils import agreement, make_model_executor
 from tests_gpu.test_model_gpu import hf_logits, last_logits, walk_to_first_difference
 
@@ -91,14 +93,16 @@ def test_fp8_gemm_and_gemv_match_their_references(mode, m) -> None:
                                    rtol=1.6e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("fp16_dots", [False, True])
-def test_fp8_decode_attention_matches_its_reference(fp16_dots) -> None:
-    """Qwen3-0.6B's heads (16 / 8 of 128) over an e4m3 cache of 8 sequences up to 3,000
-    tokens, the dots in bf16 or (``fp16_dots``) in fp16, against the float32 reference."""
-    from minivllm.kernels.decode_attention import DecodeConfig, decode_attention
-    from minivllm.kernels.reference import paged_attention_reference
+FP8_DECODE_CONFIGS = {  # name -> DecodeConfig keywords; "default": the kernel's own choice
+    "default": None, "bf16-dots": dict(fp16_dots=False), "fp16-dots": dict(fp16_dots=True),
+    "boxes-bf16-dots": dict(block_n=64, tma=True), "boxes-fp16-dots": dict(block_n=64, tma=True, fp16_dots=True),
+}
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
+
+def _fp8_decode_problem(seed: int):
+    """Qwen3-0.6B's heads (16 / 8 of 128) over an e4m3 cache of 8 sequences up to 3,000 tokens
+    in blocks of 64 (tables of 48 blocks, scattered)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     lens, bs, width = [3000, 1, 64, 1500, 7, 2048, 999, 300], 64, 48
     tables = torch.randperm(len(lens) * width, generator=gen, device="cuda").to(torch.int32).view(len(lens), width)
     shape = (len(lens) * width, bs, 8, 128)
@@ -106,11 +110,46 @@ def test_fp8_decode_attention_matches_its_reference(fp16_dots) -> None:
     k8, v8 = (quantize_kv_reference(torch.randn(shape, generator=gen, device="cuda"), one) for _ in range(2))
     q = torch.randn(len(lens), 16, 128, generator=gen, device="cuda").bfloat16()
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
-    ref = paged_attention_reference(q.float(), k8, v8, cu, kv_lens, tables, 128 ** -0.5, one, one)
-    out = decode_attention(q, k8, v8, kv_lens, tables, 128 ** -0.5, DecodeConfig(fp16_dots=fp16_dots),
-                           k_scale=one, v_scale=one)
-    torch.testing.assert_close(out.float(), ref, atol=1.6e-2, rtol=1.6e-2)
+    return q, k8, v8, kv_lens, tables, one
+
+
+def _fp8_decode_reference(q, k8, v8, kv_lens, tables, one):
+    cu = torch.arange(len(kv_lens) + 1, dtype=torch.int32, device="cuda")
+    return paged_attention_reference(q.float(), k8, v8, cu, kv_lens, tables, 128 ** -0.5, one, one)
+
+
+@pytest.mark.parametrize("name", list(FP8_DECODE_CONFIGS))
+def test_fp8_decode_attention_matches_its_reference(name) -> None:
+    """Every way of reading the e4m3 cache (dots in bf16 or fp16, whole tiles by pointers or
+    by tensor-memory boxes, and the default) against the float32 reference."""
+    from minivllm.kernels.decode_attention import DecodeConfig, decode_attention
+
+    q, k8, v8, kv_lens, tables, one = _fp8_decode_problem(3)
+    keywords = FP8_DECODE_CONFIGS[name]
+    config = None if keywords is None else DecodeConfig(**keywords)
+    out = decode_attention(q, k8, v8, kv_lens, tables, 128 ** -0.5, config, k_scale=one, v_scale=one)
+    torch.testing.assert_close(out.float(), _fp8_decode_reference(q, k8, v8, kv_lens, tables, one),
+                               atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_fp8_decode_attention_by_boxes_in_a_cuda_graph() -> None:
+    """The default over an e4m3 cache in blocks of 64 (tensor-memory boxes: the descriptors are
+    built at capture) replays right on new tables, lengths and queries."""
+    from minivllm.kernels.decode_attention import decode_attention, default_config
+
+    assert default_config(torch.bfloat16, 128, True, 64).tma
+    q, k8, v8, kv_lens, tables, one = _fp8_decode_problem(4)
+    decode_attention(q, k8, v8, kv_lens, tables, 128 ** -0.5, k_scale=one, v_scale=one)  # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k8, v8, kv_lens, tables, 128 ** -0.5, k_scale=one, v_scale=one)
+    q2, _, _, kv_lens2, tables2, _ = _fp8_decode_problem(5)
+    q.copy_(q2)
+    kv_lens.copy_(kv_lens2.flip(0))
+    tables.copy_(tables2)
+    graph.replay()
+    torch.testing.assert_close(out.float(), _fp8_decode_reference(q, k8, v8, kv_lens, tables, one),
+                               atol=1.6e-2, rtol=1.6e-2)
 
 
 # ---- the FP8 KV cache ----------------------------------------------------------------------

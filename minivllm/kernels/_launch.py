@@ -216,3 +216,20 @@ def tma_rows_allowed(t: torch.Tensor, row_bytes: int) -> bool:
     if t.device.type == "cuda":
         return torch.cuda.get_device_capability(t.device)[0] >= 9
     return True
+
+
+def tma_allowed(k_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether an attention kernel's whole K/V tiles can come by tensor-memory copy (TMA):
+    the cache's blocks hold whole tiles (block_size % block_n == 0), and each layer's cache
+    is one contiguous (N, bs, Hkv, D) tensor, so a 2-D (N*bs, Hkv*D) array of rows that
+    ``tma_rows_allowed`` accepts."""
+    if k_cache.shape[1] % block_n or not k_cache.is_contiguous():
+        return False
+    return tma_rows_allowed(k_cache, k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size())
+
+
+def cache_descriptor(cache: torch.Tensor, block_n: int) -> object:
+    """A (block_n, D) box descriptor over ``cache`` seen as (N*bs, Hkv*D) rows (a few us
+    of host time per launch; a captured CUDA graph keeps the encoded copy)."""
+    rows = cache.view(cache.shape[0] * cache.shape[1], cache.shape[2] * cache.shape[3])
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, cache.shape[3]])

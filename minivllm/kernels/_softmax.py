@@ -75,3 +75,24 @@ def fold_kv_tile(q, k, v, pos, q_pos, m_i, l_i, acc, scale_log2,
         # A real row's q_pos < end, so this also hides the keys past `end` (loaded as 0).
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
     return online_softmax_step(s, v, m_i, l_i, acc, scale_log2, DOT_PRECISION, UPCAST_DOT)
+
+
+@triton.jit
+def fold_box_tiles(q, q_pos, m_i, l_i, acc, k_desc, v_desc, desc_col, table_row, start, end, scale_log2,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """Fold the keys [start, end), whole tiles that every row sees (no mask), into the online
+    softmax: each tile one (BLOCK_N, D) box of a cache seen as (N * block_size) rows of
+    Hkv * D (``desc_col``: this KV head's column), from one block id (a tile lies inside one
+    block: BLOCK_SIZE % BLOCK_N == 0). The ids are looked up one tile ahead, so the copies
+    need not wait on them. Returns (m_i, l_i, acc)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    block = tl.load(table_row + start // BLOCK_SIZE, mask=start < end, other=0)
+    for n0 in range(start, end, BLOCK_N):
+        row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
+        k = k_desc.load([row, desc_col])
+        v = v_desc.load([row, desc_col])
+        block = tl.load(table_row + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end, other=0)
+        m_i, l_i, acc = fold_kv_tile(q, k, v, n0 + offs_n, q_pos, m_i, l_i, acc, scale_log2, False,
+                                     DOT_PRECISION, UPCAST_DOT, KV_FP8, DTYPE)
+    return m_i, l_i, acc

@@ -3,7 +3,7 @@
 Grid ``(Hkv, num_splits, B)``: one program per (KV head, context split, sequence).
 A program loads its sequence's Q rows for *all* the query heads of its KV group
 (GQA: the G = H / Hkv heads share every K/V load), walks its share of the context
-in BLOCK_N-token tiles (a tile spans several KV blocks; each token's block is
+in BLOCK_N-token tiles (a tile may span several KV blocks; each token's block is
 looked up in the block table), and keeps an online softmax in fp32::
 
     context of sequence b (kv_len tokens), num_splits = 3, BLOCK_N = 4:
@@ -22,6 +22,14 @@ the V scale the normalised output. ``DecodeConfig.fp16_dots`` turns them into fp
 bf16 q of magnitude 2^-14 to 65504 (fp16 holds bf16's 8 significant bits), and P is rounded
 to fp16, finer than bf16. The default for an FP8 cache and 16-bit q, the faster on an H200
 (``benchmarks.fp8 --parts attention --sweep``; docs/tuning.md, "FP8").
+
+Tensor-memory boxes (``DecodeConfig.tma``, where ``_launch.tma_allowed``: a cache block
+holds whole tiles): a split's whole tiles come as one (BLOCK_N, D) box each of the cache
+seen as (N * block_size) rows of Hkv * D, from one block id looked up one tile ahead,
+instead of a lookup, an address and a load per token; its partial last tile keeps the
+masked pointer loads (slots past a sequence's last key may hold anything). The default
+for an FP8 cache, whose kernel is bound by instructions more than bytes; the bf16 one is
+at copy speed by pointers already (docs/tuning.md, "FP8").
 
 CUDA-graph capturable: the split count depends on shapes only (batch, KV heads,
 block-table width * block size, SM count), never on tensor values, and nothing
@@ -42,9 +50,10 @@ import triton.language as tl
 
 from minivllm.kernels.fp8 import check_fp16_dots, check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
-    LOG2E, check_attention_args, check_host_int, check_tile_config, next_pow2, upcast_dot,
+    LOG2E, cache_descriptor, check_attention_args, check_host_int, check_tile_config, next_pow2, tma_allowed,
+    upcast_dot,
 )
-from minivllm.kernels._softmax import fold_kv_tile, normalize_rows
+from minivllm.kernels._softmax import fold_box_tiles, fold_kv_tile, normalize_rows
 from minivllm.kernels.merge_attention_splits import merge_attention_splits
 
 # Splits beyond this add merge traffic and barely any parallelism.
@@ -62,9 +71,10 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3   # software-pipelining depth of the K/V loads
     fp16_dots: bool = False  # an FP8 cache: widen its tiles (and q) to fp16, not q's dtype (module doc)
+    tma: bool = False        # whole tiles by tensor-memory copy where allowed (module doc, tma_allowed)
 
     def __post_init__(self) -> None:
-        check_tile_config(self, ("block_n",), flags=("fp16_dots",))
+        check_tile_config(self, ("block_n",), flags=("fp16_dots", "tma"))
 
 
 @triton.jit
@@ -99,6 +109,7 @@ def _attend_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr,
 def _decode_split_kernel(
     q_ptr,                                # (B, H, D)
     k_cache_ptr, v_cache_ptr,             # (N, bs, Hkv, D), same strides
+    k_desc, v_desc,                       # USE_TMA: (block_n, D) boxes of the caches as (N*bs, Hkv*D)
     kv_lens_ptr,                          # (B,) int32
     block_tables_ptr,                     # (B, W) int32, -1 padded
     out_ptr,                              # (B, H, D): written only when num_splits == 1
@@ -116,6 +127,7 @@ def _decode_split_kernel(
     UPCAST_DOT: tl.constexpr,             # CPU interpreter + bf16: see _launch.upcast_dot
     KV_FP8: tl.constexpr,                 # the cache holds e4m3 values of K / k_scale, V / v_scale
     FP16_DOTS: tl.constexpr,              # KV_FP8: the dots in fp16 (DecodeConfig.fp16_dots)
+    USE_TMA: tl.constexpr,                # whole tiles by tensor-memory copy (DecodeConfig.tma)
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -151,10 +163,16 @@ def _decode_split_kernel(
     # Whole tiles without masks (a masked load and lookup per token cost the FP8 cache a third
     # of its speed, docs/tuning.md "FP8"), then the split's last, partial tile masked.
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N   # an empty split: start
-    for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
-                                   stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
-                                   BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT, KV_FP8, False)
+    if USE_TMA:
+        last = tl.full([BLOCK_G], end - 1, tl.int32)
+        m_i, l_i, acc = fold_box_tiles(q, last, m_i, l_i, acc, k_desc, v_desc, kv_head * HEAD_DIM, table_row,
+                                       start, full_end, scale_log2, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+                                       UPCAST_DOT, KV_FP8, dtype)
+    else:
+        for n0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
+                                       stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
+                                       BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT, KV_FP8, False)
     if full_end < end:
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, end, table_row, k_cache_ptr, v_cache_ptr, kv_head,
                                    stride_cn, stride_cb, stride_ch, scale_log2, offs_n, offs_d, dtype,
@@ -202,12 +220,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 
 
 @functools.lru_cache(maxsize=None)  # a few (dtype, head_dim) pairs; called every layer of every step
-def default_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool = False) -> DecodeConfig:
-    """Tiles of at most 16 KiB of K (or V) per program, 32 to 64 tokens (an FP8 cache: up to
-    128, widened to fp16 for 16-bit q), from a sweep on an H200 (docs/tuning.md, "FP8")."""
+def default_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool = False, block_size: int = 0) -> DecodeConfig:
+    """Tiles of at most 16 KiB of K (or V) per program, 32 to 64 tokens by pointers; an FP8
+    cache's widened to fp16 for 16-bit q, as 64-token boxes where its blocks hold them (a
+    ``block_size`` multiple of 64), else 128-token pointer tiles. From sweeps on an H200
+    (docs/tuning.md, "FP8")."""
+    if fp8_cache and block_size % 64 == 0 and block_size:
+        return DecodeConfig(block_n=64, num_stages=3, fp16_dots=dtype != torch.float32, tma=True)
     item = 1 if fp8_cache else 4 if dtype == torch.float32 else 2
     block_n = max(32, min(128 if fp8_cache else 64, 16384 // (head_dim * item)))
-    return DecodeConfig(block_n=block_n, fp16_dots=fp8_cache and dtype != torch.float32)
+    return DecodeConfig(block_n=block_n, fp16_dots=fp8_cache and dtype != torch.float32, tma=False)
 
 
 def decode_attention(
@@ -253,7 +275,7 @@ def decode_attention(
         check_fp16_dots(config.fp16_dots, q, k_cache)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    config = config or default_config(q.dtype, head_dim, is_fp8_cache(k_cache))
+    config = config or default_config(q.dtype, head_dim, is_fp8_cache(k_cache), block_size)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size,
                                        _num_sms(q.device), config.block_n)
@@ -266,8 +288,12 @@ def decode_attention(
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
+    use_tma = config.tma and tma_allowed(k_cache, config.block_n)
+    k_desc, v_desc = k_cache, v_cache                  # unread without TMA
+    if use_tma:
+        k_desc, v_desc = cache_descriptor(k_cache, config.block_n), cache_descriptor(v_cache, config.block_n)
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, kv_lens, block_tables, out, part_out, part_lse, k_scale, v_scale,
+        q, k_cache, v_cache, k_desc, v_desc, kv_lens, block_tables, out, part_out, part_lse, k_scale, v_scale,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -277,7 +303,7 @@ def decode_attention(
         WRITE_FINAL=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=upcast_dot(q), KV_FP8=is_fp8_cache(k_cache), FP16_DOTS=config.fp16_dots,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         merge_attention_splits(part_out, part_lse, out, pdl=pdl)

@@ -70,10 +70,10 @@ import triton.language as tl
 
 from minivllm.kernels.fp8 import check_fp16_dots, check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
-    LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_tile_config,
-    check_same_device, next_pow2, tma_rows_allowed, upcast_dot,
+    LOG2E, TensorDescriptor, cache_descriptor, check_attention_args, check_dtype, check_host_int,
+    check_tile_config, check_same_device, next_pow2, tma_allowed, tma_rows_allowed, upcast_dot,
 )
-from minivllm.kernels._softmax import fold_kv_tile, normalize_rows
+from minivllm.kernels._softmax import fold_box_tiles, fold_kv_tile, normalize_rows
 
 
 @dataclass(frozen=True)
@@ -175,18 +175,9 @@ def _attend_kv_range(
                                        UPCAST_DOT, KV_FP8, DTYPE)
         return m_i, l_i, acc
     if USE_TMA:
-        # A tile lies inside one cache block: one block id per tile, and the tile is a
-        # (BLOCK_N, D) box of the cache seen as (N*bs, Hkv*D) rows (every key of the
-        # unmasked range exists, so no tile needs the pointer fallback above).
-        block = tl.load(table_row + start // BLOCK_SIZE, mask=start < end, other=0)
-        for n0 in range(start, end, BLOCK_N):
-            row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
-            k = k_desc.load([row, desc_col])
-            v = v_desc.load([row, desc_col])
-            block = tl.load(table_row + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end, other=0)
-            m_i, l_i, acc = fold_kv_tile(q, k, v, n0 + offs_n, q_pos, m_i, l_i, acc, scale_log2, False,
-                                       DOT_PRECISION, UPCAST_DOT, KV_FP8, DTYPE)
-        return m_i, l_i, acc
+        # Every key of the unmasked range exists, so no tile needs the pointer fallback above.
+        return fold_box_tiles(q, q_pos, m_i, l_i, acc, k_desc, v_desc, desc_col, table_row, start, end, scale_log2,
+                              BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT, KV_FP8, DTYPE)
     # Block ids are looked up one tile ahead (loop-carried): the K/V loads' addresses then do
     # not wait on a load of the same iteration, so the pipeliner can issue them stages ahead.
     # Masked lookups never touch the table's -1 padding or the next row.
@@ -421,7 +412,7 @@ def prefill_attention(
     use_tma = config.tma and tma_allowed(k_cache, config.block_n)
     k_desc, v_desc = k_cache, v_cache                  # unread without TMA
     if use_tma:
-        k_desc, v_desc = _cache_descriptor(k_cache, config.block_n), _cache_descriptor(v_cache, config.block_n)
+        k_desc, v_desc = cache_descriptor(k_cache, config.block_n), cache_descriptor(v_cache, config.block_n)
     tma_io = config.tma_io and block_q * group == block_m and tma_io_allowed(q) and tma_io_allowed(out)
     q_desc, o_desc = q, out                            # unread without TMA_IO
     if tma_io:
@@ -454,28 +445,11 @@ def prefill_attention(
     return out
 
 
-def tma_allowed(k_cache: torch.Tensor, block_n: int) -> bool:
-    """Whether the unmasked K/V tiles can come by tensor-memory copy (TMA): the cache's
-    blocks hold whole tiles (block_size % block_n == 0), and each layer's cache is one
-    contiguous (N, bs, Hkv, D) tensor, so a 2-D (N*bs, Hkv*D) array of rows that
-    ``tma_rows_allowed`` accepts."""
-    if k_cache.shape[1] % block_n or not k_cache.is_contiguous():
-        return False
-    return tma_rows_allowed(k_cache, k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size())
-
-
 def tma_io_allowed(t: torch.Tensor) -> bool:
     """Whether (BLOCK_Q, G, D) boxes of q or out, (T, H, D) with contiguous rows of D, can
     come or go by tensor-memory copy: aligned base and strides (``tma_rows_allowed``)."""
     return (t.stride(2) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
             and tma_rows_allowed(t, t.stride(1) * t.element_size()))
-
-
-def _cache_descriptor(cache: torch.Tensor, block_n: int) -> object:
-    """A (block_n, D) box descriptor over ``cache`` seen as (N*bs, Hkv*D) rows (a few us
-    of host time per launch; a captured prefill graph keeps the encoded copy)."""
-    rows = cache.view(cache.shape[0] * cache.shape[1], cache.shape[2] * cache.shape[3])
-    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, cache.shape[3]])
 
 
 def _tile_shape(config: PrefillConfig, group: int) -> tuple[int, int]:
