@@ -10,6 +10,11 @@ as tensor-memory boxes as the product does, in two variants of the same code:
 - ``cvt``: K and V widened to fp16, q in fp16 (the product's arithmetic);
 - ``qk8``: q divided by its row's amax / 448 and rounded to e4m3, the dot e4m3 x e4m3 with
   fp32 sums, the scores multiplied back by the row's scale; V widened to fp16 as before.
+  With the 16 rows of a GQA group of 2 padded (``-64``: to 64 rows) triton picks the
+  16-row MMA, which has no e4m3 form on sm_90, and widens both operands to fp16 anyway
+  (the PTX generated for sm_90 holds ``mma.sync ... f16.f16`` and more conversions, not
+  fewer); at 64 rows the warp-group MMA takes e4m3 (``wgmma ... m64n64k32 ... e4m3.e4m3``)
+  and half the conversions are gone.
 
 Both are checked against the float32 reference (their largest error and the error of the
 output's rows relative to their size), then timed against each other and the product's
@@ -86,8 +91,10 @@ def _split_kernel(q_ptr, k_desc, v_desc, kv_lens_ptr, tables_ptr, part_out_ptr, 
     tl.store(part_lse_ptr + row_out, lse, mask=head_ok)
 
 
-def attention(q, k8, v8, kv_lens, tables, scale, qk_fp8: bool, block_n: int = 64):
-    """Whole-tile decode attention over e4m3 caches of scale 1 (no argument checks)."""
+def attention(q, k8, v8, kv_lens, tables, scale, qk_fp8: bool, block_n: int = 64, block_g: int = 16):
+    """Whole-tile decode attention over e4m3 caches of scale 1 (no argument checks); ``block_g``
+    rows per program (the GQA group padded): 16 gets the 16-row MMA, whose operands triton
+    widens to fp16 even for e4m3 inputs; 64 the warp-group MMA, which takes e4m3 itself."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k8.shape
     splits = max(2, choose_num_splits(batch, num_kv_heads, tables.shape[1] * block_size, _num_sms(q.device),
@@ -99,7 +106,7 @@ def attention(q, k8, v8, kv_lens, tables, scale, qk_fp8: bool, block_n: int = 64
     _split_kernel[(num_kv_heads, splits, batch)](
         q, cache_descriptor(k8, block_n), cache_descriptor(v8, block_n), kv_lens, tables, part_out, part_lse,
         scale * LOG2E, splits, q.stride(0), q.stride(1), tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(block_g, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, QK_FP8=qk_fp8, num_warps=4, num_stages=3)
     merge_attention_splits(part_out, part_lse, out)
     return out
@@ -131,7 +138,9 @@ def main() -> None:
         ref = paged_attention_reference(q.float(), k8, v8, cu, lens, tables, scale, one, one)
         fns = {"product": lambda _: decode_attention(q, k8, v8, lens, tables, scale, k_scale=one, v_scale=one),
                "cvt": lambda _: attention(q, k8, v8, lens, tables, scale, False),
-               "qk8": lambda _: attention(q, k8, v8, lens, tables, scale, True)}
+               "qk8": lambda _: attention(q, k8, v8, lens, tables, scale, True),
+               "cvt-64": lambda _: attention(q, k8, v8, lens, tables, scale, False, block_g=64),
+               "qk8-64": lambda _: attention(q, k8, v8, lens, tables, scale, True, block_g=64)}
         for name, fn in fns.items():
             err = (fn(0).float() - ref)
             rel = (err.norm(dim=-1) / ref.norm(dim=-1)).mean()
