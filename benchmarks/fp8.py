@@ -79,6 +79,7 @@ PARTS = ("offline", "long_context", "attention", "accuracy")
 # pointers and, where the blocks of 64 hold whole tiles, by tensor-memory boxes
 # (DecodeConfig.tma); over the e4m3 cache each also with fp16 dots (DecodeConfig.fp16_dots).
 ATTENTION_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+ATTENTION_SPLITS = (1, 2, 4, 8, 16)  # and the default tiles at these context splits
 
 
 def engine_options(name: str) -> dict[str, Any]:
@@ -176,7 +177,9 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
     its length, the model's heads), over a bf16 cache and an e4m3 one of the same values:
     us a call (in a CUDA graph; on the CPU, the interpreter's wall time) and the K/V bytes
     it reads a second. Separates the kernel from the rest of a long-context step."""
-    from minivllm.kernels.decode_attention import DecodeConfig, decode_attention
+    from minivllm.kernels.decode_attention import (
+        DecodeConfig, _num_sms, choose_num_splits, decode_attention, default_config,
+    )
     from minivllm.kernels.reference import quantize_kv_reference
 
     from benchmarks.gpu_timing import copy_bandwidth_gbs, graph_us
@@ -196,9 +199,9 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
               "fp8": (quantize_kv_reference(k, one), quantize_kv_reference(v, one), dict(k_scale=one, v_scale=one))}
     gbs = copy_bandwidth_gbs(device, 1 << 30 if device == "cuda" else 1 << 20)
     def timed(kc: torch.Tensor, vc: torch.Tensor, scales: dict[str, torch.Tensor],
-              config: DecodeConfig | None = None) -> float:
+              config: DecodeConfig | None = None, num_splits: int | None = None) -> float:
         def call(_: int) -> torch.Tensor:
-            return decode_attention(q, kc, vc, lens, tables, dim ** -0.5, config, **scales)
+            return decode_attention(q, kc, vc, lens, tables, dim ** -0.5, config, num_splits=num_splits, **scales)
         if device == "cuda":
             return graph_us(call, 1)
         call(0)
@@ -230,6 +233,15 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
                 if mine:
                     b = min(mine, key=mine.__getitem__)
                     print(f"    best {'by boxes' if tma else 'by pointers'}: {b[:4]} {mine[b]:.1f} us", flush=True)
+        if args.split_sweep:
+            # The default tiles at other split counts (choose_num_splits picks from shapes).
+            splits = {n: timed(kc, vc, scales, num_splits=n) for n in ATTENTION_SPLITS}
+            picked = choose_num_splits(batch, kv_heads, width * block, _num_sms(q.device),
+                                       default_config(q.dtype, dim, name == "fp8", block).block_n)
+            out[name]["splits"] = [dict(num_splits=n, us=t) for n, t in splits.items()]
+            out[name]["default_splits"] = picked
+            print(f"  default tiles by splits (the default {picked}): "
+                  + ", ".join(f"{n}: {t:.1f} us" for n, t in splits.items()), flush=True)
     return out
 
 
@@ -315,6 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--long-prompts", type=int, default=16)
     ap.add_argument("--long-len", type=int, default=8192)
     ap.add_argument("--sweep", action="store_true", help="attention: also time the tiles of ATTENTION_SWEEP")
+    ap.add_argument("--split-sweep", action="store_true", help="attention: also time the split counts of ATTENTION_SPLITS")
     args = ap.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     args.variants = [v for v in args.variants.split(",") if v]

@@ -16,7 +16,8 @@ def test_rounds_alternate_the_order() -> None:
 def test_smoke_run_writes_every_part_and_its_section(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     variants = ["bf16", "fp8-kv", "fp8-weights", "fp8-weights-channel"]
-    fp8.main(["--smoke", "--model-dir", str(tmp_path / "model"), "--variants", ",".join(variants), "--sweep"])
+    fp8.main(["--smoke", "--model-dir", str(tmp_path / "model"), "--variants", ",".join(variants), "--sweep",
+              "--split-sweep"])
     d = json.loads((tmp_path / "out" / "fp8.json").read_text())
     assert list(d["offline"]) == list(d["long_context"]) == variants and list(d["accuracy"]) == variants[1:]
     assert list(d["attention"]) == ["bf16", "fp8"]
@@ -28,6 +29,8 @@ def test_smoke_run_writes_every_part_and_its_section(tmp_path: Path, monkeypatch
     assert [t["fp16_dots"] for t in sweeps["fp8"]].count(True) == 4
     assert [t["tma"] for t in sweeps["bf16"]].count(True) == 2
     assert all(t["us"] > 0 for ts in sweeps.values() for t in ts)
+    assert all([t["num_splits"] for t in r["splits"]] == list(fp8.ATTENTION_SPLITS) and r["default_splits"] >= 1
+               for r in d["attention"].values())
     for r in d["offline"].values():
         assert len(r["rounds"]) == 2 and r["tok_s"] > 0 and r["batch1"]["ms_per_token"] > 0
     # --smoke keeps the default shapes' goals in view (the numbers mean nothing on the CPU).
