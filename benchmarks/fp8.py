@@ -178,7 +178,7 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
     us a call (in a CUDA graph; on the CPU, the interpreter's wall time) and the K/V bytes
     it reads a second. Separates the kernel from the rest of a long-context step."""
     from minivllm.kernels.decode_attention import (
-        DecodeConfig, _num_sms, choose_num_splits, decode_attention, default_config,
+        DecodeConfig, num_sms, choose_num_splits, decode_attention, default_config,
     )
     from minivllm.kernels.reference import quantize_kv_reference
 
@@ -236,7 +236,7 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
         if args.split_sweep:
             # The default tiles at other split counts (choose_num_splits picks from shapes).
             splits = {n: timed(kc, vc, scales, num_splits=n) for n in ATTENTION_SPLITS}
-            picked = choose_num_splits(batch, kv_heads, width * block, _num_sms(q.device),
+            picked = choose_num_splits(batch, kv_heads, width * block, num_sms(q.device),
                                        default_config(q.dtype, dim, name == "fp8", block).block_n)
             out[name]["splits"] = [dict(num_splits=n, us=t) for n, t in splits.items()]
             out[name]["default_splits"] = picked

@@ -31,7 +31,7 @@ from ab import alternating_medians
 from minivllm.kernels._launch import LOG2E, next_pow2, upcast_dot
 from minivllm.kernels._softmax import fold_kv_tile, normalize_rows
 from minivllm.kernels.decode_attention import (
-    _attend_tile, _num_sms, choose_num_splits, decode_attention, default_config,
+    _attend_tile, num_sms, choose_num_splits, decode_attention, default_config,
 )
 from minivllm.kernels.fp8 import is_fp8_cache
 from minivllm.kernels.merge_attention_splits import merge_attention_splits
@@ -125,7 +125,7 @@ def decode_attention_b(q, k_cache, v_cache, kv_lens, block_tables, scale, *, k_s
     _, block_size, num_kv_heads, _ = k_cache.shape
     fp8 = is_fp8_cache(k_cache)
     config = default_config(q.dtype, head_dim, fp8)
-    num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device),
+    num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, num_sms(q.device),
                                    config.block_n)
     out = torch.empty_like(q)
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)

@@ -35,7 +35,7 @@ import triton.language as tl
 from ab import alternating_medians
 from minivllm.kernels._launch import LOG2E, cache_descriptor, next_pow2
 from minivllm.kernels._softmax import normalize_rows, online_softmax_step
-from minivllm.kernels.decode_attention import _num_sms, choose_num_splits, decode_attention
+from minivllm.kernels.decode_attention import num_sms, choose_num_splits, decode_attention
 from minivllm.kernels.merge_attention_splits import merge_attention_splits
 from minivllm.kernels.reference import paged_attention_reference, quantize_kv_reference
 
@@ -97,7 +97,7 @@ def attention(q, k8, v8, kv_lens, tables, scale, qk_fp8: bool, block_n: int = 64
     widens to fp16 even for e4m3 inputs; 64 the warp-group MMA, which takes e4m3 itself."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k8.shape
-    splits = max(2, choose_num_splits(batch, num_kv_heads, tables.shape[1] * block_size, _num_sms(q.device),
+    splits = max(2, choose_num_splits(batch, num_kv_heads, tables.shape[1] * block_size, num_sms(q.device),
                                       block_n))
     part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)

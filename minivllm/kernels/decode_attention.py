@@ -195,7 +195,7 @@ def _decode_split_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     """SM count of a CUDA device (host-side property, no sync); 1 elsewhere (interpreter)."""
     if device.type != "cuda":
         return 1
@@ -278,7 +278,7 @@ def decode_attention(
     config = config or default_config(q.dtype, head_dim, is_fp8_cache(k_cache), block_size)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size,
-                                       _num_sms(q.device), config.block_n)
+                                       num_sms(q.device), config.block_n)
     num_splits = int(num_splits)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
