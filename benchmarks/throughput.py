@@ -33,6 +33,7 @@ import collections
 import copy
 import dataclasses
 import gc
+import itertools
 import time
 import traceback
 from dataclasses import dataclass
@@ -262,25 +263,56 @@ def run_minivllm(args: argparse.Namespace, path: str, device: str, wl: Workload)
     return results
 
 
+_PROFILE_ROUNDS = itertools.count()  # request ids of profile_decode's rounds, unique per process
+
+
 def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32, prompt_len: int = 128) -> dict[str, Any]:
     """GPU kernel time per decode step at ``batch`` over prompts of ``prompt_len`` tokens (rank
-    0's GPU, under the torch profiler)
-    and the all-reduce share of it (NCCL kernels; 0 at TP=1). Decode only: the kernels of
-    a prefill-only run (max_tokens 1) are subtracted from those of a ``steps + 1``-token run
-    on other prompts of the same lengths."""
+    0's GPU, under the torch profiler) and the all-reduce share of it (NCCL kernels; 0 at
+    TP=1). Decode only: the requests go to the engine directly, which steps until a step
+    schedules no prefill token; then ``steps`` steps are profiled (each call submits one,
+    and the device is synchronised before and after), and the requests are aborted. The
+    whole round runs once unprofiled first (compiles, graphs), on other prompts. Without CUDA
+    the window runs unprofiled (kernel times 0: the CPU tests)."""
     from minivllm import SamplingParams
 
     rng = np.random.default_rng(11)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)  # outlasts the window
+    device_sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
-    def run(max_tokens: int) -> None:  # fresh prompts each time: no prefix-cache hits
-        prompts = [rng.integers(0, id_limit, prompt_len).tolist() for _ in range(batch)]
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                     use_tqdm=False)
+    def decode_steps() -> None:
+        for _ in range(steps):
+            engine.step()
+        device_sync()
 
-    run(steps + 1)                                                       # warm-up, same shapes
-    prefill = _profiled_kernel_us(lambda: run(1))
-    decode = _profiled_kernel_us(lambda: run(steps + 1))
-    decode.subtract(prefill)
+    def one_round(profiled: bool) -> tuple[collections.Counter, int]:
+        ids = [f"profile-decode-{next(_PROFILE_ROUNDS)}-{i}" for i in range(batch)]
+        for rid in ids:  # fresh prompts each round: no prefix-cache hits
+            engine.add_request(rid, rng.integers(0, id_limit, prompt_len).tolist(), params)
+        for _ in range(batch * prompt_len + 2):  # a step computes >= 1 token: the prefills end
+            engine.step()
+            last = engine.last_step  # what this call scheduled
+            if not last.num_prefill_tokens and len(last.scheduled) == batch:
+                break
+        device_sync()
+        before = engine.stats.num_prefill_tokens
+        kernels: collections.Counter = collections.Counter()
+        if profiled and torch.cuda.is_available():
+            kernels = _profiled_kernel_us(decode_steps)
+        else:  # the warm-up round; or no CUDA, no kernels to time (the CPU tests' case)
+            decode_steps()
+        prefill_tokens = engine.stats.num_prefill_tokens - before
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return kernels, prefill_tokens
+
+    one_round(profiled=False)
+    decode, prefill_tokens = one_round(profiled=True)
+    if prefill_tokens:
+        raise RuntimeError(f"the profiled decode steps scheduled {prefill_tokens} prefill tokens")
     total = sum(decode.values())
     nccl = sum(t for name, t in decode.items() if is_all_reduce_kernel(name))
     top = [dict(name=name[:120], us_per_step=t / steps) for name, t in decode.most_common(TOP_KERNELS)]
