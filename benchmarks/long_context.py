@@ -110,7 +110,7 @@ def hf_prefill(path: str, args: argparse.Namespace, device: str) -> dict[str, An
         runs.append(forward_all(random_prompts(args, 101 + r)))
         print(f"HF SDPA forward run {r}: {ntok} tokens in {runs[-1] * 1e3:.1f} ms = "
               f"{ntok / runs[-1]:,.0f} tok/s", flush=True)
-    del model
+    model = None  # the weights freed before the caller builds the next model
     wall = statistics.median(runs)
     return dict(tokens=ntok, runs_s=runs, median_s=wall, tok_s=ntok / wall, batch=args.hf_batch)
 
