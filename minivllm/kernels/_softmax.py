@@ -11,6 +11,9 @@ maximum, the old sum and output are rescaled by ``alpha = 2**(m_old - m_new)``::
 
 The output is ``acc / l`` at the end. Scores are in base 2 (the caller folds
 log2(e) into the softmax scale) because exp2 is one hardware instruction.
+
+:func:`fold_box_tiles` is the walk both kernels share where whole tiles come as
+tensor-memory boxes of the paged cache, one block id each.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ def default_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool = False, b
     cache's widened to fp16 for 16-bit q, as 64-token boxes where its blocks hold them (a
     ``block_size`` multiple of 64), else 128-token pointer tiles. From sweeps on an H200
     (docs/tuning.md, "FP8")."""
-    if fp8_cache and block_size % 64 == 0 and block_size:
+    if fp8_cache and block_size and block_size % 64 == 0:
         return DecodeConfig(block_n=64, num_stages=3, fp16_dots=dtype != torch.float32, tma=True)
     item = 1 if fp8_cache else 4 if dtype == torch.float32 else 2
     block_n = max(32, min(128 if fp8_cache else 64, 16384 // (head_dim * item)))
