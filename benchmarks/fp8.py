@@ -180,6 +180,7 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
     from minivllm.kernels.decode_attention import (
         DecodeConfig, num_sms, choose_num_splits, decode_attention, default_config,
     )
+    from minivllm.kernels.fp8 import is_fp8_cache
     from minivllm.kernels.reference import quantize_kv_reference
 
     from benchmarks.gpu_timing import copy_bandwidth_gbs, graph_us
@@ -237,7 +238,7 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
             # The default tiles at other split counts (choose_num_splits picks from shapes).
             splits = {n: timed(kc, vc, scales, num_splits=n) for n in ATTENTION_SPLITS}
             picked = choose_num_splits(batch, kv_heads, width * block, num_sms(q.device),
-                                       default_config(q.dtype, dim, name == "fp8", block).block_n)
+                                       default_config(q.dtype, dim, is_fp8_cache(kc), block).block_n)
             out[name]["splits"] = [dict(num_splits=n, us=t) for n, t in splits.items()]
             out[name]["default_splits"] = picked
             print(f"  default tiles by splits (the default {picked}): "

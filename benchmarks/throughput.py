@@ -279,12 +279,12 @@ def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32, pro
     rng = np.random.default_rng(11)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)  # outlasts the window
-    device_sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def decode_steps() -> None:
         for _ in range(steps):
             engine.step()
-        device_sync()
+        sync(device)
 
     def one_round(profiled: bool) -> tuple[collections.Counter, int]:
         ids = [f"profile-decode-{next(_PROFILE_ROUNDS)}-{i}" for i in range(batch)]
@@ -295,11 +295,11 @@ def profile_decode(llm: Any, id_limit: int, batch: int = 1, steps: int = 32, pro
             last = engine.last_step  # what this call scheduled
             if not last.num_prefill_tokens and len(last.scheduled) == batch:
                 break
-        device_sync()
+        sync(device)
         before = engine.stats.num_prefill_tokens
         kernels: collections.Counter = collections.Counter()
-        if profiled and torch.cuda.is_available():
-            kernels = _profiled_kernel_us(decode_steps)
+        if profiled and device == "cuda":
+            kernels = profiled_kernel_us(decode_steps)
         else:  # the warm-up round; or no CUDA, no kernels to time (the CPU tests' case)
             decode_steps()
         prefill_tokens = engine.stats.num_prefill_tokens - before
@@ -339,7 +339,7 @@ def profile_prefill(llm: Any, id_limit: int, prompts: int = 16, length: int = 10
         llm.generate(batch, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
 
     run()                                                                # warm-up, same shapes
-    kernels = _profiled_kernel_us(run)
+    kernels = profiled_kernel_us(run)
     per_1k = 1000 / (prompts * length)
     r = dict(prompts=prompts, length=length, kernel_us_per_1k_tokens=sum(kernels.values()) * per_1k,
              top_kernels=[dict(name=name[:120], us_per_1k_tokens=t * per_1k)
@@ -360,7 +360,7 @@ def is_all_reduce_kernel(name: str) -> bool:
     return "nccl" in n or "allreduce" in n or "all_reduce" in n
 
 
-def _profiled_kernel_us(fn: Any) -> collections.Counter:
+def profiled_kernel_us(fn: Any) -> collections.Counter:
     """CUDA kernel time in us by kernel name while ``fn()`` runs."""
     from torch.profiler import ProfilerActivity, profile
 

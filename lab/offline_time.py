@@ -18,7 +18,7 @@ import time
 
 from benchmarks.accuracy import release_memory
 from benchmarks.qwen3_shapes import write_random_config
-from benchmarks.throughput import _profiled_kernel_us, offline_workload
+from benchmarks.throughput import profiled_kernel_us, offline_workload
 from minivllm import LLM, SamplingParams
 
 GROUPS = (("decode attention", ("_decode_split_kernel", "_merge_splits_kernel")),
@@ -52,7 +52,7 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         t0 = time.perf_counter()
-        kernels = _profiled_kernel_us(lambda: llm.generate(wl.prompts(stream=2), params, use_tqdm=False))
+        kernels = profiled_kernel_us(lambda: llm.generate(wl.prompts(stream=2), params, use_tqdm=False))
         wall_profiled = time.perf_counter() - t0
         busy = sum(kernels.values()) / 1e6
         print(f"[kv {kv}] offline-256 wall {wall:.2f} s ({sum(wl.max_tokens) / wall:,.0f} tok/s); under the "

@@ -340,7 +340,6 @@ PREFILL_TMA_CASES = [
 def test_prefill_attention_tma_path_matches_reference_and_pointer_path(case) -> None:
     """Both load paths against the reference, and against each other bit for bit (the same
     arithmetic in the same order; only how the tiles arrive differs)."""
-    from minivllm.kernels.prefill_attention import tma_allowed
     *shape, config = case
     dtype, bs, h, hkv, d, seqs = shape
     gen = torch.Generator().manual_seed(7)
@@ -378,7 +377,6 @@ def test_prefill_attention_q_as_a_view_of_qkv() -> None:
 
 
 def test_prefill_attention_tma_allowed_only_where_a_box_fits() -> None:
-    from minivllm.kernels.prefill_attention import tma_allowed
     cache = torch.zeros(4, 32, 2, 16)
     assert tma_allowed(cache, 16) and tma_allowed(cache, 32)
     assert not tma_allowed(cache, 64)                      # a tile would span two blocks

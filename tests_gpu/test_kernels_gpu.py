@@ -258,7 +258,7 @@ TMA_CASES = [(PrefillConfig(128, 64, 8, 3), 64), (PrefillConfig(128, 64, 8, 2), 
 def test_prefill_attention_tma_path(config: PrefillConfig, block_size: int) -> None:
     """The TMA path (unmasked tiles as boxes of the cache; unowned slots NaN) on the mixed
     batch: against the reference, bit-equal to the pointer path, and in a CUDA graph."""
-    from minivllm.kernels.prefill_attention import tma_allowed
+    from minivllm.kernels._launch import tma_allowed
 
     q, k_cache, v_cache, cu, kv_lens, tables, max_q = prefill_case(PREFILL_BATCH, H, HKV, torch.bfloat16, seed=6,
                                                                     block_size=block_size)

@@ -233,3 +233,12 @@ def cache_descriptor(cache: torch.Tensor, block_n: int) -> object:
     of host time per launch; a captured CUDA graph keeps the encoded copy)."""
     rows = cache.view(cache.shape[0] * cache.shape[1], cache.shape[2] * cache.shape[3])
     return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, cache.shape[3]])
+
+
+def kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, tma: bool) -> tuple[bool, object, object]:
+    """(by boxes, K descriptor, V descriptor) of an attention launch: whole tiles come by
+    tensor-memory copy where ``tma`` is asked and :func:`tma_allowed`; else the caches
+    themselves stand in for the descriptors (the kernel does not read them)."""
+    if not (tma and tma_allowed(k_cache, block_n)):
+        return False, k_cache, v_cache
+    return True, cache_descriptor(k_cache, block_n), cache_descriptor(v_cache, block_n)

@@ -50,8 +50,7 @@ import triton.language as tl
 
 from minivllm.kernels.fp8 import check_fp16_dots, check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
-    LOG2E, cache_descriptor, check_attention_args, check_host_int, check_tile_config, next_pow2, tma_allowed,
-    upcast_dot,
+    LOG2E, check_attention_args, check_host_int, check_tile_config, kv_descriptors, next_pow2, upcast_dot,
 )
 from minivllm.kernels._softmax import fold_box_tiles, fold_kv_tile, normalize_rows
 from minivllm.kernels.merge_attention_splits import merge_attention_splits
@@ -226,10 +225,10 @@ def default_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool = False, b
     ``block_size`` multiple of 64), else 128-token pointer tiles. From sweeps on an H200
     (docs/tuning.md, "FP8")."""
     if fp8_cache and block_size and block_size % 64 == 0:
-        return DecodeConfig(block_n=64, num_stages=3, fp16_dots=dtype != torch.float32, tma=True)
+        return DecodeConfig(block_n=64, fp16_dots=dtype != torch.float32, tma=True)
     item = 1 if fp8_cache else 4 if dtype == torch.float32 else 2
     block_n = max(32, min(128 if fp8_cache else 64, 16384 // (head_dim * item)))
-    return DecodeConfig(block_n=block_n, fp16_dots=fp8_cache and dtype != torch.float32, tma=False)
+    return DecodeConfig(block_n=block_n, fp16_dots=fp8_cache and dtype != torch.float32)
 
 
 def decode_attention(
@@ -288,10 +287,7 @@ def decode_attention(
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
-    use_tma = config.tma and tma_allowed(k_cache, config.block_n)
-    k_desc, v_desc = k_cache, v_cache                  # unread without TMA
-    if use_tma:
-        k_desc, v_desc = cache_descriptor(k_cache, config.block_n), cache_descriptor(v_cache, config.block_n)
+    use_tma, k_desc, v_desc = kv_descriptors(k_cache, v_cache, config.block_n, config.tma)
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, k_desc, v_desc, kv_lens, block_tables, out, part_out, part_lse, k_scale, v_scale,
         scale * LOG2E, num_splits,

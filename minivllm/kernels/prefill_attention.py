@@ -22,7 +22,7 @@ Each q tile walks its keys in two loops (online softmax, fp32 accumulation)::
 so only the one or two tiles on the diagonal pay for the mask, and the loop
 stops at the tile's last query position (causal tile skipping).
 
-TMA path (``PrefillConfig.tma``, where :func:`tma_allowed`): when a cache block holds
+TMA path (``PrefillConfig.tma``, where ``_launch.tma_allowed``): when a cache block holds
 whole key tiles (block_size a multiple of BLOCK_N; the engine's CUDA default of 64
 does), an unmasked tile is one (BLOCK_N, D) box of the cache seen as a 2-D array of
 (N * block_size) rows of Hkv * D, fetched by the tensor-memory copy engine from one
@@ -70,8 +70,8 @@ import triton.language as tl
 
 from minivllm.kernels.fp8 import check_fp16_dots, check_kv_scales, is_fp8_cache
 from minivllm.kernels._launch import (
-    LOG2E, TensorDescriptor, cache_descriptor, check_attention_args, check_dtype, check_host_int,
-    check_tile_config, check_same_device, next_pow2, tma_allowed, tma_rows_allowed, upcast_dot,
+    LOG2E, TensorDescriptor, check_attention_args, check_dtype, check_host_int, check_tile_config,
+    check_same_device, kv_descriptors, next_pow2, tma_rows_allowed, upcast_dot,
 )
 from minivllm.kernels._softmax import fold_box_tiles, fold_kv_tile, normalize_rows
 
@@ -409,10 +409,7 @@ def prefill_attention(
     group = num_heads // num_kv_heads
     block_m, block_q = _tile_shape(config, group)
     heavy_first = config.heavy_first
-    use_tma = config.tma and tma_allowed(k_cache, config.block_n)
-    k_desc, v_desc = k_cache, v_cache                  # unread without TMA
-    if use_tma:
-        k_desc, v_desc = cache_descriptor(k_cache, config.block_n), cache_descriptor(v_cache, config.block_n)
+    use_tma, k_desc, v_desc = kv_descriptors(k_cache, v_cache, config.block_n, config.tma)
     tma_io = config.tma_io and block_q * group == block_m and tma_io_allowed(q) and tma_io_allowed(out)
     q_desc, o_desc = q, out                            # unread without TMA_IO
     if tma_io:
