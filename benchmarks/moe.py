@@ -92,7 +92,7 @@ GOAL_FLOOR_FRACTION = 0.70
 BATCH1_PROMPT, BATCH1_NEW = 128, 256   # run_batch1's (smoke: 8 and 8)
 WEIGHT_COPIES, GRAPH_CALLS = 2, 4      # kernel part: 1.2 GB of experts a copy (FP8: 0.6), far beyond L2
 TOL_BF16, TOL_FP32 = 1.6e-2, 1e-4      # as the kernel tests
-# e4m3 experts against their references, as tests/test_moe_fp8.py bounds bf16 (the
+# e4m3 experts against their references, as tests/kernels/test_moe_fp8.py bounds bf16 (the
 # interpreter truncates bf16 casts; an act value may land on the neighbouring e4m3 value).
 TOL_FP8 = 5e-2
 PARTS = ("kernel", "batch1", "profile", "offline")

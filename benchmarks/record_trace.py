@@ -7,7 +7,7 @@ sampling, ``n = 2``, a stop string and an abort, through a KV pool small enough 
 and a token budget small enough to chunk prefills, CUDA graphs on where the device has
 them. ``LLM(observer=TraceRecorder(...))`` writes every step's decisions and sampled tokens; the
 simulator's engine replays them without the model (``python -m sim replay FILE --plot
-OUT.png``), and ``tests/test_record_trace.py`` replays the committed H200 recording.
+OUT.png``), and ``tests/sim/test_record_trace.py`` replays the committed H200 recording.
 """
 
 from __future__ import annotations

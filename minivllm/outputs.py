@@ -60,7 +60,7 @@ class RequestOutput:
     A plain slotted dataclass, as vLLM's ``RequestOutput`` is a plain class: cheaper to
     build than a frozen one, and a streaming engine builds one per request per step
     (``docs/tuning.md``, "Host path"). The engine never changes an output it returned
-    (``tests/test_engine_host_path.py``).
+    (``tests/engine/test_host_path.py``).
     """
 
     request_id: str

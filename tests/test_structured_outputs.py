@@ -1,7 +1,7 @@
 """Structured outputs through the real model: xgrammar over the tokenizer, the token bitmask
 applied to the logits before sampling (torch and the fused Triton sampler), offline through
 ``SamplingParams.structured_outputs`` in both scheduling modes. The engine's side (masks one
-step ahead, preemption, aborts, n > 1) is proven in the simulator (tests/test_sim_grammar.py)."""
+step ahead, preemption, aborts, n > 1) is proven in the simulator (tests/sim/test_grammar.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ sampler with the same seed and call count: every rank samples the same tokens.
 It has to: a rank's next step gathers its input ids from its own samples, and a
 rank that sampled another token would embed another token, corrupting the
 all-reduced hidden states of every rank. So TP=N producing TP=1's tokens
-(tests/test_tp.py) also shows that the ranks agree.
+(tests/tp/test_engine_tp.py) also shows that the ranks agree.
 
 The plan (plain data) is pickled once per step and written to one pipe per
 worker (``PlanPipes``); nothing else is exchanged outside the model's own
@@ -48,7 +48,7 @@ workers are terminated. Workers ignore SIGINT: Ctrl-C reaches the driver, which
 ends them.
 
 Testing hook: ``TPExecutor(..., fault=(RANK, "load"))`` or ``(RANK, "stepK")`` makes
-worker RANK raise at load or at its K-th step (tests/test_tp.py passes it).
+worker RANK raise at load or at its K-th step (tests/tp/test_engine_tp.py passes it).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class _ChunkWriter:
     written from strings serialized once per response instead of a pydantic model per
     chunk: a stream gets a chunk per engine step, and the model is several times dearer
     on the event loop (``docs/tuning.md``, "Host path"). The text equals ``_sse`` of the
-    model's dump, field for field (``tests/test_server.py`` compares them); chunks with
+    model's dump, field for field (``tests/server/test_app.py`` compares them); chunks with
     logprobs, and the usage chunk, still go through the models.
     """
 

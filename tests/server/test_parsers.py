@@ -1,0 +1,360 @@
+"""Qwen3 reasoning and Hermes tool calls without a model: the fixture tokenizer and its chat
+template, the parsers (whole and streamed, property-tested over random splits), and the
+grammar that ``tool_choice`` ``required`` / a named function turns into."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.server.reasoning import (ReasoningSplit, ReasoningStream, prompt_opens_reasoning,
+                                       split_reasoning)
+from minivllm.server.tool_calls import (ContentDelta, ParsedToolCall, ToolCallArguments, ToolCallSplit,
+                                        ToolCallStart, ToolCallStream, extract_tool_calls, forced_tools,
+                                        tool_call_ids, tool_choice_constraint)
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "fixtures" / "qwen3-chat-tokenizer"
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+    "required": ["a", "b"]}}}
+NO_PARAMS = {"type": "function", "function": {"name": "now"}}
+
+
+def call_text(name: str, arguments: dict) -> str:
+    """A call as Qwen3 writes it."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+# ---- the fixture tokenizer and its chat template --------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(FIXTURE))
+
+
+def test_fixture_has_qwen3s_added_tokens(tokenizer) -> None:
+    added = {t.content: t for t in tokenizer.added_tokens_decoder.values()}
+    assert {"<|endoftext|>", "<|im_start|>", "<|im_end|>"} <= {k for k, t in added.items() if t.special}
+    text_tokens = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+    assert all(not added[t].special for t in text_tokens)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    text = "<think>\nhmm\n</think>\n\n" + call_text("get_weather", {"city": "Paris"})
+    ids = tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
+    # Each tag is one token; decoding as a completion is decoded drops only the ChatML markers.
+    for tag in text_tokens[:4]:
+        assert tokenizer.convert_tokens_to_ids(tag) in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert sum(p.stat().st_size for p in FIXTURE.iterdir()) < 100_000
+
+
+def test_fixture_is_rebuilt_byte_for_byte(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, str(ROOT / "fixtures" / "make_qwen3_chat_tokenizer.py"), "--out",
+                    str(tmp_path)], check=True, capture_output=True, timeout=120,
+                   env=os.environ | {"RAYON_NUM_THREADS": "1"})
+    names = sorted(p.name for p in FIXTURE.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    for name in names:
+        assert (tmp_path / name).read_bytes() == (FIXTURE / name).read_bytes(), name
+
+
+def test_template_renders_tools_calls_and_responses(tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Weather in Paris and 2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+        {"role": "tool", "tool_call_id": "call_2", "content": "5"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=[WEATHER, ADD], tokenize=False,
+                                         add_generation_prompt=True)
+    want_system = ("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or more "
+                   "functions to assist with the user query.\n\nYou are provided with function signatures "
+                   "within <tools></tools> XML tags:\n<tools>\n" + json.dumps(WEATHER) + "\n"
+                   + json.dumps(ADD) + "\n</tools>\n\nFor each function call, return a json object with "
+                   "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                   '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
+    assert text == (want_system
+                    + "<|im_start|>user\nWeather in Paris and 2+3?<|im_end|>\n"
+                    + "<|im_start|>assistant\n" + call_text("get_weather", {"city": "Paris"}) + "\n"
+                    + call_text("add", {"a": 2, "b": 3}) + "<|im_end|>\n"
+                    + '<|im_start|>user\n<tool_response>\n{"temperature": 21}\n</tool_response>\n'
+                    + "<tool_response>\n5\n</tool_response><|im_end|>\n"
+                    + "<|im_start|>assistant\n")
+
+
+def test_template_thinking_switch_and_history(tokenizer) -> None:
+    user = [{"role": "user", "content": "hi"}]
+    render = lambda msgs, **kw: tokenizer.apply_chat_template(msgs, tokenize=False, **kw)  # noqa: E731
+    assert render(user, add_generation_prompt=True) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    off = render(user, add_generation_prompt=True, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert render(user, add_generation_prompt=True, enable_thinking=True) == render(user, add_generation_prompt=True)
+    assert render(user) == "<|im_start|>user\nhi<|im_end|>\n"
+    # An earlier turn's reasoning is dropped; the turn after the last query keeps it.
+    turns = [*user, {"role": "assistant", "content": "<think>\nold\n</think>\n\nhello"},
+             {"role": "user", "content": "more"},
+             {"role": "assistant", "content": "sure", "reasoning_content": "new"}]
+    assert render(turns) == ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+                             "<|im_start|>user\nmore<|im_end|>\n"
+                             "<|im_start|>assistant\n<think>\nnew\n</think>\n\nsure<|im_end|>\n")
+    with pytest.raises(Exception, match="unknown message role"):
+        render([{"role": "robot", "content": "x"}])
+
+
+# ---- reasoning --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, in_reasoning, reasoning, content", [
+    ("<think>\nsteps\n</think>\n\nanswer", False, "\nsteps\n", "\n\nanswer"),
+    ("plain answer", False, None, "plain answer"),
+    ("", False, None, None),
+    ("<think>cut off by max_tokens", False, "cut off by max_tokens", None),
+    ("<think>all</think>", False, "all", None),
+    ("<think></think>x", False, None, "x"),
+    ("pre <think>r</think> post", False, "r", "pre  post"),
+    ("a</think>b", False, None, "a</think>b"),         # no <think> anywhere: all content
+    ("<think>r</think>x<think>y</think>", False, "r", "x<think>y</think>"),
+    ("steps</think>answer", True, "steps", "answer"),   # the prompt opened <think>
+    ("still thinking", True, "still thinking", None),
+    ("<think>r</think>x", True, "<think>r", "x"),
+])
+def test_split_reasoning(text: str, in_reasoning: bool, reasoning: str | None, content: str | None) -> None:
+    assert split_reasoning(text, in_reasoning) == ReasoningSplit(reasoning, content)
+    assert streamed_reasoning([text], in_reasoning) == ReasoningSplit(reasoning, content)
+
+
+def test_prompt_opens_reasoning(tokenizer) -> None:
+    user = [{"role": "user", "content": "hi"}]
+    on = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    off = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert not prompt_opens_reasoning(on) and not prompt_opens_reasoning(off)
+    assert prompt_opens_reasoning(on + "<think>\n")
+
+
+def streamed_reasoning(pieces: list[str], in_reasoning: bool) -> ReasoningSplit:
+    stream = ReasoningStream(in_reasoning)
+    deltas = [stream.feed(p) for p in pieces] + [stream.finish()]
+    reasoning = "".join(d.reasoning_content for d in deltas)
+    content = "".join(d.content for d in deltas)
+    return ReasoningSplit(reasoning or None, content or None)
+
+
+def test_reasoning_stream_holds_back_only_a_possible_tag() -> None:
+    stream = ReasoningStream()
+    assert stream.feed("abc<thi").content == "abc"
+    d = stream.feed("nk>x <")
+    assert (d.content, d.reasoning_content) == ("", "x ")
+    d = stream.feed("b</th")     # "<b" is not the start of </think>
+    assert d.reasoning_content == "<b"
+    d = stream.feed("ink><think")
+    assert (d.reasoning_content, d.content) == ("", "<think")  # after the block, a tag is text
+    assert stream.finish().content == ""
+    cut = ReasoningStream()
+    assert cut.feed("x<thin").content == "x"
+    assert cut.finish().content == "<thin"  # a tag that never completed is text
+
+
+def split_points(draw: st.DrawFn, text: str) -> list[str]:
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+# Pieces that make tags, near-tags, calls, malformed calls and whitespace likely.
+ATOMS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<", "<t", "<think", "<tool_", "</",
+         "</tool_call", "\n", "\n\n", " ", "a", "é", "中", "x y", "{", "}",
+         '{"name": "f", "arguments": {"x": 1}}', '\n{"name": "get_weather", "arguments": {"city": "中"}}\n',
+         '{"name": "g", "arguments": {}}', '{"name": "f"}', '{"name": "f", "arguments": [1]}', '{bad']
+
+
+@st.composite
+def split_texts(draw: st.DrawFn) -> tuple[str, list[str]]:
+    text = "".join(draw(st.lists(st.sampled_from(ATOMS), max_size=20)))
+    return text, split_points(draw, text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=split_texts(), in_reasoning=st.booleans())
+def test_streamed_reasoning_equals_whole(case: tuple[str, list[str]], in_reasoning: bool) -> None:
+    text, pieces = case
+    assert streamed_reasoning(pieces, in_reasoning) == split_reasoning(text, in_reasoning)
+
+
+# ---- tool calls -------------------------------------------------------------------------------
+
+def ids() -> list[str]:
+    new = tool_call_ids(seed=7)
+    return [new() for _ in range(3)]
+
+
+@pytest.mark.parametrize("text, parallel, content, calls", [
+    (call_text("get_weather", {"city": "Paris"}), True, None, [("get_weather", '{"city": "Paris"}')]),
+    ("Let me check.\n\n" + call_text("get_weather", {"city": "Paris"}) + "\n" + call_text("add", {"a": 2, "b": 3}),
+     True, "Let me check.", [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 2, "b": 3}')]),
+    (call_text("add", {"a": 1, "b": 2}) + "\n" + call_text("add", {"a": 3, "b": 4}), False, None,
+     [("add", '{"a": 1, "b": 2}')]),
+    ("no calls here\n", True, "no calls here\n", []),
+    ("<tool_call>{bad json}</tool_call> tail", True, "<tool_call>{bad json}</tool_call> tail", []),
+    ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>', True,
+     '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": {}, "extra": 1}</tool_call>', True,
+     '<tool_call>{"name": "f", "arguments": {}, "extra": 1}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', True,
+     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
+    # Text between and after calls stays, less the whitespace touching the calls.
+    ("a " + call_text("f", {}) + " b \n" + call_text("g", {"s": "é"}) + "\n c ", True, "abc ",
+     [("f", "{}"), ("g", '{"s": "é"}')]),
+    # A malformed block between calls is text; a valid block left open at the end is a call.
+    (call_text("f", {}) + "\n<tool_call>{</tool_call>\n" + '<tool_call>{"name": "g", "arguments": {}}', True,
+     "<tool_call>{</tool_call>", [("f", "{}"), ("g", "{}")]),
+    ('x <tool_call>{"name": "g", "argu', True, 'x <tool_call>{"name": "g", "argu', []),
+    ("x <tool_", True, "x <tool_", []),
+])
+def test_extract_tool_calls(text: str, parallel: bool, content: str | None,
+                            calls: list[tuple[str, str]]) -> None:
+    want = ToolCallSplit(content, tuple(ParsedToolCall(i, n, a) for i, (n, a) in zip(ids(), calls)))
+    assert extract_tool_calls(text, tool_call_ids(seed=7), parallel) == want
+    assert streamed_tool_calls([text], parallel, seed=7) == want
+
+
+def test_tool_call_ids() -> None:
+    a, b = tool_call_ids(seed=1), tool_call_ids(seed=1)
+    first = [a() for _ in range(3)]
+    assert first == [b() for _ in range(3)] and len(set(first)) == 3
+    assert first[0] != tool_call_ids(seed=2)()
+    new = tool_call_ids()
+    got = {new() for _ in range(5)}
+    assert len(got) == 5 and all(i.startswith("call_") and len(i) == 29 for i in got | set(first))
+    assert all(int(i[5:], 16) >= 0 for i in got)
+
+
+def streamed_tool_calls(pieces: list[str], parallel: bool, seed: int) -> ToolCallSplit:
+    """Reassemble a stream's events as a client does, checking their order on the way."""
+    stream = ToolCallStream(tool_call_ids(seed=seed), parallel)
+    events = [e for p in pieces for e in stream.feed(p)] + stream.finish()
+    content, calls = [], []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            assert e.text
+            content.append(e.text)
+        elif isinstance(e, ToolCallStart):
+            assert e.index == len(calls)
+            calls.append([e.id, e.name, ""])
+        else:
+            assert isinstance(e, ToolCallArguments) and e.index == len(calls) - 1
+            calls[e.index][2] += e.arguments
+    return ToolCallSplit("".join(content) or None, tuple(ParsedToolCall(*c) for c in calls))
+
+
+def test_tool_call_stream_holds_back_until_decided() -> None:
+    stream = ToolCallStream(tool_call_ids(seed=0))
+    assert stream.feed("Sure <tool_") == [ContentDelta("Sure")]   # " " waits: a call may follow
+    assert stream.feed('call>\n{"name": "f", "arguments": {"x": ') == []
+    events = stream.feed('1}}\n</tool_call>\nok')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArguments, ContentDelta]
+    assert (events[0].name, events[1].arguments, events[2].text) == ("f", '{"x": 1}', "ok")
+    assert stream.feed(" <tool_call>{oops") == []
+    assert stream.finish() == [ContentDelta(" <tool_call>{oops")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=split_texts(), parallel=st.booleans())
+def test_streamed_tool_calls_equal_whole(case: tuple[str, list[str]], parallel: bool) -> None:
+    text, pieces = case
+    assert streamed_tool_calls(pieces, parallel, seed=3) == extract_tool_calls(text, tool_call_ids(seed=3), parallel)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=split_texts(), in_reasoning=st.booleans())
+def test_reasoning_then_tool_calls_stream_equals_whole(case: tuple[str, list[str]], in_reasoning: bool) -> None:
+    """The server's order: reasoning split first, tool calls parsed from the content only."""
+    text, pieces = case
+    reasoning, tools = ReasoningStream(in_reasoning), ToolCallStream(tool_call_ids(seed=5))
+    thought, events = [], []
+    for delta in [reasoning.feed(p) for p in pieces] + [reasoning.finish()]:
+        thought.append(delta.reasoning_content)
+        events += tools.feed(delta.content)
+    events += tools.finish()
+    whole = split_reasoning(text, in_reasoning)
+    want = extract_tool_calls(whole.content or "", tool_call_ids(seed=5))
+    assert ("".join(thought) or None) == whole.reasoning_content
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == (want.content or "")
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == [c.name for c in want.tool_calls]
+
+
+# ---- tool_choice constraint -------------------------------------------------------------------
+
+def accepts(grammar: str, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+    return _is_grammar_accept_string(grammar, text)
+
+
+def test_auto_and_none_need_no_constraint() -> None:
+    for choice in ("auto", "none", None):
+        assert tool_choice_constraint([WEATHER], choice, True) is None
+
+
+def test_named_function_constraint() -> None:
+    pytest.importorskip("xgrammar")
+    so = tool_choice_constraint([WEATHER, ADD], {"type": "function", "function": {"name": "get_weather"}}, True)
+    assert so is not None and so.kind == "grammar"
+    g = so.grammar
+    # The grammar names the function and embeds its parameters (city: string, no others).
+    assert '\\"name\\": \\"get_weather\\"' in g and '\\"city\\"' in g and '\\"days\\"' in g and "add" not in g
+    good = call_text("get_weather", {"city": "Paris"})
+    assert accepts(g, good) and accepts(g, call_text("get_weather", {"city": "Rome", "days": 2}))
+    assert extract_tool_calls(good, tool_call_ids(0)).tool_calls[0].name == "get_weather"
+    for bad in [call_text("add", {"a": 1, "b": 2}), call_text("get_weather", {"city": 3}),
+                call_text("get_weather", {}), call_text("get_weather", {"city": "P", "zip": "1"}),
+                "Sure. " + good, good + "\n" + good, "", good[:-3]]:
+        assert not accepts(g, bad), bad
+
+
+def test_required_constraint_allows_any_tool_and_parallel_calls() -> None:
+    pytest.importorskip("xgrammar")
+    g = tool_choice_constraint([WEATHER, ADD, NO_PARAMS], "required", True).grammar
+    one, two = call_text("add", {"a": 1, "b": 2.5}), call_text("now", {"tz": "UTC"})
+    assert accepts(g, one) and accepts(g, two) and accepts(g, one + "\n" + two)
+    assert not accepts(g, "") and not accepts(g, "no call")
+    single = tool_choice_constraint([WEATHER, ADD], "required", False).grammar
+    assert accepts(single, one) and not accepts(single, one + "\n" + one)
+
+
+def test_constraint_leaves_room_for_reasoning() -> None:
+    pytest.importorskip("xgrammar")
+    call = call_text("add", {"a": 1, "b": 2})
+    optional = tool_choice_constraint([ADD], "required", True, reasoning="optional").grammar
+    assert accepts(optional, call) and accepts(optional, "<think>\nadd them\n</think>\n\n" + call)
+    assert not accepts(optional, "<think>never closed" + call)
+    opened = tool_choice_constraint([ADD], "required", True, reasoning="open").grammar
+    assert accepts(opened, "add them</think>\n\n" + call) and not accepts(opened, call)
+    assert not accepts(tool_choice_constraint([ADD], "required", True).grammar, "<think>x</think>\n\n" + call)
+
+
+def test_constraint_refuses_what_it_cannot_force() -> None:
+    with pytest.raises(ValueError, match="needs at least one tool"):
+        tool_choice_constraint([], "required", True)
+    with pytest.raises(ValueError, match="'nope' is not among the tools"):
+        tool_choice_constraint([WEATHER], {"type": "function", "function": {"name": "nope"}}, True)
+    assert [f["name"] for f in forced_tools([WEATHER, ADD], "required")] == ["get_weather", "add"]
+    pytest.importorskip("xgrammar")
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        tool_choice_constraint([bad], "required", True)

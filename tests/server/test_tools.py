@@ -1,0 +1,428 @@
+"""The server's reasoning and tool-call parsing end to end, through the official ``openai``
+client on loopback.
+
+The model is the one part replaced: a scripted executor writes, for each prompt, the
+completion a script gives (then eos), token by token, through the real engine, its
+detokenizer and the server. The tokenizer and chat template are the Qwen3-format fixture
+(``fixtures/qwen3-chat-tokenizer``), so the completions hold Qwen3's real tags as single
+tokens, and the prompts the executor records show what the template rendered. A trained
+model could not be made to write chosen tags on demand; a random checkpoint would not
+write them at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+import httpx  # noqa: E402
+import openai  # noqa: E402
+from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall  # noqa: E402
+
+from minivllm.config import CacheConfig, SchedulerConfig  # noqa: E402
+from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
+from minivllm.engine.plan import StepPlan, StepResult  # noqa: E402
+from minivllm.llm import DetokenizingTextStreams  # noqa: E402
+from minivllm.engine.grammar import allowed_tokens  # noqa: E402
+from minivllm.server.app import build_app  # noqa: E402
+from minivllm.server.engine_loop import AsyncEngine  # noqa: E402
+from minivllm.server.engine_process import LLMFront  # noqa: E402
+from minivllm.server.protocol import ServerConfig  # noqa: E402
+from minivllm.server.tool_calls import tool_choice_constraint  # noqa: E402
+from minivllm.structured import XGrammarBackend  # noqa: E402
+from tests.server.utils import served  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = ROOT / "fixtures" / "qwen3-chat-tokenizer"
+MODEL = "scripted-qwen3"
+TIMEOUT = 20.0  # seconds: every wait in this file is bounded
+VOCAB_SIZE = 512  # the fixture's 509 tokens, padded as checkpoints pad their embeddings
+EOS = 502  # <|im_end|>
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+
+
+def call(name: str, arguments: dict) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+THOUGHT = "\nThe user asks for the weather, so I call the tool.\n"
+# The completion for a prompt whose last user turn holds the key.
+SCRIPTS = {
+    "weather?": f"<think>{THOUGHT}</think>\n\n" + call("get_weather", {"city": "Paris"}),
+    "both?": "Checking both.\n" + call("get_weather", {"city": "Paris"}) + "\n"
+             + call("add", {"a": 2, "b": 3}),
+    "think?": "<think>\n2 and 3 make 5.\n</think>\n\nThe sum is 5.",
+    "21 degrees": "It is 21 degrees in Paris.",
+    "broken?": '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+}
+PLAIN = "Plain answer."
+
+
+def script(prompt: str) -> str:
+    last_user_turn = prompt.rsplit("<|im_start|>user\n", 1)[-1]
+    return next((reply for key, reply in SCRIPTS.items() if key in last_user_turn), PLAIN)
+
+
+class ScriptedExecutor:
+    """An executor whose "model" writes ``script(prompt text)`` and then eos.
+
+    It keeps what each sequence was fed (its KV cache, in effect) and records every prompt
+    it sampled from, decoded with the special tokens. Under a grammar's mask a scripted
+    token the mask forbids is recorded in ``refused`` and replaced by the first allowed
+    one. Prefix caching must be off (a sequence must be fed its whole prompt) and
+    preemption must not happen.
+    """
+
+    def __init__(self, tokenizer: Any, script: Callable[[str], str], num_blocks: int) -> None:
+        self.tokenizer = tokenizer
+        self.script = script
+        self.num_blocks = num_blocks
+        self.prompts: list[str] = []
+        self.refused: list[int] = []
+        self._fed: dict[int, list[int]] = {}
+        self._replies: dict[int, tuple[int, list[int]]] = {}  # seq id -> (prompt length, reply)
+
+    def num_kv_blocks(self) -> int:
+        return self.num_blocks
+
+    def run(self, plan: StepPlan, bitmask: np.ndarray | None) -> StepResult:
+        sampled, offset, sampling_row = {}, 0, 0
+        for row, seq_id in enumerate(plan.seq_ids):
+            n, start = int(plan.query_lens[row]), int(plan.start_positions[row])
+            fed = self._fed.setdefault(seq_id, [])
+            assert len(fed) == start, "fed out of order (prefix hit or preemption)"
+            fed.extend(plan.token_ids[offset:offset + n].tolist())
+            offset += n
+            if not plan.sample[row]:
+                continue
+            token = self._next_token(seq_id, fed)
+            if len(plan.masked) and plan.masked[row]:
+                assert bitmask is not None
+                allowed = allowed_tokens(bitmask[sampling_row], VOCAB_SIZE)
+                if token not in allowed:
+                    self.refused.append(token)
+                    token = int(allowed[0])
+            sampled[seq_id] = token
+            sampling_row += 1
+        return StepResult(sampled=sampled)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.run(plan, None)
+
+    def _next_token(self, seq_id: int, fed: list[int]) -> int:
+        if seq_id not in self._replies:
+            prompt = self.tokenizer.decode(fed, skip_special_tokens=False)
+            self.prompts.append(prompt)
+            reply = self.tokenizer.encode(self.script(prompt), add_special_tokens=False) + [EOS]
+            self._replies[seq_id] = (len(fed), reply)
+        prompt_len, reply = self._replies[seq_id]
+        return reply[min(len(fed) - prompt_len, len(reply) - 1)]
+
+    def submit(self, plan: StepPlan) -> "ScriptedStep":
+        return ScriptedStep(self, plan)
+
+
+class ScriptedStep:
+    """A submitted step: it samples when its result is asked for, after its bitmask."""
+
+    def __init__(self, executor: ScriptedExecutor, plan: StepPlan) -> None:
+        self.executor, self.plan = executor, plan
+        self.bitmask: np.ndarray | None = None
+
+    def set_token_bitmask(self, bitmask: np.ndarray) -> None:
+        self.bitmask = bitmask
+
+    def result(self) -> StepResult:
+        return self.executor.run(self.plan, self.bitmask)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint directory without weights: the fixture tokenizer and a config.json."""
+    path = tmp_path_factory.mktemp("scripted-qwen3")
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, path / f.name)
+    config = json.loads((ROOT / "fixtures" / "tiny-qwen3" / "config.json").read_text())
+    config.update(vocab_size=VOCAB_SIZE, eos_token_id=EOS, bos_token_id=None, pad_token_id=500,
+                  max_position_embeddings=4096)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def start_server(model_dir: Path, config: ServerConfig) -> tuple[Any, ScriptedExecutor, Callable[[], None]]:
+    """The app over a scripted engine, served by uvicorn on 127.0.0.1 (port 0)."""
+    front = LLMFront(str(model_dir))
+    executor = ScriptedExecutor(front.tokenizer, script, num_blocks=256)
+    engine = LLMEngine(SchedulerConfig(max_model_len=4096, max_num_seqs=8),
+                       CacheConfig(block_size=16, num_blocks=256, enable_prefix_caching=False),
+                       executor, eos_token_id=EOS, vocab_size=VOCAB_SIZE,
+                       text_streams=DetokenizingTextStreams(front.tokenizer),
+                       grammar_backend=XGrammarBackend.for_tokenizer(front.tokenizer, VOCAB_SIZE, [EOS]))
+    app = build_app(front, config, AsyncEngine(engine, front.tokenizer))
+    stack = contextlib.ExitStack()
+    url, _ = stack.enter_context(served(app, TIMEOUT))
+    return url, executor, stack.close
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[types.SimpleNamespace]:
+    """A server with both parsers, as ``serve --reasoning-parser qwen3 --tool-call-parser hermes``."""
+    config = ServerConfig(MODEL, reasoning_parser="qwen3", tool_call_parser="hermes")
+    url, executor, stop = start_server(model_dir, config)
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as oai, \
+            httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+        yield types.SimpleNamespace(openai=oai, client=client, executor=executor)
+    stop()
+
+
+@pytest.fixture(scope="module")
+def plain_server(model_dir: Path) -> Iterator[httpx.Client]:
+    """A server without parsers."""
+    url, _, stop = start_server(model_dir, ServerConfig(MODEL))
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+        yield client
+    stop()
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def reassemble(chunks: list[Any]) -> dict[str, Any]:
+    """A streamed choice 0 put back together as a client does, checking that every call
+    starts with a chunk naming its index, id, type and function with arguments "" and
+    continues with argument chunks only."""
+    role, reasoning, content = None, "", ""
+    calls: list[dict[str, Any]] = []
+    finish = None
+    for chunk in chunks:
+        assert chunk.object == "chat.completion.chunk" and len(chunk.choices) == 1
+        choice = chunk.choices[0]
+        delta = choice.delta
+        role = role or delta.role
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+        for tc in delta.tool_calls or ():
+            if tc.id is not None:
+                assert tc.index == len(calls) and tc.type == "function"
+                assert tc.function.name and tc.function.arguments == ""
+                calls.append({"id": tc.id, "name": tc.function.name, "arguments": ""})
+            else:
+                assert tc.index == len(calls) - 1 and tc.type is None and tc.function.name is None
+                calls[tc.index]["arguments"] += tc.function.arguments
+        if choice.finish_reason is not None:
+            assert finish is None
+            finish = choice.finish_reason
+    return {"role": role, "reasoning": reasoning or None, "content": content or None, "calls": calls,
+            "finish": finish}
+
+
+def whole_as_stream(completion: ChatCompletion) -> dict[str, Any]:
+    choice = completion.choices[0]
+    m = choice.message
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls or ()]
+    return {"role": m.role, "reasoning": (m.model_extra or {}).get("reasoning_content"), "content": m.content,
+            "calls": calls, "finish": choice.finish_reason}
+
+
+def both_ways(server: types.SimpleNamespace, **request: Any) -> tuple[ChatCompletion, dict[str, Any]]:
+    """The whole response, after checking that the stream of the same request (same seed:
+    same call ids) reassembles into it."""
+    whole = server.openai.chat.completions.create(model=MODEL, seed=11, **request)
+    chunks = list(server.openai.chat.completions.create(model=MODEL, seed=11, stream=True, **request))
+    got = reassemble(chunks)
+    assert got == whole_as_stream(whole)
+    return whole, got
+
+
+# ---- with the parsers ---------------------------------------------------------------------
+
+def test_reasoning_then_a_tool_call(server) -> None:
+    whole, _ = both_ways(server, messages=user("weather?"), tools=[WEATHER])
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == THOUGHT
+    (tc,) = choice.message.tool_calls
+    assert isinstance(tc, ChatCompletionMessageToolCall) and tc.type == "function"
+    assert tc.id.startswith("call_") and len(tc.id) == 29
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
+    # The tools reached the template: the prompt describes them the Hermes way.
+    assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in server.executor.prompts[-1]
+    unseeded = [server.openai.chat.completions.create(model=MODEL, messages=user("weather?"), tools=[WEATHER])
+                for _ in range(2)]
+    ids = {c.choices[0].message.tool_calls[0].id for c in unseeded}
+    assert len(ids) == 2 and tc.id not in ids  # random ids without a seed
+
+
+def test_parallel_calls_and_content_around_them(server) -> None:
+    whole, _ = both_ways(server, messages=user("both?"), tools=[WEATHER, ADD])
+    m = whole.choices[0].message
+    assert m.content == "Checking both." and whole.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
+    assert len({c.id for c in m.tool_calls}) == 2
+    single, _ = both_ways(server, messages=user("both?"), tools=[WEATHER, ADD], parallel_tool_calls=False)
+    assert [c.function.name for c in single.choices[0].message.tool_calls] == ["get_weather"]
+
+
+def test_a_call_cut_by_a_stop_string_still_parses(server) -> None:
+    """The stop string leaves the block unclosed: it is parsed when the choice ends."""
+    whole, _ = both_ways(server, messages=user("weather?"), tools=[WEATHER], stop=["</tool_call>"])
+    (tc,) = whole.choices[0].message.tool_calls
+    assert tc.function.name == "get_weather" and whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].message.content is None
+
+
+def test_tool_choice_none_leaves_calls_as_content(server) -> None:
+    whole, _ = both_ways(server, messages=user("weather?"), tools=[WEATHER], tool_choice="none")
+    m = whole.choices[0].message
+    assert m.tool_calls is None and m.content == "\n\n" + call("get_weather", {"city": "Paris"})
+    assert m.model_extra["reasoning_content"] == THOUGHT and whole.choices[0].finish_reason == "stop"
+    assert "<tools>" in server.executor.prompts[-1]  # the prompt still describes them, as vLLM's does
+
+
+def test_reasoning_without_tools_and_a_malformed_call(server) -> None:
+    whole, _ = both_ways(server, messages=user("think?"))
+    m = whole.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content, m.tool_calls) == ("\n2 and 3 make 5.\n",
+                                                                             "\n\nThe sum is 5.", None)
+    broken, _ = both_ways(server, messages=user("broken?"), tools=[WEATHER])
+    assert broken.choices[0].message.content == SCRIPTS["broken?"]
+    assert broken.choices[0].message.tool_calls is None and broken.choices[0].finish_reason == "stop"
+    plain, _ = both_ways(server, messages=user("hello"), tools=[WEATHER])
+    assert plain.choices[0].message.content == PLAIN
+    assert plain.choices[0].message.model_extra["reasoning_content"] is None
+
+
+def test_chat_template_kwargs_reach_the_template(server) -> None:
+    whole = server.openai.chat.completions.create(model=MODEL, messages=user("hello"),
+                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert server.executor.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert whole.choices[0].message.content == PLAIN
+    server.openai.chat.completions.create(model=MODEL, messages=user("hello"))
+    assert server.executor.prompts[-1].endswith("<|im_start|>assistant\n")
+
+
+def test_a_tool_exchange_reaches_the_template(server) -> None:
+    first = server.openai.chat.completions.create(model=MODEL, messages=user("weather?"), tools=[WEATHER])
+    tc = first.choices[0].message.tool_calls[0]
+    messages = [*user("weather?"),
+                {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+                {"role": "tool", "tool_call_id": tc.id, "content": '{"temperature": "21 degrees"}'}]
+    answer, _ = both_ways(server, messages=messages, tools=[WEATHER])
+    assert answer.choices[0].message.content == "It is 21 degrees in Paris."
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.tool_calls is None
+    prompt = server.executor.prompts[-1]
+    assert ("<|im_start|>assistant\n" + call("get_weather", {"city": "Paris"}) + "<|im_end|>\n<|im_start|>user\n"
+            '<tool_response>\n{"temperature": "21 degrees"}\n</tool_response><|im_end|>\n'
+            "<|im_start|>assistant\n") in prompt
+
+
+def test_forced_tool_choice_runs_under_its_grammar(server, monkeypatch) -> None:
+    """``required`` and a named function reach the engine as the constraint's grammar, whose
+    mask lets through every token of a Hermes call (and not those of a plain answer)."""
+    seen: list[Any] = []
+    real = LLMEngine.validate_request
+
+    def spy(self: LLMEngine, request_id: str, prompt: list[int], params: Any) -> None:
+        seen.append(params.structured_outputs)
+        real(self, request_id, prompt, params)
+
+    monkeypatch.setattr(LLMEngine, "validate_request", spy)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parallel in [("required", True), ("required", False), (named, True)]:
+        whole, _ = both_ways(server, messages=user("weather?"), tools=[WEATHER, ADD], tool_choice=choice,
+                             parallel_tool_calls=parallel)
+        assert seen[-1] == tool_choice_constraint([WEATHER, ADD], choice, parallel, reasoning="optional")
+        assert whole.choices[0].finish_reason == "tool_calls" and server.executor.refused == []
+        assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_weather"]
+    # A script that would answer in words is held to the grammar from its first token on.
+    forced = server.openai.chat.completions.create(model=MODEL, messages=user("hello"), tools=[WEATHER],
+                                                   tool_choice=named, max_tokens=4)
+    plain_ids = server.executor.tokenizer.encode(PLAIN, add_special_tokens=False)
+    assert server.executor.refused[0] == plain_ids[0] and forced.choices[0].message.content != PLAIN[:4]
+    server.executor.refused.clear()
+    r = server.client.post("/v1/chat/completions", json={
+        "messages": user("weather?"), "tools": [WEATHER], "tool_choice": "required",
+        "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tool_choice": "required"}, "tool_choice", "only allowed with tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "'nope' is not among the tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "unique"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "pattern"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "function"),
+    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", ""),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "own arguments"),
+    ({"messages": [{"role": "tool", "content": "21"}]}, "messages", "tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages",
+     "only an assistant message"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages",
+     "not valid JSON"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages", "content: Field required"),
+])
+def test_bad_tool_requests_are_refused(server, body: dict, param: str, words: str) -> None:
+    r = server.client.post("/v1/chat/completions", json={"messages": user("hi")} | body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error", err
+
+
+# ---- without them ---------------------------------------------------------------------------
+
+def test_without_parsers_tags_stay_content_and_auto_is_refused(plain_server) -> None:
+    r = plain_server.post("/v1/chat/completions", json={"messages": user("weather?"), "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "--tool-call-parser hermes" in r.json()["error"]["message"]
+    r = plain_server.post("/v1/chat/completions", json={"messages": user("weather?"), "tools": [WEATHER],
+                                                         "tool_choice": "none"})
+    message = r.json()["choices"][0]["message"]
+    assert r.status_code == 200 and message["content"] == SCRIPTS["weather?"]
+    assert message["tool_calls"] is None and message["reasoning_content"] is None
+
+
+# ---- the template's inputs, offline ---------------------------------------------------------
+
+def test_llm_chat_passes_tools_and_template_kwargs() -> None:
+    from minivllm import LLM, SamplingParams
+
+    with LLM(str(ROOT / "fixtures" / "tiny-qwen3"), device="cpu", num_blocks=16, max_model_len=64) as llm:
+        # A template that shows its inputs (the fixture's own concatenates the contents only).
+        llm.tokenizer.chat_template = ("{{ enable_thinking }}|{{ tools | map(attribute='function.name') | join(',') }}"
+                                       "|{% for m in messages %}{{ m.content }}{% endfor %}")
+        messages = user("1+2=")
+        text = llm.chat_prompt_text(messages, [WEATHER, ADD], {"enable_thinking": False})
+        assert text == "False|get_weather,add|1+2="
+        out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, tools=[ADD],
+                       chat_template_kwargs={"enable_thinking": True})[0]
+        assert out.prompt_token_ids == tuple(llm.tokenizer.encode("True|add|1+2=", add_special_tokens=False))
+        with pytest.raises(ValueError, match="add_generation_prompt"):
+            llm.chat(messages, chat_template_kwargs={"add_generation_prompt": False}, use_tqdm=False)
+
+
+def test_front_renders_as_the_llm_does(model_dir: Path) -> None:
+    """The engine-process server's front renders prompts with the same method."""
+    front = LLMFront(str(model_dir))
+    text = front.chat_prompt_text(user("hi"), [WEATHER], {"enable_thinking": False})
+    assert text.startswith("<|im_start|>system\n# Tools") and text.endswith("<think>\n\n</think>\n\n")
+    assert front.chat_prompt_ids(user("hi")) == front.tokenizer.encode(front.chat_prompt_text(user("hi")),
+                                                                         add_special_tokens=False)
