@@ -120,7 +120,7 @@ CK8 ?= /tmp/minivllm-qwen3-8b
 bench-tp:
 	@$(BENCH_RUN); \
 	run $(BENCH_LIMIT) benchmarks.all_reduce; \
-	if PYTHONPATH=. python3 -c 'from benchmarks.qwen3_shapes import write_random_checkpoint as w; w("$(CK8)", "qwen3-8b")'; \
+	if PYTHONPATH=. python3 -c 'from minivllm.testing import write_random_checkpoint as w; w("$(CK8)", "qwen3-8b")'; \
 	then run 0 benchmarks.tp_scaling --pairs $(or $(TP_PAIRS),2) --shapes qwen3-8b --model-dir $(CK8); \
 	else echo "=== FAILED: writing the Qwen3-8B checkpoint to $(CK8)"; rc=1; fi; \
 	$(BENCH_REPORT)

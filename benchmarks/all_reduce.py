@@ -1,6 +1,6 @@
 """The tensor-parallel all-reduce by message size, in CUDA graphs as a decode step runs it:
 NCCL against torch's one-shot and two-shot symmetric-memory kernels and the path the engine
-picks by size (``minivllm/layers/all_reduce.py``), then the all-reduce fused with the
+picks by size (``minivllm/ops/communicator.py``), then the all-reduce fused with the
 residual add + RMSNorm after it against the all-reduce followed by the norm kernel.
 
     python3 -m benchmarks.all_reduce [--world-size 2] [--hidden 4096] [--dtype bfloat16]
@@ -25,7 +25,7 @@ from benchmarks.gpu_timing import graph_us
 from benchmarks.report import write_summary
 from minivllm.executor.distributed import free_port
 from minivllm.kernels.rms_norm import rms_norm
-from minivllm.layers.all_reduce import Communicator, build_communicator
+from minivllm.ops.communicator import Communicator, build_communicator
 
 ROWS = (1, 8, 32, 64, 128, 256, 512, 1024)
 REPS, REPLAYS = 50, 20

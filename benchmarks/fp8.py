@@ -28,7 +28,7 @@ checkpoint for accuracy (``fp8-weights`` there: the checkpoint converted by
 - accuracy: each variant against bf16 on a saved checkpoint (weights N(0, 0.1), bf16
   values): 16 prompts x 64 greedy tokens, the top-5 rule at the first difference and the
   mean KL(bf16 || variant) of next-token distributions on bf16's tokens
-  (``tests.model_utils.agreement``, through the executors the engine builds).
+  (``minivllm.testing.agreement``, through the executors the engine builds).
 
 Summary: ``$OUT/fp8.json``. ``--smoke``: a tiny model on the CPU (every code path, no
 meaningful number).
@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.accuracy import make_bf16_checkpoint, random_prompts, release_memory
 from benchmarks.long_context import minivllm_decode
-from benchmarks.qwen3_shapes import SHAPES, SMOKE_SHAPES, write_random_config
 from benchmarks.report import write_summary
 from benchmarks.throughput import (add_common_args, bench_device, build_llm, median_run, met, model_path,
                                    offline_workload, profile_decode, run_batch1, run_offline)
+from minivllm.testing import (SHAPES, SMOKE_SHAPES, agreement, make_bf16_checkpoint, make_model_executor,
+                              random_prompts, release_memory, write_random_config)
 
 # Engine options of each variant; FP8_CHECKPOINT: the variant reads a Qwen3-FP8-format model.
 FP8_CHECKPOINT = "fp8_checkpoint"
@@ -249,8 +249,6 @@ def attention_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
 # ---- accuracy --------------------------------------------------------------------------
 
 def accuracy_part(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    from tests.model_utils import agreement, make_model_executor
-
     steps, n_prompts, plen = (4, 2, 8) if args.smoke else (64, 16, 32)
     bs = 16
     overrides = SMOKE_FP8_SHAPES if args.smoke else {}

@@ -10,7 +10,8 @@ hidden x H D, gate_up 2 I x hidden, down hidden x I), random weights quantized t
 each scale mode (``block``: 128x128 blocks, as Qwen3-FP8 checkpoints; ``channel``: one scale
 per output channel), x bf16 of M rows. Per (GEMM, mode, M) each implementation of y = x W^T:
 
-- ``fp8_gemm``: W8A8, x quantized per token (and 128-column group) inside the K loop;
+- ``fp8_gemm``: W8A8, x quantized per token (and 128-column group) first (``kernels/fp8_quant.py``),
+  then the e4m3 x e4m3 kernel;
 - ``scaled_mm``: the same product, x quantized in torch, then ``torch._scaled_mm``
   (``scaled_mm_fp8``); ``unsupported: <reason>`` where torch or cuBLAS lacks the mode on the
   device (row-wise: sm89 / sm90; 128x128 blocks: cuBLAS >= 12.9);
@@ -32,8 +33,7 @@ holds none of them. Each number:
 
 ``--sweep``: also every tile config of ``GEMV_SWEEP`` (one row) and ``GEMM_SWEEP`` (more rows),
 each checked and timed as a contender of its own (``fp8_gemv[16x128 w4 s3]``), and per row the
-fastest of each kernel beside its default's time (`` pre``: ``Fp8GemmConfig.prequantize``):
-the run that sets ``fp8_gemv.default_config`` and ``fp8_gemm.default_config``. ``--quick``:
+fastest of each kernel beside its default's time: the run that sets ``fp8_gemv.default_config`` and ``fp8_gemm.default_config``. ``--quick``:
 M = 1, 64, 2048 only. ``--smoke``: on the CPU under ``TRITON_INTERPRET=1`` (the Triton
 kernels in the interpreter), tiny shapes, every check, nothing timed, no CUDA call.
 Summary: ``$OUT/fp8_gemm.json``.
@@ -52,6 +52,7 @@ from benchmarks.gemv import decode_gemms
 from benchmarks.gpu_timing import copy_bandwidth_gbs, graph_us
 from benchmarks.report import write_summary
 from benchmarks.throughput import bench_device
+from minivllm.config import FP8_WEIGHT_BLOCK
 from minivllm.envs import TRITON_INTERPRET, triton_interpreted
 from minivllm.kernels.fp8 import (
     SCALE_MODES, ScaleMode, dequantize_fp8_weight, quantize_fp8_block, quantize_fp8_per_channel,
@@ -97,10 +98,10 @@ class Weights:
 def make_weights(n: int, k: int, mode: ScaleMode, copies: int, device: str, seed: int) -> Weights:
     """N(0, 1 / K) weights (outputs O(1) for x ~ N(0, 1)), quantized in ``mode``."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    quantize = quantize_fp8_block if mode == "block" else quantize_fp8_per_channel
     fp8, scales, bf16 = [], [], []
     for _ in range(copies):
-        w8, s = quantize(torch.randn(n, k, generator=gen, device=device) / k ** 0.5)
+        w = torch.randn(n, k, generator=gen, device=device) / k ** 0.5
+        w8, s = quantize_fp8_block(w, FP8_WEIGHT_BLOCK) if mode == "block" else quantize_fp8_per_channel(w)
         fp8.append(w8)
         scales.append(s)
         bf16.append(dequantize_fp8_weight(w8, s, mode).to(torch.bfloat16))
@@ -148,13 +149,11 @@ CONTENDERS: tuple[Contender, ...] = (
 
 
 # Tiles --sweep times: (block_n, block_k, num_warps, num_stages) of the one-row GEMV, (block_m,
-# block_n, num_warps, num_stages, prequantize) of the GEMM; the smoke run checks two of each.
+# block_n, num_warps, num_stages) of the GEMM; the smoke run checks two of each.
 GEMV_SWEEP = [(bn, bk, 4, ns) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for ns in (3, 5)]
-GEMM_SWEEP = [(*tiles, pq) for tiles in ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
-                                          (64, 128, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4),
-                                          (128, 256, 8, 2))
-              for pq in (False, True)]
-SMOKE_SWEEP = ([(8, 256, 4, 2), (16, 128, 4, 3)], [(16, 64, 4, 2, False), (32, 32, 4, 2, True)])
+GEMM_SWEEP = [(16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4), (128, 64, 4, 4),
+              (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 2)]
+SMOKE_SWEEP = ([(8, 256, 4, 2), (16, 128, 4, 3)], [(16, 64, 4, 2), (32, 32, 4, 2)])
 
 
 def sweep_contenders(gemv_tiles: list[tuple[int, ...]], gemm_tiles: list[tuple[int, ...]]) -> tuple[Contender, ...]:
@@ -164,9 +163,9 @@ def sweep_contenders(gemv_tiles: list[tuple[int, ...]], gemm_tiles: list[tuple[i
         cfg = Fp8GemvConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
         out.append(Contender(f"fp8_gemv[{bn}x{bk} w{nw} s{ns}]", lambda x, w, c, cfg=cfg: fp8_gemv(
             x, *w.fp8_args(c), config=cfg), dequantized_reference, reads_fp8=True, one_row=True))
-    for bm, bn, nw, ns, pq in gemm_tiles:
-        cfg = Fp8GemmConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, prequantize=pq)
-        name = f"fp8_gemm[{bm}x{bn} w{nw} s{ns}{' pre' if pq else ''}]"
+    for bm, bn, nw, ns in gemm_tiles:
+        cfg = Fp8GemmConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+        name = f"fp8_gemm[{bm}x{bn} w{nw} s{ns}]"
         out.append(Contender(name, lambda x, w, c, cfg=cfg: fp8_gemm(x, *w.fp8_args(c), config=cfg),
                              w8a8_reference, reads_fp8=True))
     return tuple(out)

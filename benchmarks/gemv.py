@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_us
-from benchmarks.qwen3_shapes import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B
 from benchmarks.report import write_summary
 from minivllm.kernels.gemv import (
     FEW_ROWS_CONFIG, ONE_ROW_BY_SHAPE, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes,
 )
+from minivllm.testing import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B
 
 DEVICE = "cuda"             # a module constant so that a CPU dry run (TRITON_INTERPRET=1) can swap it
 L2_FLUSH_BYTES = 256 << 20  # copies of a weight cycled per timing: more than the H200's 50 MB L2

@@ -76,14 +76,14 @@ import torch.nn.functional as F
 from benchmarks.fp8 import SMOKE_FP8_SHAPES, variant_path
 from benchmarks.gpu_timing import copy_bandwidth_gbs, graph_us
 from benchmarks.long_context import kv_bytes_per_token
-from benchmarks.qwen3_shapes import SMOKE_MOE_SHAPES, SMOKE_SHAPES, write_random_config
 from benchmarks.report import write_summary
 from benchmarks.throughput import (Workload, bench_device, build_llm, median_run, met, offline_workload,
                                    profile_decode, profile_prefill, run_batch1, run_offline, sync)
-from minivllm.config import FP8_WEIGHT_BLOCK, ModelConfig, cdiv
+from minivllm.config import FP8_WEIGHT_BLOCK, KERNEL_CHOICES, ModelConfig, cdiv
+from minivllm.testing import SMOKE_MOE_SHAPES, SMOKE_SHAPES, write_random_config
 
 if TYPE_CHECKING:
-    from minivllm.layers.ops import ExpertScales
+    from minivllm.ops.dispatch import ExpertScales
 
 SHAPES_NAME = "qwen3-30b-a3b"
 WEIGHTS = ("bf16", "fp8")
@@ -203,7 +203,7 @@ def workload_kv_bytes(wl: Workload, kv_token: int) -> int:
 
 def summary_name(args: argparse.Namespace) -> str:
     """``moe``, ``moe_fp8`` (FP8 weights), each with ``_kv_fp8`` for an FP8 KV cache."""
-    return "moe" + ("_fp8" if args.weights == "fp8" else "") + ("_kv_fp8" if args.kv_cache_dtype == "fp8" else "")
+    return "moe" + ("_fp8" if args.weights == "fp8" else "") + ("_kv_fp8" if args.kv_cache_dtype != "auto" else "")
 
 
 def model_dir(args: argparse.Namespace) -> str:
@@ -327,7 +327,7 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     expert quantized as a checkpoint's linear layer is (``quantize_fp8_block``)."""
     from minivllm.kernels.fp8 import quantize_fp8_block
 
-    pairs = [quantize_fp8_block(m) for m in w]
+    pairs = [quantize_fp8_block(m, FP8_WEIGHT_BLOCK) for m in w]
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
@@ -357,7 +357,7 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     16-bit experts; for e4m3 ones the GEMVs' (weight-only) up to ``MOE_GEMV_MAX_TOKENS``
     tokens, else the grouped GEMM's (W8A8)."""
     from minivllm.kernels.reference import fused_moe_fp8_reference, fused_moe_reference, moe_gemv_fp8_reference
-    from minivllm.layers.ops import MOE_GEMV_MAX_TOKENS
+    from minivllm.ops.dispatch import MOE_GEMV_MAX_TOKENS
 
     w13_scale, w2_scale = scales
     if w13_scale is None or w2_scale is None:
@@ -431,7 +431,7 @@ def kernel_row(ops: Any, c: ModelConfig, tokens: int, device: str, dtype: torch.
     stage's tiles of ``GEMV_SWEEP`` (the other stage at its default) up to
     ``PATHS_MAX_TOKENS`` tokens, the grouped GEMM's tiles of ``GROUPED_SWEEP`` above
     ``MOE_GEMV_MAX_TOKENS``."""
-    from minivllm.layers.ops import MOE_GEMV_MAX_TOKENS, Ops
+    from minivllm.ops.dispatch import MOE_GEMV_MAX_TOKENS, Ops
 
     inp = kernel_inputs(c, tokens, calls, copies, device, dtype, seed=tokens, fp8=fp8)
     checks = [check_experts(ops, c, inp, i) for i in range(calls)]
@@ -573,7 +573,7 @@ def kernel_part(args: argparse.Namespace, device: str, c: ModelConfig, gbs: floa
     with Triton's interpreter, the Triton kernels, checked but untimed. x in bf16 on CUDA and
     for e4m3 experts (the FP8 expert kernels take 16-bit x), else float32."""
     from minivllm.envs import triton_interpreted
-    from minivllm.layers.ops import Ops
+    from minivllm.ops.dispatch import Ops
 
     fp8 = args.weights == "fp8"
     dtype = torch.bfloat16 if device == "cuda" or fp8 else torch.float32
@@ -614,7 +614,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch1-repeats", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="kernels: also the per-pair GEMV's tiles (GEMV_SWEEP)")
     ap.add_argument("--kernel-tokens", type=int_list, default=[1, 16, 64, 256])
-    ap.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
+    ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                     help="the engine's fused ops (ExecutorConfig.kernels); --smoke: torch")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from minivllm import LLM, SamplingParams
-from sim.recorder import TraceRecorder
+from minivllm.engine.trace import TraceRecorder
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
 

@@ -26,7 +26,8 @@ import triton
 
 from benchmarks.report import write_summary
 from minivllm.kernels.gumbel_sample import GumbelConfig, gumbel_sample, gumbel_sample_reference
-from minivllm.layers.sampler import Sampler, SamplingTensors, apply_filters, filter_floor, reference_sample
+from minivllm.ops.dispatch import Ops
+from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_filters, filter_floor, reference_sample
 from minivllm.sampling import SamplingParams
 
 VOCAB = 151936
@@ -92,7 +93,7 @@ def run_cases() -> tuple[list[dict], list[str]]:
     """Check and time every (rows, case); print one line each."""
     results, failures = [], []
     gen = torch.Generator("cuda").manual_seed(0)
-    sampler = Sampler(torch.Generator("cuda").manual_seed(0))
+    sampler = Sampler(Ops.build("triton", torch.device("cuda"), torch.bfloat16), torch.Generator("cuda").manual_seed(0))
     print(f"{'rows':>5} {'case':>18} {'torch ms':>9} {'fused ms':>9} {'speedup':>8} {'build us':>9}")
     for rows in ROWS:
         logits = (torch.randn(rows, VOCAB, device="cuda", generator=gen) * 3).to(torch.bfloat16)

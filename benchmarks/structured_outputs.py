@@ -4,7 +4,7 @@ requests unconstrained, side by side in one process (alternating rounds).
     PYTHONPATH=. python3 -m benchmarks.structured_outputs [--rounds 2] [--smoke]
 
 Qwen3-0.6B shapes, random bf16 weights, beside a synthetic byte-level tokenizer of the
-model's 151,936 ids (``benchmarks.qwen3_shapes.write_byte_level_tokenizer``); both runs
+model's 151,936 ids (``minivllm.testing.write_byte_level_tokenizer``); both runs
 detokenize. The schema is an object with one free string field: a random model keeps
 writing it until max_tokens, so both runs generate the same tokens, and the grammar allows
 nearly every token at every step (the mask is filled and applied everywhere, the common
@@ -25,9 +25,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.qwen3_shapes import SHAPES, write_byte_level_tokenizer, write_random_checkpoint
 from benchmarks.report import write_summary
 from benchmarks.throughput import offline_workload, timed_generate
+from minivllm.testing import SHAPES, write_byte_level_tokenizer, write_random_checkpoint
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 GOAL_RATIO = 0.9

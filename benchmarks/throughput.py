@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.qwen3_shapes import SHAPES, SMOKE_SHAPES, write_random_checkpoint, write_random_config
 from benchmarks.report import write_summary
-from minivllm.config import LOAD_FORMATS
+from minivllm.config import KERNEL_CHOICES, LOAD_FORMATS
+from minivllm.testing import SHAPES, SMOKE_SHAPES, write_random_checkpoint, write_random_config
 
 GOAL_TOK_S, STRETCH_TOK_S = 25_000, 30_000
 # offline-256 goals (tok/s on one H200) by shapes.
@@ -59,7 +59,7 @@ GOAL_RATIO = 25.0
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     """--shapes, --model-dir, --seed, --smoke, --load-format."""
     ap.add_argument("--shapes", choices=sorted(SHAPES), default=DEFAULT_SHAPES,
-                    help="the random checkpoint's model and shapes (benchmarks/qwen3_shapes.py)")
+                    help="the random checkpoint's model and shapes (minivllm/testing.py)")
     ap.add_argument("--model-dir", default=None,
                     help="where the random checkpoint is written once (default /tmp/<shapes>-random)")
     ap.add_argument("--seed", type=int, default=0)
@@ -510,7 +510,7 @@ def parse_args() -> argparse.Namespace:
                     help="ranks (GPUs) for minivllm; the summary is throughput_tpN.json when N > 1")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="with TP: NCCL for every all-reduce (no one-shot symmetric-memory kernel)")
-    ap.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
+    ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                     help="the fused ops' implementation (ExecutorConfig.kernels; auto: the LLM's default)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per KV cache block (default: the LLM's)")

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from benchmarks.qwen3_shapes import write_random_config
 from benchmarks.throughput import run_batch1
 from minivllm import LLM
+from minivllm.testing import write_random_config
 
 
 def main() -> None:

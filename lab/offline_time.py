@@ -16,10 +16,9 @@ import argparse
 import collections
 import time
 
-from benchmarks.accuracy import release_memory
-from benchmarks.qwen3_shapes import write_random_config
 from benchmarks.throughput import profiled_kernel_us, offline_workload
 from minivllm import LLM, SamplingParams
+from minivllm.testing import release_memory, write_random_config
 
 GROUPS = (("decode attention", ("_decode_split_kernel", "_merge_splits_kernel")),
           ("prefill attention", ("_prefill_kernel",)),

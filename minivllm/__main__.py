@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from minivllm import envs
-from minivllm.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
+from minivllm.config import KERNEL_CHOICES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 
 if TYPE_CHECKING:
     from minivllm.llm import LLM
@@ -76,7 +76,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options that build the ``LLM`` (shared by generate and serve)."""
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+    p.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
                    help="our Triton kernels or the torch references for every op (auto: Triton on CUDA)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -128,7 +128,7 @@ def _engine_options(args: argparse.Namespace, seed: int = 0) -> dict[str, object
     if args.quantization is not None:
         opts["quantization"] = args.quantization
     if args.record_trace is not None:
-        from sim.recorder import TraceRecorder
+        from minivllm.engine.trace import TraceRecorder
         opts["observer"] = TraceRecorder(args.record_trace, seed=seed)
     return opts
 

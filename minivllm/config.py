@@ -45,7 +45,9 @@ def _check_bool(name: str, value: Any) -> None:
 
 # The weight block of Qwen3-FP8 checkpoints (weight_scale_inv per 128 x 128 weights).
 FP8_WEIGHT_BLOCK: tuple[int, int] = (128, 128)
-# KV cache dtypes by vLLM's names: the model's dtype, or e4m3 with per-layer scales.
+# KV cache dtypes by vLLM's names: "auto" is the model's dtype; "fp8" and "fp8_e4m3" are two names
+# of one cache (e4m3 values with per-layer scales), as in vLLM, and the code asks only
+# ``CacheConfig.fp8``.
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -59,9 +61,9 @@ class CacheConfig:
         num_blocks: size of the block pool; ``None`` lets the executor decide
             (the CUDA executor sizes it from free memory).
         enable_prefix_caching: reuse full blocks across requests by chained hash.
-        kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8`` (= ``fp8_e4m3``): e4m3
-            values with a per-tensor scale per layer, half the bytes of bf16, so twice
-            the blocks in the same memory (vLLM's option of the same name).
+        kv_cache_dtype: one of ``KV_CACHE_DTYPES``: the model's dtype, or e4m3 values with a
+            per-tensor scale per layer, half the bytes of bf16, so twice the blocks in the
+            same memory (vLLM's option of the same name).
     """
 
     block_size: int = 16
@@ -78,6 +80,11 @@ class CacheConfig:
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the cache holds e4m3 values (either FP8 name)."""
+        return self.kv_cache_dtype != "auto"
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "CacheConfig":
@@ -154,7 +161,7 @@ class ExecutorConfig:
             (``executor/distributed.py``).
         disable_custom_all_reduce: with ``tensor_parallel_size > 1`` on CUDA, send every
             all-reduce through NCCL instead of the symmetric-memory kernels
-            (``layers/all_reduce.py``; vLLM's option of the same name).
+            (``ops/communicator.py``; vLLM's option of the same name).
         load_format: ``auto`` (the checkpoint's safetensors or GGUF weights) or ``dummy``
             (random weights filled on the device, ``model/loader.py: fill_dummy_weights``:
             only config.json is read; vLLM's option of the same name).
@@ -359,8 +366,22 @@ class ModelConfig:
 
     @classmethod
     def from_hf_json(cls, path: str | os.PathLike[str]) -> "ModelConfig":
-        """Read a Hugging Face ``config.json`` (or the directory holding it), or the same
-        keys derived from a ``.gguf`` file's metadata (``minivllm.model.gguf.hf_config``).
+        """Read a Hugging Face ``config.json`` (or the directory holding it): see
+        :meth:`from_hf_dict`. (A GGUF file's metadata is turned into the same keys on the
+        model side: ``minivllm.model.hf_config.read_model_config``.)
+
+        Raises:
+            ValueError: unsupported architecture or feature, or a missing/invalid field.
+        """
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f), path)
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any], path: str | os.PathLike[str]) -> "ModelConfig":
+        """Our ``ModelConfig`` from the keys of a Hugging Face ``config.json`` read from
+        ``path`` (named in errors; a ``generation_config.json`` beside it adds its eos ids).
 
         RoPE settings are read in both spellings (see ``_read_rope``). What we cannot
         honour is refused rather than run wrong: a RoPE type other than
@@ -370,15 +391,6 @@ class ModelConfig:
         Raises:
             ValueError: unsupported architecture or feature, or a missing/invalid field.
         """
-        from minivllm.model.gguf import hf_config, is_gguf_file  # numpy and gguf only, no torch
-
-        if is_gguf_file(path):
-            hf = hf_config(path)
-        else:
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path, encoding="utf-8") as f:
-                hf = json.load(f)
         archs = hf.get("architectures") or []
         if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

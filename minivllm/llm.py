@@ -11,11 +11,12 @@ import os
 import time
 from typing import Any, Sequence, Union
 
-from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from minivllm.config import CacheConfig, ExecutorConfig, SchedulerConfig
 from minivllm.engine.grammar import GrammarBackend
 from minivllm.engine.llm_engine import LLMEngine, TextStream
 from minivllm.engine.observer import EngineObserver
 from minivllm.executor.base import freeze_imported_objects
+from minivllm.model.hf_config import read_model_config
 from minivllm.outputs import RequestOutput, text_token_ids
 from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
 
@@ -167,7 +168,7 @@ class LLM:
         skip_tokenizer_init: run without a tokenizer (token-id prompts only,
             ``text`` stays None), for checkpoints that ship none.
         observer: told of the engine's traffic as it runs (``EngineObserver``); e.g.
-            ``sim.recorder.TraceRecorder(PATH)`` writes a trace in the simulator's format
+            ``minivllm.engine.trace.TraceRecorder(PATH)`` writes a trace in the simulator's format
             that ``python -m sim replay`` (``--plot``) replays without the model, on any
             machine. ``close()`` closes it.
         **options: engine options by config field name: ``CacheConfig``
@@ -200,7 +201,7 @@ class LLM:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         path = resolve_model_path(model, weights=executor_config.load_format == "auto")
-        self.model_config = ModelConfig.from_hf_json(path)
+        self.model_config = read_model_config(path)
         sched_opts.setdefault("max_model_len", self.model_config.max_position_embeddings)
         # One step in flight pays where a device runs beside the host.
         cuda = torch.device(device).type == "cuda"

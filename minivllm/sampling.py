@@ -2,7 +2,7 @@
 
 ``SamplingParams`` is plain validated data and never imports torch, so the
 engine can carry it. The torch implementation lives in
-``minivllm/layers/sampler.py``.
+``minivllm/sampler/sampler.py``.
 """
 
 from __future__ import annotations

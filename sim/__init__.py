@@ -2,9 +2,10 @@
 
 - ``fake_executor``: ``FakeExecutor`` and ``fake_next_token`` (``docs/design.md``, "The simulator").
 - ``oracle``: what each request must produce, computed without paging or batching.
-- ``traces``: the JSONL trace format and the random trace generator.
-- ``runner``: runs a trace through ``LLMEngine`` and checks every step; record / replay.
-- ``recorder``: ``RecordingEngine``, traces of live traffic, replayed on the recorded tokens.
+- ``traces``: the random trace generator (the JSONL format and the recorder of live traffic
+  are the engine's: ``minivllm.engine.trace``).
+- ``runner``: runs a trace through ``LLMEngine`` and checks every step; record / replay (a
+  recorded live trace replays on its recorded tokens).
 - ``plot``: pictures of a run (matplotlib, imported only when drawing).
 - ``__main__``: ``python -m sim run | record | replay``.
 """

@@ -12,12 +12,29 @@ idle engine holds no block. Every failed check becomes a violation message.
 Record mode captures ``engine.last_step`` of every step as expect events;
 replay mode compares them with the trace's and stops at the first difference.
 With ``timeline=True`` each step also leaves a ``TimelineStep`` (what the plots
-of ``sim.plot`` show). A trace of live traffic (``fake_model: recorded``) runs on
-the recorded tokens (``sim.recorder``), judged by an oracle on the same tokens.
+of ``sim.plot`` show).
+
+A trace of live traffic (``fake_model: recorded``, written by
+``minivllm.engine.trace.TraceRecorder``) runs on the recorded tokens, judged by an
+oracle on the same tokens. ``replay_inputs`` turns it into what the fake executor
+and the oracle need:
+
+- ``recorded_contexts``: each sequence's prompt + completion, which the fake
+  executor returns token by token instead of its hash (see ``sim.fake_executor``
+  for why that makes every decision the live one);
+- stop strings: the live engine judged them on the real tokenizer's text, the
+  replay has only the fake tokenizer's. The trace records each completion's tokens
+  and finish reason; one that ended with ``stop`` on a token that is neither an eos
+  nor a stop token was ended by a stop string. Such a completion gets, as its
+  request's stop string, the fake text of its whole completion, which can first
+  occur at its last token; the request's own stop strings are dropped (they never
+  ended anything else). So the replay stops each request at the token where the
+  live run stopped it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import traceback
 from dataclasses import dataclass, field
@@ -30,8 +47,7 @@ from minivllm.sampling import RequestOutputKind, eos_token_set
 from sim.fake_executor import FakeExecutor, recorded_next_token
 from minivllm.engine.grammar import GrammarBackend
 from sim.grammar import FakeGrammarBackend, grammar_pattern
-from sim.oracle import Expected, FakeTextStream, fake_text, oracle_generate
-from sim.recorder import recorded_contexts, replay_inputs
+from sim.oracle import Expected, FakeTextStream, fake_text, is_stop_token, oracle_generate
 from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
 
 Verdict = Literal["accept", "reject", "either"]
@@ -109,6 +125,50 @@ def classify_add(trace: Trace, ev: AddEvent) -> Verdict:
     if cdiv(n - 1, bs) > pool:
         return "reject"
     return "accept" if cdiv(n, bs) <= pool else "either"
+
+
+def recorded_contexts(trace: Trace) -> dict[str, tuple[int, ...]]:
+    """Each finished sequence's prompt + completion in a recorded trace, by name."""
+    prompts = {sequence_name(e.request_id, i): e.prompt_token_ids
+               for e in trace.events if isinstance(e, AddEvent) for i in range(e.sampling.n)}
+    out = {}
+    for e in trace.expects:
+        for name, tokens in e.finished.items():
+            if name not in prompts:
+                raise ValueError(f"step {e.step}: sequence {name!r} finished but no request added it")
+            out[name] = prompts[name] + tuple(tokens)
+    return out
+
+
+def replay_inputs(trace: Trace) -> Trace:
+    """A recorded trace with its stop strings made replayable on the fake tokenizer
+    (the module docstring) and its grammars dropped (the recorded tokens obey them); a trace
+    of the hash model is returned as is."""
+    if trace.fake_model != "recorded":
+        return trace
+    finished: dict[str, tuple[int, ...]] = {}
+    reasons: dict[str, str] = {}
+    for e in trace.expects:
+        finished.update(e.finished)
+        reasons.update(e.finish_reasons or {})
+    events = []
+    for ev in trace.events:
+        if isinstance(ev, AddEvent) and ev.sampling.structured_outputs is not None:
+            # The recorded tokens already obey the grammar, and the engine's decisions depend
+            # on it only through them; the fake backend could not compile a real one.
+            ev = dataclasses.replace(ev, sampling=dataclasses.replace(ev.sampling, structured_outputs=None))
+        if isinstance(ev, AddEvent) and ev.sampling.stop:
+            p = ev.sampling
+            stops = []
+            for i in range(p.n):
+                name = sequence_name(ev.request_id, i)
+                tokens = finished.get(name, ())
+                if (tokens and reasons.get(name) == "stop"
+                        and not is_stop_token(tokens[-1], p, trace.eos_token_id)):
+                    stops.append(fake_text(tokens))
+            ev = dataclasses.replace(ev, sampling=dataclasses.replace(p, stop=tuple(dict.fromkeys(stops))))
+        events.append(ev)
+    return dataclasses.replace(trace, events=tuple(events))
 
 
 class _Run:

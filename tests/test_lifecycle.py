@@ -74,6 +74,29 @@ def test_close_is_idempotent_and_a_closed_llm_refuses_work() -> None:
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
 
 
+def test_close_frees_the_model_and_its_weights_while_the_llm_is_still_held() -> None:
+    """``close()`` is how a caller that keeps the ``LLM`` object (a server's app state, a
+    benchmark's loop) gives the memory back: the model, every weight and the KV pool are
+    gone right after it, by reference counting alone, before the object itself is dropped."""
+    llm = make_llm(skip_tokenizer_init=True)
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    executor = llm.engine.executor
+    model = weakref.ref(executor.model)
+    weights = [weakref.ref(p) for p in executor.model.parameters()]
+    qkv = weakref.ref(executor.model.model.layers[0].self_attn.qkv_proj.weight)
+    kv_cache = weakref.ref(executor.kv_cache)
+    del executor
+    gc.disable()
+    try:
+        llm.close()
+        assert model() is None and qkv() is None
+        assert not [w for w in weights if w() is not None]
+        assert kv_cache() is None
+    finally:
+        gc.enable()
+    assert llm.engine is not None  # still held: what was freed was freed by close()
+
+
 def test_leaving_the_with_block_closes_the_llm_and_its_executor_once() -> None:
     calls = []
     with make_llm(skip_tokenizer_init=True) as llm:

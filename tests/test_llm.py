@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from tests.model_utils import TinyConfig, make_hf_model, save_hf_model
+from minivllm.testing import TinyConfig, make_hf_model, save_hf_model
 
 CFG = TinyConfig(vocab_size=113, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128)

@@ -18,7 +18,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.engine.grammar import allowed_tokens, bitmask_width  # noqa: E402
-from minivllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask  # noqa: E402
+from minivllm.ops.dispatch import Ops  # noqa: E402
+from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_token_bitmask  # noqa: E402
+from minivllm.sampling import StructuredOutputs  # noqa: E402
+from minivllm.structured import XGrammarBackend  # noqa: E402
+
+# The two implementations of every sampling op: the torch references and the Triton kernels
+# (under the interpreter on the CPU).
+OPS = {"torch": Ops.build("torch", torch.device("cpu"), torch.float32),
+       "kernel": Ops.build("triton", torch.device("cpu"), torch.float32)}
+
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-qwen3"
 SCHEMA = {"type": "object",
@@ -58,7 +67,7 @@ def test_samplers_draw_only_allowed_tokens(kernel: bool) -> None:
     masked = apply_token_bitmask(logits, torch.from_numpy(_bitmask(allowed, vocab)))
     t = SamplingTensors.build(params, np.arange(len(params)) + 10, vocab, torch.device("cpu"))
     for seed in range(3):
-        tokens = Sampler(torch.Generator().manual_seed(seed), use_kernel=kernel)(masked, t).tolist()
+        tokens = Sampler(OPS["kernel" if kernel else "torch"], torch.Generator().manual_seed(seed))(masked, t).tolist()
         assert all(tok in ids for tok, ids in zip(tokens, allowed)), (tokens, allowed)
 
 
@@ -121,6 +130,26 @@ def test_choice_ends_on_one_of_the_choices(llm: LLM) -> None:
     out = llm.generate(["50+27="], SamplingParams(temperature=0, max_tokens=16,
                                                   structured_outputs={"choice": ["77", "78", "99"]}), use_tqdm=False)
     assert out[0].text in ("77", "78", "99")
+
+
+def test_choices_with_quotes_and_backslashes_accept_exactly_those_strings() -> None:
+    """A choice is a literal string, whatever it holds: ``"`` and ``\\`` in it must reach the
+    grammar escaped, else a choice fails to compile or another string (its escaped spelling,
+    a newline for ``\\n``) is accepted instead. One character a token, so every string spells."""
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "é", "<eos>"]
+    eos = len(chars) - 1
+    backend = XGrammarBackend.for_vocab(chars, [eos])
+    choices = ('say "hi"', "C:\\dir\\new", '\\"', '"', "\\", "café")
+    spec = StructuredOutputs(choice=choices)
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(spec)
+        return all(matcher.accept_token(chars.index(ch)) for ch in text) and matcher.accept_token(eos)
+
+    assert [c for c in choices if not accepts(c)] == []
+    others = ('say \\"hi\\"', "say hi", "C:\\dir\new", "C:\\\\dir\\\\new", "C:\\dir", '\\\\"', "\\\\",
+              '""', "", "caf\\u00e9", "say")
+    assert [o for o in others if accepts(o)] == []
 
 
 def test_bad_grammars_and_engines_without_grammars_are_clear_errors(llm: LLM) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.accuracy import (
+from minivllm.testing import (
     engine_greedy,
     hf_greedy,
     leading_identical,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.chat_accuracy import GGUF_NAME, QUESTIONS, chat_agreement, chat_prompts, describe, smollm2_gguf
+from minivllm.testing import GGUF_NAME, QUESTIONS, chat_agreement, chat_prompts, describe, smollm2_gguf
 
 
 def test_bf16_on_a_trained_model_keeps_90_percent_of_hf_agreement() -> None:

@@ -3,7 +3,7 @@
 Random-weight checkpoints of Qwen2.5-0.5B (q/k/v bias, head_dim 64, 14 query heads
 over 2 KV heads) and Llama-3.2-1B (``llama3`` RoPE scaling factor 32, head_dim 64,
 32 over 8 heads), both tied, written with ``save_pretrained`` here (shapes from
-``benchmarks/qwen3_shapes.py``). The checks are ``test_model_gpu.py``'s, with its
+``minivllm/testing.py``). The checks are ``test_model_gpu.py``'s, with its
 helpers: float32 logits relative <= 1e-4 over a 300-token context; float32 greedy
 through ``LLM`` (CUDA graphs, prefix cache, async scheduling; and a tiny pool that
 forces preemption) token-identical to HF ``generate``; bf16 by the top-5 rule at the
@@ -25,10 +25,8 @@ import pytest
 import torch
 import transformers
 
-from benchmarks.accuracy import release_memory
-from benchmarks.qwen3_shapes import SHAPES
 from minivllm import LLM, SamplingParams
-from tests.model_utils import make_model_executor, randomize_weights
+from minivllm.testing import SHAPES, make_model_executor, randomize_weights, release_memory
 from tests_gpu.test_model_gpu import (
     NEW, assert_top5_at_first_difference, fp32_logit_error, hf_greedy, shared_prefix_prompts,
 )

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.accuracy import hf_greedy, make_bf16_checkpoint, random_prompts, release_memory
 from fixtures.fp8_checkpoint import convert_checkpoint
 from minivllm import LLM, SamplingParams
+from minivllm.config import FP8_WEIGHT_BLOCK
 from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_token, quantize_fp8_per_token_group
 from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8
 from minivllm.kernels.fp8_quant import quantize_activations
@@ -22,7 +22,8 @@ from minivllm.kernels.fp8_gemv import fp8_gemv
 from minivllm.kernels.reference import (
     fp8_gemm_reference, fp8_gemv_reference, paged_attention_reference, quantize_kv_reference,
 )
-from tests.model_utils import agreement, make_model_executor
+from minivllm.testing import (agreement, hf_greedy, make_bf16_checkpoint, make_model_executor, random_prompts,
+                              release_memory)
 from tests_gpu.test_model_gpu import hf_logits, last_logits, walk_to_first_difference
 
 BS, STEPS, RULE_PROMPTS = 16, 32, 48
@@ -75,15 +76,15 @@ def test_fp8_gemm_and_gemv_match_their_references(mode, m) -> None:
     gen = torch.Generator(device="cuda").manual_seed(m)
     w = torch.randn(1024, 1024, generator=gen, device="cuda") * 0.05
     if mode == "block":
-        w8, s = quantize_fp8_block(w)
+        w8, s = quantize_fp8_block(w, FP8_WEIGHT_BLOCK)
     else:
         from minivllm.kernels.fp8 import quantize_fp8_per_channel
         w8, s = quantize_fp8_per_channel(w)
     x = torch.randn(m, 1024, generator=gen, device="cuda").bfloat16()
     ref = fp8_gemm_reference(x, w8, s, mode).float()
     torch.testing.assert_close(fp8_gemm(x, w8, s, mode).float(), ref, rtol=1.6e-2, atol=1e-2)
-    pre = fp8_gemm(x, w8, s, mode, Fp8GemmConfig(block_m=64, prequantize=True))
-    torch.testing.assert_close(pre.float(), ref, rtol=1.6e-2, atol=1e-2)
+    other_tiles = fp8_gemm(x, w8, s, mode, Fp8GemmConfig(block_m=64, block_n=128))
+    torch.testing.assert_close(other_tiles.float(), ref, rtol=1.6e-2, atol=1e-2)
     q, qs = quantize_activations(x, mode)   # the one-pass quantizer: the torch rule, bit for bit
     ref_q, ref_s = quantize_fp8_per_token_group(x) if mode == "block" else quantize_fp8_per_token(x)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(qs, ref_s)

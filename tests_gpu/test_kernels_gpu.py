@@ -19,8 +19,7 @@ import torch
 
 from minivllm.kernels.decode_attention import DecodeConfig, decode_attention
 from minivllm.kernels.prefill_attention import PrefillConfig, prefill_attention
-from minivllm.kernels.reference import paged_attention_reference, store_kv_reference
-from minivllm.kernels.store_kv import store_kv
+from minivllm.kernels.reference import paged_attention_reference
 
 DEVICE = "cuda"
 H, HKV, D = 16, 8, 128
@@ -66,22 +65,6 @@ def reference_fp32(q, k_cache, v_cache, cu_seqlens_q, kv_lens, block_tables, sca
     """The torch reference in fp32 on the same (possibly low-precision) inputs."""
     return paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), cu_seqlens_q, kv_lens,
                                      block_tables, scale)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv(dtype: torch.dtype) -> None:
-    gen = torch.Generator(DEVICE).manual_seed(0)
-    num_tokens, bs, n = 5000, 16, 1024
-    qkv = torch.randn(num_tokens, H + 2 * HKV, D, generator=gen, device=DEVICE).to(dtype)
-    key, value = qkv[:, H:H + HKV], qkv[:, H + HKV:]
-    slots = torch.randperm(n * bs, generator=gen, device=DEVICE)[:num_tokens]
-    slots[::7] = -1
-    k_cache = torch.randn(n, bs, HKV, D, generator=gen, device=DEVICE).to(dtype)
-    v_cache = torch.randn(n, bs, HKV, D, generator=gen, device=DEVICE).to(dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv_reference(key, value, k_ref, v_ref, slots)
-    store_kv(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
 def _decode_lens(name: str, gen: torch.Generator) -> list[int]:

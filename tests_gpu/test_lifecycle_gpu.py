@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.qwen3_shapes import write_random_checkpoint
 from minivllm import LLM, SamplingParams
+from minivllm.testing import write_random_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]

@@ -19,12 +19,11 @@ import pytest
 import torch
 import transformers
 
-import benchmarks.accuracy
-from benchmarks.qwen3_shapes import QWEN3_0_6B
 from minivllm import LLM, SamplingParams
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.model_executor import ModelExecutor
-from tests.model_utils import make_model_executor, randomize_weights
+import minivllm.testing
+from minivllm.testing import QWEN3_0_6B, make_model_executor, randomize_weights
 
 CONFIGS = {
     "qwen3-0.6b": dict(QWEN3_0_6B, bos_token_id=None, eos_token_id=None),
@@ -81,7 +80,7 @@ def fp32_logit_error(ex: ModelExecutor, hf: Any, name: str) -> float:
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """HF's plain argmax decode of one prompt (an end token taken like any other, as our
     runs with ``ignore_eos`` take it)."""
-    return benchmarks.accuracy.hf_greedy(hf, [prompt], n)[0]
+    return minivllm.testing.hf_greedy(hf, [prompt], n)[0]
 
 
 def test_logits_match_hf_fp32(checkpoint) -> None:

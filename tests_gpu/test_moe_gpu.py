@@ -1,7 +1,7 @@
 """Qwen3-MoE at Qwen3-30B-A3B's layer shapes on the GPU against transformers.
 
 Hidden 2048, 32 query / 4 KV heads, head_dim 128, 128 experts, top-8 renormalised,
-moe_intermediate 768 (``benchmarks/qwen3_shapes.py``), with 4 of its 48 layers: a random
+moe_intermediate 768 (``minivllm/testing.py``), with 4 of its 48 layers: a random
 float32 checkpoint (weights std 0.5, norm weights near 1) written with ``save_pretrained``
 here. The checks are ``test_model_gpu.py``'s: float32 logits relative <= 1e-4 over a
 300-token context (the Triton expert kernels, eager); float32 greedy through ``LLM`` over
@@ -19,10 +19,8 @@ import pytest
 import torch
 import transformers
 
-from benchmarks.accuracy import release_memory
-from benchmarks.qwen3_shapes import SHAPES
 from minivllm import LLM, SamplingParams
-from tests.model_utils import make_model_executor, randomize_weights
+from minivllm.testing import SHAPES, make_model_executor, randomize_weights, release_memory
 from tests_gpu.test_model_gpu import (
     NEW, assert_top5_at_first_difference, fp32_logit_error, hf_greedy, shared_prefix_prompts,
 )

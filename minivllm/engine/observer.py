@@ -2,7 +2,7 @@
 
 An ``LLMEngine`` built with an ``observer`` tells it of every change it
 accepted, as it happens: a request added, a request aborted, a step of an
-engine that had work. ``sim.recorder.TraceRecorder`` writes these as a trace
+engine that had work. ``minivllm.engine.trace.TraceRecorder`` writes these as a trace
 that the simulator replays; the engine itself knows nothing of traces.
 
 Each call passes the engine, so an observer need not keep a reference to it:

@@ -35,7 +35,7 @@ with the worker's own error. A gloo collective fails at once when a peer leaves;
 an NCCL one would wait for its timeout, so on GPUs a watchdog thread in the
 driver waits on the workers' process sentinels and aborts the NCCL communicators
 when one dies, which releases a driver blocked in a collective within seconds.
-A symmetric-memory kernel (``layers/all_reduce.py``) whose peer died is released
+A symmetric-memory kernel (``ops/communicator.py``) whose peer died is released
 by nothing: rank 0 then polls its step instead of waiting on it, and ``close``
 leaves that stream and the group alone (a synchronise or an abort would hang;
 seen on two H200s), ends the workers and says the process must restart.
@@ -248,7 +248,7 @@ class TPExecutor:
     def __init__(self, model_config: ModelConfig, model_path: str, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, config: ExecutorConfig,
                  fault: tuple[int, str] | None = None) -> None:
-        from minivllm.layers.linear import check_tp_divisibility
+        from minivllm.layers.weights import check_tp_divisibility
         from minivllm.model.loader import require_weights
 
         tp = config.tensor_parallel_size

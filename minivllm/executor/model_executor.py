@@ -22,7 +22,7 @@ view, token slot s living at [s // block_size, s % block_size]. Its dtype is the
 or e4m3 with ``kv_cache_dtype="fp8"`` (``layers/attention.py``), which halves
 ``block_bytes`` and so doubles the blocks the same memory holds.
 
-The executor builds the model's ``Ops`` once (``layers/ops.py``: Triton kernels or torch
+The executor builds the model's ``Ops`` once (``ops/dispatch.py``: Triton kernels or torch
 references, PDL, the tensor-parallel communicator) and hands it to the model.
 
 On CUDA two more things happen at start-up: the block pool is sized from the
@@ -58,15 +58,15 @@ from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
-from minivllm.layers.all_reduce import Communicator, build_communicator
+from minivllm.ops.communicator import Communicator, build_communicator
 from minivllm.layers.attention import AttentionMetadata, kv_cache_torch_dtype
 from minivllm.layers.linear import quantize_to_fp8
-from minivllm.layers.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
-from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors
-from minivllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
+from minivllm.sampler.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
+from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors
+from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_token_bitmask
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.loader import fill_dummy_weights, load_weights, require_weights
-from minivllm.layers.ops import Ops
+from minivllm.ops.dispatch import Ops
 from minivllm.model.registry import build_model
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
 from minivllm.step_types import TokenHistory, TokenLogprobs
@@ -243,13 +243,13 @@ class ModelExecutor:
             # "Rounding and precision"). Process-wide: set before any GEMM is captured into a graph.
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         self.block_size = cache_config.block_size
-        self.kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(cache_config, self.dtype)
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self.sampler = Sampler(self.generator, use_kernel=self.ops.triton)
+        self.sampler = Sampler(self.ops, self.generator)
         self.model = self._load_model(model_path)
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads

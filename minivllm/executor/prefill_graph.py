@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
-from minivllm.kernels.prefill_attention import build_tile_map, default_config, tile_rows
 from minivllm.layers.attention import AttentionMetadata
+from minivllm.ops.dispatch import Ops
 
 
 def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -72,8 +72,7 @@ class PrefillGraphRunner:
         dev, t = kv_cache.device, self.buckets[-1]
         # Per bucket: tokens per q tile of the config its graph bakes in, and the map's rows
         # (every tile of B sequences and the padding one: tokens / tile + a part tile each).
-        self.block_q = {b: tile_rows(default_config(dtype, head_dim, b), num_heads, num_kv_heads)
-                        for b in self.buckets}
+        self.block_q = {b: Ops.prefill_tile_rows(dtype, head_dim, b, num_heads, num_kv_heads) for b in self.buckets}
         self.capacity = {b: -(-b // self.block_q[b]) + max_num_seqs + 1 for b in self.buckets}
         s = max_num_seqs + 1  # the step's sequences and the padding one
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
@@ -120,7 +119,7 @@ class PrefillGraphRunner:
         self.cu_seqlens_q[0] = 0
         self.kv_lens.zero_()
         self.tile_map[:self.capacity[bucket]].copy_(torch.from_numpy(
-            build_tile_map(np.array([bucket]), self.block_q[bucket], self.capacity[bucket])))
+            Ops.prefill_tile_map(np.array([bucket]), self.block_q[bucket], self.capacity[bucket])))
 
     def bucket_for(self, num_tokens: int, num_seqs: int, table_width: int, is_decode: bool) -> int | None:
         """The bucket a step runs in, or None when it runs eagerly (a decode, too many tokens,
@@ -134,7 +133,7 @@ class PrefillGraphRunner:
         """The step's tile map (host): its sequences' q tiles and the padding sequence's."""
         q_lens = np.diff(cu_seqlens_q)
         padding = bucket - int(cu_seqlens_q[-1])
-        return build_tile_map(np.append(q_lens, padding), self.block_q[bucket], self.capacity[bucket])
+        return Ops.prefill_tile_map(np.append(q_lens, padding), self.block_q[bucket], self.capacity[bucket])
 
     def run(self, batch: DeviceBatch) -> torch.Tensor:
         """Replay the batch's bucket (its tensors, the tile map included, already on the device).

@@ -11,8 +11,6 @@ import numbers
 
 import torch
 
-from minivllm.envs import triton_interpreted
-
 try:   # host-side TMA descriptors: triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton: pointer loads only
@@ -21,8 +19,9 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can take part in programmatic dependent launch (PDL): a
-    Hopper or later GPU, a triton whose ``CUDAOptions`` has ``launch_pdl``, and not the CPU
-    interpreter. A hardware fact, decided once per device.
+    Hopper or later GPU and a triton whose ``CUDAOptions`` has ``launch_pdl``. A hardware fact,
+    decided once per device. Triton's CPU interpreter runs no PDL launch on any device: the
+    caller that turns PDL on for an engine (``Ops.build``) leaves it off there.
 
     Under PDL a kernel that only feeds others calls ``griddepcontrol.launch_dependents`` (a
     GEMV: after its K loop), and a kernel launched with ``launch_pdl`` may start before its
@@ -44,9 +43,6 @@ def takes_pdl(pdl: bool, t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _pdl_supported_on(device_index: int) -> bool:
-    # Triton reads TRITON_INTERPRET when a kernel is decorated, so it cannot change later.
-    if triton_interpreted():
-        return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:  # pragma: no cover - a triton without the CUDA backend

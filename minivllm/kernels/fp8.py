@@ -35,15 +35,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minivllm.config import FP8_WEIGHT_BLOCK
 from minivllm.kernels._launch import check_dtype, check_same_device
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 # Smallest amax a scale is taken from (see the module doc); the kernels use the same value.
 AMAX_FLOOR = 1e-10
-# The weight block of Qwen3-FP8 checkpoints, and the activation group that goes with it.
-FP8_BLOCK = FP8_WEIGHT_BLOCK
+# The activation group of the FP8 kernels, and the side of the square weight block of their
+# "block" scale mode (a checkpoint's block, ``config.FP8_WEIGHT_BLOCK``, must be this square).
 FP8_GROUP = 128
 # Dtypes quantize_fp8_block stores a weight scale in: float32, or bfloat16 as some published
 # Qwen3 FP8 checkpoints store weight_scale_inv (others use float16; its exponent range cannot
@@ -65,7 +64,7 @@ def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax / torch.full_like(amax, FP8_E4M3_MAX)
 
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int],
                        scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w_fp8, scale_inv)`` for w (N, K): one scale per ``block`` = (rows, columns) tile,
     scale_inv (cdiv(N, rows), cdiv(K, columns)) in ``scale_dtype``. With a bfloat16 scale the
@@ -87,8 +86,7 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
     return quantize_with_scale(w, _expand(scale.float(), rows, cols, n, k)), scale
 
 
-def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
-                         block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
+def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """float32 ``w_fp8 * scale_inv`` with each scale spread over its ``block`` tile.
 
     Raises:
@@ -125,10 +123,10 @@ def dequantize_fp8_per_channel(w_fp8: torch.Tensor, scale: torch.Tensor) -> torc
 
 
 def dequantize_fp8_weight(w_fp8: torch.Tensor, scale: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
-    """float32 W from its fp8 values and scales of ``mode``: 128x128 blocks or channels."""
+    """float32 W from its fp8 values and scales of ``mode``: FP8_GROUP x FP8_GROUP blocks or channels."""
     check_scale_mode(mode)
     if mode == "block":
-        return dequantize_fp8_block(w_fp8, scale)
+        return dequantize_fp8_block(w_fp8, scale, (FP8_GROUP, FP8_GROUP))
     return dequantize_fp8_per_channel(w_fp8, scale)
 
 

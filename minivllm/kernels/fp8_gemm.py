@@ -1,35 +1,27 @@
 """``y = x W^T`` with 8-bit weights and activations: W (N, K) float8_e4m3fn with its scales,
-x (M, K) bf16/fp16 quantized to e4m3 inside the K loop (dynamic, per token), fp32
-accumulation, y (M, N) in x's dtype rounded once. Scales as ``kernels/fp8.py``
-defines them (``v ~= v_fp8 * scale``; ``scale = max(amax, AMAX_FLOOR) / 448``)::
+x (M, K) bf16/fp16 quantized to e4m3 first (dynamic, per token: ``kernels/fp8_quant.py``), fp32
+accumulation, y (M, N) in x's dtype rounded once. Scales as ``kernels/fp8.py`` defines them
+(``v ~= v_fp8 * scale``; ``scale = max(amax, AMAX_FLOOR) / 448``)::
+
+    xq, xs = quantize_activations(x)    e4m3 (M, K); float32 (M, cdiv(K, 128)) block, (M, 1) channel
 
     program (i, j) (grid: cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N)) owns y[rows i, cols j]
 
     for each 128-column group g of K:
-        xt   = x[rows, g]                        (BLOCK_M, 128) bf16 -> fp32
-        xs   = amax over each row / 448          (BLOCK_M,)   block mode: this group's
-        xq   = e4m3(xt * (1 / xs))               (BLOCK_M, 128)
-        d    = xq @ W[cols, g]^T                 (BLOCK_M, BLOCK_N) fp8 x fp8 -> fp32
-        acc += d * xs[:, None] * s[cols // 128, g][None, :]        block: 128x128 scale_inv
+        d    = xq[rows, g] @ W[cols, g]^T        (BLOCK_M, BLOCK_N) fp8 x fp8 -> fp32
+        acc += d * xs[rows, g][:, None] * s[cols // 128, g][None, :]     block: 128x128 scale_inv
 
-    channel mode: xs is each row's amax over all of K, found by a first pass over the
-    program's x rows, so the loop accumulates d unscaled and the epilogue multiplies by
-    xs[:, None] * s[cols][None, :] once.
+    channel mode: the loop accumulates d unscaled and the epilogue multiplies by
+    xs[rows][:, None] * s[cols][None, :] once.
 
-Two roads to the same values. In-loop (``Fp8GemmConfig.prequantize`` off): the first pass
-and the quantization run in every column program (cdiv(N, BLOCK_N) times), with no (M, K)
-fp8 buffer and no second launch, at the price of a few ALU ops per element beside the
-tensor-core dot, which at prefill sizes adds up to the order of the product itself (8B's
-gate_up at M = 2048: 384 column programs each quantizing the 2048 x 4096 x). Prequantized
-(the default, ``default_config``): ``kernels/fp8_quant.py`` quantizes x once and the K loop
-reads e4m3 x and its scales, the faster on an H200 at every size swept (``python3 -m
-benchmarks.fp8_gemm --quick --sweep``; docs/tuning.md, "FP8").
+x is quantized once, in a launch of its own, not inside the K loop of every column program
+(cdiv(N, BLOCK_N) times over): that in-loop road adds a few ALU ops per element beside the
+tensor-core dot and lost on an H200 at every size swept (docs/tuning.md, "FP8"; the
+experiment is ``lab/fp8_gemm_in_loop.py``).
 
-The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later).
-
-The quantization is ``fp8.quantize_e4m3`` (with its rounding fix for the CPU interpreter).
-The interpreter's ``tl.dot`` of fp8 operands widens them exactly, so the dot itself needs no
-workaround.
+The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later). The
+interpreter's ``tl.dot`` of fp8 operands widens them exactly, so the dot itself needs no
+workaround on the CPU.
 
 ``scaled_mm_fp8``: the same product through ``torch._scaled_mm``, to hold the kernel against
 on a GPU. What ``_scaled_mm`` takes in torch 2.13 (CUDA as aten/src/ATen/native/cuda/
@@ -51,11 +43,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from minivllm.kernels._gemm_tiles import wt_tile, x_tile
 from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_same_device, check_tile_config
 from minivllm.kernels.fp8 import (
-    FP8_DTYPE, FP8_GROUP, ScaleMode, check_scale_mode, e4m3_scales, exact_cast, quantize_e4m3,
-    quantize_fp8_per_token, quantize_fp8_per_token_group,
+    FP8_DTYPE, FP8_GROUP, ScaleMode, check_scale_mode, quantize_fp8_per_token, quantize_fp8_per_token_group,
 )
+from minivllm.kernels.fp8_quant import quantize_activations
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # cuBLASLt's block-scaled GEMM (torch 2.11, CUDA 13, H200) refused one row of x
@@ -72,41 +65,35 @@ class Fp8GemmConfig:
     block_n: int = 64         # output columns (W rows) per program; power of two >= 16
     num_warps: int = 4
     num_stages: int = 3
-    # Quantize x once first (kernels/fp8_quant.py) and read it in 8 bits, instead of in the
-    # K loop of every column program: the same values, one more launch.
-    prequantize: bool = False
 
     def __post_init__(self) -> None:
-        check_tile_config(self, ("block_m", "block_n"), flags=("prequantize",))
+        check_tile_config(self, ("block_m", "block_n"))
 
 
 # Swept on an H200 at Qwen3-0.6B and -8B shapes, both scale modes (docs/tuning.md, "FP8"):
-# x quantized once first won at every size, and above 64 rows 64 x 128 tiles were near the
-# fastest at every shape.
-MANY_ROWS_CONFIG = Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, prequantize=True)
+# above 64 rows 64 x 128 tiles were near the fastest at every shape.
+MANY_ROWS_CONFIG = Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
 
 
 def default_config(rows: int) -> Fp8GemmConfig:
     """The tiles for ``rows`` rows of x: up to 64 the smallest row block (16, 32 or 64) that
-    holds them and 64 columns, above it ``MANY_ROWS_CONFIG``; x quantized first in both."""
+    holds them and 64 columns, above it ``MANY_ROWS_CONFIG``."""
     if rows > 64:
         return MANY_ROWS_CONFIG
-    return Fp8GemmConfig(block_m=16 if rows <= 16 else 32 if rows <= 32 else 64, prequantize=True)
+    return Fp8GemmConfig(block_m=16 if rows <= 16 else 32 if rows <= 32 else 64)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
-    x_ptr,                  # (M, K) bf16/fp16, last dim contiguous; X_FP8: e4m3, contiguous
-    xs_ptr,                 # X_FP8: x's float32 scales, (M, cdiv(K, GROUP)) or (M, 1); else unread
+    x_ptr,                  # (M, K) e4m3, contiguous: x quantized (fp8_quant.quantize_activations)
+    xs_ptr,                 # x's float32 scales, (M, cdiv(K, GROUP)) (BLOCK_SCALES) or (M, 1)
     w_ptr,                  # (N, K) float8e4nv contiguous
     ws_ptr,                 # BLOCK_SCALES: (cdiv(N, GROUP), cdiv(K, GROUP)) float32; else (N,) float32
-    y_ptr,                  # (M, N) contiguous, x's dtype
+    y_ptr,                  # (M, N) contiguous, the unquantized x's dtype
     M, N, K,
     stride_xm,
     BLOCK_SCALES: tl.constexpr,  # 128x128 weight blocks with per-group activation scales; else per channel
-    X_FP8: tl.constexpr,         # x quantized already (fp8_quant.quantize_activations)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    EXACT_CAST: tl.constexpr,    # CPU interpreter: round to e4m3 before the cast (module doc)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,56 +106,24 @@ def _fp8_gemm_kernel(
     if BLOCK_SCALES:
         ws_rows = ws_ptr + (cols // GROUP) * tl.cdiv(K, GROUP)           # (BLOCK_N,)
         for k0 in range(0, K, GROUP):
-            if X_FP8:
-                xq = _x8_tile(x_rows, k0 + offs_k, row_ok, K)
-                xs = tl.load(xs_ptr + rows * tl.cdiv(K, GROUP) + k0 // GROUP, mask=row_ok, other=0.0)
-            else:
-                x = _x_tile(x_rows, k0 + offs_k, row_ok, K)
-                xs, inv = e4m3_scales(tl.max(tl.abs(x), axis=1))
-                xq = quantize_e4m3(x, inv[:, None], EXACT_CAST)
-            d = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K))
+            xq = x_tile(x_rows, k0 + offs_k, row_ok, K)
+            xs = tl.load(xs_ptr + rows * tl.cdiv(K, GROUP) + k0 // GROUP, mask=row_ok, other=0.0)
+            d = tl.dot(xq, wt_tile(w_cols, k0 + offs_k, col_ok, K))
             ws = tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)
             acc += d * xs[:, None] * ws[None, :]
     else:
-        if X_FP8:
-            for k0 in range(0, K, GROUP):
-                acc = tl.dot(_x8_tile(x_rows, k0 + offs_k, row_ok, K), _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)
-            xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
-        else:
-            amax = tl.zeros((BLOCK_M,), tl.float32)
-            for k0 in range(0, K, GROUP):
-                amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, k0 + offs_k, row_ok, K)), axis=1))
-            xs, inv = e4m3_scales(amax)
-            for k0 in range(0, K, GROUP):
-                xq = quantize_e4m3(_x_tile(x_rows, k0 + offs_k, row_ok, K), inv[:, None], EXACT_CAST)
-                acc = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)
+        for k0 in range(0, K, GROUP):
+            acc = tl.dot(x_tile(x_rows, k0 + offs_k, row_ok, K), wt_tile(w_cols, k0 + offs_k, col_ok, K), acc)
+        xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
         acc = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _x_tile(x_rows, k, row_ok, K):
-    """x at these rows and columns ``k`` in fp32, 0 where masked off."""
-    return _x8_tile(x_rows, k, row_ok, K).to(tl.float32)
-
-
-@triton.jit
-def _x8_tile(x_rows, k, row_ok, K):
-    """x at these rows and columns ``k`` as stored (e4m3 when prequantized), 0 where masked off."""
-    return tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _w_tile(w_cols, k, col_ok, K):
-    """The (GROUP, BLOCK_N) tile of W^T at rows ``k``, 0 where masked off."""
-    return tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
-
-
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode,
              config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """``x @ W^T`` (M, N) in x's dtype for fp8 W with scales of ``mode`` (module doc), x
-    quantized per token (and 128-column group in block mode) on the fly.
+    quantized per token (and 128-column group in block mode) first.
 
     Args:
         x: (M, K) bf16 / fp16 with a contiguous last dimension.
@@ -191,14 +146,11 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         return y
     if k == 0:
         return y.zero_()
-    x_scales = x  # unread unless prequantized
-    if config.prequantize:
-        from minivllm.kernels.fp8_quant import quantize_activations
-        x, x_scales = quantize_activations(x, mode)
+    xq, x_scales = quantize_activations(x, mode)
     _fp8_gemm_kernel[(triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))](
-        x, x_scales, weight, weight_scale, y, m, n, k, x.stride(0),
-        BLOCK_SCALES=mode == "block", X_FP8=config.prequantize, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        GROUP=FP8_GROUP, EXACT_CAST=exact_cast(x), num_warps=config.num_warps, num_stages=config.num_stages,
+        xq, x_scales, weight, weight_scale, y, m, n, k, xq.stride(0),
+        BLOCK_SCALES=mode == "block", BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=FP8_GROUP,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 

@@ -19,7 +19,7 @@ In block mode each weight is dequantized as the reference dequantizes it (one fp
 product), so the two differ only in the order of the fp32 sum.
 
 The input may be computed as the W tiles stream, as the 16-bit one-row GEMV computes it
-(``kernels/gemv.py``, its helpers, so the same rounding): ``gated``, ``silu(gate) * up`` of
+(the helpers of ``kernels/_gemv_tiles.py``, so the same rounding): ``gated``, ``silu(gate) * up`` of
 x = [gate | up] (the MLP's down projection without an activation launch), or, through
 :func:`rms_norm_fp8_gemv`, RMSNorm(x + residual) (a decode layer's residual add and norm
 without a launch of their own; program 0 writes x + residual as the new residual stream). With ``pdl=True`` the first
@@ -40,10 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels._fp8_tiles import scaled_tile
+from minivllm.kernels._gemv_tiles import input_rstd, one_row_input, w_tile
 from minivllm.kernels._launch import check_dtype, check_power_of_two, check_tile_config, next_pow2, takes_pdl
 from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
 from minivllm.kernels.fp8_gemm import check_args
-from minivllm.kernels.gemv import NORM_BLOCK_MAX, _input_rstd, _one_row_input, _w_tile
+from minivllm.kernels.gemv import NORM_BLOCK_MAX
 
 
 @dataclass(frozen=True)
@@ -104,16 +106,16 @@ def _fp8_gemv_kernel(
     rstd = 0.0
     k_start = 0
     if PDL or NORM:  # W's first tile loads before the wait (PDL) or during the statistics pass (NORM)
-        w = _w_tile(w_rows, offs_k, col_ok, K, EVEN_N, EVEN_K)
+        w = w_tile(w_rows, offs_k, col_ok, K, EVEN_N, EVEN_K)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if NORM:
-            rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK)
+            rstd = input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK)
         acc = _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, 0, offs_k, col_ok, K, acc, BLOCK_SCALES,
                               EVEN_K, GROUP, GATED, NORM, HAS_RESIDUAL)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = _w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
+        w = w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
         acc = _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k0, k0 + offs_k, col_ok, K, acc,
                               BLOCK_SCALES, EVEN_K, GROUP, GATED, NORM, HAS_RESIDUAL)
     if PDL:  # W is streamed: the next GEMV may load its first tile during this one's stores
@@ -129,31 +131,10 @@ def _scaled_product(w, ws_rows, x_ptr, r_ptr, nw_ptr, rstd, k0, k, col_ok, K, ac
                     EVEN_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """``acc + w' * x[k]`` for the fp8 tile ``w`` at columns ``k`` = k0 + (0..BLOCK_K)
-    (``scaled_tile``), x the input row as GATED / NORM make it (``gemv._one_row_input``)."""
+    (``scaled_tile``), x the input row as GATED / NORM make it (``one_row_input``)."""
     mask = None if EVEN_K else k < K
-    x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED, NORM, HAS_RESIDUAL)
+    x = one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED, NORM, HAS_RESIDUAL)
     return acc + scaled_tile(w, ws_rows, k0, col_ok, K, BLOCK_SCALES, GROUP) * x.to(tl.float32)[None, :]
-
-
-@triton.jit
-def scaled_tile(w, ws_rows, k0, col_ok, K, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr):
-    """The fp8 tile ``w`` (BLOCK_N, BLOCK_K) starting at column ``k0`` in fp32, times its
-    block scales (BLOCK_SCALES: the rows' scales at ``ws_rows``, cdiv(K, GROUP) a row); else
-    as it is (a channel scale comes after the sum). A tile is one scale group or part of one
-    (one scale a row: a (BLOCK_N,) load), or whole groups (a (BLOCK_N, groups) load, the
-    tile seen as (BLOCK_N, groups, GROUP)); a power-of-two step is always one or the other.
-    (A scale loaded for every element made the GEMV 20-30 times slower on an H200.)"""
-    w32 = w.to(tl.float32)
-    if BLOCK_SCALES:
-        if w.shape[1] <= GROUP:
-            w32 = w32 * tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)[:, None]
-        else:
-            groups: tl.constexpr = w.shape[1] // GROUP
-            g = k0 // GROUP + tl.arange(0, groups)
-            s = tl.load(ws_rows[:, None] + g[None, :], mask=col_ok[:, None] & (g < tl.cdiv(K, GROUP))[None, :],
-                        other=0.0)
-            w32 = tl.reshape(tl.reshape(w32, (w.shape[0], groups, GROUP)) * s[:, :, None], w.shape)
-    return w32
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: ScaleMode,

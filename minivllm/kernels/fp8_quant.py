@@ -10,10 +10,8 @@ through the correctly rounded reciprocal)::
              q[row, cols] = e4m3(xt * (1 / s))    scales[row, g] = s
     channel: a first pass over the row for its amax, then the same per 128 columns
 
-The FP8 GEMM (``kernels/fp8_gemm.py``) takes x from here by default
-(``Fp8GemmConfig.prequantize``); without it, it quantizes x inside its K loop, once per
-column program, which on an H200 was slower (docs/tuning.md, "FP8"). The same values either
-way: the GEMM's in-loop quantization and this kernel apply one rule.
+The FP8 GEMM (``kernels/fp8_gemm.py``) takes x from here: quantized once, not inside its K
+loop once per column program, which on an H200 was slower (docs/tuning.md, "FP8").
 
 Torch reference: :func:`minivllm.kernels.fp8.quantize_fp8_per_token_group` ("block") and
 :func:`minivllm.kernels.fp8.quantize_fp8_per_token` ("channel").
@@ -44,7 +42,7 @@ def _quantize_kernel(
     GROUP: tl.constexpr,
     EXACT_CAST: tl.constexpr,
 ):
-    # The row as a (1, GROUP) tile, so the GEMM's own scale and rounding helpers apply.
+    # The row as a (1, GROUP) tile, so fp8.py's scale and rounding helpers apply as to a GEMM's tiles.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, GROUP)[None, :]
     x_row = x_ptr + row * stride_xm

@@ -31,8 +31,9 @@ The rounding points after the fp32 sums are the 16-bit ones. The fp8 ``tl.dot`` 
 tensor cores (compute capability 8.9 or later). Block scales need I to be a
 multiple of 128, so that no scale block holds both gate and up rows (the up rows' scales
 start at block row I / 128). Which scales the weights carry follows from their rank
-(:func:`check_experts`). The requantization per column program and its cost are as in
-``kernels/fp8_gemm.py``'s doc. The layer's tiles, by rows per expert: :func:`default_tiles`.
+(:func:`check_experts`). Each column program quantizes its rows anew, at the cost of a
+few ALU ops per element beside the dot (the dense GEMM quantizes x once first instead:
+``kernels/fp8_gemm.py``). The layer's tiles, by rows per expert: :func:`default_tiles`.
 
 Torch references: :func:`minivllm.kernels.reference.fused_moe_reference`, and
 :func:`~minivllm.kernels.reference.fused_moe_fp8_reference` for FP8 experts.
@@ -47,12 +48,13 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels._fp8_tiles import expert_scale_ptrs
+from minivllm.kernels._gemm_tiles import wt_tile, x_tile
 from minivllm.kernels._launch import (
     check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, check_tile_config, takes_pdl,
     upcast_dot,
 )
 from minivllm.kernels.fp8 import FP8_DTYPE, FP8_GROUP, ScaleMode, e4m3_scales, exact_cast, quantize_e4m3
-from minivllm.kernels.fp8_gemm import _w_tile, _x_tile
 from minivllm.kernels.moe_align import MoeAlignment
 from minivllm.kernels.moe_sum import moe_sum
 from minivllm.kernels.silu_and_mul import gated_silu
@@ -144,8 +146,8 @@ def _grouped_gemm_kernel(
         w_ptrs = w_ptr + expert.to(tl.int64) * w_rows * K + cols.to(tl.int64)[None, :] * K  # (1, BLOCK_N)
         if FP8:  # the up rows' scales: rows N + cols (on a block edge: N % GROUP == 0)
             acc, acc_up = _fp8_products(
-                a_ptrs, w_ptrs, _scale_ptrs(ws_ptr, expert, w_rows, cols, K, BLOCK_SCALES, GROUP),
-                _scale_ptrs(ws_ptr, expert, w_rows, N + cols, K, BLOCK_SCALES, GROUP), row_ok, col_ok, N, K,
+                a_ptrs, w_ptrs, expert_scale_ptrs(ws_ptr, expert, w_rows, cols, K, BLOCK_SCALES, GROUP),
+                expert_scale_ptrs(ws_ptr, expert, w_rows, N + cols, K, BLOCK_SCALES, GROUP), row_ok, col_ok, N, K,
                 GATED, BLOCK_SCALES, BLOCK_M, BLOCK_N, GROUP, EXACT_CAST)
         else:
             acc, acc_up = _products(a_ptrs, w_ptrs, row_ok, col_ok, N, K, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -169,9 +171,9 @@ def _products(a_ptrs, w_ptrs, row_ok, col_ok, N, K, GATED: tl.constexpr, BLOCK_M
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptrs + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        acc = _dot(a, _w_tile(w_ptrs, k, col_ok, K), acc, DOT_PRECISION, UPCAST_DOT)   # W^T tile (BLOCK_K, BLOCK_N)
+        acc = _dot(a, wt_tile(w_ptrs, k, col_ok, K), acc, DOT_PRECISION, UPCAST_DOT)   # W^T tile (BLOCK_K, BLOCK_N)
         if GATED:
-            acc_up = _dot(a, _w_tile(w_ptrs + N * K, k, col_ok, K), acc_up, DOT_PRECISION, UPCAST_DOT)
+            acc_up = _dot(a, wt_tile(w_ptrs + N * K, k, col_ok, K), acc_up, DOT_PRECISION, UPCAST_DOT)
     return acc, acc_up
 
 
@@ -189,24 +191,24 @@ def _fp8_products(a_ptrs, w_ptrs, ws_gate, ws_up, row_ok, col_ok, N, K, GATED: t
                   BLOCK_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                   EXACT_CAST: tl.constexpr):
     """What :func:`_products` returns for e4m3 W with its scales at ``ws_gate`` / ``ws_up``
-    (:func:`_scale_ptrs`), a quantized per row and group (BLOCK_SCALES) or per row (module doc)."""
+    (``expert_scale_ptrs``), a quantized per row and group (BLOCK_SCALES) or per row (module doc)."""
     offs_k = tl.arange(0, GROUP)
     if not BLOCK_SCALES:  # one scale a row over all of K: a first pass over a
         amax = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, GROUP):
-            amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(a_ptrs, k0 + offs_k, row_ok, K)), axis=1))
+            amax = tl.maximum(amax, tl.max(tl.abs(x_tile(a_ptrs, k0 + offs_k, row_ok, K).to(tl.float32)), axis=1))
         xs, inv = e4m3_scales(amax)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, GROUP):
-        a = _x_tile(a_ptrs, k0 + offs_k, row_ok, K)                           # (BLOCK_M, GROUP) fp32
+        a = x_tile(a_ptrs, k0 + offs_k, row_ok, K).to(tl.float32)             # (BLOCK_M, GROUP)
         if BLOCK_SCALES:
             xs, inv = e4m3_scales(tl.max(tl.abs(a), axis=1))
         aq = quantize_e4m3(a, inv[:, None], EXACT_CAST)
-        acc = _fp8_dot(aq, _w_tile(w_ptrs, k0 + offs_k, col_ok, K), acc, xs, ws_gate + k0 // GROUP, col_ok,
+        acc = _fp8_dot(aq, wt_tile(w_ptrs, k0 + offs_k, col_ok, K), acc, xs, ws_gate + k0 // GROUP, col_ok,
                        BLOCK_SCALES)
         if GATED:
-            acc_up = _fp8_dot(aq, _w_tile(w_ptrs + N * K, k0 + offs_k, col_ok, K), acc_up, xs, ws_up + k0 // GROUP,
+            acc_up = _fp8_dot(aq, wt_tile(w_ptrs + N * K, k0 + offs_k, col_ok, K), acc_up, xs, ws_up + k0 // GROUP,
                               col_ok, BLOCK_SCALES)
     if not BLOCK_SCALES:
         acc = acc * xs[:, None] * tl.load(ws_gate, mask=col_ok, other=0.0)[None, :]
@@ -225,20 +227,6 @@ def _fp8_dot(aq, w, acc, xs, ws_ptrs, col_ok, BLOCK_SCALES: tl.constexpr):
     else:
         acc = tl.dot(aq, w, acc)
     return acc
-
-
-@triton.jit
-def _scale_ptrs(ws_ptr, expert, rows, cols, K, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr):
-    """Pointers to the scales of rows ``cols`` of ``expert``'s (rows, K) weight: BLOCK_SCALES,
-    each row's first 128x128 block scale (the block of column k is k // GROUP further); else
-    its channel scale."""
-    expert = expert.to(tl.int64)
-    if BLOCK_SCALES:
-        k_blocks = tl.cdiv(K, GROUP)
-        ptrs = ws_ptr + expert * tl.cdiv(rows, GROUP) * k_blocks + (cols // GROUP) * k_blocks
-    else:
-        ptrs = ws_ptr + expert * rows + cols
-    return ptrs
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -56,12 +56,11 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels._gemv_tiles import input_rstd, one_row_input, w_tile, x_cols
 from minivllm.kernels._launch import (
     check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, check_tile_config,
     next_pow2, takes_pdl, upcast_dot,
 )
-from minivllm.kernels.rms_norm import add_residual, normalise
-from minivllm.kernels.silu_and_mul import gated_silu
 
 
 MAX_ROWS = 16  # tl.dot's smallest tile side: rows beyond would need a second M tile
@@ -153,12 +152,12 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_start = 0
     if PDL:  # W does not depend on the previous kernel: its first tile loads before the wait
-        w = _w_tile(w_rows, offs_k, col_ok, K, EVEN_N, EVEN_K)
+        w = w_tile(w_rows, offs_k, col_ok, K, EVEN_N, EVEN_K)
         tl.extra.cuda.gdc_wait()
         acc = _tile_dot(w, x_rows, offs_k, row_ok, K, acc, UPCAST_DOT, GATED)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
-        w = _w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
+        w = w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
         acc = _tile_dot(w, x_rows, k0 + offs_k, row_ok, K, acc, UPCAST_DOT, GATED)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -169,39 +168,9 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _w_tile(w_rows, k, col_ok, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """This program's (BLOCK_N, BLOCK_K) tile of W at columns ``k``."""
-    if EVEN_N and EVEN_K:
-        w = tl.load(w_rows + k[None, :])
-    else:
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
-    return w
-
-
-@triton.jit
-def _x_cols(x_ptrs, k, mask, K, GATED: tl.constexpr):
-    """x at columns ``k`` (0 where masked off); GATED: silu(gate) * up of x = [gate | up], gate
-    at columns ``k`` and up K columns to the right, rounded as the SiLU-and-mul kernel rounds."""
-    x = _masked_load(x_ptrs + k, mask)
-    if GATED:
-        x = gated_silu(x, _masked_load(x_ptrs + K + k, mask), x.dtype)
-    return x
-
-
-@triton.jit
-def _masked_load(ptrs, mask):
-    """``ptrs``' values, 0 where ``mask`` is False (``mask`` None: every one)."""
-    if mask is None:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
 def _tile_dot(w, x_rows, k, row_ok, K, acc, UPCAST_DOT: tl.constexpr, GATED: tl.constexpr):
     """``acc + w @ x[:, k]^T`` for x's (padded) rows at columns ``k``."""
-    x = _x_cols(x_rows, k[None, :], row_ok[:, None] & (k < K)[None, :], K, GATED)
+    x = x_cols(x_rows, k[None, :], row_ok[:, None] & (k < K)[None, :], K, GATED)
     if UPCAST_DOT:
         w = w.to(tl.float32)
         x = x.to(tl.float32)
@@ -222,15 +191,15 @@ def _one_row(x_ptr, w_ptr, bias_ptr, y_ptr, r_ptr, r_out_ptr, nw_ptr, N, K, eps,
     rstd = 0.0
     k_start = 0
     if PDL or NORM:  # as in _gemv_kernel; NORM: the first W tile streams during the statistics pass
-        w = _w_tile(w_rows, offs_k, col_ok, K, EVEN_N, EVEN_K)
+        w = w_tile(w_rows, offs_k, col_ok, K, EVEN_N, EVEN_K)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if NORM:
-            rstd = _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK)
+            rstd = input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL, NORM_BLOCK)
         acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, offs_k, K, acc, EVEN_K, GATED, NORM, HAS_RESIDUAL)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = _w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
+        w = w_tile(w_rows, k0 + offs_k, col_ok, K, EVEN_N, EVEN_K)
         acc = _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k0 + offs_k, K, acc, EVEN_K, GATED, NORM, HAS_RESIDUAL)
     if PDL:  # W is streamed: the next GEMV may load its first tile during this one's stores
         tl.extra.cuda.gdc_launch_dependents()
@@ -246,50 +215,10 @@ def _row_product(w, x_ptr, r_ptr, nw_ptr, rstd, k, K, acc, EVEN_K: tl.constexpr,
     """``acc + w * x[k]`` (fp32 products, summed over K by the caller at the end); NORM: x[k]
     is the normalised ``x + residual`` (residual at ``r_ptr``, norm weight at ``nw_ptr``)."""
     if EVEN_K:
-        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, None, K, GATED, NORM, HAS_RESIDUAL)
+        x = one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, None, K, GATED, NORM, HAS_RESIDUAL)
     else:
-        x = _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, k < K, K, GATED, NORM, HAS_RESIDUAL)
+        x = one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, k < K, K, GATED, NORM, HAS_RESIDUAL)
     return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
-
-
-@triton.jit
-def _one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED: tl.constexpr, NORM: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr):
-    """The input row at columns ``k``: x, silu(gate) * up (GATED), or NORM: the RMSNorm kernel's
-    output for ``x + residual`` given its ``rstd`` (the same rounding: ``rms_norm.normalise``)."""
-    if NORM:
-        s = _residual_sum(x_ptr, r_ptr, k, mask, HAS_RESIDUAL)
-        x = normalise(s, _masked_load(nw_ptr + k, mask).to(tl.float32), rstd).to(s.dtype)
-    else:
-        x = _x_cols(x_ptr, k, mask, K, GATED)
-    return x
-
-
-@triton.jit
-def _residual_sum(x_ptr, r_ptr, k, mask, HAS_RESIDUAL: tl.constexpr):
-    """x at columns ``k``, or ``x + residual`` rounded as the RMSNorm kernel rounds it
-    (``rms_norm.add_residual``)."""
-    x = _masked_load(x_ptr + k, mask)
-    if HAS_RESIDUAL:
-        x = add_residual(x, _masked_load(r_ptr + k, mask))
-    return x
-
-
-@triton.jit
-def _input_rstd(x_ptr, r_ptr, r_out_ptr, K, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """``1 / sqrt(mean(s^2) + eps)`` of the row s = x [+ residual] (fp32 sums, BLOCK columns a
-    step; every program computes it, from L2). HAS_RESIDUAL: program 0 also writes s to r_out,
-    a buffer no program reads (the new residual stream)."""
-    sq = tl.zeros((BLOCK,), tl.float32)
-    for k0 in range(0, K, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        s = _residual_sum(x_ptr, r_ptr, k, k < K, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            if tl.program_id(0) == 0:
-                tl.store(r_out_ptr + k, s, mask=k < K)
-        s32 = s.to(tl.float32)
-        sq += s32 * s32
-    return tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,

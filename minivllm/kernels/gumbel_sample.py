@@ -5,7 +5,7 @@ uniforms it needs *in the kernel* from a counter-based hash (no (S, V) noise
 tensor in memory), and keeps a per-lane running (value, index) maximum. Greedy
 rows in the same launch take the plain argmax of the logits. A per-row ``floor``
 (optional) drops tokens whose logit is below it: top-k, top-p and min-p all
-reduce to such a threshold (see ``minivllm/layers/sampler.py``). It applies to
+reduce to such a threshold (see ``minivllm/sampler/sampler.py``). It applies to
 the raw logit, before the division by T, so the comparison cannot depend on how
 two libraries round a division: a floor that *is* a row's logit keeps that token.
 
@@ -29,7 +29,7 @@ Vocab-parallel (tensor parallelism): a rank holding the columns ``[col_offset,
 col_offset + V_shard)`` of every row runs :func:`gumbel_best` on its shard with that
 offset: the noise of a column depends on its *global* index, so each rank's winner is
 the full row's winner restricted to its columns, and the row's token is the best of
-the ranks' (value, index) pairs (``layers/sampler.py``), the same token as sampling the
+the ranks' (value, index) pairs (``sampler/sampler.py``), the same token as sampling the
 gathered row.
 
 Torch reference: :func:`gumbel_sample_reference` (below), token-for-token the same

@@ -45,12 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels._fp8_tiles import expert_scale_ptrs, scaled_tile
+from minivllm.kernels._gemv_tiles import w_tile
 from minivllm.kernels._launch import (check_dtype, check_power_of_two, check_same_device, check_tile_config, next_pow2,
                                       takes_pdl)
 from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
-from minivllm.kernels.fp8_gemv import scaled_tile
-from minivllm.kernels.fused_moe import _scale_ptrs, check_experts
-from minivllm.kernels.gemv import _w_tile
+from minivllm.kernels.fused_moe import check_experts
 from minivllm.kernels.silu_and_mul import gated_silu
 
 
@@ -81,12 +81,12 @@ def _rows_dot(w_rows, ws_rows, x_row, K, row_ok, FP8: tl.constexpr, BLOCK_SCALES
               BLOCK_K: tl.constexpr, GROUP: tl.constexpr, NUM_STAGES: tl.constexpr):
     """(R,) fp32: each weight row at ``w_rows`` (R, 1) dotted with the one x row at ``x_row``,
     products kept per (row, k lane) and summed at the end. FP8: the rows' scales at
-    ``ws_rows`` (``fused_moe._scale_ptrs``), block scales on each weight, a channel scale on
+    ``ws_rows`` (``expert_scale_ptrs``), block scales on each weight, a channel scale on
     the sum."""
     acc = tl.zeros((w_rows.shape[0], BLOCK_K), tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = scaled_tile(_w_tile(w_rows, k, row_ok, K, False, False), ws_rows, k0, row_ok, K, BLOCK_SCALES, GROUP)
+        w = scaled_tile(w_tile(w_rows, k, row_ok, K, False, False), ws_rows, k0, row_ok, K, BLOCK_SCALES, GROUP)
         acc += w * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if FP8 and not BLOCK_SCALES:
@@ -116,7 +116,7 @@ def _gate_up_kernel(
     row_ok = cols < I
     w_row = (r % 2) * I + cols                                   # row of expert's (2I, H) matrix
     y = _rows_dot(w13_ptr + expert * 2 * I * H + w_row.to(tl.int64)[:, None] * H,
-                  _scale_ptrs(ws_ptr, expert, 2 * I, w_row, H, BLOCK_SCALES, GROUP),
+                  expert_scale_ptrs(ws_ptr, expert, 2 * I, w_row, H, BLOCK_SCALES, GROUP),
                   x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, H, row_ok,
                   FP8, BLOCK_SCALES, BLOCK_K, GROUP, NUM_STAGES)
     if PDL:
@@ -155,7 +155,7 @@ def _down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (choice < TOP_K)[:, None] & (cols < H)[None, :]                     # (C, N)
     w_rows = w2_ptr + expert[:, None] * H * I + cols.to(tl.int64)[None, :] * I
-    s_rows = _scale_ptrs(ws_ptr, expert[:, None], H, cols[None, :], I, BLOCK_SCALES, GROUP)   # (C, N)
+    s_rows = expert_scale_ptrs(ws_ptr, expert[:, None], H, cols[None, :], I, BLOCK_SCALES, GROUP)   # (C, N)
     acc = tl.zeros((TOP_K_POW2, BLOCK_N, SUB_K), tl.float32)
     for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
         for k1 in tl.static_range(0, BLOCK_K, SUB_K):

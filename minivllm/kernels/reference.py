@@ -189,9 +189,11 @@ def vocab_shard_embedding_reference(ids: torch.Tensor, weight: torch.Tensor, voc
 def moe_topk_reference(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``kernels/moe_topk.py`` returns for router logits (T, E): ``(weights, ids)``
     (T, top_k), largest first, as transformers' Qwen3-MoE router: softmax in float32, top-k,
-    divided by the sum when ``norm_topk_prob``; ids int32."""
+    divided by the sum when ``norm_topk_prob``; ids int32. Ties pick the lower expert index,
+    as the kernel does (torch.topk leaves that order unspecified), hence a stable sort."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[..., :top_k], ids[..., :top_k]
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
@@ -295,3 +297,26 @@ def _fp8_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = linear(act, w2[e], w2_scale[e], mode).float() * topk_weights[token, slot, None]    # (n, H)
         out.index_add_(0, token, y)
     return out.to(x.dtype)
+
+
+def moe_reference(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """(T, H) -> (T, H): this rank's partial sum of the routed experts, as transformers'
+    ``Qwen3MoeSparseMoeBlock`` computes it: router logits in x's dtype, softmax and top-k in
+    float32 (renormalised when ``norm_topk_prob``; ties to the lower expert, as the kernels:
+    :func:`moe_topk_reference`), the weights back in x's dtype, each expert a SiLU-gated MLP
+    over its tokens, weighted and summed per token."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the torch reference experts route on the host and cannot be captured in a "
+                           "CUDA graph: use the Triton kernels or enforce_eager=True")
+    weights, ids = moe_topk_reference(F.linear(x, router), top_k, norm_topk_prob)  # (T, k)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    local = down.shape[2]
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gu = F.linear(x[token], gate_up[e])                                      # (n, 2 I_local)
+        act = F.silu(gu[:, :local]) * gu[:, local:]
+        y = F.linear(act, down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out

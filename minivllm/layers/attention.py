@@ -1,5 +1,5 @@
 """Paged attention: the per-step metadata and the ``Attention`` module (the kernels are
-chosen by ``Ops``, ``layers/ops.py``).
+chosen by ``Ops``, ``ops/dispatch.py``).
 
 No global forward context: the executor builds one frozen ``AttentionMetadata``
 per step and the model passes it down to every layer. The KV cache is one
@@ -24,21 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.config import KV_CACHE_DTYPES
-from minivllm.layers.linear import Loaded, ShardId, read_whole, set_weight_loader
+from minivllm.config import CacheConfig
+from minivllm.layers.weights import Loaded, ShardId, read_whole, set_weight_loader
 
 
 
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the KV cache (``CacheConfig.kv_cache_dtype``) of a model in ``model_dtype``:
-    "auto" the model's, "fp8" / "fp8_e4m3" e4m3.
-
-    Raises:
-        ValueError: another name.
-    """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+def kv_cache_torch_dtype(cache_config: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the KV cache of a model in ``model_dtype``: e4m3 for an FP8 cache
+    (``CacheConfig.fp8``), else the model's."""
+    return torch.float8_e4m3fn if cache_config.fp8 else model_dtype
 
 
 def kv_cache_scale() -> nn.Parameter:

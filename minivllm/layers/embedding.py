@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import cdiv
-from minivllm.kernels.reference import vocab_shard_embedding_reference
-from minivllm.layers.all_reduce import Communicator
-from minivllm.layers.linear import Loaded, ShardId, check_tp, load_slice, set_weight_loader
+from minivllm.ops.communicator import Communicator
+from minivllm.layers.weights import Loaded, ShardId, check_tp, load_slice, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding whose rows are split across ranks by vocabulary range."""
+    """Token embedding whose rows are split across ranks by vocabulary range; the decoder looks
+    rows up through ``Ops.embed``, which also sums the ranks' rows."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
@@ -54,13 +54,6 @@ class VocabParallelEmbedding(nn.Module):
         load_slice(param.data[:n], loaded, 0, self.vocab_start, self.num_embeddings, type(self).__name__)
         with torch.no_grad():
             param.data[n:].zero_()
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, dim)
-        """This rank's rows of the ids in its range, zeros for the others (the torch reference,
-        no collective: the decoder calls ``Ops.embed``, which also sums over ranks)."""
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        return vocab_shard_embedding_reference(input_ids, self.weight, self.vocab_start, self.vocab_end)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -28,10 +28,9 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig, cdiv
-from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_per_channel
-from minivllm.layers.linear import (
-    FP8_BLOCK_SIDE, Loaded, ShardId, block_scale_parameter, divide, load_slice, set_weight_loader,
-)
+from minivllm.ops.dispatch import FP8_DTYPE, quantize_fp8_per_channel
+from minivllm.layers.linear import block_scale_parameter
+from minivllm.layers.weights import FP8_BLOCK_SIDE, Loaded, ShardId, divide, load_slice, set_weight_loader
 
 # Checkpoint projection name -> which part of the stacked tensors it fills.
 EXPERT_PROJECTIONS = {"gate_proj": 0, "up_proj": 1, "down_proj": None}
@@ -154,29 +153,3 @@ def expert_shard(parts: list[str]) -> tuple[int, str, ShardId] | None:
             stacked = ("down_proj" if part is None else "gate_up_proj") + EXPERT_TENSORS[parts[i + 3]]
             return i, stacked, (e if part is None else (e, part))
     return None
-
-
-def moe_reference(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  top_k: int, norm_topk_prob: bool) -> torch.Tensor:
-    """(T, H) -> (T, H): this rank's partial sum of the routed experts, as transformers'
-    ``Qwen3MoeSparseMoeBlock`` computes it: router logits in x's dtype, softmax and top-k in
-    float32 (renormalised when ``norm_topk_prob``), the weights back in x's dtype, each
-    expert a SiLU-gated MLP over its tokens, weighted and summed per token."""
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the torch reference experts route on the host and cannot be captured in a "
-                           "CUDA graph: use the Triton kernels or enforce_eager=True")
-    logits = torch.nn.functional.linear(x, router)                              # (T, E)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)                             # (T, k)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(x.dtype)
-    out = torch.zeros_like(x)
-    local = down.shape[2]
-    for e in torch.unique(ids).tolist():
-        token, slot = torch.where(ids == e)
-        gu = torch.nn.functional.linear(x[token], gate_up[e])                   # (n, 2 I_local)
-        act = torch.nn.functional.silu(gu[:, :local]) * gu[:, local:]
-        y = torch.nn.functional.linear(act, down[e]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out

@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from minivllm.config import Llama3RopeScaling
-from minivllm.kernels.reference import rope_ref
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to queries and keys from a position-indexed cos/sin cache.
+    """RoPE's position-indexed cos/sin table, which the fused q/k-norm + RoPE op
+    (``Ops.qk_norm_rope_store``) reads, and the check of the positions it is indexed by.
 
     Args:
         head_dim: D, even.
@@ -69,17 +69,6 @@ class RotaryEmbedding(nn.Module):
                 f"positions must be in [0, {self.max_position}) (max_position_embeddings), got "
                 f"[{int(positions.min())}, {int(positions.max())}]"
             )
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` (T, H, D) and ``k`` (T, Hkv, D) by the angles of ``positions`` (T,).
-
-        Raises:
-            ValueError: (CPU only) a position outside the cache.
-        """
-        self.check_positions(positions)
-        return rope_ref(positions, q, k, self.cos_sin_cache)
 
 
 def llama3_scaled_frequencies(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Token-major throughout: a step's tokens from all sequences are concatenated into one
 (T, ...) batch; the attention metadata says which sequence each belongs to. Every op
-runs through the model's ``Ops`` (``minivllm/layers/ops.py``), which the executor built:
+runs through the model's ``Ops`` (``minivllm/ops/dispatch.py``), which the executor built:
 Triton kernels or torch references, the GEMV kernel, PDL, the tensor-parallel
 communicator. A layer has two forwards, chosen once per model forward from the batch
 shape (``Ops.few_rows``):
@@ -40,15 +40,11 @@ from torch import nn
 from minivllm.config import ModelConfig
 from minivllm.layers.attention import Attention, AttentionMetadata, kv_cache_scale
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    ShardId,
-)
+from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minivllm.layers.weights import ShardId
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.ops import Ops
+from minivllm.ops.dispatch import Ops
 from minivllm.layers.rotary import RotaryEmbedding
 
 # Checkpoint module name -> (our packed module, shard id in it); the same for every family.

@@ -12,7 +12,8 @@ transformers' own GGUF path stays an independent reference for the tests.
 Everything GGUF-specific lives here, in three pieces:
 
 - ``hf_config(path)``: the metadata as a Hugging Face ``config.json`` dict, which
-  ``ModelConfig.from_hf_json`` (the one config reader) turns into our ``ModelConfig``;
+  ``ModelConfig.from_hf_dict`` (the one config reader) turns into our ``ModelConfig``
+  (``minivllm.model.hf_config.read_model_config``);
 - ``iter_gguf(path)``: the tensors under their Hugging Face names, for ``load_weights``;
 - ``load_gguf_tokenizer(path)``: transformers' tokenizer built from the ``tokenizer.*``
   metadata (vocabulary, merges, special ids, chat template).
@@ -21,7 +22,7 @@ What loads: architecture ``llama`` (-> ``LlamaForCausalLM``; SmolLM2 and Llama 3
 without frequency scaling), tensors of the types in ``SUPPORTED_TYPES``. What is
 refused with a ``ValueError`` naming it: any other architecture or tensor type,
 mixture-of-experts files, a ``rope_freqs`` tensor (llama.cpp's form of Llama 3.1's
-frequency scaling), and what ``ModelConfig.from_hf_json`` refuses (partial rotary,
+frequency scaling), and what ``ModelConfig.from_hf_dict`` refuses (partial rotary,
 RoPE scaling types it does not implement).
 
 llama.cpp's converter reorders the rows of Llama's q and k projections within every

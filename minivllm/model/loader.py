@@ -37,9 +37,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block
+from minivllm.config import FP8_WEIGHT_BLOCK
+from minivllm.ops.dispatch import FP8_DTYPE, quantize_fp8_block
 from minivllm.layers.embedding import VocabParallelEmbedding
-from minivllm.layers.linear import ShardId, get_shard_ids, get_weight_loader
+from minivllm.layers.weights import ShardId, get_shard_ids, get_weight_loader
 from minivllm.layers.moe import expert_shard
 from minivllm.layers.norm import RMSNorm
 from minivllm.model.gguf import GGUFTensor, is_gguf_file, iter_gguf
@@ -351,7 +352,8 @@ def _fill_dummy(module: nn.Module, short: str, name: str, param: nn.Parameter, s
             for i, (q, s) in enumerate(zip(param.view(-1, *param.shape[-2:]), scale.view(-1, *scale.shape[-2:]))):
                 w = torch.empty(q.shape, dtype=torch.float32, device=param.device).normal_(0.0, DUMMY_STD,
                                                                                          generator=generator)
-                q8, s8 = quantize_fp8_block(w)  # one matrix at a time (an expert's): a bounded temporary
+                # One matrix at a time (an expert's): a bounded temporary.
+                q8, s8 = quantize_fp8_block(w, FP8_WEIGHT_BLOCK)
                 q.copy_(q8)
                 s.copy_(s8)
         elif isinstance(module, RMSNorm):

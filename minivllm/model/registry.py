@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from minivllm.config import ModelConfig
-from minivllm.layers.ops import Ops
+from minivllm.ops.dispatch import Ops
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.qwen2 import Qwen2ForCausalLM

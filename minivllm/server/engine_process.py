@@ -42,8 +42,8 @@ from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 from minivllm import envs
-from minivllm.config import ModelConfig
 from minivllm.llm import LLM, load_tokenizer, resolve_model_path
+from minivllm.model.hf_config import read_model_config
 from minivllm.sampling import SamplingParams
 from minivllm.server.engine_loop import (AsyncEngine, EngineDeadError, StepOutput, admit_into, engine_counts,
                                          step_output)
@@ -72,7 +72,7 @@ class LLMFront:
 
     def __init__(self, model: str) -> None:
         path = resolve_model_path(model, weights=False)  # the engine process loads (or fills) them
-        self.model_config = ModelConfig.from_hf_json(path)
+        self.model_config = read_model_config(path)
         self.tokenizer = load_tokenizer(path)
 
 

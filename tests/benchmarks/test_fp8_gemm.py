@@ -123,6 +123,7 @@ def test_sweep_checks_every_tile_config_and_names_the_fastest(tmp_path: Path, mo
     for r in rows:
         swept = {n for n in r["results"] if "[" in n}
         assert len(swept) == (len(gemv_tiles) if r["M"] == 1 else 0) + len(gemm_tiles), r
+        assert {n for n in swept if n.startswith("fp8_gemm[")} == {"fp8_gemm[16x64 w4 s2]", "fp8_gemm[32x32 w4 s2]"}
         assert all(r["results"][n]["max_err"] >= 0 for n in swept)   # each checked against its reference
         assert r["best"] == {}                                      # untimed: nothing to rank
     assert "| fp8_gemm |" in report.render(report.load(tmp_path))

@@ -15,11 +15,11 @@ import torch
 
 from benchmarks import moe, report
 from benchmarks.fp8 import variant_path
-from benchmarks.qwen3_shapes import SMOKE_MOE_SHAPES, SMOKE_SHAPES, write_random_config
 from benchmarks.throughput import Workload
 from minivllm.config import ModelConfig
-from minivllm.layers.ops import MOE_GEMV_MAX_TOKENS, Ops
+from minivllm.ops.dispatch import MOE_GEMV_MAX_TOKENS, Ops
 from minivllm.model.registry import build_model
+from minivllm.testing import SMOKE_MOE_SHAPES, SMOKE_SHAPES, write_random_config
 
 BF16 = moe.WeightFormat(2)
 FP8 = moe.WeightFormat(2, fp8=True)
@@ -205,6 +205,7 @@ def test_kernel_row_checks_then_times_the_fp8_triton_experts(tiny_fp8, monkeypat
 
 
 def test_fp8_inputs_are_block_quantized_and_each_path_has_its_reference(tiny_fp8) -> None:
+    from minivllm.config import FP8_WEIGHT_BLOCK
     from minivllm.kernels.fp8 import FP8_DTYPE, dequantize_fp8_block
 
     inp = moe.kernel_inputs(tiny_fp8, 2, 2, 2, "cpu", torch.bfloat16, seed=0, fp8=True)
@@ -212,7 +213,7 @@ def test_fp8_inputs_are_block_quantized_and_each_path_has_its_reference(tiny_fp8
     w13, w2 = inp.operands(1)[2:]
     s13, s2 = inp.scales_of(1)
     assert s13.shape == (8, 2, 2) and s2.shape == (8, 2, 1) and s13.dtype == torch.float32
-    assert dequantize_fp8_block(w13[3], s13[3]).abs().max() > 0
+    assert dequantize_fp8_block(w13[3], s13[3], FP8_WEIGHT_BLOCK).abs().max() > 0
     x = inp.xs[0]
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     weights = torch.full((2, 2), 0.5)

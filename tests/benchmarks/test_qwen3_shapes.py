@@ -1,10 +1,10 @@
-"""``benchmarks.qwen3_shapes``: the TP=2 rank stand-in is exactly half of Qwen3-8B where
+"""The real model shapes of ``minivllm.testing``: the TP=2 rank stand-in is exactly half of Qwen3-8B where
 tensor parallelism splits it, and the same everywhere else; the smoke shapes make a
 consistent tiny model of every family."""
 
 from __future__ import annotations
 
-from benchmarks.qwen3_shapes import QWEN3_8B, QWEN3_8B_RANK_OF_2, SHAPES, SMOKE_SHAPES
+from minivllm.testing import QWEN3_8B, QWEN3_8B_RANK_OF_2, SHAPES, SMOKE_SHAPES
 
 SPLIT_BY_TP = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 

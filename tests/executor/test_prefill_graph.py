@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets  # noqa: E402
-from tests.model_utils import (  # noqa: E402
+from minivllm.testing import (  # noqa: E402
     TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model,
 )
 

@@ -36,7 +36,6 @@ from minivllm.kernels.merge_attention_splits import (  # noqa: E402
 )
 from minivllm.kernels.prefill_attention import PrefillConfig, default_config, prefill_attention  # noqa: E402
 from minivllm.kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
-from minivllm.kernels.store_kv import store_kv  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -79,41 +78,6 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
     """Every element finite and within the dtype's tolerance of the fp32 reference."""
     assert torch.isfinite(out).all(), "kernel output holds NaN/inf"
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-
-
-# ----------------------------------------------------------------------------- store_kv
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(1)
-    num_tokens, hkv, d, bs, n = 9, 3, 16, 4, 12
-    # key/value as strided views of a packed (T, Hq + 2 Hkv, D) projection, as the model produces them.
-    qkv = torch.randn(num_tokens, 4 + 2 * hkv, d, generator=gen).to(dtype)
-    key, value = qkv[:, 4:4 + hkv], qkv[:, 4 + hkv:]
-    slots = torch.randperm(n * bs, generator=gen)[:num_tokens]
-    slots[[2, 5]] = -1
-    k_cache = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
-    v_cache = torch.randn(n, bs, hkv, d, generator=gen).to(dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv_reference(key, value, k_ref, v_ref, slots)
-    store_kv(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-
-
-def test_store_kv_rejects_bad_arguments() -> None:
-    key = torch.randn(4, 2, 16)
-    cache = torch.zeros(3, 4, 2, 16)
-    slots = torch.arange(4)
-    with pytest.raises(TypeError, match="slot_mapping"):
-        store_kv(key, key, cache, cache, slots.float())
-    with pytest.raises(TypeError, match="k_cache"):
-        store_kv(key, key, cache.to(torch.int32), cache, slots)
-    with pytest.raises(ValueError, match="slot_mapping"):
-        store_kv(key, key, cache, cache, slots[:3])
-    with pytest.raises(ValueError, match="heads/head_dim"):
-        store_kv(key, key, torch.zeros(3, 4, 2, 32), torch.zeros(3, 4, 2, 32), slots)
-    with pytest.raises(ValueError, match="contiguous last dimension"):
-        store_kv(key.transpose(1, 2).contiguous().transpose(1, 2), key, cache, cache, slots)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -463,9 +427,9 @@ def test_prefill_default_configs() -> None:
         PrefillConfig(num_stages=0)
 
 
-def test_chunked_prefill_through_store_kv_equals_one_shot() -> None:
-    """store_kv + prefill over 3 chunks (each chunk sees the earlier ones through the
-    cache) gives the one-shot prefill's output, and decode agrees on the next token."""
+def test_chunked_prefill_equals_one_shot() -> None:
+    """Prefill over 3 chunks, each chunk's K/V stored first (each chunk sees the earlier ones
+    through the cache), gives the one-shot prefill's output, and decode agrees on the next token."""
     gen = torch.Generator().manual_seed(11)
     n, bs, h, hkv, d = 23, 4, 4, 2, 16
     table = torch.randperm(16, generator=gen)[: -(-(n + 1) // bs)].to(torch.int32)[None, :]
@@ -478,7 +442,7 @@ def test_chunked_prefill_through_store_kv_equals_one_shot() -> None:
 
     chunks = []
     for lo, hi in ((0, 10), (10, 11), (11, n)):
-        store_kv(keys[lo:hi], values[lo:hi], k_cache, v_cache, slots[lo:hi])
+        store_kv_reference(keys[lo:hi], values[lo:hi], k_cache, v_cache, slots[lo:hi])
         cu = torch.tensor([0, hi - lo], dtype=torch.int32)
         chunks.append(prefill_attention(q[lo:hi], k_cache, v_cache, cu, torch.tensor([hi], dtype=torch.int32),
                                         table, 0.25, hi - lo))
@@ -486,7 +450,7 @@ def test_chunked_prefill_through_store_kv_equals_one_shot() -> None:
                               torch.tensor([n], dtype=torch.int32), table, 0.25)
     assert_close(torch.cat(chunks), one_shot, torch.float32)
 
-    store_kv(keys[n:], values[n:], k_cache, v_cache, slots[n:])
+    store_kv_reference(keys[n:], values[n:], k_cache, v_cache, slots[n:])
     lens = torch.tensor([n + 1], dtype=torch.int32)
     dec = decode_attention(q[n:], k_cache, v_cache, lens, table, 0.25, num_splits=2)
     pre = prefill_attention(q[n:], k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32), lens, table, 0.25, 1)
@@ -644,7 +608,7 @@ def test_model_on_triton_kernels_matches_torch_references(tmp_path, monkeypatch)
     q/k-norm + RoPE + store kernel once, the RMSNorm kernel twice (and the final norm
     once) and the SiLU-and-mul kernel once."""
     from minivllm.kernels import qk_norm_rope_store as qk_mod, rms_norm as norm_mod, silu_and_mul as silu_mod
-    from tests.model_utils import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
+    from minivllm.testing import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
 
     path = save_hf_model(make_hf_model(TinyConfig()), tmp_path)
     bs = 4
@@ -681,7 +645,7 @@ def test_families_without_qk_norm_take_the_fused_kernel_without_norm(tmp_path, m
     layer's call passed no weights (a planted bug that normalised anyway, or skipped the
     kernel, fails here)."""
     from minivllm.kernels import qk_norm_rope_store as qk_mod
-    from tests.model_utils import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
+    from minivllm.testing import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
 
     path = save_hf_model(make_hf_model(TinyConfig(family="qwen2", hidden_size=64, head_dim=16)), tmp_path)
     bs = 4

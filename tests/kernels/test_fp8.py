@@ -18,9 +18,9 @@ from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8  # 
 from minivllm.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv  # noqa: E402
 from minivllm.kernels.fp8_quant import quantize_activations  # noqa: E402
 from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference  # noqa: E402
-from minivllm.config import Fp8Config  # noqa: E402
+from minivllm.config import FP8_WEIGHT_BLOCK, Fp8Config  # noqa: E402
 from minivllm.kernels.fp8 import (  # noqa: E402
-    FP8_DTYPE, round_to_e4m3, dequantize_fp8_block, dequantize_fp8_per_channel, dequantize_fp8_weight,
+    FP8_DTYPE, FP8_GROUP, round_to_e4m3, dequantize_fp8_block, dequantize_fp8_per_channel, dequantize_fp8_weight,
     quantize_fp8_block, quantize_fp8_per_channel, quantize_fp8_per_token, quantize_fp8_per_token_group,
 )
 
@@ -44,7 +44,7 @@ def activations(m: int, k: int = K, dtype: torch.dtype = torch.bfloat16, seed: i
 
 
 def quantized(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_fp8_block(w) if mode == "block" else quantize_fp8_per_channel(w)
+    return quantize_fp8_block(w, FP8_WEIGHT_BLOCK) if mode == "block" else quantize_fp8_per_channel(w)
 
 
 def assert_within_rounding(w: torch.Tensor, deq: torch.Tensor, scale: torch.Tensor, extra: float = 0.0) -> None:
@@ -69,11 +69,11 @@ def assert_sum_order_close(y: torch.Tensor, ref: torch.Tensor, magnitude: torch.
 @pytest.mark.parametrize("shape", [(N, K), (128, 256), (1, 5), (129, 127)])
 def test_block_round_trip_within_rounding(shape) -> None:
     w = weight(*shape)
-    q, s = quantize_fp8_block(w)
+    q, s = quantize_fp8_block(w, FP8_WEIGHT_BLOCK)
     assert q.dtype == FP8_DTYPE and q.shape == w.shape
     assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
     spread = s.repeat_interleave(128, 0)[:shape[0]].repeat_interleave(128, 1)[:, :shape[1]]
-    assert_within_rounding(w, dequantize_fp8_block(q, s), spread)
+    assert_within_rounding(w, dequantize_fp8_block(q, s, FP8_WEIGHT_BLOCK), spread)
     # Each block's largest magnitude maps to 448, partial edge blocks included.
     nb, kb = s.shape
     for i in range(nb):
@@ -88,7 +88,7 @@ def test_grid_values_are_kept_exactly() -> None:
     grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
     grid = grid[torch.isfinite(grid.float())].float()                 # 254 values, +-0 included
     w = torch.cat([grid, grid.new_full((2,), 448.0)]).view(2, 128) * 2.0 ** -3
-    q, s = quantize_fp8_block(w)
+    q, s = quantize_fp8_block(w, FP8_WEIGHT_BLOCK)
     assert s.item() == 2.0 ** -3
     assert torch.equal(q.float() * 2.0 ** -3, w)
 
@@ -97,11 +97,11 @@ def test_zero_blocks_get_a_finite_scale() -> None:
     w = weight(256, 256)
     w[:128, 128:] = 0
     for t in (w, torch.zeros(3, 7)):
-        q, s = quantize_fp8_block(t)
+        q, s = quantize_fp8_block(t, FP8_WEIGHT_BLOCK)
         assert torch.all(torch.isfinite(s)) and torch.all(s > 0)
-        assert torch.all(torch.isfinite(dequantize_fp8_block(q, s)))
-    q, s = quantize_fp8_block(w)
-    assert torch.all(q[:128, 128:].float() == 0) and torch.all(dequantize_fp8_block(q, s)[:128, 128:] == 0)
+        assert torch.all(torch.isfinite(dequantize_fp8_block(q, s, FP8_WEIGHT_BLOCK)))
+    q, s = quantize_fp8_block(w, FP8_WEIGHT_BLOCK)
+    assert torch.all(q[:128, 128:].float() == 0) and torch.all(dequantize_fp8_block(q, s, FP8_WEIGHT_BLOCK)[:128, 128:] == 0)
     q, s = quantize_fp8_per_channel(torch.zeros(4, 9))
     assert torch.all(torch.isfinite(s)) and torch.all(dequantize_fp8_per_channel(q, s) == 0)
 
@@ -125,19 +125,19 @@ def test_bfloat16_scales_dequantize_what_was_stored() -> None:
     """Values are quantized against the bf16-rounded scale: the round trip keeps its bound, up
     to the 2^-9 by which an amax element may saturate."""
     w = weight()
-    q, s = quantize_fp8_block(w, scale_dtype=torch.bfloat16)
+    q, s = quantize_fp8_block(w, FP8_WEIGHT_BLOCK, scale_dtype=torch.bfloat16)
     assert s.dtype == torch.bfloat16
     spread = s.float().repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
-    assert_within_rounding(w, dequantize_fp8_block(q, s), spread, extra=2.0 ** -9)
+    assert_within_rounding(w, dequantize_fp8_block(q, s, FP8_WEIGHT_BLOCK), spread, extra=2.0 ** -9)
 
 
 @pytest.mark.parametrize("call, error", [
-    (lambda: quantize_fp8_block(torch.ones(4, 4, dtype=torch.int32)), TypeError),
-    (lambda: quantize_fp8_block(torch.ones(4)), ValueError),
+    (lambda: quantize_fp8_block(torch.ones(4, 4, dtype=torch.int32), FP8_WEIGHT_BLOCK), TypeError),
+    (lambda: quantize_fp8_block(torch.ones(4), FP8_WEIGHT_BLOCK), ValueError),
     (lambda: quantize_fp8_block(torch.ones(4, 4), (0, 128)), ValueError),
-    (lambda: quantize_fp8_block(torch.ones(4, 4), scale_dtype=torch.float16), TypeError),
-    (lambda: dequantize_fp8_block(torch.ones(4, 4), torch.ones(1, 1)), TypeError),
-    (lambda: dequantize_fp8_block(torch.ones(4, 4).to(FP8_DTYPE), torch.ones(2, 1)), ValueError),
+    (lambda: quantize_fp8_block(torch.ones(4, 4), FP8_WEIGHT_BLOCK, scale_dtype=torch.float16), TypeError),
+    (lambda: dequantize_fp8_block(torch.ones(4, 4), torch.ones(1, 1), FP8_WEIGHT_BLOCK), TypeError),
+    (lambda: dequantize_fp8_block(torch.ones(4, 4).to(FP8_DTYPE), torch.ones(2, 1), FP8_WEIGHT_BLOCK), ValueError),
     (lambda: dequantize_fp8_per_channel(torch.ones(4, 4).to(FP8_DTYPE), torch.ones(3)), ValueError),
     (lambda: dequantize_fp8_weight(torch.ones(4, 4).to(FP8_DTYPE), torch.ones(4), "tensor"), ValueError),
 ])
@@ -177,6 +177,12 @@ def test_config_refuses_what_is_not_served(change, field) -> None:
     missing = {k: v for k, v in QWEN3_FP8.items() if k != "weight_block_size"}
     with pytest.raises(ValueError, match="weight_block_size"):
         Fp8Config.from_hf(missing)
+
+
+def test_the_checkpoint_block_is_the_kernels_block() -> None:
+    """Checkpoints and the loader scale weights in ``config.FP8_WEIGHT_BLOCK`` tiles; the kernels'
+    "block" mode reads FP8_GROUP x FP8_GROUP ones: one may not change without the other."""
+    assert FP8_WEIGHT_BLOCK == (FP8_GROUP, FP8_GROUP)
 
 
 # --- kernels ---------------------------------------------------------------------------------
@@ -235,7 +241,7 @@ def test_gemm_tiles_do_not_change_the_result_beyond_sum_order(config: Fp8GemmCon
     x = activations(40, K + 56)[:, 56:]
     ref = fp8_gemm_reference(x, w_fp8, scale, "block")
     assert_sum_order_close(fp8_gemm(x, w_fp8, scale, "block", config), ref,
-                           x.float().abs() @ dequantize_fp8_block(w_fp8, scale).abs().T)
+                           x.float().abs() @ dequantize_fp8_block(w_fp8, scale, FP8_WEIGHT_BLOCK).abs().T)
 
 
 @pytest.mark.parametrize("mode, bound", [("block", 0.06), ("channel", 0.06)])
@@ -369,15 +375,6 @@ def test_activation_quantization_is_the_reference_bit_for_bit(mode, m, k) -> Non
     ref_q, ref_s = quantize_fp8_per_token_group(x) if mode == "block" else quantize_fp8_per_token(x)
     assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and s.shape == ref_s.shape
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
-
-
-@pytest.mark.parametrize("mode", ["block", "channel"])
-def test_gemm_of_prequantized_x_is_the_in_loop_gemm_bit_for_bit(mode) -> None:
-    w_fp8, scale = quantized(weight(), mode)
-    x = activations(37)
-    tiles = dict(block_m=16, block_n=32, num_stages=2)
-    y = fp8_gemm(x, w_fp8, scale, mode, Fp8GemmConfig(**tiles))
-    assert torch.equal(fp8_gemm(x, w_fp8, scale, mode, Fp8GemmConfig(**tiles, prequantize=True)), y)
 
 
 def test_activation_quantization_refuses_bad_input() -> None:

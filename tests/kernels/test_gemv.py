@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from minivllm.kernels.gemv import (  # noqa: E402
     FEW_ROWS_CONFIG, MAX_ROWS, ONE_ROW_CONFIG, GemvConfig, default_config, gemv, gemv_takes,
 )
-from minivllm.layers.ops import Ops  # noqa: E402
+from minivllm.ops.dispatch import Ops  # noqa: E402
 
 # One output rounding of the fp32 result (the interpreter truncates bf16 casts: up to one
 # ulp, 2**-7 relative, where CUDA rounds to half an ulp).
@@ -241,7 +241,7 @@ def test_norm_goes_into_the_gemv_at_one_row_when_nothing_is_left_to_sum(monkeypa
     residual): the norm, then the GEMV. The same
     results each way, and as the torch references give."""
     from minivllm.kernels.reference import add_rms_norm_ref
-    from minivllm.layers.all_reduce import Communicator
+    from minivllm.ops.communicator import Communicator
 
     calls: list[tuple[int, str]] = []
     small_tiles(monkeypatch, calls)
@@ -387,7 +387,7 @@ def test_executor_kernels_option_reaches_every_layer(monkeypatch) -> None:
     """``kernels="triton"`` in bf16 runs every decoder GEMM of the trained fixture on the GEMV
     kernel (three sequences, 6 tokens: plain GEMVs and the gated down; one row: each norm
     inside the GEMV after it) and gives the torch references' logits within bf16 rounding."""
-    from tests.model_utils import make_model_executor, make_plan
+    from minivllm.testing import make_model_executor, make_plan
 
     fixture = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiny-qwen3")
     calls: list[tuple[int, str]] = []
@@ -414,7 +414,7 @@ def test_executor_kernels_option_reaches_every_layer(monkeypatch) -> None:
 
 def test_kernels_option_refuses_triton_where_it_cannot_run(monkeypatch) -> None:
     """Triton on the CPU only under its interpreter; a float32 model keeps cuBLAS for its GEMMs."""
-    from tests.model_utils import make_model_executor
+    from minivllm.testing import make_model_executor
 
     fixture = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiny-qwen3")
     opts = dict(block_size=16, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64, device="cpu",

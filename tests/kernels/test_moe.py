@@ -72,6 +72,46 @@ def test_topk_of_16_bit_logits_is_that_of_their_float32_values(dtype) -> None:
     torch.testing.assert_close(got[0], ref_weights, rtol=0, atol=1e-6)
 
 
+TOPK_IMPLS = {"kernel": moe_topk, "reference": moe_topk_reference}
+
+
+@pytest.mark.parametrize("impl", sorted(TOPK_IMPLS))
+@pytest.mark.parametrize("logits,top_k,want", [
+    ([[1.0, 1.0, 0.0, 0.0]], 1, [0]),                  # torch.topk returns 1 here
+    ([[0.0, 2.0, 2.0, 2.0]], 2, [1, 2]),
+    ([[3.0, 1.0, 1.0, 1.0]], 2, [0, 1]),               # the tie sits at the k boundary
+    ([[0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], 4, [0, 1, 2, 3]),
+    ([[-float("inf"), -float("inf"), 1.0, -float("inf")]], 2, [2, 0]),
+])
+def test_topk_ties_pick_the_lowest_expert(impl, logits, top_k, want) -> None:
+    """Equal router probabilities go to the lower expert index, in the kernel and the torch
+    reference alike: the two implementations must route every token to the same experts."""
+    weights, ids = TOPK_IMPLS[impl](torch.tensor(logits), top_k, True)
+    assert ids.tolist() == [want]
+    assert torch.all(weights[:, :-1] >= weights[:, 1:])
+
+
+def test_topk_ties_at_the_k_boundary_of_random_bf16_rows() -> None:
+    """bf16 logits tie often (about 6% of random rows at E = 128, k = 8 have a tie between
+    the k-th and the (k+1)-th): the kernel and the reference choose the same experts in the
+    same order there, the tied ones by lowest index."""
+    experts, top_k = 128, 8
+    pool = torch.randn(1024, experts, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ranked = pool.float().sort(dim=-1, descending=True).values
+    tied = ranked[:, top_k - 1] == ranked[:, top_k]
+    assert int(tied.sum()) >= 24
+    logits = torch.cat([pool[tied][:24], pool[~tied][:8]])
+    weights, ids = moe_topk(logits, top_k, True)
+    ref_weights, ref_ids = moe_topk_reference(logits, top_k, True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=0, atol=1e-6)
+    for row, chosen in zip(logits.float(), ids.tolist()):
+        boundary = row.sort(descending=True).values[top_k - 1]
+        above = torch.nonzero(row > boundary).flatten().tolist()
+        at = torch.nonzero(row == boundary).flatten().tolist()
+        assert sorted(chosen) == sorted(above + at[:top_k - len(above)])
+
+
 def check_layout(al: MoeAlignment, ids: torch.Tensor, experts: int) -> None:
     """The aligned layout's invariants, then its exact value (the reference)."""
     pairs, bm = ids.numel(), al.block_m

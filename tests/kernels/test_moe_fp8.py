@@ -12,6 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from minivllm.config import FP8_WEIGHT_BLOCK  # noqa: E402
 from minivllm.kernels.fp8 import quantize_fp8_block, quantize_fp8_per_channel  # noqa: E402
 from minivllm.kernels.fused_moe import fused_moe  # noqa: E402
 from minivllm.kernels.moe_align import moe_align  # noqa: E402
@@ -33,8 +34,7 @@ GEMV_TILES = [{"gate_up_config": MoeGemvConfig(block_n=32, block_k=64, num_stage
 def quantized_experts(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w_fp8, scale)`` of stacked experts w (E, N, K), each quantized as one linear layer is:
     scale (E, cdiv(N, 128), cdiv(K, 128)) for "block", (E, N) for "channel"."""
-    quantize = quantize_fp8_block if mode == "block" else quantize_fp8_per_channel
-    pairs = [quantize(m) for m in w]
+    pairs = [quantize_fp8_block(m, FP8_WEIGHT_BLOCK) if mode == "block" else quantize_fp8_per_channel(m) for m in w]
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 

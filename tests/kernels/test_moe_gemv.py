@@ -92,8 +92,8 @@ def test_ops_moe_routes_one_token_through_the_gemv(monkeypatch) -> None:
     """At one bf16 token the router's logits come from the GEMV kernel (not cuBLAS), and the
     layer's output is the reference's."""
     import minivllm.kernels.gemv as gemv_module
-    from minivllm.layers.moe import moe_reference
-    from minivllm.layers.ops import Ops
+    from minivllm.kernels.reference import moe_reference
+    from minivllm.ops.dispatch import Ops
 
     calls = []
     real = gemv_module.gemv

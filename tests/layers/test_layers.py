@@ -14,19 +14,19 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-from minivllm.kernels.reference import silu_and_mul_ref
+from minivllm.kernels.reference import rope_ref, silu_and_mul_ref
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.config import ModelConfig
 from minivllm.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    check_tp_divisibility,
+    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
 )
+from minivllm.layers.weights import check_tp_divisibility
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
-from tests.model_utils import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
+from minivllm.ops.dispatch import Ops
+from minivllm.testing import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
+
+TORCH_OPS = Ops.build("torch", torch.device("cpu"), torch.float32)  # the torch references
 
 HIDDEN, D = 12, 4
 
@@ -249,7 +249,8 @@ def test_vocab_sharding_pads_last_rank():
     torch.testing.assert_close(head(h), h @ w.T)
     emb = VocabParallelEmbedding(10, HIDDEN)
     load(emb, {None: w})
-    assert torch.equal(emb(torch.tensor([3, 9, 0])), w[[3, 9, 0]])
+    assert torch.equal(TORCH_OPS.embed(torch.tensor([3, 9, 0]), emb.weight, emb.vocab_start, emb.vocab_end),
+                       w[[3, 9, 0]])
 
 
 def test_rotary_matches_hf_and_rejects_positions_beyond_cache():
@@ -259,10 +260,10 @@ def test_rotary_matches_hf_and_rejects_positions_beyond_cache():
     inv = 1.0 / (10_000.0 ** (torch.arange(0, D * 2, 2, dtype=torch.float32) / (D * 2)))
     emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
     want_q, want_k = apply_rotary_pos_emb(q, k, emb.cos(), emb.sin(), unsqueeze_dim=1)
-    got_q, got_k = rope(pos, q, k)
+    got_q, got_k = rope_ref(pos, q, k, rope.cos_sin_cache)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     with pytest.raises(ValueError, match=r"\[0, 16\).*max_position_embeddings"):
-        rope(torch.tensor([2, 16]), q[:2], k[:2])
+        rope.check_positions(torch.tensor([2, 16]))
 
 
 def test_rms_norm_fused_residual():
@@ -272,10 +273,10 @@ def test_rms_norm_fused_residual():
     x, r = torch.randn(3, HIDDEN), torch.randn(3, HIDDEN)
     s = x + r
     want = norm.weight * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
-    out, new_residual = norm(x, r)
+    out, new_residual = TORCH_OPS.add_rms_norm(x, r, norm.weight, norm.eps)
     torch.testing.assert_close(out, want)
     assert torch.equal(new_residual, s)
-    torch.testing.assert_close(norm(s), want)
+    torch.testing.assert_close(TORCH_OPS.rms_norm(s, norm.weight, norm.eps), want)
 
 
 # ---- bf16 numerics ----------------------------------------------------------------------------
@@ -294,8 +295,8 @@ def bf16_norms(hidden: int, seed: int = 0) -> tuple[RMSNorm, Qwen3RMSNorm]:
 def test_bf16_rms_norm_and_fused_residual_round_like_hf():
     ours, hf = bf16_norms(64)
     x, r = (40 * torch.randn(5, 64)).bfloat16(), (300 * torch.randn(5, 64)).bfloat16()
-    assert torch.equal(ours(x), hf(x))
-    out, residual = ours(x, r)
+    assert torch.equal(TORCH_OPS.rms_norm(x, ours.weight, ours.eps), hf(x))
+    out, residual = TORCH_OPS.add_rms_norm(x, r, ours.weight, ours.eps)
     # HF: ``hidden = residual + hidden`` in bf16, then the norm (statistics in fp32).
     assert torch.equal(residual, r + x) and torch.equal(out, hf(r + x))
 
@@ -313,8 +314,8 @@ def test_bf16_rope_is_the_fp32_rotation_rounded_once():
     rope = RotaryEmbedding(d, max_pos, theta)
     pos = torch.tensor([0, 1, 17, 1000, 32768, max_pos - 1])
     q, k = torch.randn(6, 4, d).bfloat16(), torch.randn(6, 2, d).bfloat16()
-    want_q, want_k = rope(pos, q.float(), k.float())
-    got_q, got_k = rope(pos, q, k)
+    want_q, want_k = rope_ref(pos, q.float(), k.float(), rope.cos_sin_cache)
+    got_q, got_k = rope_ref(pos, q, k, rope.cos_sin_cache)
     assert torch.equal(got_q, want_q.bfloat16()) and torch.equal(got_k, want_k.bfloat16())
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     emb = torch.cat([pos[:, None].float() * inv_freq] * 2, dim=-1)  # HF's angles, fp32
@@ -354,8 +355,7 @@ def test_teacher_forced_flip_measure_compares_each_side_with_its_own_float32(tmp
     """The measure ``tests_gpu/test_bf16_accuracy.py`` asserts on, run through on the CPU at
     tiny shapes: both sides' bf16 really ran in bf16 (a nonzero logits error), counted over
     every (step, prompt) position."""
-    from benchmarks.accuracy import make_bf16_checkpoint, random_prompts, teacher_forced_flips
-    from benchmarks.qwen3_shapes import SMOKE_SHAPES
+    from minivllm.testing import SMOKE_SHAPES, make_bf16_checkpoint, random_prompts, teacher_forced_flips
 
     hf32 = make_bf16_checkpoint(str(tmp_path), 0.1, device="cpu", **SMOKE_SHAPES)  # two layers
     prompts = random_prompts(2, 8, SMOKE_SHAPES["vocab_size"])

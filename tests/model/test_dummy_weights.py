@@ -8,6 +8,7 @@ the ranks of a tensor-parallel model equal replicated parameters.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -22,11 +23,12 @@ from torch import nn
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import ExecutorConfig, ModelConfig
-from minivllm.layers.linear import default_weight_loader, get_weight_loader
+from minivllm.layers.weights import default_weight_loader, get_weight_loader
 from minivllm.layers.norm import RMSNorm
 from minivllm.model.loader import DUMMY_STD, fill_dummy_weights
+from minivllm.ops.dispatch import FP8_DTYPE
 from minivllm.model.registry import build_model
-from tests.model_utils import TinyConfig
+from minivllm.testing import TinyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -123,6 +125,50 @@ def test_every_parameter_filled_at_its_scale(tmp_path, cfg, dtype):
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("cfg", [TinyConfig(), MOE_CFG], ids=["qwen3", "qwen3-moe"])
+def test_equally_shaped_weights_differ(tmp_path, cfg):
+    """Each parameter draws its own values: layer 0's and layer 1's qkv (and every other pair
+    of equally shaped matrices, the experts of one stack too) differ, else every layer computes
+    the same function and a benchmark's caches and routing see repeated data."""
+    model = build_model(ModelConfig.from_hf_json(config_only(tmp_path, cfg)))
+    fill_dummy_weights(model, seed=1)
+    params = {n: p for n, p in model.named_parameters() if p.dim() >= 2}
+    layers = model.model.layers
+    assert not torch.equal(layers[0].self_attn.qkv_proj.weight, layers[1].self_attn.qkv_proj.weight)
+    matrices = [p.reshape(-1, *p.shape[-2:]) for p in params.values()]
+    by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for m in (m for stack in matrices for m in stack):
+        by_shape.setdefault(tuple(m.shape), []).append(m)
+    assert max(len(ms) for ms in by_shape.values()) >= 2
+    for shape, ms in by_shape.items():
+        for i, j in itertools.combinations(range(len(ms)), 2):
+            assert not torch.equal(ms[i], ms[j]), (shape, i, j)
+
+
+@pytest.mark.parametrize("cfg", [TinyConfig(), MOE_CFG], ids=["qwen3", "qwen3-moe"])
+def test_fp8_dummy_weights_are_e4m3_with_per_channel_scales(tmp_path, cfg):
+    """``quantization="fp8"`` applies to random weights as to a checkpoint's: every linear
+    layer and expert stack in e4m3 with one scale per output row (each row's largest value
+    at e4m3's 448), dequantizing to the dummy scale; embedding, LM head and router stay 16-bit."""
+    with LLM(config_only(tmp_path, cfg), load_format="dummy", quantization="fp8", **ENGINE) as llm:
+        model = llm.engine.executor.model
+        quantized = [m for m in model.modules() if hasattr(m, "quantize_fp8_per_channel")]
+        assert len(quantized) == (4 if cfg is not MOE_CFG else 3) * cfg.num_hidden_layers
+        pairs = []
+        for m in quantized:
+            if hasattr(m, "weight_scale_channel"):
+                assert m.weight_scale_inv is None
+                pairs.append((m.weight, m.weight_scale))
+            else:
+                pairs += zip((m.gate_up_proj, m.down_proj), m.scales)
+        for w, scale in pairs:
+            assert w.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == w.shape[:-1]
+            assert torch.all(w.float().abs().amax(dim=-1) == 448)
+            std = (w.float() * scale[..., None]).std().item()
+            assert abs(std / DUMMY_STD - 1) < 0.1, std
+        assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
+
+
 def test_a_parameter_without_a_rule_is_refused(tmp_path):
     model = build_model(ModelConfig.from_hf_json(config_only(tmp_path)))
     model.model.layers[0].scale = nn.Parameter(torch.empty(4), requires_grad=False)
@@ -153,7 +199,7 @@ def test_cli_option():
 RANK1_SCRIPT = textwrap.dedent("""
     import sys, torch
     from minivllm.config import ModelConfig
-    from minivllm.layers.ops import Ops
+    from minivllm.ops.dispatch import Ops
     from minivllm.model.loader import fill_dummy_weights
     from minivllm.model.registry import build_model
     path, seed, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]

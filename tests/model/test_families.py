@@ -27,7 +27,7 @@ from minivllm.config import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelCon
 from minivllm.layers.rotary import RotaryEmbedding, llama3_scaled_frequencies
 from minivllm.model.loader import load_weights
 from minivllm.model.registry import MODEL_CLASSES, build_model, model_class
-from tests.model_utils import (LLAMA3_SCALING, TinyConfig, chunked_then_decoded_diff, hf_generate,
+from minivllm.testing import (LLAMA3_SCALING, TinyConfig, chunked_then_decoded_diff, hf_generate,
                          make_hf_model, make_model_executor, random_tokens, save_hf_model)
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,10 +14,10 @@ import transformers
 from safetensors import safe_open
 
 from fixtures.fp8_checkpoint import convert_checkpoint, main
-from minivllm.config import Fp8Config
+from minivllm.config import FP8_WEIGHT_BLOCK, Fp8Config
 from minivllm.kernels.fp8 import FP8_DTYPE, dequantize_fp8_block
 from minivllm.model.loader import checkpoint_files
-from tests.model_utils import TinyConfig, make_hf_model, randomize_weights, save_hf_model
+from minivllm.testing import TinyConfig, make_hf_model, randomize_weights, save_hf_model
 
 # hidden 160 and intermediate 200: partial 128x128 blocks in every projection
 DENSE = TinyConfig(hidden_size=160, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2,
@@ -49,7 +49,7 @@ def check_converted(src: Path, dst: Path, quantized_names: set[str], scale_dtype
         assert q.dtype == FP8_DTYPE and q.shape == w.shape, name
         assert s.dtype == scale_dtype and s.shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128)), name
         spread = s.float().repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
-        err = (dequantize_fp8_block(q, s) - w.float()).abs()
+        err = (dequantize_fp8_block(q, s, FP8_WEIGHT_BLOCK) - w.float()).abs()
         assert torch.all(err <= (2.0 ** -4 + extra) * w.float().abs() + 2.0 ** -10 * spread + 1e-30), name
 
 

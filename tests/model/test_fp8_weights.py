@@ -23,7 +23,7 @@ from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.config import ModelConfig  # noqa: E402
 from minivllm.kernels.fp8 import FP8_DTYPE  # noqa: E402
 from minivllm.layers.linear import LinearBase  # noqa: E402
-from tests.model_utils import (  # noqa: E402
+from minivllm.testing import (  # noqa: E402
     TinyConfig, agreement, make_hf_model, make_model_executor, random_tokens, save_hf_model,
 )
 
@@ -60,7 +60,7 @@ def source_and_ours(src: str, path: str, kernels: str = "torch", **options):
 
 def assert_agrees(ref, ours, batch: list[list[int]], n: int, max_kl: float, label: str) -> None:
     """``ours`` against ``ref`` over ``batch`` (``n`` greedy tokens each): the top-5 rule at every
-    first difference, and the mean KL under ``max_kl`` (tests.model_utils.agreement)."""
+    first difference, and the mean KL under ``max_kl`` (minivllm.testing.agreement)."""
     a = agreement(ref, ours, batch, n, tuple(range(16)), BS)
     print(f"\n[{label}] {a}")
     assert a.top5_failures == 0 and a.mean_kl <= max_kl
@@ -153,7 +153,7 @@ def test_what_cannot_be_served_is_refused_by_name(checkpoints, tmp_path) -> None
     with pytest.raises(ValueError, match=r"q_proj.weight -> .*qkv_proj.weight: QKVParallelLinear shard .q.: the checkpoint holds torch.float32, the model torch.float8_e4m3fn"):
         make_model_executor(claims, dtype="bfloat16", kernels="torch", **EXECUTOR)
     # Heads of 64 over 2 ranks: each rank's q part would be 64 rows, refused before any process starts.
-    from minivllm.layers.linear import check_tp_divisibility
+    from minivllm.layers.weights import check_tp_divisibility
 
     with pytest.raises(ValueError, match=r"at tp_size 2 a rank holds \{'query heads': 64"):
         check_tp_divisibility(ModelConfig.from_hf_json(with_config(fp8, tmp_path / "d64", head_dim=64)), 2)
@@ -186,7 +186,7 @@ MOE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=128, nu
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory) -> tuple[str, str]:
-    from tests.model_utils import randomize_weights
+    from minivllm.testing import randomize_weights
     from tests.model.test_qwen3_moe import moe_config
 
     root = tmp_path_factory.mktemp("fp8-moe")
@@ -240,7 +240,7 @@ def test_tensor_parallel_fp8_equals_one_rank(tmp_path) -> None:
     (column-parallel) or columns (row-parallel) of every e4m3 weight and the matching block
     scales, experts split along I, and quantizes and reads its own KV head (of 2); float32
     activations, so the ranks' partial sums meet as one rank's sum does."""
-    from tests.model_utils import randomize_weights
+    from minivllm.testing import randomize_weights
     from tests.model.test_qwen3_moe import moe_config
     import transformers
 

@@ -24,14 +24,14 @@ import transformers
 
 from minivllm import LLM, RequestOutputKind, SamplingParams
 from minivllm.__main__ import chat_loop, main
-from minivllm.config import ModelConfig
 from minivllm.llm import resolve_model_path
 from minivllm.model import gguf as gguf_checkpoint
+from minivllm.model.hf_config import read_model_config
 from minivllm.model.loader import load_weights
 from minivllm.model.registry import build_model
 from minivllm.server.app import build_app
 from minivllm.server.protocol import ServerConfig
-from tests.model_utils import TinyConfig, make_hf_model
+from minivllm.testing import TinyConfig, make_hf_model
 from tests.server.utils import served
 
 TINY_QWEN3 = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-qwen3"
@@ -200,10 +200,10 @@ def gguf_name(hf_name: str) -> str:
 
 def write_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "llama",
                raw_types: dict[str, gguf.GGMLQuantizationType] | None = None, omit: tuple[str, ...] = (),
-               **extra: int) -> Path:
+               token_ids: dict[str, int] | None = None, **extra: int | str) -> Path:
     """A GGUF file of TINY's shapes holding ``tensors`` (GGUF names; uint8 rows where
-    ``raw_types`` names a quantized type), without the ``{arch}.KEY`` keys in ``omit`` and
-    with ``extra`` ones."""
+    ``raw_types`` names a quantized type), without the ``{arch}.KEY`` keys in ``omit``, with
+    ``extra`` ones (uint32 or string) and ``tokenizer.ggml.{NAME}_token_id`` for ``token_ids``."""
     w = gguf.GGUFWriter(str(path), arch)
     ints = {"block_count": TINY.num_hidden_layers, "context_length": TINY.max_position_embeddings,
             "embedding_length": TINY.hidden_size, "feed_forward_length": TINY.intermediate_size,
@@ -213,7 +213,9 @@ def write_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "llama",
     floats = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": TINY.rope_theta}
     for key, value in ints.items():
         if key not in omit:
-            w.add_uint32(f"{arch}.{key}", value)
+            (w.add_string if isinstance(value, str) else w.add_uint32)(f"{arch}.{key}", value)
+    for name, value in (token_ids or {}).items():
+        w.add_uint32(f"tokenizer.ggml.{name}_token_id", value)
     for key, value in floats.items():
         if key not in omit:
             w.add_float32(f"{arch}.{key}", value)
@@ -241,7 +243,7 @@ def tiny() -> tuple[transformers.PreTrainedModel, dict[str, np.ndarray]]:
 def test_tiny_gguf_loads_every_weight_in_hugging_face_order(tiny, tmp_path) -> None:
     hf_model, tensors = tiny
     path = write_gguf(tmp_path / "tiny.gguf", tensors)
-    model = build_model(ModelConfig.from_hf_json(path))
+    model = build_model(read_model_config(path))
     report = load_weights(model, path)
     assert report.num_tensors == len(tensors)
     sd = hf_model.state_dict()
@@ -266,7 +268,7 @@ def test_missing_tensor_is_named(tiny, tmp_path) -> None:
     _, tensors = tiny
     path = write_gguf(tmp_path / "tiny.gguf", {k: v for k, v in tensors.items() if k != "blk.1.ffn_up.weight"})
     with pytest.raises(ValueError, match=r"missing \(1\):\s+model\.layers\.1\.mlp\.up_proj\.weight"):
-        load_weights(build_model(ModelConfig.from_hf_json(path)), path)
+        load_weights(build_model(read_model_config(path)), path)
 
 
 def test_quantized_rows_are_read_alone_and_match_the_whole(tiny, tmp_path) -> None:
@@ -314,19 +316,55 @@ def test_unsupported_quant_type_is_named(tiny, tmp_path) -> None:
 def test_mixture_of_experts_and_scaled_rope_are_refused(tiny, tmp_path) -> None:
     _, tensors = tiny
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        ModelConfig.from_hf_json(write_gguf(tmp_path / "moe.gguf", tensors, expert_count=8))
+        read_model_config(write_gguf(tmp_path / "moe.gguf", tensors, expert_count=8))
     freqs = {**tensors, "rope_freqs.weight": np.ones(TINY.head_dim // 2, dtype=np.float32)}
     with pytest.raises(ValueError, match="rope_freqs"):
-        ModelConfig.from_hf_json(write_gguf(tmp_path / "freqs.gguf", freqs))
+        read_model_config(write_gguf(tmp_path / "freqs.gguf", freqs))
     with pytest.raises(ValueError, match="partial_rotary_factor"):
-        ModelConfig.from_hf_json(write_gguf(tmp_path / "partial.gguf", tensors, **{"rope.dimension_count": 4}))
+        read_model_config(write_gguf(tmp_path / "partial.gguf", tensors, **{"rope.dimension_count": 4}))
+
+
+@pytest.mark.parametrize("scaling", ["linear", "yarn"])
+def test_rope_scaling_not_implemented_is_refused_by_name(tiny, tmp_path, scaling) -> None:
+    """A scaled RoPE read as plain RoPE would load and produce wrong text past the original
+    context: refused, naming the type."""
+    _, tensors = tiny
+    path = write_gguf(tmp_path / "scaled.gguf", tensors, **{"rope.scaling.type": scaling})
+    with pytest.raises(ValueError, match=f"rope type '{scaling}' is not implemented"):
+        read_model_config(path)
+    plain = read_model_config(write_gguf(tmp_path / "plain.gguf", tensors, **{"rope.scaling.type": "none"}))
+    assert plain.rope_scaling is None and plain.rope_theta == TINY.rope_theta
+
+
+def test_absent_head_count_kv_means_one_kv_head_per_query_head(tiny, tmp_path) -> None:
+    """llama.cpp's rule (and Hugging Face's for an absent num_key_value_heads): no
+    ``attention.head_count_kv`` is multi-head attention, not some other group size."""
+    _, tensors = tiny
+    path = write_gguf(tmp_path / "mha.gguf", tensors, omit=("attention.head_count_kv",))
+    config = read_model_config(path)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (TINY.num_attention_heads,) * 2
+    assert read_model_config(write_gguf(tmp_path / "gqa.gguf", tensors)).num_key_value_heads == 2
+
+
+def test_eos_and_eot_ids_both_end_a_generation(tiny, tmp_path) -> None:
+    """Instruct GGUFs mark the turn's end as eot beside the eos token; llama.cpp stops at
+    either, so the config's eos ids are both, eos first; a repeated id counts once."""
+    _, tensors = tiny
+
+    def read(name: str, ids: dict[str, int]) -> int | tuple[int, ...] | None:
+        return read_model_config(write_gguf(tmp_path / name, tensors, token_ids=ids)).eos_token_id
+
+    assert read("both.gguf", {"eos": 2, "eot": 7}) == (2, 7)
+    assert read("eot.gguf", {"eot": 7}) == 7
+    assert read("same.gguf", {"eos": 2, "eot": 2}) == 2
+    assert read("none.gguf", {}) is None
 
 
 def test_missing_metadata_is_named(tiny, tmp_path) -> None:
     _, tensors = tiny
     path = write_gguf(tmp_path / "no-ffn.gguf", tensors, omit=("feed_forward_length",))
     with pytest.raises(ValueError, match="GGUF metadata lacks 'llama.feed_forward_length'"):
-        ModelConfig.from_hf_json(path)
+        read_model_config(path)
 
 
 def test_a_directory_holds_one_gguf(tiny, tmp_path) -> None:

@@ -16,7 +16,7 @@ import torch
 from minivllm.engine.plan import StepPlan
 from minivllm.executor.model_executor import ModelExecutor
 from minivllm.sampling import SamplingParams
-from tests.model_utils import (LLAMA3_SCALING, TinyConfig, all_row_logits, hf_logits, make_hf_model, make_model_executor,
+from minivllm.testing import (LLAMA3_SCALING, TinyConfig, all_row_logits, hf_logits, make_hf_model, make_model_executor,
                          make_plan, random_tokens, save_hf_model)
 
 TOL = 1e-4
@@ -107,10 +107,8 @@ def test_prefill_over_cached_prefix_matches_hf(setup):
 
 
 def test_triton_backend_matches_hf(tmp_path, monkeypatch):
-    """The Triton kernels under the interpreter, on one config (skipped until they exist)."""
+    """The Triton kernels under the interpreter, on one config."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for module in ("store_kv", "prefill_attention", "decode_attention"):
-        pytest.importorskip(f"minivllm.kernels.{module}")
     hf = make_hf_model(CONFIGS["gqa2-d16-untied"])
     path = save_hf_model(hf, tmp_path)
     diff = max(check_prefill_then_decode("triton", hf, make_executor(path, "triton"), steps=2),

@@ -25,7 +25,7 @@ from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store  # noqa: E402
 from minivllm.kernels.reference import (  # noqa: E402
     paged_attention_reference, qk_norm_rope_store_reference, quantize_kv_reference,
 )
-from tests.model_utils import (  # noqa: E402
+from minivllm.testing import (  # noqa: E402
     TinyConfig, agreement, make_hf_model, make_model_executor, random_tokens, save_hf_model,
 )
 from tests.kernels.problems import make_qk_norm_problem  # noqa: E402

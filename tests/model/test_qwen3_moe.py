@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
-from tests.model_utils import chunked_then_decoded_diff, hf_generate, make_model_executor, random_tokens, randomize_weights
+from minivllm.testing import chunked_then_decoded_diff, hf_generate, make_model_executor, random_tokens, randomize_weights
 
 BS = 4
 NEW = 16
@@ -64,6 +64,25 @@ def test_config_reads_the_routing_and_the_sparse_layers(moe) -> None:
         "Qwen3MoeForCausalLM", want["num_experts"], want["num_experts_per_tok"], 24, want["norm_topk_prob"])
     sparse = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers]
     assert [c.is_sparse_layer(i) for i in range(c.num_hidden_layers)] == sparse and any(sparse)
+
+
+@pytest.mark.parametrize("written", [None, True, False])
+def test_optional_routing_fields_default_as_transformers_reads_them(tmp_path: Path, written) -> None:
+    """A config.json may omit ``norm_topk_prob``, ``decoder_sparse_step`` and
+    ``mlp_only_layers``; each absent one means what transformers' Qwen3MoeConfig takes
+    (``norm_topk_prob`` False there: no renormalisation), else the router weighs differently."""
+    c = moe_config(**CONFIGS["top2-norm-dense-layer"]).to_dict()
+    for key in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+        c.pop(key)
+    if written is not None:
+        c["norm_topk_prob"] = written
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in c.items() if v is not None}))
+    ours, theirs = ModelConfig.from_hf_json(str(tmp_path)), transformers.AutoConfig.from_pretrained(tmp_path)
+    assert ours.norm_topk_prob is theirs.norm_topk_prob
+    assert written is None or ours.norm_topk_prob is written
+    assert [ours.is_sparse_layer(i) for i in range(ours.num_hidden_layers)] == [
+        i not in theirs.mlp_only_layers and (i + 1) % theirs.decoder_sparse_step == 0
+        for i in range(theirs.num_hidden_layers)]
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])

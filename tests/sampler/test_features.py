@@ -19,14 +19,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from minivllm.engine.plan import StepPlan  # noqa: E402
+from minivllm.ops.dispatch import Ops  # noqa: E402
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens  # noqa: E402
-from minivllm.layers import logprobs as logprobs_mod  # noqa: E402
-from minivllm.layers.logprobs import LogprobLayout, compute_logprobs, sliced_logprobs  # noqa: E402
-from minivllm.layers.penalties import PenaltyInputs, PenaltyTensors, apply_penalties  # noqa: E402
-from minivllm.layers.sampler import Sampler, SamplingTensors  # noqa: E402
+from minivllm.sampler import logprobs as logprobs_mod  # noqa: E402
+from minivllm.sampler.logprobs import LogprobLayout, compute_logprobs, sliced_logprobs  # noqa: E402
+from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors, apply_penalties  # noqa: E402
+from minivllm.sampler.sampler import Sampler, SamplingTensors  # noqa: E402
 from minivllm.sampling import SamplingParams  # noqa: E402
 from minivllm.step_types import TokenHistory  # noqa: E402
-from tests.model_utils import TinyConfig, hf_logits, make_hf_model, make_model_executor, save_hf_model  # noqa: E402
+from minivllm.testing import TinyConfig, hf_logits, make_hf_model, make_model_executor, save_hf_model  # noqa: E402
+
+# The two implementations of every sampling op: the torch references and the Triton kernels
+# (under the interpreter on the CPU).
+OPS = {"torch": Ops.build("torch", torch.device("cpu"), torch.float32),
+       "kernel": Ops.build("triton", torch.device("cpu"), torch.float32)}
+
 
 V = 40
 BS = 4
@@ -108,8 +115,8 @@ def test_sampler_applies_penalties_to_greedy_and_random_rows():
     t = SamplingTensors.build(all_params, list(range(len(MIXED))), V, "cpu")
     pen = penalty_tensors(rows, histories, params, referenced)
     want_logits = penalise(logits, rows, histories, params, referenced)
-    got = Sampler()(logits, t, step_seed=5, penalties=pen)
-    assert torch.equal(got, Sampler()(want_logits, t, step_seed=5))
+    got = Sampler(OPS["torch"])(logits, t, step_seed=5, penalties=pen)
+    assert torch.equal(got, Sampler(OPS["torch"])(want_logits, t, step_seed=5))
     greedy = [i for i, p in enumerate(all_params) if p.greedy]
     assert torch.equal(got[greedy], want_logits[greedy].argmax(dim=-1))
 
@@ -225,7 +232,7 @@ def test_penalties_and_logprobs_never_read_the_device(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     monkeypatch.setattr(torch, "nonzero", forbidden)
     assert referenced_tokens(batch, torch.tensor([5, 6, 7])).shape == (2,)
-    tokens = Sampler()(logits, t, penalties=host.on_device(uploaded, referenced))
+    tokens = Sampler(OPS["torch"])(logits, t, penalties=host.on_device(uploaded, referenced))
     sliced_logprobs(lambda s: logits[s], tokens, 5, rows_per_slice=4).packed()
 
 
@@ -433,7 +440,7 @@ def test_engine_async_equals_sync_with_every_feature(model):
 
 def test_a_top_p_below_float32_keeps_the_most_likely_token() -> None:
     # 1e-300 rounds to 0 in float32; it once kept no token and crashed the sampler.
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(OPS["torch"], torch.Generator().manual_seed(0))
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     for top_p in (1e-300, 1e-40):
         params = [SamplingParams(top_p=top_p), SamplingParams(top_p=top_p, top_k=5),

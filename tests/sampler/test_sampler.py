@@ -24,12 +24,19 @@ from hypothesis import strategies as st  # noqa: E402
 from minivllm.kernels.gumbel_sample import (  # noqa: E402
     gumbel_best, gumbel_best_reference, gumbel_pairs, gumbel_sample, gumbel_sample_reference, step_key,
 )
-from minivllm.layers import sampler as sampler_mod  # noqa: E402
-from minivllm.layers.sampler import (  # noqa: E402
+from minivllm.sampler import sampler as sampler_mod  # noqa: E402
+from minivllm.ops.dispatch import Ops  # noqa: E402
+from minivllm.sampler.sampler import (  # noqa: E402
     Sampler, SamplingTensors, apply_filters, filter_floor, hashed_uniform, pick_candidate, reference_sample,
     row_key, row_keys,
 )
 from minivllm.sampling import GREEDY_TEMPERATURE, SamplingParams  # noqa: E402
+
+# The two implementations of every sampling op: the torch references and the Triton kernels
+# (under the interpreter on the CPU).
+OPS = {"torch": Ops.build("torch", torch.device("cpu"), torch.float32),
+       "kernel": Ops.build("triton", torch.device("cpu"), torch.float32)}
+
 
 BACKENDS = ["torch", "kernel"]  # the Sampler's torch path (CPU default) and the Triton kernel
 
@@ -55,7 +62,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
            gen_seed: int = 0, backend: str = "torch") -> torch.Tensor:
     positions = positions if positions is not None else list(range(len(params)))
     t = SamplingTensors.build(params, positions, logits.shape[1], "cpu")
-    return Sampler(torch.Generator().manual_seed(gen_seed), use_kernel=backend == "kernel")(logits, t)
+    return Sampler(OPS[backend], torch.Generator().manual_seed(gen_seed))(logits, t)
 
 
 def definitely_excluded(row: torch.Tensor, p: SamplingParams) -> np.ndarray:
@@ -131,7 +138,7 @@ def test_build_rejects_mismatched_positions_and_handles_empty():
         SamplingTensors.build([SamplingParams()], [1, 2], 10, "cpu")
     t = SamplingTensors.build([], [], 10, "cpu")
     assert t.all_greedy and t.seed_keys.shape == (0, 2)
-    assert Sampler()(torch.zeros(0, 10), t).shape == (0,)
+    assert Sampler(OPS["torch"])(torch.zeros(0, 10), t).shape == (0,)
 
 
 # ----------------------------------------------------------------------------- filters
@@ -291,19 +298,19 @@ def test_seeded_rows_match_the_previous_torch_sampler():
     params = [SamplingParams(temperature=0.3 + 0.1 * i, seed=1000 + i, **kinds[i % len(kinds)]) for i in range(24)]
     t = SamplingTensors.build(params, list(range(24)), 300, "cpu")
     old = reference_sample(logits, t, torch.Generator().manual_seed(0))
-    assert torch.equal(Sampler(use_kernel=False)(logits, t), old)
-    assert torch.equal(Sampler(use_kernel=True)(logits, t), old)
+    assert torch.equal(Sampler(OPS["torch"])(logits, t), old)
+    assert torch.equal(Sampler(OPS["kernel"])(logits, t), old)
 
 
 def test_unseeded_rows_follow_the_generator_and_the_step():
     logits = make_logits(3, 8, 30, 1.0, ties=False)
     t = SamplingTensors.build([SamplingParams(temperature=1.0)] * 8, [0] * 8, 30, "cpu")
-    a, b = Sampler(torch.Generator().manual_seed(5)), Sampler(torch.Generator().manual_seed(5))
+    a, b = (Sampler(OPS["torch"], torch.Generator().manual_seed(5)) for _ in range(2))
     first, second = a(logits, t), a(logits, t)
     assert torch.equal(first, b(logits, t)) and torch.equal(second, b(logits, t))
     assert not torch.equal(first, second)  # the default step seed advances per call
     assert torch.equal(a(logits, t, step_seed=77), b(logits, t, step_seed=77))
-    assert not torch.equal(Sampler(torch.Generator().manual_seed(6))(logits, t), first)
+    assert not torch.equal(Sampler(OPS["torch"], torch.Generator().manual_seed(6))(logits, t), first)
 
 
 @pytest.mark.parametrize("seeded", [True, False])
@@ -412,7 +419,7 @@ def test_sampling_from_vocab_shards_equals_sampling_the_gathered_row(backend, wo
     temps = {"greedy": [0.0] * rows, "random": [0.7, 1.0, 1.5] * 3, "mixed": [0.0, 0.8, 1.3] * 3}[mix]
     params = [SamplingParams(temperature=t, seed=(i if i % 2 else None)) for i, t in enumerate(temps)]
     t = SamplingTensors.build(params, list(range(10, 10 + rows)), vocab, "cpu")
-    sampler = Sampler(use_kernel=backend == "kernel")
+    sampler = Sampler(OPS[backend])
     want = sampler(logits, t, step_seed=1234)
     pairs = torch.stack([sampler.shard_candidates(logits[:, a:b].contiguous(), t, a, 1234)
                          for a, b in shards_of(vocab, world)])
@@ -429,7 +436,7 @@ def test_filtering_rows_are_refused_on_shards():
         t = SamplingTensors.build([p, SamplingParams()], [0, 0], 50, "cpu")
         assert not t.vocab_parallel_ok
         with pytest.raises(ValueError, match="whole logits row"):
-            Sampler().shard_candidates(logits, t, 0, 1)
+            Sampler(OPS["torch"]).shard_candidates(logits, t, 0, 1)
     with pytest.raises(ValueError, match="col_offset|columns"):
         gumbel_best(logits, torch.ones(2), None, torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool),
                     torch.zeros(2, 2, dtype=torch.int64), 1, col_offset=-1)
@@ -484,6 +491,6 @@ def test_sampling_path_never_reads_the_device(monkeypatch):
     for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     monkeypatch.setattr(torch, "nonzero", forbidden)
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(OPS["torch"], torch.Generator().manual_seed(0))
     for t in tensors:
         sampler(logits, t)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from minivllm.server.reasoning import (ReasoningSplit, ReasoningStream, prompt_opens_reasoning,
                                        split_reasoning)
 from minivllm.server.tool_calls import (ContentDelta, ParsedToolCall, ToolCallArguments, ToolCallSplit,
-                                        ToolCallStart, ToolCallStream, extract_tool_calls, forced_tools,
-                                        tool_call_ids, tool_choice_constraint)
+                                        TOOL_CALL_END, ToolCallStart, ToolCallStream, extract_tool_calls,
+                                        forced_tools, tool_call_ids, tool_choice_constraint)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "fixtures" / "qwen3-chat-tokenizer"
@@ -299,6 +299,61 @@ def test_reasoning_then_tool_calls_stream_equals_whole(case: tuple[str, list[str
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == [c.name for c in want.tool_calls]
 
 
+def chat_parser(tool_choice: object = "auto", prompt: str = "<|im_start|>assistant\n"):
+    """``chat_output_parser`` of a request giving WEATHER and ADD, on a server with both parsers."""
+    from minivllm.server.chat_output import chat_output_parser
+    from minivllm.server.protocol import ChatCompletionRequest, ServerConfig
+
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER, ADD],
+                                tool_choice=tool_choice, seed=11)
+    return chat_output_parser(ServerConfig("m", reasoning_parser="qwen3", tool_call_parser="hermes"), req, prompt)
+
+
+def streamed_message(parser, pieces: list[str]) -> dict:
+    """A streamed choice reassembled as a client does, in the whole message's shape."""
+    stream = parser.stream(0)
+    fields: dict = {"content": "", "reasoning_content": ""}
+    calls: list[dict] = []
+    for delta in [d for p in pieces for d in stream.feed(p)] + stream.finish():
+        fields["content"] += delta.content or ""
+        fields["reasoning_content"] += delta.reasoning_content or ""
+        for c in delta.tool_calls or []:
+            if c.id is not None:
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": ""}})
+            calls[c.index]["function"]["arguments"] += c.function.arguments
+    return {"role": "assistant", **{k: v or None for k, v in fields.items()}, "tool_calls": calls or None}
+
+
+CLOSED_CALL = ("<think>\nweather first\n</think>\n\nLet me check.\n" + call_text("get_weather", {"city": "Paris"})
+               + "\nThen the sum.")
+
+
+def two_piece_cuts(text: str, cut: str) -> range:
+    """Where to cut ``text`` in two: within (or at the edges of) its ``</tool_call>``, or anywhere."""
+    end = text.index(TOOL_CALL_END)
+    return range(end, end + len(TOOL_CALL_END) + 1) if cut == "closing tag" else range(len(text) + 1)
+
+
+@pytest.mark.parametrize("cut", ["closing tag", "whole text"])
+def test_call_streams_as_a_call_wherever_its_text_is_cut_in_two(cut: str) -> None:
+    """A call's end tag may arrive in two pieces (``</tool_`` then ``call>``): the stream must
+    still find the block closed there and send the call the whole-text parser finds, not
+    leave the block open and send it as content at the end. Every cut of the end tag, then
+    every cut of the whole text: the tool-call stream alone, and a chat choice's stream
+    (reasoning first) against its whole message."""
+    content = CLOSED_CALL.split("</think>")[1]
+    want = extract_tool_calls(content, tool_call_ids(seed=3))
+    assert [c.name for c in want.tool_calls] == ["get_weather"]
+    for k in two_piece_cuts(content, cut):
+        assert streamed_tool_calls([content[:k], content[k:]], True, seed=3) == want, k
+    parser = chat_parser()
+    whole, called = parser.message(0, CLOSED_CALL)
+    assert called and [c.function.name for c in whole.tool_calls] == ["get_weather"]
+    assert whole.content.strip() == "Let me check.Then the sum." and whole.reasoning_content == "\nweather first\n"
+    for k in two_piece_cuts(CLOSED_CALL, cut):
+        assert streamed_message(parser, [CLOSED_CALL[:k], CLOSED_CALL[k:]]) == whole.model_dump(), k
+
+
 # ---- tool_choice constraint -------------------------------------------------------------------
 
 def accepts(grammar: str, text: str) -> bool:
@@ -346,6 +401,26 @@ def test_constraint_leaves_room_for_reasoning() -> None:
     opened = tool_choice_constraint([ADD], "required", True, reasoning="open").grammar
     assert accepts(opened, "add them</think>\n\n" + call) and not accepts(opened, call)
     assert not accepts(tool_choice_constraint([ADD], "required", True).grammar, "<think>x</think>\n\n" + call)
+
+
+@pytest.mark.parametrize("prompt, mode", [
+    ("<|im_start|>assistant\n<think>\n", "open"),                  # the template opened the reasoning
+    ("<|im_start|>assistant\n", "optional"),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "optional"),  # thinking switched off: closed
+])
+def test_server_builds_the_forced_call_grammar_for_the_prompts_reasoning_state(prompt: str, mode: str) -> None:
+    """A prompt that ends inside ``<think>`` makes the output start in the reasoning: the
+    forced-call grammar must then begin in an open block (text, ``</think>``, a blank line,
+    the call) and refuse a second ``<think>`` or a bare call, else the model is forced to
+    close a block it never opened or to write no reasoning at all."""
+    pytest.importorskip("xgrammar")
+    parser = chat_parser("required", prompt)
+    assert parser.in_reasoning is (mode == "open")
+    assert parser.constraint == tool_choice_constraint([WEATHER, ADD], "required", True, reasoning=mode)
+    g, call = parser.constraint.grammar, call_text("add", {"a": 1, "b": 2})
+    opened, closed = "adding them</think>\n\n" + call, "<think>\nadding them\n</think>\n\n" + call
+    assert [accepts(g, t) for t in (opened, closed, call)] == ([True, False, False] if mode == "open" else
+                                                               [False, True, True])
 
 
 def test_constraint_refuses_what_it_cannot_force() -> None:

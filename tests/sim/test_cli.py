@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 import sim.runner
+from minivllm.engine.trace import load
 from sim.__main__ import main, parse_overrides
 from sim.oracle import Expected
 from sim.runner import record_trace, run_trace
-from sim.traces import generate_trace, load
+from sim.traces import generate_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 # x 8 configs = 800 traces per run (all async, 200 also sync); .ci/run follows `make test` with

@@ -12,8 +12,9 @@ import dataclasses
 import pytest
 
 from minivllm.config import cdiv
+from minivllm.engine.trace import AddEvent, Trace
 from sim.runner import RunResult, run_trace
-from sim.traces import AddEvent, Trace, generate_trace
+from sim.traces import generate_trace
 
 SEEDS = range(60)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from minivllm.engine.trace import ExpectEvent, Trace, load
 from sim.runner import RunResult, run_trace
-from sim.traces import ExpectEvent, Trace, load
 
 TRACES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
 FILES = sorted(TRACES.glob("*.jsonl"))

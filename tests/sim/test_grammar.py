@@ -13,11 +13,12 @@ import pytest
 
 from minivllm.engine.grammar import allowed_tokens, bitmask_width
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.trace import loads
 from minivllm.sampling import SamplingParams, StructuredOutputs
 from sim import runner
 from sim.grammar import FakeGrammarBackend, FakeRegex
 from sim.runner import run_trace
-from sim.traces import _draw_grammar, generate_trace, loads
+from sim.traces import _draw_grammar, generate_trace
 
 # Traces per scheduling mode in test_random_traces_with_grammars (x 2 modes); make sim runs
 # 10,000 more, a quarter of whose requests that can have a grammar get one.
@@ -141,6 +142,28 @@ def test_checks_catch_a_misplaced_mask(engine: type[LLMEngine], monkeypatch: pyt
         if not run_trace(trace).ok:
             found.append(seed)
     assert len(found) >= 10, found
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_token_outside_the_grammar_stops_the_engine_naming_the_request(async_scheduling: bool) -> None:
+    """An executor that samples as if unmasked (a model or sampler bug) must not let a
+    constrained request run on off its grammar: the engine raises, naming the request,
+    at the first such token, whichever scheduling mode carries the mask."""
+    from sim.fake_executor import FakeExecutor
+    from minivllm.config import CacheConfig, SchedulerConfig
+
+    class IgnoresMask(FakeExecutor):
+        def _compute(self, plan, inputs, bitmask):
+            return super()._compute(plan, inputs, None)
+
+    engine = LLMEngine(SchedulerConfig(max_model_len=64, async_scheduling=async_scheduling),
+                       CacheConfig(block_size=4, num_blocks=32), IgnoresMask(50, 4, 32), eos_token_id=3,
+                       grammar_backend=FakeGrammarBackend(50, 3))
+    engine.add_request("free", [5, 6, 7], SamplingParams(max_tokens=8))
+    engine.add_request("bound", [1, 2], SamplingParams(max_tokens=40, structured_outputs={"regex": "a"}))
+    with pytest.raises(RuntimeError, match=r"'bound'.*sampled token \d+, which its grammar does not allow"):
+        for _ in range(40):
+            engine.step()
 
 
 def test_trace_with_a_grammar_round_trips() -> None:

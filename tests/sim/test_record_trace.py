@@ -1,4 +1,4 @@
-"""Traces of live traffic (sim/recorder.py, ``LLM(observer=TraceRecorder(...))``): what a
+"""Traces of live traffic (``minivllm.engine.trace.TraceRecorder``, ``LLM(observer=TraceRecorder(...))``): what a
 real engine records replays step for step through the simulator's engine on the recorded
 tokens; and the engine's observer hook that the recorder plugs into."""
 
@@ -16,14 +16,14 @@ import pytest
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.observer import EngineObserver
+from minivllm.engine.trace import AddEvent, ExpectEvent, Trace, TraceRecorder, load
 from minivllm.sampling import SamplingParams
 from sim.__main__ import main as sim_main
 from sim.fake_executor import FakeExecutor, PagingError, fake_next_token, recorded_next_token
 from sim.grammar import FakeGrammarBackend
 from sim.oracle import FakeTextStream, is_stop_token
-from sim.recorder import TraceRecorder, replay_inputs
-from sim.runner import run_trace
-from sim.traces import AddEvent, ExpectEvent, Trace, generate_trace, load
+from sim.runner import replay_inputs, run_trace
+from sim.traces import generate_trace
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-qwen3"
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from minivllm.engine.trace import AbortEvent, AddEvent, ExpectEvent, loads
 from sim.runner import classify_add
-from sim.traces import AbortEvent, AddEvent, ExpectEvent, generate_trace, loads
+from sim.traces import generate_trace
 
 SEEDS = range(400)
 

@@ -170,7 +170,7 @@ def test_bad_arguments_are_named() -> None:
 
 def fake_symm(half: int = 1 << 16) -> object:
     """A ``SymmMemAllReduce`` with its buffer and tables faked on the CPU (no symmetric memory)."""
-    from minivllm.layers import all_reduce as ar
+    from minivllm.ops import communicator as ar
 
     path = object.__new__(ar.SymmMemAllReduce)
     path.dtype, path.max_numel, path.half = torch.bfloat16, half, 0
@@ -188,7 +188,7 @@ def test_the_path_alternates_halves_and_knows_a_gemm_wrote_in_place(monkeypatch)
     leaves them to a plain all-reduce (None)."""
     import minivllm.kernels.all_reduce_rms_norm as kernel_mod
     from minivllm.kernels.rms_norm import MAX_HIDDEN
-    from minivllm.layers.all_reduce import Communicator
+    from minivllm.ops.communicator import Communicator
 
     calls = []
     monkeypatch.setattr(kernel_mod, "all_reduce_add_rms_norm",
@@ -220,8 +220,8 @@ def test_a_forward_refuses_halves_out_of_step(monkeypatch) -> None:
     The check runs in the decoder's forward (the tiny fixture model, one step)."""
     import os
 
-    from minivllm.layers.all_reduce import Communicator
-    from tests.model_utils import make_model_executor, make_plan
+    from minivllm.ops.communicator import Communicator
+    from minivllm.testing import make_model_executor, make_plan
 
     path = fake_symm()
     comm = Communicator(0, 2, path)

@@ -23,7 +23,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
-from tests.model_utils import TinyConfig, make_hf_model, save_hf_model
+from minivllm.testing import TinyConfig, make_hf_model, save_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = str(ROOT / "fixtures" / "tiny-qwen3")

@@ -5,7 +5,7 @@ per step), so one batch mixes greedy and random rows with different filters.
 Nothing here reads a device value on the host (no ``.item()``, no ``nonzero()``,
 no branch on a device value): the executor keeps the sampled ids on the device.
 
-Penalties (``minivllm/layers/penalties.py``) come first, when a row has any: they
+Penalties (``minivllm/sampler/penalties.py``) come first, when a row has any: they
 turn the raw logits into a float32 copy that every path below then samples from
 (greedy rows included); the caller keeps the raw logits for log-probabilities.
 
@@ -59,10 +59,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from minivllm.kernels.gumbel_sample import (
-    gumbel_best_reference, gumbel_pairs, gumbel_sample, gumbel_sample_reference, hashed_uniform,
-)
-from minivllm.layers.penalties import PenaltyTensors, apply_penalties
+from minivllm.kernels.gumbel_sample import hashed_uniform
+from minivllm.ops.dispatch import Ops
+from minivllm.sampler.penalties import PenaltyTensors, apply_penalties
 from minivllm.sampling import SamplingParams, is_greedy_temperature
 
 __all__ = ["MAX_CANDIDATES", "Sampler", "SamplingTensors", "apply_filters", "filter_floor", "pick_candidate",
@@ -387,16 +386,16 @@ class Sampler(nn.Module):
     """Samples one token per row of logits, without a host sync.
 
     Args:
+        ops: the engine's dispatch point: the fused Triton pass or its torch reference
+            (same tokens).
         generator: keys the unseeded rows' noise (its ``initial_seed``, read on the
             host); None: seed 0.
-        use_kernel: run the fused Triton pass (None: on CUDA only; True off CUDA
-            needs ``TRITON_INTERPRET=1``); False runs its torch reference, same tokens.
     """
 
-    def __init__(self, generator: torch.Generator | None = None, use_kernel: bool | None = None) -> None:
+    def __init__(self, ops: Ops, generator: torch.Generator | None = None) -> None:
         super().__init__()
+        self.ops = ops
         self.generator = generator
-        self.use_kernel = use_kernel
         self.num_steps = 0  # calls so far: the counter of the default step seeds
         self._counts: torch.Tensor | None = None  # the fused pass's per-row split counters (zeros)
 
@@ -421,10 +420,8 @@ class Sampler(nn.Module):
         if t.all_greedy:
             return logits.argmax(dim=-1)
         floor = filter_floor(logits, t)
-        if not self._kernel(logits):
-            return gumbel_sample_reference(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed)
-        return gumbel_sample(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed,
-                             counts=self._split_counts(logits))
+        return self.ops.gumbel_sample(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed,
+                                      self._split_counts(logits))
 
     def forward_vocab_parallel(self, shard: torch.Tensor, t: SamplingTensors, col_offset: int,
                                group: "torch.distributed.ProcessGroup | None" = None,
@@ -456,24 +453,15 @@ class Sampler(nn.Module):
         column is exact in float32 below 2**24): the message ``forward_vocab_parallel`` gathers."""
         if not t.vocab_parallel_ok:
             raise ValueError("top-k / top-p / min-p rows need the whole logits row: gather the logits")
-        if self._kernel(shard):  # one launch writes the pairs (greedy rows included)
-            return gumbel_pairs(shard, t.temperature, None, t.greedy, t.seeded, t.seed_keys, step_seed,
-                                col_offset=col_offset, counts=self._split_counts(shard))
-        if shard.shape[1] + col_offset > 1 << 24:
-            raise ValueError(f"vocab columns up to {shard.shape[1] + col_offset} are not exact in float32")
-        if t.all_greedy:
-            value, col = shard.max(dim=-1)  # the first maximum, as argmax
-        else:
-            value, col = gumbel_best_reference(shard, t.temperature, None, t.greedy, t.seeded, t.seed_keys,
-                                               step_seed, col_offset=col_offset)
-        return torch.stack([value.float(), (col + col_offset).float()], dim=1)
+        return self.ops.gumbel_pairs(shard, t.temperature, t.greedy, t.seeded, t.seed_keys, step_seed, col_offset,
+                                     t.all_greedy, self._split_counts(shard))
 
-    def _kernel(self, logits: torch.Tensor) -> bool:
-        return logits.is_cuda if self.use_kernel is None else self.use_kernel
-
-    def _split_counts(self, logits: torch.Tensor) -> torch.Tensor:
-        """The fused pass's split counters for ``logits``' rows: one zeroed buffer kept across
-        calls (each launch leaves it zero), replaced by a larger one when a batch outgrows it."""
+    def _split_counts(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The fused pass's split counters for ``logits``' rows (None off Triton): one zeroed
+        buffer kept across calls (each launch leaves it zero), replaced by a larger one when a
+        batch outgrows it."""
+        if not self.ops.triton:
+            return None
         counts = self._counts
         if counts is None or counts.device != logits.device or counts.shape[0] < logits.shape[0]:
             counts = self._counts = torch.zeros(max(256, logits.shape[0]), dtype=torch.int32, device=logits.device)

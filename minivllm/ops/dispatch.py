@@ -24,23 +24,30 @@ feeds a residual add + RMSNorm, so its output is this rank's *partial* sum and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from minivllm.config import KERNEL_CHOICES
 from minivllm.envs import triton_interpreted
 from minivllm.kernels import reference as ref
-from minivllm.kernels.fp8 import FP8_DTYPE
-from minivllm.layers.all_reduce import Communicator
+from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_channel
+from minivllm.kernels.gemv import MAX_ROWS
+from minivllm.kernels.gumbel_sample import gumbel_best_reference, gumbel_sample_reference
+from minivllm.ops.communicator import Communicator
 
 if TYPE_CHECKING:
     from minivllm.layers.attention import AttentionMetadata
 
-KernelsName = Literal["auto", "triton", "torch"]
-KERNELS: tuple[str, ...] = ("auto", "triton", "torch")
-# Most rows the GEMV kernel takes (tl.dot's smallest tile): the small-batch forward's limit.
-MAX_ROWS = 16
+# The weight formats the layers and the loader build at load time (torch, the same on every
+# path): e4m3 and its two quantizers, per 128 x 128 block and per output channel.
+__all__ = ["FP8_DTYPE", "MAX_ROWS", "Ops", "fp8_mode", "quantize_fp8_block", "quantize_fp8_per_channel",
+           "triton_runs_on"]
+
+# MAX_ROWS, the most rows the GEMV kernel takes (tl.dot's smallest tile), is the small-batch
+# forward's limit.
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # An e4m3 MoE layer's (gate/up, down) scales, block or per channel; (None, None): 16-bit experts.
 ExpertScales = tuple[torch.Tensor, torch.Tensor] | tuple[None, None]
@@ -74,13 +81,14 @@ class Ops:
         Raises:
             ValueError: an unknown ``kernels``, or "triton" where Triton cannot run.
         """
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
         if kernels == "triton" and not triton_runs_on(device):
             raise ValueError(f"kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {device}")
         triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
         pdl = False
-        if triton and comm is None and device.type == "cuda":
+        # Not under Triton's interpreter, which runs no PDL launch (CUDA tensors or not).
+        if triton and comm is None and device.type == "cuda" and not triton_interpreted():
             from minivllm.kernels._launch import pdl_supported
             pdl = pdl_supported(device)
         return cls(triton=triton, use_gemv=triton and dtype in GEMV_DTYPES, pdl=pdl, comm=comm)
@@ -230,9 +238,7 @@ class Ops:
         few = x.shape[0] <= MOE_GEMV_MAX_TOKENS
         if not self.triton:
             if not fp8:
-                from minivllm.layers.moe import moe_reference
-
-                return moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
+                return ref.moe_reference(x, router, gate_up, down, top_k, norm_topk_prob)
             weights, ids = ref.moe_topk_reference(F.linear(x, router).float(), top_k, norm_topk_prob)
             experts = ref.moe_gemv_fp8_reference if few else ref.fused_moe_fp8_reference
             return experts(x, gate_up, down, weights, ids, w13_scale, w2_scale, fp8_mode(w13_scale, gate_up))
@@ -283,6 +289,57 @@ class Ops:
         from minivllm.kernels.prefill_attention import prefill_attention
         return prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_tables,
                                  scale, meta.max_q_len, tile_map=meta.tile_map, k_scale=k_scale, v_scale=v_scale)
+
+    @staticmethod
+    def prefill_tile_rows(dtype: torch.dtype, head_dim: int, max_q_len: int, num_heads: int,
+                          num_kv_heads: int) -> int:
+        """Tokens per q tile of the prefill kernel's default config for chunks of up to
+        ``max_q_len`` tokens: what a prefill graph bakes in for its bucket."""
+        from minivllm.kernels.prefill_attention import default_config, tile_rows
+        return tile_rows(default_config(dtype, head_dim, max_q_len), num_heads, num_kv_heads)
+
+    @staticmethod
+    def prefill_tile_map(q_lens: np.ndarray, block_q: int, capacity: int) -> np.ndarray:
+        """The prefill kernel's (capacity, 2) int32 work list of (sequence, q tile) rows for
+        sequences of ``q_lens`` tokens (``kernels/prefill_attention.py``: ``build_tile_map``)."""
+        from minivllm.kernels.prefill_attention import build_tile_map
+        return build_tile_map(q_lens, block_q, capacity)
+
+    # ---- sampling ------------------------------------------------------------------
+
+    def gumbel_sample(self, logits: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor | None,
+                      greedy: torch.Tensor, seeded: torch.Tensor, seed_keys: torch.Tensor, step_seed: int,
+                      counts: torch.Tensor | None) -> torch.Tensor:
+        """One token id per row of ``logits`` (S, V) -> (S,) int64: greedy rows argmax, the others
+        a Gumbel-max draw keyed by their seeds (``kernels/gumbel_sample.py``; ``counts``: the fused
+        pass's zeroed split counters, Triton only)."""
+        if self.triton:
+            from minivllm.kernels.gumbel_sample import gumbel_sample
+            return gumbel_sample(logits, temperature, floor, greedy, seeded, seed_keys, step_seed, counts=counts)
+        return gumbel_sample_reference(logits, temperature, floor, greedy, seeded, seed_keys, step_seed)
+
+    def gumbel_pairs(self, shard: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                     seeded: torch.Tensor, seed_keys: torch.Tensor, step_seed: int, col_offset: int,
+                     all_greedy: bool, counts: torch.Tensor | None) -> torch.Tensor:
+        """A vocab shard's best (value, global column) per row as one (S, 2) float32 tensor (the
+        message the vocab-parallel sampler gathers): :meth:`gumbel_sample`'s draw over the
+        columns ``col_offset ..`` of ``shard`` (S, V_rank), no filter.
+
+        Raises:
+            ValueError: a global column that float32 cannot hold exactly.
+        """
+        if self.triton:  # one launch writes the pairs (greedy rows included)
+            from minivllm.kernels.gumbel_sample import gumbel_pairs
+            return gumbel_pairs(shard, temperature, None, greedy, seeded, seed_keys, step_seed,
+                                col_offset=col_offset, counts=counts)
+        if shard.shape[1] + col_offset > 1 << 24:
+            raise ValueError(f"vocab columns up to {shard.shape[1] + col_offset} are not exact in float32")
+        if all_greedy:
+            value, col = shard.max(dim=-1)  # the first maximum, as argmax
+        else:
+            value, col = gumbel_best_reference(shard, temperature, None, greedy, seeded, seed_keys, step_seed,
+                                               col_offset=col_offset)
+        return torch.stack([value.float(), (col + col_offset).float()], dim=1)
 
     # ---- vocabulary ----------------------------------------------------------------
 

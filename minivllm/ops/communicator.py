@@ -1,7 +1,7 @@
 """The tensor-parallel communicator: every collective a sharded model makes.
 
 One ``Communicator`` per engine, built by the executor and reached through its ``Ops``
-(``minivllm/layers/ops.py``); nothing here is process-wide. Two paths:
+(``minivllm/ops/dispatch.py``); nothing here is process-wide. Two paths:
 
 - ``torch.distributed`` on the default group (NCCL on CUDA, gloo on the CPU): every
   message when nothing else is set up, and large ones (prefill chunks).

@@ -1,0 +1,65 @@
+"""Who may import whom among the top-level folders. Helpers that tests and benchmarks both need
+live in ``minivllm/testing.py``, which both import: no benchmark imports the tests, no test
+imports a benchmark except the tests of the benchmarks themselves (``tests/benchmarks/``), and
+the rest of the package never imports ``minivllm.testing``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``, function-level ones included;
+    ``from a import b`` yields ``a.b`` too (``b`` may be a module), relative imports resolved."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parent, *([base] if base else [])])
+            out.append((node.lineno, base))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def offending_imports(files: list[Path], forbidden: str) -> list[str]:
+    """``file:line module`` of each import statement of ``forbidden`` (or a module under it) in
+    ``files``, one entry a statement."""
+    hits: dict[str, str] = {}
+    for f in files:
+        for line, name in imported_modules(f):
+            if name == forbidden or name.startswith(forbidden + "."):
+                hits.setdefault(f"{f.relative_to(ROOT)}:{line}", name)
+    return [f"{where} {name}" for where, name in hits.items()]
+
+
+def python_files(folder: str, *, outside: str | None = None) -> list[Path]:
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert files, folder
+    return [f for f in files if outside is None or not f.is_relative_to(ROOT / outside)]
+
+
+def test_benchmarks_never_import_the_tests() -> None:
+    files = python_files("benchmarks")
+    hits = offending_imports(files, "tests") + offending_imports(files, "tests_gpu")
+    assert not hits, f"benchmarks/ imports the tests (move the helper to minivllm/testing.py): {hits}"
+
+
+def test_tests_import_benchmarks_only_to_test_them() -> None:
+    files = python_files("tests", outside="tests/benchmarks") + python_files("tests_gpu")
+    hits = offending_imports(files, "benchmarks")
+    assert not hits, f"a test outside tests/benchmarks/ imports benchmarks/ (move the helper to " \
+                     f"minivllm/testing.py): {hits}"
+
+
+def test_the_package_never_imports_its_test_helpers() -> None:
+    files = [f for f in python_files("minivllm") if f != ROOT / "minivllm" / "testing.py"]
+    hits = offending_imports(files, "minivllm.testing")
+    assert not hits, f"minivllm/ imports minivllm.testing (for tests, benchmarks, fixtures and lab only): {hits}"
