@@ -1,7 +1,10 @@
-"""Who may import whom among the top-level folders. Helpers that tests and benchmarks both need
+"""Who may import whom. Among the top-level folders: helpers that tests and benchmarks both need
 live in ``minivllm/testing.py``, which both import: no benchmark imports the tests, no test
 imports a benchmark except the tests of the benchmarks themselves (``tests/benchmarks/``), and
-the rest of the package never imports ``minivllm.testing``."""
+the rest of the package never imports ``minivllm.testing``. Inside the package: ``config.py`` is
+the ground floor (it imports nothing of the package), the dispatch point (``minivllm/ops/``) is
+the only road to the kernels, and a kernel file gets what it needs as arguments and shares device
+helpers through files that launch nothing, never through another kernel file's ``_`` names."""
 
 from __future__ import annotations
 
@@ -63,3 +66,15 @@ def test_the_package_never_imports_its_test_helpers() -> None:
     files = [f for f in python_files("minivllm") if f != ROOT / "minivllm" / "testing.py"]
     hits = offending_imports(files, "minivllm.testing")
     assert not hits, f"minivllm/ imports minivllm.testing (for tests, benchmarks, fixtures and lab only): {hits}"
+
+
+def test_config_is_the_ground_floor() -> None:
+    hits = offending_imports([ROOT / "minivllm" / "config.py"], "minivllm")
+    assert not hits, f"minivllm/config.py imports the package above it: {hits}"
+
+
+def test_only_the_dispatch_point_reaches_the_kernels() -> None:
+    files = [f for f in python_files("minivllm", outside="minivllm/kernels")
+             if not f.is_relative_to(ROOT / "minivllm" / "ops") and f != ROOT / "minivllm" / "testing.py"]
+    hits = offending_imports(files, "minivllm.kernels")
+    assert not hits, f"only minivllm/ops/ imports minivllm/kernels/ (add the op to Ops): {hits}"

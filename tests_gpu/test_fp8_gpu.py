@@ -56,7 +56,7 @@ def test_hardware_e4m3_cast_is_the_reference_rounding() -> None:
     """On the GPU the kernels cast with the hardware (no fp32 rounding first): the KV store's
     quantization equals torch's bit for bit, ties and saturation included."""
     from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store
-    from tests.kernel_problems import make_qk_norm_problem
+    from tests.kernels.problems import make_qk_norm_problem
 
     gen = torch.Generator().manual_seed(0)
     args, ref = make_qk_norm_problem(37, 4, 2, 64, torch.float32, gen, norm=False)

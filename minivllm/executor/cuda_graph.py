@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
-from minivllm.layers.attention import AttentionMetadata
+from minivllm.ops.metadata import AttentionMetadata
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.layers.attention import AttentionMetadata
+from minivllm.ops.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

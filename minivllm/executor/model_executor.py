@@ -59,7 +59,8 @@ from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resol
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.ops.communicator import Communicator, build_communicator
-from minivllm.layers.attention import AttentionMetadata, kv_cache_torch_dtype
+from minivllm.layers.attention import kv_cache_torch_dtype
+from minivllm.ops.metadata import AttentionMetadata
 from minivllm.layers.linear import quantize_to_fp8
 from minivllm.sampler.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
-from minivllm.layers.attention import AttentionMetadata
+from minivllm.ops.metadata import AttentionMetadata
 from minivllm.ops.dispatch import Ops
 
 

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig, cdiv
-from minivllm.ops.dispatch import FP8_DTYPE, quantize_fp8_per_channel
 from minivllm.layers.linear import block_scale_parameter
 from minivllm.layers.weights import FP8_BLOCK_SIDE, Loaded, ShardId, divide, load_slice, set_weight_loader
+from minivllm.ops.dispatch import FP8_DTYPE, quantize_fp8_per_channel
 
 # Checkpoint projection name -> which part of the stacked tensors it fills.
 EXPERT_PROJECTIONS = {"gate_proj": 0, "up_proj": 1, "down_proj": None}

@@ -244,3 +244,11 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
         if bad:
             raise ValueError(f"an FP8 block-scaled checkpoint needs every rank's part to be a multiple of "
                              f"{FP8_BLOCK_SIDE} rows; at tp_size {tp_size} a rank holds {bad}")
+
+
+def check_narrow(name: str, shape: torch.Size, dim: int, start: int, length: int) -> None:
+    """Raise ``ValueError`` unless ``[start, start + length)`` along ``dim`` lies inside ``shape``
+    (a checkpoint tensor's slice, checked before it is read)."""
+    if not 0 <= dim < len(shape) or start < 0 or length < 0 or start + length > shape[dim]:
+        raise ValueError(f"{name}: cannot narrow shape {tuple(shape)} "
+                         f"to [{start}, {start + length}) along dim {dim}")

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.attention import Attention, AttentionMetadata, kv_cache_scale
+from minivllm.layers.attention import Attention, kv_cache_scale
+from minivllm.ops.metadata import AttentionMetadata
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minivllm.layers.weights import ShardId

@@ -260,7 +260,7 @@ class GGUFTensor:
         Raises:
             ValueError: ``dim`` or the range is outside the tensor.
         """
-        from minivllm.model.loader import check_narrow
+        from minivllm.layers.weights import check_narrow
 
         check_narrow(self.name, self.shape, dim, start, length)
         whole_heads = self._head_dim is None or (start % self._head_dim == 0 and length % self._head_dim == 0)

@@ -38,12 +38,12 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.config import FP8_WEIGHT_BLOCK
-from minivllm.ops.dispatch import FP8_DTYPE, quantize_fp8_block
 from minivllm.layers.embedding import VocabParallelEmbedding
-from minivllm.layers.weights import ShardId, get_shard_ids, get_weight_loader
 from minivllm.layers.moe import expert_shard
 from minivllm.layers.norm import RMSNorm
+from minivllm.layers.weights import ShardId, check_narrow, get_shard_ids, get_weight_loader
 from minivllm.model.gguf import GGUFTensor, is_gguf_file, iter_gguf
+from minivllm.ops.dispatch import FP8_DTYPE, quantize_fp8_block
 
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
@@ -148,13 +148,6 @@ class LazyTensor:
     def _count(self, t: torch.Tensor) -> torch.Tensor:
         self.numel_read += t.numel()
         return t
-
-
-def check_narrow(name: str, shape: torch.Size, dim: int, start: int, length: int) -> None:
-    """Raise ``ValueError`` unless ``[start, start + length)`` along ``dim`` lies inside ``shape``."""
-    if not 0 <= dim < len(shape) or start < 0 or length < 0 or start + length > shape[dim]:
-        raise ValueError(f"{name}: cannot narrow shape {tuple(shape)} "
-                         f"to [{start}, {start + length}) along dim {dim}")
 
 
 def iter_checkpoint(path: str | os.PathLike[str]) -> Iterator[LazyTensor | GGUFTensor]:

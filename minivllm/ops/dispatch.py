@@ -24,7 +24,6 @@ feeds a residual add + RMSNorm, so its output is this rank's *partial* sum and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,16 +34,15 @@ from minivllm.envs import triton_interpreted
 from minivllm.kernels import reference as ref
 from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_channel
 from minivllm.kernels.gemv import MAX_ROWS
-from minivllm.kernels.gumbel_sample import gumbel_best_reference, gumbel_sample_reference
+from minivllm.kernels.gumbel_sample import gumbel_best_reference, gumbel_sample_reference, hashed_uniform
 from minivllm.ops.communicator import Communicator
+from minivllm.ops.metadata import AttentionMetadata
 
-if TYPE_CHECKING:
-    from minivllm.layers.attention import AttentionMetadata
-
-# The weight formats the layers and the loader build at load time (torch, the same on every
-# path): e4m3 and its two quantizers, per 128 x 128 block and per output channel.
-__all__ = ["FP8_DTYPE", "MAX_ROWS", "Ops", "fp8_mode", "quantize_fp8_block", "quantize_fp8_per_channel",
-           "triton_runs_on"]
+# Besides Ops, what the rooms above take from the kernels' side, all plain torch: the weight
+# formats the layers and the loader build at load time (e4m3 and its two quantizers, per
+# 128 x 128 block and per output channel) and the sampler's noise (its torch reference's).
+__all__ = ["FP8_DTYPE", "MAX_ROWS", "Ops", "fp8_mode", "hashed_uniform", "quantize_fp8_block",
+           "quantize_fp8_per_channel", "triton_runs_on"]
 
 # MAX_ROWS, the most rows the GEMV kernel takes (tl.dot's smallest tile), is the small-batch
 # forward's limit.

@@ -59,8 +59,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from minivllm.kernels.gumbel_sample import hashed_uniform
-from minivllm.ops.dispatch import Ops
+from minivllm.ops.dispatch import Ops, hashed_uniform
 from minivllm.sampler.penalties import PenaltyTensors, apply_penalties
 from minivllm.sampling import SamplingParams, is_greedy_temperature
 
