@@ -78,3 +78,24 @@ def test_only_the_dispatch_point_reaches_the_kernels() -> None:
              if not f.is_relative_to(ROOT / "minivllm" / "ops") and f != ROOT / "minivllm" / "testing.py"]
     hits = offending_imports(files, "minivllm.kernels")
     assert not hits, f"only minivllm/ops/ imports minivllm/kernels/ (add the op to Ops): {hits}"
+
+
+def test_kernel_files_take_their_settings_as_arguments() -> None:
+    files = python_files("minivllm/kernels")
+    hits = offending_imports(files, "minivllm.config") + offending_imports(files, "minivllm.envs")
+    assert not hits, f"a kernel file reads the config or the environment (pass it as an argument): {hits}"
+
+
+def test_kernel_files_share_device_helpers_only_through_files_that_launch_nothing() -> None:
+    """No kernel file imports another kernel file's ``_`` names; helpers shared between kernels
+    live in ``_``-named files (such as ``_softmax.py``) and are imported from there."""
+    hits = []
+    for f in python_files("minivllm/kernels"):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), str(f))):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            source = node.module.split(".")[-1]
+            if (node.module.startswith("minivllm.kernels.") or node.level) and not source.startswith("_"):
+                hits += [f"{f.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}"
+                         for a in node.names if a.name.startswith("_")]
+    assert not hits, f"a kernel file imports another kernel file's private names: {hits}"
