@@ -33,8 +33,8 @@ holds none of them. Each number:
 
 ``--sweep``: also every tile config of ``GEMV_SWEEP`` (one row) and ``GEMM_SWEEP`` (more rows),
 each checked and timed as a contender of its own (``fp8_gemv[16x128 w4 s3]``), and per row the
-fastest of each kernel beside its default's time: the run that sets ``fp8_gemv.default_config`` and ``fp8_gemm.default_config``. ``--quick``:
-M = 1, 64, 2048 only. ``--smoke``: on the CPU under ``TRITON_INTERPRET=1`` (the Triton
+fastest of each kernel beside its default's time: the run that sets ``fp8_gemv.default_config``
+and ``fp8_gemm.default_config``. ``--quick``: M = 1, 64, 2048 only. ``--smoke``: on the CPU under ``TRITON_INTERPRET=1`` (the Triton
 kernels in the interpreter), tiny shapes, every check, nothing timed, no CUDA call.
 Summary: ``$OUT/fp8_gemm.json``.
 """

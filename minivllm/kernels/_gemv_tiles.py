@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from minivllm.kernels.rms_norm import add_residual, normalise
-from minivllm.kernels.silu_and_mul import gated_silu
+from minivllm.kernels._norm_act import add_residual, normalise
+from minivllm.kernels._norm_act import gated_silu
 
 
 @triton.jit

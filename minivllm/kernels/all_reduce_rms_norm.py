@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, takes_pdl
-from minivllm.kernels.rms_norm import MAX_HIDDEN, weighted_rms_norm_row
+from minivllm.kernels._norm_act import weighted_rms_norm_row
+from minivllm.kernels.rms_norm import MAX_HIDDEN
 
 MAX_PROGRAMS = 256  # flags per peer; the all-reduce uses at most this many programs
 

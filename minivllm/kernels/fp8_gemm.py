@@ -17,7 +17,7 @@ accumulation, y (M, N) in x's dtype rounded once. Scales as ``kernels/fp8.py`` d
 x is quantized once, in a launch of its own, not inside the K loop of every column program
 (cdiv(N, BLOCK_N) times over): that in-loop road adds a few ALU ops per element beside the
 tensor-core dot and lost on an H200 at every size swept (docs/tuning.md, "FP8"; the
-experiment is ``lab/fp8_gemm_in_loop.py``).
+experiment: ``lab/fp8_gemm_in_loop.py`` and its line in ``lab/README.md``).
 
 The fp8 ``tl.dot`` needs fp8 tensor cores (compute capability 8.9 or later). The
 interpreter's ``tl.dot`` of fp8 operands widens them exactly, so the dot itself needs no

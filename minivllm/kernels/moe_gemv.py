@@ -51,7 +51,7 @@ from minivllm.kernels._launch import (check_dtype, check_power_of_two, check_sam
                                       takes_pdl)
 from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
 from minivllm.kernels.fused_moe import check_experts
-from minivllm.kernels.silu_and_mul import gated_silu
+from minivllm.kernels._norm_act import gated_silu
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ After the packed QKV projection, a Qwen3 layer needs, per token::
 Families without q/k norm (Qwen2, Llama) pass no weights and get the same kernel
 without the norm (``HAS_NORM`` false): RoPE and the cache write in one launch.
 
-Unfused (``qk_norm_rope`` compiled by torch.compile, then ``store_kv``) that is 7
+Unfused (``qk_norm_rope`` compiled by torch.compile, then a K/V store) that is 7
 launches per layer; at batch 1 the launches, not the bytes, set the step time.
 Here one program per token reads its whole QKV row once and writes q and the
 cache rows, so the step is one launch per layer whatever the batch.

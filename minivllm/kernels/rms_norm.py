@@ -26,33 +26,10 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2, takes_pdl
+from minivllm.kernels._norm_act import add_residual, weighted_rms_norm_row
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384
-
-
-@triton.jit
-def weighted_rms_norm_row(x, w, eps, N: tl.constexpr):
-    """``w * (x / sqrt(mean(x^2) + eps))`` of one row ``x`` (its own dtype, padded with
-    zeros past N), ``w`` in fp32: statistics in fp32, the normalised value rounded to
-    x's dtype before the weight multiply. Returns fp32 (the caller casts once)."""
-    x32 = x.to(tl.float32)
-    return normalise(x, w, tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps))
-
-
-@triton.jit
-def normalise(x, w, rstd):
-    """``w * (x * rstd)`` for x in its own dtype, w and rstd in fp32: the normalised value
-    rounded to x's dtype before the weight multiply (the rounding of Hugging Face's
-    Qwen3RMSNorm). Returns fp32. Shared with the GEMV kernel's input norm."""
-    return w * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
-
-
-@triton.jit
-def add_residual(x, r):
-    """``x + r`` rounded once to x's dtype, as torch's add in that dtype (the new residual
-    stream). Shared with the GEMV kernel's input norm."""
-    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit

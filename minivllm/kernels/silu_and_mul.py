@@ -19,17 +19,9 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, next_pow2, takes_pdl
+from minivllm.kernels._norm_act import gated_silu
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def gated_silu(gate, up, dtype: tl.constexpr):
-    """``silu(gate) * up`` rounded to ``dtype`` as this module's doc says (shared with the GEMV
-    kernel, which applies it to its input: the same bits as this kernel's output)."""
-    gate = gate.to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(dtype)
 
 
 @triton.jit

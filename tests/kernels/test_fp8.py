@@ -101,7 +101,8 @@ def test_zero_blocks_get_a_finite_scale() -> None:
         assert torch.all(torch.isfinite(s)) and torch.all(s > 0)
         assert torch.all(torch.isfinite(dequantize_fp8_block(q, s, FP8_WEIGHT_BLOCK)))
     q, s = quantize_fp8_block(w, FP8_WEIGHT_BLOCK)
-    assert torch.all(q[:128, 128:].float() == 0) and torch.all(dequantize_fp8_block(q, s, FP8_WEIGHT_BLOCK)[:128, 128:] == 0)
+    assert torch.all(q[:128, 128:].float() == 0)
+    assert torch.all(dequantize_fp8_block(q, s, FP8_WEIGHT_BLOCK)[:128, 128:] == 0)
     q, s = quantize_fp8_per_channel(torch.zeros(4, 9))
     assert torch.all(torch.isfinite(s)) and torch.all(dequantize_fp8_per_channel(q, s) == 0)
 
