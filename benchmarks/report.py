@@ -121,6 +121,16 @@ def pair(p: Any, spec: str = ".1f") -> str:
     return f"{fmt(get(p, 'p50'), spec)} / {fmt(get(p, 'p99'), spec)}"
 
 
+def batch1_ms(b: Any) -> str:
+    """A batch-1 cell: the median ms/token, then the range of its rounds where there were
+    several (``0.918 (0.910-1.490, 5 rounds)``)."""
+    cell = fmt(get(b, "ms_per_token"), ".3f")
+    rounds = get(b, "rounds_ms_per_token") or []
+    if len(rounds) > 1:
+        cell += f" ({fmt(get(b, 'min'), '.3f')}-{fmt(get(b, 'max'), '.3f')}, {len(rounds)} rounds)"
+    return cell
+
+
 def table(headers: list[str], rows: Iterable[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -142,7 +152,7 @@ def throughput_section(runs: Summaries) -> list[str]:
             m = get(d, "minivllm", mode)
             if m is not None:
                 rows.append([stem, fmt(d.get("workload")), fmt(shapes), fmt(tp), f"minivllm, {mode}",
-                             fmt(get(m, "offline", "tok_s"), ",.0f"), fmt(get(m, "batch1", "ms_per_token"), ".3f"),
+                             fmt(get(m, "offline", "tok_s"), ",.0f"), batch1_ms(m.get("batch1")),
                              fmt(m.get("vs_hf"), ".1f")])
     return table(["summary", "workload", "shapes", "TP", "engine", "offline tok/s", "batch-1 ms/token", "x HF"], rows)
 
@@ -177,7 +187,7 @@ def moe_section(runs: Summaries) -> list[str]:
     for stem, d in runs:
         b = d.get("batch1")
         if b is not None:
-            rows.append([stem, "batch-1 ms/token", fmt(b.get("ms_per_token"), ".3f"), fmt(b.get("floor_ms"), ".3f"),
+            rows.append([stem, "batch-1 ms/token", batch1_ms(b), fmt(b.get("floor_ms"), ".3f"),
                          fmt(b.get("floor_fraction"), ".2f"), f"<= {fmt(b.get('goal_ms'), '.1f')} ms/token",
                          _met(b.get("met"))])
         for r in d.get("offline", []):
@@ -208,7 +218,7 @@ def fp8_section(runs: Summaries) -> list[str]:
                               else f"{key} >= {g['goal']:,.0f}: {_met(g['met'])}"
                               for r in (o, lc) for key, g in r.get("goals", {}).items()) or "-"
             rows.append([stem, name, fmt(o.get("tok_s"), ",.0f"), fmt(o.get("kv_blocks")),
-                         fmt(get(o, "batch1", "ms_per_token"), ".3f"), fmt(lc.get("median_ms"), ".3f"),
+                         batch1_ms(o.get("batch1")), fmt(lc.get("median_ms"), ".3f"),
                          fmt(lc.get("floor_ms"), ".3f"),
                          "-" if not a else f"{a['top5_failures']} / {a['prompts']}",
                          fmt(a.get("mean_kl"), ".2e"), goals])

@@ -11,14 +11,21 @@ prompt lengths uniform in [100, 1024] of random token ids < 10000, max_tokens un
 Throughput = completion tokens / wall time of one ``generate()`` of the whole workload,
 once per scheduling mode, each on fresh token ids (no prefix-cache hits between runs) after
 a short warm-up. Batch-1: a 128-token prompt, 256 greedy tokens, wall time / 256 (the
-prefill included). On CUDA the GPU kernel time of a decode step (batch 1 and 256, torch
-profiler) and the all-reduce's share of it are recorded too.
+prefill included), in ``--batch1-repeats`` rounds (each a fresh prompt after a warm-up): the
+median is the figure, every round's ms/token and the min and max are kept beside it. On
+CUDA the GPU kernel time of a decode step (batch 1 and 256, torch profiler) and the
+all-reduce's share of it are recorded too.
 
 HF, the baseline, as fast as transformers documents: ``generate(cache_implementation=
 "static")`` in bf16, which compiles the decode forward into CUDA graphs; batches of
 ``--hf-batch`` requests, longest first, left-padded, each warmed up once; only each
 request's own max_tokens count. It runs first, on the first ``--hf-requests`` requests
-(its figure is a rate, compared as such), and is freed before minivllm sizes its KV pool.
+(its figure is a rate, compared as such).
+
+With several ``--engines``, each runs in a process of its own (spawned, gone before the next
+starts) and the parent merges their results into one summary: what an engine leaves in its
+process (HF's compiled graphs and caches, the CUDA allocator's pool, torch's threads) would
+otherwise slow the engine measured after it. One engine runs in this process.
 
 Summary: ``$OUT/throughput[_<shapes>][_tpN].json``. ``--smoke``: a tiny model on the CPU.
 ``--load-format dummy`` (with ``--engines minivllm``): random weights filled on the device, no checkpoint written.
@@ -34,8 +41,10 @@ import copy
 import dataclasses
 import gc
 import itertools
+import multiprocessing
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,7 +224,8 @@ def run_offline(llm: Any, wl: Workload, stream: int, label: str) -> dict[str, An
 
 
 def run_batch1(llm: Any, stream: int, label: str, smoke: bool, id_limit: int) -> dict[str, Any]:
-    """Greedy, 128-token prompt, 256 new tokens (smoke: 8 and 8); ms/token includes the prefill."""
+    """One round: a warm-up generation, then greedy on a fresh 128-token prompt, 256 new tokens
+    (smoke: 8 and 8); ms/token includes the prefill."""
     from minivllm import SamplingParams
 
     plen, new = (8, 8) if smoke else (128, 256)
@@ -224,6 +234,12 @@ def run_batch1(llm: Any, stream: int, label: str, smoke: bool, id_limit: int) ->
     llm.generate([rng.integers(0, id_limit, plen).tolist()],
                  dataclasses.replace(greedy, max_tokens=8), use_tqdm=False)  # warm-up
     prompt = rng.integers(0, id_limit, plen).tolist()
+    # Every round starts with no garbage pending, so a full collection of what earlier work
+    # left (an offline run's 256 outputs) does not land inside one round and not another. No
+    # gc.freeze() here: the engine froze the imported objects at start-up (LLM's
+    # freeze_imported_objects), and a freeze now would pin the live engine itself, which the
+    # benchmarks that build one engine after another (fp8, moe) must be able to free.
+    gc.collect()
     t0 = time.perf_counter()
     out = llm.generate([prompt], greedy, use_tqdm=False)[0]
     dt = time.perf_counter() - t0
@@ -234,14 +250,16 @@ def run_batch1(llm: Any, stream: int, label: str, smoke: bool, id_limit: int) ->
 
 
 def median_run(runs: list[dict[str, Any]], label: str) -> dict[str, Any]:
-    """The batch-1 run of median ms/token (the upper median of an even count), with every
-    run's ms/token under ``runs_ms_per_token``; printed when there is more than one."""
+    """The batch-1 round of median ms/token (the upper median of an even count) with the
+    spread of all rounds: each round's ms/token in order (``rounds_ms_per_token``), ``min`` and
+    ``max``; printed when there is more than one round. A figure that differs between runs
+    at one commit shows here as a wide range, not as a jump between two medians."""
     ms = [r["ms_per_token"] for r in runs]
     pick = dict(sorted(runs, key=lambda r: r["ms_per_token"])[len(runs) // 2])
-    pick["runs_ms_per_token"] = ms
+    pick.update(rounds_ms_per_token=ms, min=min(ms), max=max(ms))
     if len(runs) > 1:
-        print(f"minivllm batch-1 [{label}]: median {pick['ms_per_token']:.3f} ms/token over {len(runs)} runs "
-              f"({', '.join(f'{m:.3f}' for m in ms)})", flush=True)
+        print(f"minivllm batch-1 [{label}]: median {pick['ms_per_token']:.3f} ms/token over {len(runs)} rounds, "
+              f"min {pick['min']:.3f}, max {pick['max']:.3f} ({', '.join(f'{m:.3f}' for m in ms)})", flush=True)
     return pick
 
 
@@ -458,18 +476,25 @@ def run_hf(args: argparse.Namespace, path: str, device: str, wl: Workload) -> di
                 wall_s=wall, tok_s=counted / wall, compiled=compiled)
 
 
-def free_hf(device: str) -> None:
-    """Release what HF and its compiled graphs hold before minivllm sizes its pool."""
-    gc.collect()
-    torch._dynamo.reset()
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        print(f"after HF: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
-              f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved in this process")
-
-
 # ---- main ----------------------------------------------------------------------
+
+ENGINE_ORDER = ("hf", "minivllm")  # the order the engines of --engines run in
+
+
+def run_engine(engine: str, args: argparse.Namespace, path: str, device: str, wl: Workload) -> dict[str, Any]:
+    """The results of one engine of ``--engines``."""
+    run = run_hf if engine == "hf" else run_minivllm
+    return run(args, path, device, wl)
+
+
+def run_engine_apart(engine: str, args: argparse.Namespace, path: str, device: str,
+                     wl: Workload) -> dict[str, Any]:
+    """``run_engine`` in a fresh spawned process, which has exited (with all it held) when this
+    returns; its exception is raised here."""
+    spawn = multiprocessing.get_context("spawn")  # a fork would inherit this process's state
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(run_engine, engine, args, path, device, wl).result()
+
 
 def print_targets(n: int, results: dict[str, Any], shapes: str = DEFAULT_SHAPES) -> None:
     mv, hf = results.get("minivllm"), results.get("hf")
@@ -492,13 +517,14 @@ def print_targets(n: int, results: dict[str, Any], shapes: str = DEFAULT_SHAPES)
                       f"{met(ratio, GOAL_RATIO)}")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--engines", default="minivllm,hf", help="comma list of minivllm, hf")
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--batch1-repeats", type=int, default=1,
-                    help="batch-1 generations to time (different prompts); the median is reported")
+    ap.add_argument("--batch1-repeats", type=int, default=5,
+                    help="batch-1 rounds to time (different prompts); the median is reported, with "
+                         "every round and the min and max")
     ap.add_argument("--hf-requests", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--async", dest="async_mode", choices=("on", "off", "both"), default="both")
@@ -514,11 +540,13 @@ def parse_args() -> argparse.Namespace:
                     help="the fused ops' implementation (ExecutorConfig.kernels; auto: the LLM's default)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per KV cache block (default: the LLM's)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or set(engines) - {"minivllm", "hf"}:
         ap.error(f"--engines: expected a comma list of minivllm, hf; got {args.engines!r}")
-    args.engines = engines
+    if args.batch1_repeats < 1:
+        ap.error("--batch1-repeats must be >= 1")
+    args.engines = [e for e in ENGINE_ORDER if e in engines]
     require_checkpoint_unless_dummy(ap, args, hf="hf" in engines, hf_off="--engines minivllm")
     if args.smoke:
         args.num_requests, args.hf_requests = min(args.num_requests, 6), min(args.hf_requests, 4)
@@ -526,24 +554,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device = bench_device(args)
     path = model_path(args)
     wl = offline_workload(args.num_requests, args.seed, args.smoke)
     print(f"offline-{args.num_requests}: {sum(wl.prompt_lens)} prompt tokens, {sum(wl.max_tokens)} "
           f"completion tokens; engines {args.engines}, device {device}, smoke={args.smoke}", flush=True)
     results: dict[str, Any] = {"args": vars(args), "workload": f"offline-{args.num_requests}"}
+    run = run_engine if len(args.engines) == 1 else run_engine_apart
     if "hf" in args.engines:
         try:
-            results["hf"] = run_hf(args, path, device, wl)
+            results["hf"] = run("hf", args, path, device, wl)
         except Exception as e:  # reported loudly; minivllm still runs
             traceback.print_exc()
             print(f"HF: FAILED ({type(e).__name__}: {e})", flush=True)
             results["hf"] = {"error": f"{type(e).__name__}: {e}"}
-        free_hf(device)
     if "minivllm" in args.engines:
-        results["minivllm"] = run_minivllm(args, path, device, wl)
+        results["minivllm"] = run("minivllm", args, path, device, wl)
     print_targets(args.num_requests, results, args.shapes)
     name = "throughput" + ("" if args.shapes == DEFAULT_SHAPES else f"_{args.shapes}")
     write_summary(name if args.tensor_parallel_size == 1 else f"{name}_tp{args.tensor_parallel_size}", results)

@@ -299,7 +299,8 @@ def test_smoke_run_writes_every_part(tmp_path: Path, monkeypatch, capsys) -> Non
     for r in d["offline"]:
         assert r["completion_tokens"] > 0 and 0 < r["floor_fraction"] == pytest.approx(r["tok_s"] / r["floor_tok_s"])
     b = d["batch1"]
-    assert len(b["runs_ms_per_token"]) == 2 and b["floor_ms"] > 0 and b["context"] == 12
+    assert len(b["rounds_ms_per_token"]) == 2 and b["floor_ms"] > 0 and b["context"] == 12
+    assert b["min"] <= b["ms_per_token"] <= b["max"] and b["max"] == max(b["rounds_ms_per_token"])
     out = capsys.readouterr().out
     assert "batch-1:" in out and "goal <= 2.0 ms/token" in out and "goal >= 0.70" in out
 

@@ -163,3 +163,24 @@ def test_write_summary_adds_what_reproduces_it(tmp_path: Path, monkeypatch) -> N
     # the longest name wins: fp8_gemm has a section of its own, fp8_kv would be fp8's
     assert (report.section_of("fp8_gemm"), report.section_of("fp8_kv"), report.section_of("moe_fp8")) == (
         "fp8_gemm", "fp8", "moe")
+
+
+def test_batch1_cells_show_the_median_then_the_range_of_its_rounds(tmp_path: Path) -> None:
+    spread = {"ms_per_token": 0.918, "rounds_ms_per_token": [0.93, 0.918, 1.49, 0.91, 0.92], "min": 0.91,
+              "max": 1.49}
+    summaries = {
+        "throughput": {"workload": "offline-256", "minivllm": {"async on": {"offline": {"tok_s": 25000.0},
+                                                                            "batch1": spread}}},
+        "moe": {"batch1": {**spread, "floor_ms": 0.5, "goal_ms": 2.0, "met": True}},
+        "fp8": {"offline": {"bf16": {"tok_s": 24000.0, "batch1": spread},
+                            "fp8-kv": {"tok_s": 31000.0, "batch1": {"ms_per_token": 1.1,
+                                                                    "rounds_ms_per_token": [1.1], "min": 1.1,
+                                                                    "max": 1.1}}}}}
+    for name, data in summaries.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    page = report.render(report.load(tmp_path))
+    cell = "0.918 (0.910-1.490, 5 rounds)"
+    assert rows_of(page, "throughput")[0][6] == cell
+    assert rows_of(page, "moe")[0][2] == cell
+    fp8 = rows_of(page, "fp8")
+    assert (fp8[0][4], fp8[1][4]) == (cell, "1.100")   # one round: no range
