@@ -68,6 +68,13 @@ def test_the_package_never_imports_its_test_helpers() -> None:
     assert not hits, f"minivllm/ imports minivllm.testing (for tests, benchmarks, fixtures and lab only): {hits}"
 
 
+def test_the_product_never_imports_the_simulator() -> None:
+    """``sim/`` is the product's verification harness: what both need (the trace format and
+    its recorder) lives in ``minivllm.engine.trace``, and ``sim/`` imports it from there."""
+    hits = offending_imports(python_files("minivllm"), "sim")
+    assert not hits, f"minivllm/ imports sim/: {hits}"
+
+
 def test_config_is_the_ground_floor() -> None:
     hits = offending_imports([ROOT / "minivllm" / "config.py"], "minivllm")
     assert not hits, f"minivllm/config.py imports the package above it: {hits}"
