@@ -80,13 +80,17 @@ test-gpu:
 # the rest, and the target fails at the end if any did. Each writes <name>.json (and its
 # figure) into $(OUT), default bench-results/ (git-ignored), its previous summary removed
 # first; then docs/performance.md is generated from that folder (benchmarks/report.py).
+# BENCH_ONLY="throughput serving ...": only the runs of those summary names (a whole `make bench`
+# in parts, one folder: the page is generated from every summary in it).
 # `run LIMIT MODULE ARGS`: the summary is named after the module (benchmarks.moe: moe.json);
 # `run_named LIMIT NAME MODULE ARGS` for a run whose arguments name it otherwise (NAME.json),
 # so that it removes its own summary only.
 BENCH_OUT = $(or $(OUT),bench-results)
 BENCH_LIMIT = $(or $(BENCH_TIMEOUT),240)
 BENCH_RUN = rc=0; mkdir -p "$(BENCH_OUT)"; \
-	run_named() { limit=$$1; name=$$2; shift 2; echo "=== $$*"; rm -f "$(BENCH_OUT)/$$name.json"; \
+	run_named() { limit=$$1; name=$$2; shift 2; \
+	        case " $(BENCH_ONLY) " in "  "|*" $$name "*) ;; *) return 0;; esac; \
+	        echo "=== $$*"; rm -f "$(BENCH_OUT)/$$name.json"; \
 	        OUT="$(BENCH_OUT)" PYTHONPATH=. timeout $$limit python3 -m "$$@" \
 	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }; \
 	run() { limit=$$1; shift; run_named $$limit "$$(echo $$1 | cut -d. -f2)" "$$@"; }
