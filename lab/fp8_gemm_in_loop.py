@@ -40,23 +40,12 @@ from minivllm.config import FP8_WEIGHT_BLOCK
 from minivllm.kernels.fp8 import (
     FP8_GROUP, ScaleMode, e4m3_scales, exact_cast, quantize_e4m3, quantize_fp8_block, quantize_fp8_per_channel,
 )
+from minivllm.kernels._gemm_tiles import wt_tile, x_tile
 from minivllm.kernels.fp8_gemm import Fp8GemmConfig, check_args, default_config, fp8_gemm
 
 L2_FLUSH_BYTES = 256 << 20   # weight bytes cycled per timing: more than an H200's 50 MB L2
 SMOKE_GEMMS = [("smoke qkv", 128, 64), ("smoke down", 64, 320)]
 SMOKE_ROWS = (1, 16, 64)
-
-
-@triton.jit
-def _x_tile(x_rows, k, row_ok, K):
-    """x at these rows and columns ``k`` in fp32, 0 where masked off."""
-    return tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _w_tile(w_cols, k, col_ok, K):
-    """The (GROUP, BLOCK_N) tile of W^T at rows ``k``, 0 where masked off."""
-    return tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -82,20 +71,20 @@ def _in_loop_kernel(
     if BLOCK_SCALES:
         ws_rows = ws_ptr + (cols // GROUP) * tl.cdiv(K, GROUP)           # (BLOCK_N,)
         for k0 in range(0, K, GROUP):
-            x = _x_tile(x_rows, k0 + offs_k, row_ok, K)
+            x = x_tile(x_rows, k0 + offs_k, row_ok, K).to(tl.float32)
             xs, inv = e4m3_scales(tl.max(tl.abs(x), axis=1))
             xq = quantize_e4m3(x, inv[:, None], EXACT_CAST)
-            d = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K))
+            d = tl.dot(xq, wt_tile(w_cols, k0 + offs_k, col_ok, K))
             ws = tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)
             acc += d * xs[:, None] * ws[None, :]
     else:
         amax = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, GROUP):
-            amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, k0 + offs_k, row_ok, K)), axis=1))
+            amax = tl.maximum(amax, tl.max(tl.abs(x_tile(x_rows, k0 + offs_k, row_ok, K).to(tl.float32)), axis=1))
         xs, inv = e4m3_scales(amax)
         for k0 in range(0, K, GROUP):
-            xq = quantize_e4m3(_x_tile(x_rows, k0 + offs_k, row_ok, K), inv[:, None], EXACT_CAST)
-            acc = tl.dot(xq, _w_tile(w_cols, k0 + offs_k, col_ok, K), acc)
+            xq = quantize_e4m3(x_tile(x_rows, k0 + offs_k, row_ok, K).to(tl.float32), inv[:, None], EXACT_CAST)
+            acc = tl.dot(xq, wt_tile(w_cols, k0 + offs_k, col_ok, K), acc)
         acc = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
