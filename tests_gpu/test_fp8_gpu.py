@@ -17,8 +17,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import FP8_WEIGHT_BLOCK
 from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_token, quantize_fp8_per_token_group
 from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8
-from minivllm.kernels.fp8_quant import quantize_activations
 from minivllm.kernels.fp8_gemv import fp8_gemv
+from minivllm.kernels.fp8_quant import quantize_activations
 from minivllm.kernels.reference import (
     fp8_gemm_reference, fp8_gemv_reference, paged_attention_reference, quantize_kv_reference,
 )

@@ -77,8 +77,8 @@ from multiprocessing.connection import wait as wait_for_sentinels
 
 from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from minivllm.engine.plan import StepPlan, StepResult
-from minivllm.executor.base import StepHandle, freeze_imported_objects
 from minivllm.envs import TP_TIMEOUT_S, tp_timeout_s
+from minivllm.executor.base import StepHandle, freeze_imported_objects
 from minivllm.executor.model_executor import ModelExecutor
 
 JOIN_TIMEOUT_S = 10.0

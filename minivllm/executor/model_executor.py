@@ -58,17 +58,17 @@ from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
-from minivllm.ops.communicator import Communicator, build_communicator
 from minivllm.layers.attention import kv_cache_torch_dtype
-from minivllm.ops.metadata import AttentionMetadata
 from minivllm.layers.linear import quantize_to_fp8
+from minivllm.model.decoder import DecoderForCausalLM
+from minivllm.model.loader import fill_dummy_weights, load_weights, require_weights
+from minivllm.model.registry import build_model
+from minivllm.ops.communicator import Communicator, build_communicator
+from minivllm.ops.dispatch import Ops
+from minivllm.ops.metadata import AttentionMetadata
 from minivllm.sampler.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_token_bitmask
-from minivllm.model.decoder import DecoderForCausalLM
-from minivllm.model.loader import fill_dummy_weights, load_weights, require_weights
-from minivllm.ops.dispatch import Ops
-from minivllm.model.registry import build_model
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
 from minivllm.step_types import TokenHistory, TokenLogprobs
 

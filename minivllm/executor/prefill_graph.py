@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
-from minivllm.ops.metadata import AttentionMetadata
 from minivllm.ops.dispatch import Ops
+from minivllm.ops.metadata import AttentionMetadata
 
 
 def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:

@@ -54,10 +54,10 @@ from minivllm.kernels._launch import (
     check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, check_tile_config, takes_pdl,
     upcast_dot,
 )
+from minivllm.kernels._norm_act import gated_silu
 from minivllm.kernels.fp8 import FP8_DTYPE, FP8_GROUP, ScaleMode, e4m3_scales, exact_cast, quantize_e4m3
 from minivllm.kernels.moe_align import MoeAlignment
 from minivllm.kernels.moe_sum import moe_sum
-from minivllm.kernels._norm_act import gated_silu
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_X_DTYPES = (torch.bfloat16, torch.float16)  # as fp8_gemm's x

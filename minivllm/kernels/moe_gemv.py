@@ -49,9 +49,9 @@ from minivllm.kernels._fp8_tiles import expert_scale_ptrs, scaled_tile
 from minivllm.kernels._gemv_tiles import w_tile
 from minivllm.kernels._launch import (check_dtype, check_power_of_two, check_same_device, check_tile_config, next_pow2,
                                       takes_pdl)
+from minivllm.kernels._norm_act import gated_silu
 from minivllm.kernels.fp8 import FP8_GROUP, ScaleMode
 from minivllm.kernels.fused_moe import check_experts
-from minivllm.kernels._norm_act import gated_silu
 
 
 @dataclass(frozen=True)

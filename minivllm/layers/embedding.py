@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import cdiv
-from minivllm.ops.communicator import Communicator
 from minivllm.layers.weights import Loaded, ShardId, check_tp, load_slice, set_weight_loader
+from minivllm.ops.communicator import Communicator
 
 
 class VocabParallelEmbedding(nn.Module):

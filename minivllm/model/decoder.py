@@ -39,14 +39,14 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.layers.attention import Attention, kv_cache_scale
-from minivllm.ops.metadata import AttentionMetadata
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minivllm.layers.weights import ShardId
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.layers.norm import RMSNorm
-from minivllm.ops.dispatch import Ops
 from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.layers.weights import ShardId
+from minivllm.ops.dispatch import Ops
+from minivllm.ops.metadata import AttentionMetadata
 
 # Checkpoint module name -> (our packed module, shard id in it); the same for every family.
 PACKED_MODULES: Mapping[str, tuple[str, ShardId]] = MappingProxyType({

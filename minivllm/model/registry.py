@@ -10,12 +10,12 @@ from types import MappingProxyType
 from typing import Mapping
 
 from minivllm.config import ModelConfig
-from minivllm.ops.dispatch import Ops
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.qwen2 import Qwen2ForCausalLM
 from minivllm.model.qwen3 import Qwen3ForCausalLM
 from minivllm.model.qwen3_moe import Qwen3MoeForCausalLM
+from minivllm.ops.dispatch import Ops
 
 MODEL_CLASSES: Mapping[str, type[DecoderForCausalLM]] = MappingProxyType({
     cls.architecture: cls for cls in (Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)

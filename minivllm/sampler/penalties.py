@@ -30,8 +30,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from minivllm.step_types import TokenHistory
 from minivllm.sampling import SamplingParams
+from minivllm.step_types import TokenHistory
 
 __all__ = ["PenaltyInputs", "PenaltyTensors", "apply_penalties"]
 

@@ -17,8 +17,8 @@ from benchmarks import moe, report
 from benchmarks.fp8 import variant_path
 from benchmarks.throughput import Workload
 from minivllm.config import ModelConfig
-from minivllm.ops.dispatch import MOE_GEMV_MAX_TOKENS, Ops
 from minivllm.model.registry import build_model
+from minivllm.ops.dispatch import MOE_GEMV_MAX_TOKENS, Ops
 from minivllm.testing import SMOKE_MOE_SHAPES, SMOKE_SHAPES, write_random_config
 
 BF16 = moe.WeightFormat(2)

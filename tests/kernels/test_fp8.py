@@ -14,11 +14,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from minivllm.config import FP8_WEIGHT_BLOCK, Fp8Config  # noqa: E402
 from minivllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, scaled_mm_fp8  # noqa: E402
 from minivllm.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv  # noqa: E402
 from minivllm.kernels.fp8_quant import quantize_activations  # noqa: E402
 from minivllm.kernels.reference import fp8_gemm_reference, fp8_gemv_reference  # noqa: E402
-from minivllm.config import FP8_WEIGHT_BLOCK, Fp8Config  # noqa: E402
 from minivllm.kernels.fp8 import (  # noqa: E402
     FP8_DTYPE, FP8_GROUP, round_to_e4m3, dequantize_fp8_block, dequantize_fp8_per_channel, dequantize_fp8_weight,
     quantize_fp8_block, quantize_fp8_per_channel, quantize_fp8_per_token, quantize_fp8_per_token_group,

@@ -14,15 +14,15 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
+from minivllm.config import ModelConfig
 from minivllm.kernels.reference import rope_ref, silu_and_mul_ref
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.config import ModelConfig
 from minivllm.layers.linear import (
     ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
 )
-from minivllm.layers.weights import check_tp_divisibility
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.layers.weights import check_tp_divisibility
 from minivllm.ops.dispatch import Ops
 from minivllm.testing import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
 

@@ -23,11 +23,11 @@ from torch import nn
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import ExecutorConfig, ModelConfig
-from minivllm.layers.weights import default_weight_loader, get_weight_loader
 from minivllm.layers.norm import RMSNorm
+from minivllm.layers.weights import default_weight_loader, get_weight_loader
 from minivllm.model.loader import DUMMY_STD, fill_dummy_weights
-from minivllm.ops.dispatch import FP8_DTYPE
 from minivllm.model.registry import build_model
+from minivllm.ops.dispatch import FP8_DTYPE
 from minivllm.testing import TinyConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm.kernels.decode_attention import DecodeConfig, decode_attention  # noqa: E402
 from minivllm.kernels._launch import tma_allowed  # noqa: E402
+from minivllm.kernels.decode_attention import DecodeConfig, decode_attention  # noqa: E402
 from minivllm.kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 from minivllm.kernels.prefill_attention import default_config as default_prefill_config  # noqa: E402
 from minivllm.kernels.qk_norm_rope_store import qk_norm_rope_store  # noqa: E402

@@ -13,12 +13,12 @@ from safetensors.torch import load_file, save_file
 from safetensors import safe_open
 
 from minivllm.config import ModelConfig
-from minivllm.ops.communicator import Communicator
 from minivllm.layers.weights import get_shard_ids, get_weight_loader
-from minivllm.ops.dispatch import Ops
 from minivllm.model.decoder import PACKED_MODULES
 from minivllm.model.loader import LazyTensor, checkpoint_files, load_weights, map_name
 from minivllm.model.qwen3 import Qwen3ForCausalLM
+from minivllm.ops.communicator import Communicator
+from minivllm.ops.dispatch import Ops
 from minivllm.testing import TinyConfig, make_hf_model, save_hf_model
 
 SMALL = TinyConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,

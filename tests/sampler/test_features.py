@@ -19,8 +19,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from minivllm.engine.plan import StepPlan  # noqa: E402
-from minivllm.ops.dispatch import Ops  # noqa: E402
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens  # noqa: E402
+from minivllm.ops.dispatch import Ops  # noqa: E402
 from minivllm.sampler import logprobs as logprobs_mod  # noqa: E402
 from minivllm.sampler.logprobs import LogprobLayout, compute_logprobs, sliced_logprobs  # noqa: E402
 from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors, apply_penalties  # noqa: E402

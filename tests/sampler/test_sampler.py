@@ -24,8 +24,8 @@ from hypothesis import strategies as st  # noqa: E402
 from minivllm.kernels.gumbel_sample import (  # noqa: E402
     gumbel_best, gumbel_best_reference, gumbel_pairs, gumbel_sample, gumbel_sample_reference, step_key,
 )
-from minivllm.sampler import sampler as sampler_mod  # noqa: E402
 from minivllm.ops.dispatch import Ops  # noqa: E402
+from minivllm.sampler import sampler as sampler_mod  # noqa: E402
 from minivllm.sampler.sampler import (  # noqa: E402
     Sampler, SamplingTensors, apply_filters, filter_floor, hashed_uniform, pick_candidate, reference_sample,
     row_key, row_keys,

@@ -29,10 +29,10 @@ import openai  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall  # noqa: E402
 
 from minivllm.config import CacheConfig, SchedulerConfig  # noqa: E402
+from minivllm.engine.grammar import allowed_tokens  # noqa: E402
 from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.engine.plan import StepPlan, StepResult  # noqa: E402
 from minivllm.llm import DetokenizingTextStreams  # noqa: E402
-from minivllm.engine.grammar import allowed_tokens  # noqa: E402
 from minivllm.server.app import build_app  # noqa: E402
 from minivllm.server.engine_loop import AsyncEngine  # noqa: E402
 from minivllm.server.engine_process import LLMFront  # noqa: E402

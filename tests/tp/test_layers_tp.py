@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.executor.distributed import free_port
+from minivllm.kernels.reference import add_rms_norm_ref, silu_and_mul_ref
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minivllm.kernels.reference import add_rms_norm_ref, silu_and_mul_ref
 from minivllm.ops import communicator as ar
 from minivllm.ops.communicator import Communicator
 from minivllm.ops.dispatch import Ops
