@@ -126,6 +126,32 @@ def test_every_kind_generates_what_its_grammar_accepts(llm: LLM, async_schedulin
         llm.engine.set_async_scheduling(False)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_masked_steps_sample_under_inference_mode(llm: LLM, async_scheduling: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A masked step samples later, when its bitmask comes (outside ``submit``): under inference
+    mode as an unmasked step does, since on CUDA its results land in a pinned buffer made there
+    (an in-place copy into it outside that mode is a RuntimeError)."""
+    executor = llm.engine.executor
+    modes: list[tuple[bool, bool]] = []
+    sample = executor.sampler.__call__
+
+    def recording(logits, tensors, **kw):
+        modes.append((torch.is_inference_mode_enabled(), bool(torch.isinf(logits).any())))
+        return sample(logits, tensors, **kw)
+
+    monkeypatch.setattr(executor, "sampler", recording)
+    llm.engine.set_async_scheduling(async_scheduling)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=6, structured_outputs={"regex": "[0-9]{4}"}),
+                  SamplingParams(temperature=0, max_tokens=6)]
+        llm.generate(["12+34=", "50+27="], params, use_tqdm=False)
+    finally:
+        llm.engine.set_async_scheduling(False)
+    assert any(masked for _, masked in modes)  # masked steps ran
+    assert all(inference for inference, _ in modes), modes
+
+
 def test_choice_ends_on_one_of_the_choices(llm: LLM) -> None:
     out = llm.generate(["50+27="], SamplingParams(temperature=0, max_tokens=16,
                                                   structured_outputs={"choice": ["77", "78", "99"]}), use_tqdm=False)

@@ -38,3 +38,19 @@ def test_gpu_matches_cpu_with_every_feature() -> None:
         assert all(close(a, b) for a, b in zip(g.logprobs, c.logprobs))
         assert g.prompt_logprobs[0] is None and c.prompt_logprobs[0] is None
         assert all(close(a, b) for a, b in zip(g.prompt_logprobs[1:], c.prompt_logprobs[1:]))
+
+
+def test_structured_outputs_on_the_gpu_match_the_cpu() -> None:
+    """A masked step samples after its forward, when the bitmask comes (pinned bitmask ring,
+    pinned output ring): the same constrained tokens as the CPU executor, in both scheduling modes."""
+    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "[0-9]{2}=[0-9]{1,3}"}),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]}),
+              SamplingParams(temperature=0, max_tokens=6)]
+    outs = {}
+    for device in ("cuda", "cpu"):
+        with LLM("fixtures/tiny-qwen3", device=device, dtype="float32", num_blocks=256, max_num_seqs=8) as llm:
+            for mode in (False, True):
+                llm.engine.set_async_scheduling(mode)
+                outs[device, mode] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        gc.collect()
+    assert outs["cuda", False] == outs["cpu", False] == outs["cuda", True]

@@ -483,6 +483,7 @@ class ModelExecutor:
             return step
         return self._finish_step(plan, inputs, batch, hidden, seq_ids, params, extras, None)
 
+    @torch.inference_mode()  # a masked step finishes later, from set_token_bitmask, outside submit's mode
     def _finish_step(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
                      seq_ids: list[int], params: list[SamplingParams], extras: _Extras,
                      bitmask: np.ndarray | None) -> StepHandle:

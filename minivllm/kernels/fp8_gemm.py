@@ -11,7 +11,7 @@ accumulation, y (M, N) in x's dtype rounded once. Scales as ``kernels/fp8.py`` d
         d    = xq[rows, g] @ W[cols, g]^T        (BLOCK_M, BLOCK_N) fp8 x fp8 -> fp32
         acc += d * xs[rows, g][:, None] * s[cols // 128, g][None, :]     block: 128x128 scale_inv
 
-    channel mode: the loop accumulates d unscaled and the epilogue multiplies by
+    channel mode: the loop adds up d unscaled (in float32, group by group) and the epilogue multiplies by
     xs[rows][:, None] * s[cols][None, :] once.
 
 x is quantized once, in a launch of its own, not inside the K loop of every column program
@@ -113,7 +113,10 @@ def _fp8_gemm_kernel(
             acc += d * xs[:, None] * ws[None, :]
     else:
         for k0 in range(0, K, GROUP):
-            acc = tl.dot(x_tile(x_rows, k0 + offs_k, row_ok, K), wt_tile(w_cols, k0 + offs_k, col_ok, K), acc)
+            # Added in float32 per group, not accumulated inside the dot: Hopper's fp8 MMA
+            # accumulates with fewer bits than float32, which over all of a long K (8B's down
+            # projection, K = 12288) put outputs 0.03 off (docs/tuning.md, "FP8").
+            acc += tl.dot(x_tile(x_rows, k0 + offs_k, row_ok, K), wt_tile(w_cols, k0 + offs_k, col_ok, K))
         xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
         acc = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
