@@ -185,7 +185,10 @@ class _MaskedStep:
             raise RuntimeError("the token bitmask of this step was already given")
         finish, self._finish = self._finish, None
         self._executor._awaiting_bitmask = None
-        self._handle = finish(bitmask)
+        # The sampler runs now, after submit returned: under inference mode as submit's own
+        # steps are (on CUDA the results land in a pinned buffer made under it).
+        with torch.inference_mode():
+            self._handle = finish(bitmask)
 
     def result(self) -> StepResult:
         if self._handle is None:
@@ -483,7 +486,6 @@ class ModelExecutor:
             return step
         return self._finish_step(plan, inputs, batch, hidden, seq_ids, params, extras, None)
 
-    @torch.inference_mode()  # a masked step finishes later, from set_token_bitmask, outside submit's mode
     def _finish_step(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
                      seq_ids: list[int], params: list[SamplingParams], extras: _Extras,
                      bitmask: np.ndarray | None) -> StepHandle:
