@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
 import uvicorn
@@ -33,7 +33,7 @@ from jinja2 import TemplateError
 
 from minivllm.outputs import FinishReason, StopReason
 from minivllm.sampling import StructuredOutputs
-from minivllm.server.chat_output import chat_output_parser
+from minivllm.server.chat_output import ChatOutputParser, chat_output_parser
 from minivllm.server.engine_loop import (AsyncEngine, Delta, EngineDeadError, RequestGroup,
                                          RequestLostError, merge_deltas)
 from minivllm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -362,18 +362,73 @@ class _Server:
         try:
             for event in first:
                 yield event
-            async for delta in group:
-                last[delta.index] = delta
-                for event in chunks(delta):
-                    yield event
+            async with aclosing(self.deltas(group)) as deltas:
+                async for delta in deltas:
+                    last[delta.index] = delta
+                    for event in chunks(delta):
+                        yield event
             if usage_chunk is not None:
                 yield usage_chunk(_usage(last, group.n))
         except (EngineDeadError, RequestLostError) as e:
             yield _sse(error_body(500, str(e)))
+        yield _sse("[DONE]")
+
+    async def deltas(self, group: RequestGroup) -> AsyncIterator[Delta]:
+        """``group``'s deltas as they come (``EngineDeadError`` / ``RequestLostError`` pass
+        through). Leaving early (close it: ``contextlib.aclosing``) aborts the group's
+        unfinished requests."""
+        try:
+            async for delta in group:
+                yield delta
         finally:
             if not group.finished:
                 self.engine.abort(group.request_ids)
-        yield _sse("[DONE]")
+
+    # ---- chat turns: the chat route, and the APIs built on it ---------------
+
+    async def start_chat(self, req: ChatCompletionRequest, kind: str = "chatcmpl") -> "ChatTurn":
+        """Check, render and queue a chat request (id ``kind-<hex>``) with its output parser.
+
+        Raises:
+            APIError: 400 for what the template, the parsers or the engine refuse; 404 for
+                another model's name.
+        """
+        self.check_model(req)
+        prompt, prompt_text = self.chat_prompt(req)
+        try:
+            parser = chat_output_parser(self.config, req, prompt_text)
+        except ValueError as e:
+            raise APIError(400, str(e), _param_named(str(e))) from e
+        rid, created, group = await self.submit(kind, [prompt], req,
+                                                parser.constraint if parser is not None else None)
+        return ChatTurn(req, rid, created, group, parser)
+
+    def chat_choices(self, turn: "ChatTurn", deltas: list[list[Delta]]) -> tuple[list[ChatChoice], Usage]:
+        """A finished turn's choices (each text parsed into reasoning and tool calls when the
+        turn has a parser; finish and stop reasons; logprobs) and its usage."""
+        top_k = turn.req.num_logprobs()
+        choices = []
+        for ds in deltas:
+            d = merge_deltas(ds)
+            message, called = (AssistantMessage(content=d.text), False) if turn.parser is None else \
+                turn.parser.message(d.index, d.text)
+            choices.append(ChatChoice(
+                index=d.index, message=message, finish_reason=_chat_finish(d.finish_reason, called),
+                stop_reason=d.stop_reason,
+                logprobs=self.chat_logprobs(d, top_k) if top_k is not None else None))
+        return choices, _usage(_final(deltas), turn.group.n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTurn:
+    """A queued chat request: the request, its response id and creation time, its requests'
+    group and its output parser (None: the text is the content)."""
+
+    req: ChatCompletionRequest
+    rid: str
+    created: int
+    group: RequestGroup
+    parser: ChatOutputParser | None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -581,42 +636,18 @@ class _ChatChunks:
                                         choices=[], usage=usage).model_dump())
 
 
-def _chat_reply(server: _Server, req: ChatCompletionRequest, rid: str, created: int, parser: Any,
-                deltas: list[list[Delta]], n: int) -> JSONResponse:
-    """The non-streamed reply: each choice's text (parsed into reasoning and tool calls when
-    the request has a parser), finish and stop reasons, logprobs, and the usage."""
-    top_k = req.num_logprobs()
-    choices = []
-    for ds in deltas:
-        d = merge_deltas(ds)
-        message, called = (AssistantMessage(content=d.text), False) if parser is None else \
-            parser.message(d.index, d.text)
-        choices.append(ChatChoice(
-            index=d.index, message=message, finish_reason=_chat_finish(d.finish_reason, called),
-            stop_reason=d.stop_reason,
-            logprobs=server.chat_logprobs(d, top_k) if top_k is not None else None))
-    return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=server.model_name,
-                                               choices=choices, usage=_usage(_final(deltas), n)).model_dump())
-
-
 def _add_chat_route(app: FastAPI, server: _Server) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
-        server.check_model(req)
-        prompt, prompt_text = server.chat_prompt(req)
-        try:
-            parser = chat_output_parser(server.config, req, prompt_text)
-        except ValueError as e:
-            raise APIError(400, str(e), _param_named(str(e))) from e
-        rid, created, group = await server.submit("chatcmpl", [prompt], req,
-                                                  parser.constraint if parser is not None else None)
+        turn = await server.start_chat(req)
         if req.stream:
-            chunks = _ChatChunks(server, req, rid, created, parser, group.num_choices)
-            return StreamingResponse(server.stream(group, chunks, chunks.first(group.num_choices),
+            chunks = _ChatChunks(server, req, turn.rid, turn.created, turn.parser, turn.group.num_choices)
+            return StreamingResponse(server.stream(turn.group, chunks, chunks.first(turn.group.num_choices),
                                                    chunks.usage if req.include_usage else None),
                                      media_type="text/event-stream")
-        deltas = await server.collect(request, group)
-        return _chat_reply(server, req, rid, created, parser, deltas, group.n)
+        choices, usage = server.chat_choices(turn, await server.collect(request, turn.group))
+        return JSONResponse(ChatCompletionResponse(id=turn.rid, created=turn.created, model=server.model_name,
+                                                   choices=choices, usage=usage).model_dump())
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
