@@ -15,7 +15,7 @@ from minivllm.server.protocol import (AssistantMessage, ChatCompletionRequest, D
                                       DeltaMessage, DeltaToolCall, FunctionCall, ServerConfig, ToolCall)
 from minivllm.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
 from minivllm.server.tool_calls import (ContentDelta, ReasoningMode, ToolCallEvent, ToolCallStart,
-                                        ToolCallStream, extract_tool_calls, tool_call_ids,
+                                        ToolCallStream, extract_tool_calls, new_tool_call_id,
                                         tool_choice_constraint)
 
 
@@ -28,8 +28,6 @@ class ChatOutputParser:
         in_reasoning: the prompt opened ``<think>`` (the output starts in the reasoning).
         tool_calls: read Hermes tool calls from the content.
         parallel_tool_calls: report every call (else the first only).
-        seed: the request's seed: call ids are then a fixed sequence per choice (a
-            repeated request gets the same ids); None: random ids.
         constraint: the grammar that ``tool_choice`` ``required`` or a named function
             puts on the output, or None.
     """
@@ -38,11 +36,7 @@ class ChatOutputParser:
     in_reasoning: bool
     tool_calls: bool
     parallel_tool_calls: bool
-    seed: int | None
     constraint: StructuredOutputs | None
-
-    def _new_id(self, index: int) -> Callable[[], str]:
-        return tool_call_ids(None if self.seed is None else f"{self.seed}-{index}")
 
     def message(self, index: int, text: str) -> tuple[AssistantMessage, bool]:
         """Choice ``index``'s whole text as the reply; and whether it called a tool."""
@@ -52,7 +46,7 @@ class ChatOutputParser:
             reasoning, content = split.reasoning_content, split.content
         if not self.tool_calls:
             return AssistantMessage(content=content, reasoning_content=reasoning), False
-        found = extract_tool_calls(content or "", self._new_id(index), self.parallel_tool_calls)
+        found = extract_tool_calls(content or "", new_tool_call_id, self.parallel_tool_calls)
         calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in found.tool_calls]
         return AssistantMessage(content=found.content, reasoning_content=reasoning,
@@ -60,7 +54,7 @@ class ChatOutputParser:
 
     def stream(self, index: int) -> "ChoiceStream":
         """A parser for choice ``index``'s streamed text."""
-        return ChoiceStream(self, self._new_id(index))
+        return ChoiceStream(self, new_tool_call_id)
 
 
 class ChoiceStream:
@@ -136,4 +130,4 @@ def chat_output_parser(config: ServerConfig, req: ChatCompletionRequest, prompt:
     if not reasoning and not tools:
         return None
     return ChatOutputParser(reasoning=reasoning, in_reasoning=in_reasoning, tool_calls=tools,
-                            parallel_tool_calls=req.parallel_tool_calls, seed=req.seed, constraint=constraint)
+                            parallel_tool_calls=req.parallel_tool_calls, constraint=constraint)

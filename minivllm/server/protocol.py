@@ -312,14 +312,18 @@ class ChatMessage(_Body):
     """One chat turn. ``content`` is text or a list of ``{"type": "text", "text": ...}``
     parts (joined by newlines, as vLLM does); other part types (images, audio, files)
     are refused, as this server serves text models only. An assistant turn may carry the
-    ``tool_calls`` it made (its content may then be null: read as ""); a ``tool`` turn answers
-    the call named by its ``tool_call_id``."""
+    ``tool_calls`` it made (its content may then be null: read as "") and the reasoning a reply
+    gave (``reasoning``, vLLM's current name, or ``reasoning_content``, its older one, as a
+    client appends the reply it got); a ``tool`` turn answers the call named by its
+    ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(default=None, min_length=1)
     tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -336,6 +340,11 @@ class ChatMessage(_Body):
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("tool_call_id: a tool message needs one (the id of the call it answers), "
                              "and only a tool message has one")
+        for field in ("reasoning", "reasoning_content"):
+            if getattr(self, field) is not None and self.role != "assistant":
+                raise ValueError(f"{field}: only an assistant message has reasoning, not a {self.role} message")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning: differs from reasoning_content (two names of one field: send one)")
         return self
 
     @field_validator("content", mode="before")
@@ -372,6 +381,9 @@ class ChatMessage(_Body):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # the name Qwen3's template reads
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -539,13 +551,26 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class AssistantMessage(BaseModel):
+class _Reasoning(BaseModel):
+    """The reasoning of a reply or delta under both of vLLM's names: ``reasoning`` (current)
+    and ``reasoning_content`` (older clients read it); either given sets both."""
+
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _both_names(self) -> "_Reasoning":
+        text = self.reasoning if self.reasoning is not None else self.reasoning_content
+        self.reasoning = self.reasoning_content = text
+        return self
+
+
+class AssistantMessage(_Reasoning):
     """The reply: with the server's parsers, its reasoning and tool calls apart from the
     content (None when the choice has none)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
-    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -585,12 +610,11 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Reasoning):
     """What a chunk adds to the assistant message (fields left out are unchanged)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

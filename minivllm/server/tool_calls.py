@@ -23,7 +23,6 @@ response.
 from __future__ import annotations
 
 import json
-import random
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,12 +60,10 @@ class ToolCallSplit:
     tool_calls: tuple[ParsedToolCall, ...]
 
 
-def tool_call_ids(seed: str | int | None = None) -> Callable[[], str]:
-    """A source of call ids ``call_<24 hex digits>``: random, or a fixed sequence for a seed."""
-    if seed is None:
-        return lambda: f"call_{secrets.token_hex(12)}"
-    rng = random.Random(str(seed))
-    return lambda: f"call_{rng.getrandbits(96):024x}"
+def new_tool_call_id() -> str:
+    """A call id ``call_<24 random hex digits>``: unique per call, seeded request or not (a
+    seeded agent loop would otherwise hand its tools one id twice)."""
+    return f"call_{secrets.token_hex(12)}"
 
 
 def _no_constant(name: str) -> Any:

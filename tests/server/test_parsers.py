@@ -4,10 +4,12 @@ grammar that ``tool_choice`` ``required`` / a named function turns into."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from minivllm.server.reasoning import (ReasoningSplit, ReasoningStream, prompt_o
                                        split_reasoning)
 from minivllm.server.tool_calls import (ContentDelta, ParsedToolCall, ToolCallArguments, ToolCallSplit,
                                         TOOL_CALL_END, ToolCallStart, ToolCallStream, extract_tool_calls,
-                                        forced_tools, tool_call_ids, tool_choice_constraint)
+                                        forced_tools, new_tool_call_id, tool_choice_constraint)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "fixtures" / "qwen3-chat-tokenizer"
@@ -199,6 +201,12 @@ def test_streamed_reasoning_equals_whole(case: tuple[str, list[str]], in_reasoni
 
 # ---- tool calls -------------------------------------------------------------------------------
 
+def tool_call_ids(seed: int) -> Callable[[], str]:
+    """A fixed sequence of call ids (the server's are random), so that two parses compare."""
+    n = itertools.count()
+    return lambda: f"call_{seed:04x}{next(n):020x}"
+
+
 def ids() -> list[str]:
     new = tool_call_ids(seed=7)
     return [new() for _ in range(3)]
@@ -234,14 +242,9 @@ def test_extract_tool_calls(text: str, parallel: bool, content: str | None,
     assert streamed_tool_calls([text], parallel, seed=7) == want
 
 
-def test_tool_call_ids() -> None:
-    a, b = tool_call_ids(seed=1), tool_call_ids(seed=1)
-    first = [a() for _ in range(3)]
-    assert first == [b() for _ in range(3)] and len(set(first)) == 3
-    assert first[0] != tool_call_ids(seed=2)()
-    new = tool_call_ids()
-    got = {new() for _ in range(5)}
-    assert len(got) == 5 and all(i.startswith("call_") and len(i) == 29 for i in got | set(first))
+def test_new_tool_call_ids_are_unique() -> None:
+    got = {new_tool_call_id() for _ in range(64)}
+    assert len(got) == 64 and all(i.startswith("call_") and len(i) == 29 for i in got)
     assert all(int(i[5:], 16) >= 0 for i in got)
 
 
@@ -321,7 +324,15 @@ def streamed_message(parser, pieces: list[str]) -> dict:
             if c.id is not None:
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": ""}})
             calls[c.index]["function"]["arguments"] += c.function.arguments
-    return {"role": "assistant", **{k: v or None for k, v in fields.items()}, "tool_calls": calls or None}
+    fields["reasoning"] = fields["reasoning_content"]  # one text under vLLM's two names
+    return without_ids({"role": "assistant", **{k: v or None for k, v in fields.items()}, "tool_calls": calls or None})
+
+
+def without_ids(message: dict) -> dict:
+    """``message`` with its calls' ids (random, unique per call) checked and left out."""
+    for c in message["tool_calls"] or ():
+        assert c.pop("id").startswith("call_")
+    return message
 
 
 CLOSED_CALL = ("<think>\nweather first\n</think>\n\nLet me check.\n" + call_text("get_weather", {"city": "Paris"})
@@ -351,7 +362,7 @@ def test_call_streams_as_a_call_wherever_its_text_is_cut_in_two(cut: str) -> Non
     assert called and [c.function.name for c in whole.tool_calls] == ["get_weather"]
     assert whole.content.strip() == "Let me check.Then the sum." and whole.reasoning_content == "\nweather first\n"
     for k in two_piece_cuts(CLOSED_CALL, cut):
-        assert streamed_message(parser, [CLOSED_CALL[:k], CLOSED_CALL[k:]]) == whole.model_dump(), k
+        assert streamed_message(parser, [CLOSED_CALL[:k], CLOSED_CALL[k:]]) == without_ids(whole.model_dump()), k
 
 
 # ---- tool_choice constraint -------------------------------------------------------------------

@@ -130,13 +130,20 @@ def whole_as_stream(completion: ChatCompletion) -> dict[str, Any]:
             "calls": calls, "finish": choice.finish_reason}
 
 
+def without_ids(choice: dict[str, Any]) -> dict[str, Any]:
+    """``choice`` with its calls' ids (random, unique per call) checked and left out."""
+    for c in choice["calls"]:
+        assert c.pop("id").startswith("call_")
+    return choice
+
+
 def both_ways(server: types.SimpleNamespace, **request: Any) -> tuple[ChatCompletion, dict[str, Any]]:
-    """The whole response, after checking that the stream of the same request (same seed:
-    same call ids) reassembles into it."""
+    """The whole response, after checking that the stream of the same request reassembles
+    into it (call ids apart: each call has its own)."""
     whole = server.openai.chat.completions.create(model=MODEL, seed=11, **request)
     chunks = list(server.openai.chat.completions.create(model=MODEL, seed=11, stream=True, **request))
     got = reassemble(chunks)
-    assert got == whole_as_stream(whole)
+    assert without_ids(got) == without_ids(whole_as_stream(whole))
     return whole, got
 
 
@@ -153,10 +160,32 @@ def test_reasoning_then_a_tool_call(server) -> None:
     assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
     # The tools reached the template: the prompt describes them the Hermes way.
     assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in server.executor.prompts[-1]
-    unseeded = [server.openai.chat.completions.create(model=MODEL, messages=user("weather?"), tools=[WEATHER])
-                for _ in range(2)]
-    ids = {c.choices[0].message.tool_calls[0].id for c in unseeded}
-    assert len(ids) == 2 and tc.id not in ids  # random ids without a seed
+    # Ids are unique per call, seeded or not: a seeded agent loop must not hand its tools one id twice.
+    again = [server.openai.chat.completions.create(model=MODEL, messages=user("weather?"), tools=[WEATHER], seed=seed)
+             for seed in (11, 11, None)]
+    ids = {c.choices[0].message.tool_calls[0].id for c in again}
+    assert len(ids) == 3 and tc.id not in ids
+
+
+def test_a_reply_appended_as_the_client_got_it_round_trips_its_reasoning(server) -> None:
+    """The agent loop ``messages.append(reply)`` sends the reasoning back (both of vLLM's names);
+    the template renders it in the turn after the last user message, as Qwen3's does."""
+    messages: list[Any] = user("weather?")
+    reply = server.openai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER]).choices[0].message
+    assert reply.model_extra["reasoning"] == reply.model_extra["reasoning_content"] == THOUGHT
+    messages += [reply, {"role": "tool", "tool_call_id": reply.tool_calls[0].id,
+                         "content": '{"temperature": "21 degrees"}'}]
+    answer = server.openai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert answer.choices[0].message.content == "It is 21 degrees in Paris."
+    rendered = "<|im_start|>assistant\n<think>\n" + THOUGHT.strip("\n") + "\n</think>\n\n" + call(
+        "get_weather", {"city": "Paris"})
+    assert rendered in server.executor.prompts[-1]
+    # Raw JSON with the newer name alone renders the same.
+    raw = {"role": "assistant", "content": None, "reasoning": THOUGHT,
+           "tool_calls": [reply.tool_calls[0].model_dump()]}
+    body = {"model": MODEL, "messages": [*user("weather?"), raw, messages[-1]], "tools": [WEATHER]}
+    assert server.client.post("/v1/chat/completions", json=body).status_code == 200
+    assert rendered in server.executor.prompts[-1]
 
 
 def test_parallel_calls_and_content_around_them(server) -> None:
@@ -270,6 +299,10 @@ def test_forced_tool_choice_runs_under_its_grammar(server, monkeypatch) -> None:
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages",
      "not valid JSON"),
     ({"messages": [{"role": "assistant", "content": None}]}, "messages", "content: Field required"),
+    ({"messages": [{"role": "user", "content": "x", "reasoning_content": "hm"}]}, "messages",
+     "only an assistant message has reasoning"),
+    ({"messages": [{"role": "assistant", "content": "x", "reasoning": "a", "reasoning_content": "b"}]},
+     "messages", "two names of one field"),
 ])
 def test_bad_tool_requests_are_refused(server, body: dict, param: str, words: str) -> None:
     r = server.client.post("/v1/chat/completions", json={"messages": user("hi")} | body)
