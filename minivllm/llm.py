@@ -375,21 +375,28 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, *, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the tokenizer's chat
-        template (``tools`` and ``chat_template_kwargs`` as for ``chat_prompt_text``)."""
+        template (the keyword arguments as for ``chat_prompt_text``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt_ids(c, tools, chat_template_kwargs) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.chat_prompt_ids(c, tools, chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message)
+                   for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                         chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                         chat_template_kwargs: dict[str, Any] | None = None, *,
+                         add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
         """``conversation`` through the tokenizer's chat template, ready for the assistant's reply.
 
         Args:
             tools: OpenAI tool definitions, for the template to describe (``tools``).
             chat_template_kwargs: more template variables, e.g. ``{"enable_thinking": False}``
                 for Qwen3.
+            add_generation_prompt: end with the template's opening of an assistant turn.
+            continue_final_message: leave the final (assistant) message open, for the model to
+                continue it (instead of opening a new turn).
 
         Raises:
             ValueError: ``chat_template_kwargs`` sets one of ``apply_chat_template``'s own
@@ -401,12 +408,14 @@ class LLM:
             raise ValueError(f"chat_template_kwargs: {clash} are apply_chat_template's own arguments, "
                              "not template variables")
         return self._require_tokenizer().apply_chat_template(
-            conversation, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **kwargs)
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                        chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The token ids of ``chat_prompt_text`` (the template's own special tokens, none added)."""
-        text = self.chat_prompt_text(conversation, tools, chat_template_kwargs)
+                        chat_template_kwargs: dict[str, Any] | None = None, **ending: bool) -> list[int]:
+        """The token ids of ``chat_prompt_text`` (the template's own special tokens, none added;
+        ``ending``: its ``add_generation_prompt`` and ``continue_final_message``)."""
+        text = self.chat_prompt_text(conversation, tools, chat_template_kwargs, **ending)
         return self._require_tokenizer().encode(text, add_special_tokens=False)
 
 

@@ -187,16 +187,34 @@ class _Server:
         return [self._token_ids(i, p, "prompt") for i, p in enumerate(prompts)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
-        """The prompt's token ids and text: the messages through the chat template, with the
-        request's tools and ``chat_template_kwargs``."""
+        """The prompt's token ids, and the text that opens the reply: the messages through the
+        chat template, with the request's tools, ``chat_template_kwargs``,
+        ``add_generation_prompt`` and ``continue_final_message``.
+
+        The opening is what the template adds after the conversation (its generation
+        prompt, which may open a ``<think>`` block), or the final message when it is
+        continued: text a user wrote (say, about the ``<think>`` tag) is never in it.
+        """
+        messages, tools = [m.template_message() for m in req.messages], req.template_tools()
+
+        def render(add_generation_prompt: bool, continue_final_message: bool) -> str:
+            return self.llm.chat_prompt_text(messages, tools, req.chat_template_kwargs,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
         try:
-            text = self.llm.chat_prompt_text([m.template_message() for m in req.messages],
-                                             req.template_tools(), req.chat_template_kwargs)
+            text = render(req.add_generation_prompt, req.continue_final_message)
+            if req.continue_final_message:
+                opening = req.messages[-1].content
+            elif req.add_generation_prompt:
+                bare = render(False, False)
+                opening = text[len(bare):] if text.startswith(bare) else ""
+            else:
+                opening = ""
         except TemplateError as e:  # the template's own check (say, roles that must alternate)
             raise APIError(400, f"messages: refused by the model's chat template: {e}", "messages") from e
         except ValueError as e:  # chat_template_kwargs that set apply_chat_template's own arguments
             raise APIError(400, str(e), _param_named(str(e))) from e
-        return self._token_ids(0, text, "messages"), text
+        return self._token_ids(0, text, "messages"), opening
 
     def _token_ids(self, i: int, prompt: Any, field: str) -> list[int]:
         try:  # LLM's one prompt check: tokenize, non-empty, ids inside the vocabulary
@@ -394,9 +412,9 @@ class _Server:
                 another model's name.
         """
         self.check_model(req)
-        prompt, prompt_text = self.chat_prompt(req)
+        prompt, opening = self.chat_prompt(req)
         try:
-            parser = chat_output_parser(self.config, req, prompt_text)
+            parser = chat_output_parser(self.config, req, opening)
         except ValueError as e:
             raise APIError(400, str(e), _param_named(str(e))) from e
         rid, created, group = await self.submit(kind, [prompt], req,

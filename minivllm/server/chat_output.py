@@ -106,9 +106,11 @@ class ChoiceStream:
         return out
 
 
-def chat_output_parser(config: ServerConfig, req: ChatCompletionRequest, prompt: str) -> ChatOutputParser | None:
-    """How ``req``'s choices are parsed on a server with ``config``, given its rendered
-    ``prompt``; None when nothing is parsed (the text is the content).
+def chat_output_parser(config: ServerConfig, req: ChatCompletionRequest, opening: str) -> ChatOutputParser | None:
+    """How ``req``'s choices are parsed on a server with ``config``, given the prompt's
+    ``opening`` of the reply (what the template added after the conversation, or the
+    continued final message: ``_Server.chat_prompt``); None when nothing is parsed (the
+    text is the content).
 
     Tool calls are parsed when the request gives tools and ``tool_choice`` is not
     ``none``: for ``auto`` with the server's Hermes parser; for ``required`` or a named
@@ -123,7 +125,7 @@ def chat_output_parser(config: ServerConfig, req: ChatCompletionRequest, prompt:
         raise ValueError("tool_choice: 'auto' needs a server started with --tool-call-parser hermes "
                          "(send tool_choice 'none' to give the tools to the prompt only)")
     reasoning = config.reasoning_parser is not None
-    in_reasoning = reasoning and prompt_opens_reasoning(prompt)
+    in_reasoning = reasoning and prompt_opens_reasoning(opening)
     mode: ReasoningMode = "none" if not reasoning else "open" if in_reasoning else "optional"
     constraint = tool_choice_constraint(req.template_tools() or [], choice, req.parallel_tool_calls, mode)
     tools = choice != "none"

@@ -428,7 +428,19 @@ class ChatCompletionRequest(_Request):
     tool_choice: ToolChoice | None = None   # default: auto with tools, none without
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None   # extension: template variables
+    add_generation_prompt: bool = True       # extension: end with the template's opening of a reply
+    continue_final_message: bool = False     # extension: the model continues the final message
     prompt_field: ClassVar[str] = "messages"
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true with add_generation_prompt true "
+                             "(continue the final message, or open a new reply; send add_generation_prompt false)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the final message must be the assistant's, "
+                             f"not the {self.messages[-1].role}'s")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

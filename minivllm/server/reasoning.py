@@ -33,10 +33,11 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
-def prompt_opens_reasoning(prompt: str) -> bool:
-    """Whether the rendered prompt ends inside a ``<think>`` block (its completion then
-    starts in the reasoning)."""
-    return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+def prompt_opens_reasoning(opening: str) -> bool:
+    """Whether the prompt's opening of the reply (the template's generation prompt, not the
+    conversation, where a user may write the tag) ends inside a ``<think>`` block: the
+    completion then starts in the reasoning."""
+    return opening.rfind(THINK_START) > opening.rfind(THINK_END)
 
 
 @dataclass(frozen=True)

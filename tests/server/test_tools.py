@@ -332,13 +332,17 @@ def test_llm_chat_passes_tools_and_template_kwargs() -> None:
     with LLM(str(ROOT / "fixtures" / "tiny-qwen3"), device="cpu", num_blocks=16, max_model_len=64) as llm:
         # A template that shows its inputs (the fixture's own concatenates the contents only).
         llm.tokenizer.chat_template = ("{{ enable_thinking }}|{{ tools | map(attribute='function.name') | join(',') }}"
-                                       "|{% for m in messages %}{{ m.content }}{% endfor %}")
+                                       "|{% for m in messages %}{{ m.content }}{% endfor %}"
+                                       "{% if add_generation_prompt %}>{% endif %}")
         messages = user("1+2=")
         text = llm.chat_prompt_text(messages, [WEATHER, ADD], {"enable_thinking": False})
-        assert text == "False|get_weather,add|1+2="
+        assert text == "False|get_weather,add|1+2=>"
         out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, tools=[ADD],
                        chat_template_kwargs={"enable_thinking": True})[0]
-        assert out.prompt_token_ids == tuple(llm.tokenizer.encode("True|add|1+2=", add_special_tokens=False))
+        assert out.prompt_token_ids == tuple(llm.tokenizer.encode("True|add|1+2=>", add_special_tokens=False))
+        out = llm.chat([*messages, {"role": "assistant", "content": "3"}], SamplingParams(max_tokens=1),
+                       use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+        assert out.prompt_token_ids == tuple(llm.tokenizer.encode("||1+2=3", add_special_tokens=False))
         with pytest.raises(ValueError, match="add_generation_prompt"):
             llm.chat(messages, chat_template_kwargs={"add_generation_prompt": False}, use_tqdm=False)
 
@@ -350,3 +354,35 @@ def test_front_renders_as_the_llm_does(model_dir: Path) -> None:
     assert text.startswith("<|im_start|>system\n# Tools") and text.endswith("<think>\n\n</think>\n\n")
     assert front.chat_prompt_ids(user("hi")) == front.tokenizer.encode(front.chat_prompt_text(user("hi")),
                                                                          add_special_tokens=False)
+
+
+def test_a_think_tag_written_by_the_user_opens_no_reasoning(server) -> None:
+    """Only the template's own opening of the reply counts: a user asking about the tag (an
+    open ``<think>`` in the conversation) still gets content."""
+    reply = server.openai.chat.completions.create(
+        model=MODEL, messages=user("what does the <think> tag do?")).choices[0].message
+    assert reply.content == PLAIN and reply.model_extra["reasoning"] is None
+    assert "the <think> tag" in server.executor.prompts[-1]
+
+
+def test_the_final_message_continued_or_no_generation_prompt(server) -> None:
+    """``continue_final_message`` leaves the assistant's message open (its open ``<think>``
+    puts the reply in the reasoning); ``add_generation_prompt`` false ends the prompt with the
+    conversation; both true, or continuing a user message, are refused."""
+    cont = {"role": "assistant", "content": "<think>\nhm"}
+    r = server.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [*user("hello"), cont], "continue_final_message": True,
+        "add_generation_prompt": False})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning"] == PLAIN and message["content"] is None
+    assert server.executor.prompts[-1].endswith("<|im_start|>assistant\n<think>\nhm")
+    r = server.client.post("/v1/chat/completions", json={"model": MODEL, "messages": user("hello"),
+                                                         "add_generation_prompt": False})
+    assert r.status_code == 200 and server.executor.prompts[-1].endswith("hello<|im_end|>\n")
+    for body, words in (({"messages": [*user("hello"), cont], "continue_final_message": True},
+                         "add_generation_prompt"),
+                        ({"messages": user("hello"), "continue_final_message": True, "add_generation_prompt": False},
+                         "the final message must be the assistant's")):
+        r = server.client.post("/v1/chat/completions", json={"model": MODEL, **body})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
