@@ -88,7 +88,8 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))  # input type only
+            # Keys in the order given: a schema's property order is its output's order.
+            object.__setattr__(self, "json", json.dumps(self.json))  # input type only
         elif self.json is not None:
             if not isinstance(self.json, str):
                 raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}")

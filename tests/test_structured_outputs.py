@@ -187,3 +187,15 @@ def test_bad_grammars_and_engines_without_grammars_are_clear_errors(llm: LLM) ->
     with LLM(str(FIXTURE), skip_tokenizer_init=True) as bare:
         with pytest.raises(ValueError, match="skip_tokenizer_init"):
             bare.generate([[1, 2]], SamplingParams(structured_outputs={"choice": ["a"]}), use_tqdm=False)
+
+
+def test_a_schemas_property_order_is_the_outputs_order(llm: LLM) -> None:
+    """A schema sent as a dict keeps its keys' order (not sorted): the grammar, and so the
+    output, writes the properties in the order the schema lists them."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    assert list(json.loads(StructuredOutputs(json=schema).json)["properties"]) == ["zeta", "alpha"]
+    out = llm.generate(["12+34="], SamplingParams(temperature=0, max_tokens=40, structured_outputs={
+        "json": schema, "disable_any_whitespace": True}), use_tqdm=False)[0]
+    assert out.finish_reason == "stop", out.text
+    assert [k for k, _ in json.loads(out.text, object_pairs_hook=list)] == ["zeta", "alpha"]
