@@ -24,6 +24,33 @@ from minivllm.sampling import StructuredOutputs
 
 MAX_COMPILED = 256  # distinct grammars kept compiled; the least recently used goes first
 
+# Keywords that already restrict a string's characters: a string schema with one of them is
+# left as it is by ``valid_json_strings``.
+_STRING_RULES = ("pattern", "format", "enum", "const")
+
+
+def valid_json_strings(schema: Any) -> Any:
+    """``schema`` (a JSON schema, as parsed) with every length-limited string rewritten so
+    that xgrammar's grammar of it writes valid JSON.
+
+    xgrammar 0.2.9 turns ``minLength`` / ``maxLength`` into a repetition of any character
+    but ``"``, ``\\``, CR and LF, which lets the other raw control characters (tab, NUL ...)
+    into the string: not JSON. A string with a length limit (and none of ``_STRING_RULES``)
+    becomes ``pattern`` ``^.{min,max}$`` instead, which xgrammar keeps to printable text
+    without escapes (so such a string holds no quote, backslash or control character).
+    """
+    if isinstance(schema, list):
+        return [valid_json_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: valid_json_strings(v) for k, v in schema.items()}
+    types = out.get("type")
+    is_string = types == "string" or (isinstance(types, list) and types == ["string"])
+    if is_string and ("minLength" in out or "maxLength" in out) and not any(k in out for k in _STRING_RULES):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        out["pattern"] = f"^.{{{low},{'' if high is None else high}}}$"
+    return out
+
 
 class XGrammarMatcher:
     """One sequence's ``xgrammar.GrammarMatcher`` (``engine.grammar.GrammarMatcher``)."""
@@ -85,7 +112,8 @@ class XGrammarBackend:
         c = self._compiler
         try:
             if spec.json is not None:
-                return c.compile_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
+                schema = json.dumps(valid_json_strings(json.loads(spec.json)))
+                return c.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
             if spec.json_object:
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace)
             if spec.regex is not None:

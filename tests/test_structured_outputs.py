@@ -199,3 +199,43 @@ def test_a_schemas_property_order_is_the_outputs_order(llm: LLM) -> None:
         "json": schema, "disable_any_whitespace": True}), use_tqdm=False)[0]
     assert out.finish_reason == "stop", out.text
     assert [k for k, _ in json.loads(out.text, object_pairs_hook=list)] == ["zeta", "alpha"]
+
+
+CHARS = [chr(c) for c in range(32, 127)] + ["\t", "\x00", "\x1f", "\n"]
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}, "required": ["s"]},
+    {"type": "object", "properties": {"s": {"type": "string", "minLength": 1}}, "required": ["s"]},
+    {"type": "object", "properties": {"s": {"type": "array", "items": {"type": "string", "maxLength": 8}}},
+     "required": ["s"]},
+], ids=["maxLength", "minLength", "in an array"])
+def test_length_limited_strings_take_no_raw_control_characters(schema: dict) -> None:
+    """xgrammar's own rule for a length-limited string lets raw control characters in (not
+    JSON); the backend rewrites such strings, so every output of the grammar is JSON."""
+    backend = XGrammarBackend.for_vocab(CHARS + ["<eos>"], eos_token_ids=[len(CHARS)])
+    spec = StructuredOutputs(json=schema, disable_any_whitespace=True)
+    head = '{"s": ' + ('["' if schema["properties"]["s"]["type"] == "array" else '"')
+    tail = '"]}' if head.endswith('["') else '"}'
+    for bad in ("\t", "\x00", "\x1f", "\n"):
+        matcher = backend.matcher(spec)
+        assert all(matcher.accept_token(CHARS.index(c)) for c in head + "ab"), head
+        assert not matcher.accept_token(CHARS.index(bad)), repr(bad)
+    matcher = backend.matcher(spec)
+    assert all(matcher.accept_token(CHARS.index(c)) for c in head + "ab" + tail)
+    assert matcher.accept_token(len(CHARS)) and matcher.is_terminated()
+    mask = np.zeros((1, bitmask_width(len(CHARS) + 1)), dtype=np.int32)
+    matcher = backend.matcher(spec)
+    for c in head:
+        matcher.accept_token(CHARS.index(c))
+    matcher.fill_bitmask(mask, 0)
+    allowed = {CHARS[t] for t in allowed_tokens(mask[0], len(CHARS) + 1) if t < len(CHARS)}
+    assert "a" in allowed and not allowed & {"\t", "\x00", "\x1f", "\n"}
+
+
+def test_strings_with_their_own_character_rules_are_left_as_they_are() -> None:
+    from minivllm.structured import valid_json_strings
+    kept = {"type": "string", "maxLength": 3, "pattern": "^[a-z]+$"}
+    assert valid_json_strings({"properties": {"a": kept}}) == {"properties": {"a": kept}}
+    assert valid_json_strings({"type": "string", "minLength": 2, "maxLength": 5}) == {
+        "type": "string", "pattern": "^.{2,5}$"}

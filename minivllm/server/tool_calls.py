@@ -30,6 +30,7 @@ from typing import Any, Literal, Union
 
 from minivllm.sampling import StructuredOutputs
 from minivllm.server.reasoning import THINK_END, THINK_START, held_back
+from minivllm.structured import valid_json_strings
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -315,7 +316,8 @@ def _calls_format(st: Any, functions: list[Mapping[str, Any]], parallel: bool,
                   reasoning: ReasoningMode) -> Any:
     """The structural-tag format of ``tool_choice_constraint`` (``st``: xgrammar's module)."""
     tags = [st.TagFormat(begin=CALL_HEAD + json.dumps(f["name"]) + CALL_ARGUMENTS,
-                         content=st.JSONSchemaFormat(json_schema=f.get("parameters") or {"type": "object"}),
+                         content=st.JSONSchemaFormat(json_schema=valid_json_strings(f.get("parameters")
+                                                                                    or {"type": "object"})),
                          end=CALL_TAIL)
             for f in functions]
     calls = st.TagsWithSeparatorFormat(tags=tags, separator=CALL_SEPARATOR, at_least_one=True,

@@ -444,3 +444,14 @@ def test_constraint_refuses_what_it_cannot_force() -> None:
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
     with pytest.raises(ValueError, match="cannot be compiled"):
         tool_choice_constraint([bad], "required", True)
+
+
+def test_a_forced_calls_length_limited_strings_are_json() -> None:
+    """A ``parameters`` string with ``maxLength``: the call's grammar takes no raw control
+    character inside it (xgrammar's own rule would), so the forced call always parses."""
+    note = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 20}}, "required": ["text"]}}}
+    g = tool_choice_constraint([note], "required", True).grammar
+    assert accepts(g, call_text("note", {"text": "buy milk"}))
+    for bad in ("\t", "\x00", "\x1b"):
+        assert not accepts(g, '<tool_call>\n{"name": "note", "arguments": {"text": "buy' + bad + 'milk"}}\n</tool_call>')
