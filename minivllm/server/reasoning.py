@@ -6,8 +6,10 @@ split always equals the whole one):
 
 - ``in_reasoning`` false (the prompt leaves no ``<think>`` open, e.g. Qwen3 with thinking
   on, whose output starts with ``<think>``, or off, whose prompt holds an empty block):
-  text before the first ``<think>`` is content, the text after it is reasoning up to the
-  first ``</think>``, the rest is content. Text without ``<think>`` is all content.
+  a ``<think>`` opens the reasoning only as the reply's first text (whitespace before it is
+  content); the reasoning runs up to the first ``</think>``, the rest is content. A reply
+  that starts otherwise is all content, tags included: a ``<think>`` later on (inside a tool
+  call's arguments, say) is text the model wrote, not its reasoning.
 - ``in_reasoning`` true (the template opened ``<think>`` in the prompt, as the Qwen3
   thinking-only models' templates do): the text is reasoning up to the first
   ``</think>``, the rest is content.
@@ -21,7 +23,7 @@ calls everything content when ``</think>`` is missing, while its stream calls it
 reasoning (here: reasoning, both ways); vLLM calls the text before a ``</think>``
 reasoning even when no ``<think>`` opened it and the prompt did not either (here:
 content, tag included, since a stream has sent that text as content before the tag
-comes); and vLLM drops text written before ``<think>`` (here: content).
+comes); and vLLM splits at a ``<think>`` anywhere (here: only at the reply's start).
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def split_reasoning(text: str, in_reasoning: bool = False) -> ReasoningSplit:
     """Split a whole completion (see the module docstring for the rules)."""
     before = ""
     if not in_reasoning:
-        before, tag, text = text.partition(THINK_START)
-        if not tag:
-            return ReasoningSplit(None, before or None)
+        body = text.lstrip()
+        if not body.startswith(THINK_START):
+            return ReasoningSplit(None, text or None)
+        before, text = text[:len(text) - len(body)], body[len(THINK_START):]
     reasoning, _, after = text.partition(THINK_END)
     return ReasoningSplit(reasoning or None, before + after or None)
 
@@ -68,7 +71,7 @@ class ReasoningDelta:
 
 
 class _Phase(enum.Enum):
-    BEFORE = "before"        # content; a <think> opens the reasoning
+    BEFORE = "before"        # only whitespace so far; a <think> opens the reasoning
     REASONING = "reasoning"  # reasoning; a </think> ends it
     AFTER = "after"          # content, tags included
 
@@ -103,16 +106,24 @@ class ReasoningStream:
             if self._phase is _Phase.AFTER:
                 content.append(text)
                 break
-            tag = THINK_START if self._phase is _Phase.BEFORE else THINK_END
-            out = content if self._phase is _Phase.BEFORE else reasoning
-            head, found, tail = text.partition(tag)
-            if found:
-                out.append(head)
-                self._phase = _Phase.REASONING if self._phase is _Phase.BEFORE else _Phase.AFTER
-                text = tail
+            if self._phase is _Phase.BEFORE:
+                body = text.lstrip()
+                content.append(text[:len(text) - len(body)])  # whitespace is content either way
+                if body.startswith(THINK_START):
+                    self._phase, text = _Phase.REASONING, body[len(THINK_START):]
+                elif THINK_START.startswith(body):  # "<thi" (or nothing yet): wait for more
+                    self._pending = body
+                    break
+                else:
+                    self._phase, text = _Phase.AFTER, body
                 continue
-            keep = held_back(text, tag)
-            out.append(text[:len(text) - keep])
+            head, found, tail = text.partition(THINK_END)
+            if found:
+                reasoning.append(head)
+                self._phase, text = _Phase.AFTER, tail
+                continue
+            keep = held_back(text, THINK_END)
+            reasoning.append(text[:len(text) - keep])
             self._pending = text[len(text) - keep:]
             break
         return ReasoningDelta("".join(reasoning), "".join(content))

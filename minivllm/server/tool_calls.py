@@ -2,22 +2,29 @@
 and the constraint that forces a call for ``tool_choice`` ``required`` or a named function.
 
 A call is a block ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in a
-choice's content (after any reasoning). Rules, the same for a whole text and a stream:
+choice's content (after any reasoning). One parser reads a stream and a whole text (the
+whole text is one piece of a stream), so a stream always reassembles into the whole response:
 
-- A block's body (up to the first ``</tool_call>``, or to the end of the text when the
-  block never closes) must be a JSON object with exactly ``name`` (a non-empty string)
-  and ``arguments`` (an object); the call's ``arguments`` are that object as JSON text.
-  Any other block (bad JSON, other keys) stays in the content as written, tags included.
+- A block whose body starts as Qwen3 writes a call, ``{"name": <string>, "arguments": {``
+  (the "head", whitespace free), is a call from the moment its head is complete: a stream
+  sends the name then, and the arguments as they are written. The arguments are the text
+  of that object as the model wrote it, to its matching ``}`` (strings and escapes read
+  as JSON, so a ``</tool_call>`` or ``<think>`` inside a string is argument text); the
+  block ends at the first ``</tool_call>`` after them, or with the text. Under
+  ``tool_choice`` ``required`` or a named function the grammar makes them valid JSON; a
+  model left free may write them wrong, and they reach the client as written (as an
+  OpenAI model's arguments may).
+- Any other block is read whole, up to its first ``</tool_call>`` (or the end of the text):
+  a JSON object with exactly ``name`` (a non-empty string) and ``arguments`` (an object) in
+  another order is a call, its arguments that object as JSON text; anything else stays in
+  the content as written, tags included.
 - The text outside the call blocks is the content, less the whitespace that touches a
   call (the newlines Qwen3 writes around its blocks); empty content is None.
 - Without parallel calls only the first call is reported; later ones are dropped.
 
 vLLM differs: its whole response keeps only the text before the first block as content
-(text between and after calls is lost), and one malformed block makes all of it content;
-its stream sends arguments as partial JSON while the block is still open. Here a stream
-sends a call once its block is closed (a block's JSON is valid only once complete, and a
-call already sent cannot be taken back), so a stream always reassembles into the whole
-response.
+(text between and after calls is lost), one malformed block makes all of it content, and it
+ends a block at the first ``</tool_call>`` even inside a string.
 """
 
 from __future__ import annotations
@@ -85,41 +92,20 @@ def parse_call(body: str) -> tuple[str, str] | None:
     return name, json.dumps(arguments, ensure_ascii=False)
 
 
-def _strip_segments(segments: list[str]) -> str:
-    """The content: text segments between call blocks, less the whitespace touching a call."""
-    if len(segments) == 1:
-        return segments[0]
-    last = len(segments) - 1
-    return "".join(s.strip() if 0 < i < last else s.rstrip() if i == 0 else s.lstrip()
-                   for i, s in enumerate(segments))
-
-
 def extract_tool_calls(text: str, new_id: Callable[[], str], parallel: bool = True) -> ToolCallSplit:
-    """Split a whole content into text and calls (see the module docstring for the rules).
-
-    ``new_id`` is called once per reported call, in order.
-    """
-    segments: list[str] = []
-    current: list[str] = []
-    calls: list[ParsedToolCall] = []
-    pos = 0
-    while (start := text.find(TOOL_CALL_START, pos)) >= 0:
-        current.append(text[pos:start])
-        body_start = start + len(TOOL_CALL_START)
-        end = text.find(TOOL_CALL_END, body_start)
-        body_end = end if end >= 0 else len(text)
-        pos = end + len(TOOL_CALL_END) if end >= 0 else len(text)
-        call = parse_call(text[body_start:body_end])
-        if call is None:
-            current.append(text[start:pos])
-            continue
-        segments.append("".join(current))
-        current = []
-        if parallel or not calls:
-            calls.append(ParsedToolCall(new_id(), *call))
-    current.append(text[pos:])
-    segments.append("".join(current))
-    return ToolCallSplit(_strip_segments(segments) or None, tuple(calls))
+    """Split a whole content into text and calls (the module docstring's rules): the stream
+    parser fed the whole text at once. ``new_id`` is called once per reported call, in order."""
+    stream = ToolCallStream(new_id, parallel)
+    content: list[str] = []
+    calls: list[list[str]] = []
+    for e in stream.feed(text) + stream.finish():
+        if isinstance(e, ContentDelta):
+            content.append(e.text)
+        elif isinstance(e, ToolCallStart):
+            calls.append([e.id, e.name, ""])
+        else:
+            calls[e.index][2] += e.arguments
+    return ToolCallSplit("".join(content) or None, tuple(ParsedToolCall(*c) for c in calls))
 
 
 @dataclass(frozen=True)
@@ -149,20 +135,104 @@ class ToolCallArguments:
 ToolCallEvent = Union[ContentDelta, ToolCallStart, ToolCallArguments]
 
 
+_SPACE = " \t\r\n"
+# The head of a call as Qwen3 writes it, after ``<tool_call>``: these pieces in order, with
+# whitespace allowed before each, the name a JSON string at ``_NAME``.
+_HEAD = ("{", '"name"', ":", None, ",", '"arguments"', ":", "{")
+_NAME = 3
+
+
+def read_head(body: str) -> tuple[str, str, int]:
+    """Whether a block's ``body`` starts with a call's head: ``("call", name, i)`` with the
+    arguments' ``{`` at ``i``; ``("wait", "", 0)`` while the body could still become one;
+    ``("no", "", 0)`` once it cannot."""
+    i, n = 0, len(body)
+    for k, piece in enumerate(_HEAD):
+        while i < n and body[i] in _SPACE:
+            i += 1
+        if i == n:
+            return "wait", "", 0
+        if k == _NAME:
+            if body[i] != '"':
+                return "no", "", 0
+            j, escaped = i + 1, False
+            while j < n and (escaped or body[j] != '"'):
+                escaped = not escaped and body[j] == "\\"
+                j += 1
+            if j == n:
+                return "wait", "", 0
+            try:
+                name = json.loads(body[i:j + 1])
+            except ValueError:
+                return "no", "", 0
+            if not name:
+                return "no", "", 0
+            i = j + 1
+            continue
+        assert piece is not None
+        if not body.startswith(piece, i):
+            return ("wait", "", 0) if piece.startswith(body[i:]) else ("no", "", 0)
+        i += len(piece)
+    return "call", name, i - 1
+
+
+class _Block:
+    """An open ``<tool_call>`` block: its body so far and what it has been found to be."""
+
+    def __init__(self) -> None:
+        self.body = ""
+        self.kind = "wait"        # "wait": its head undecided; "call": a call; "other": read whole
+        self.searched = 0         # body length already searched for </tool_call>
+        self.index = -1           # the call's index, -1 while not reported
+        self.sent = 0             # the body up to here is sent (a call's arguments)
+        self.depth = 0            # a call's arguments: nesting, string and escape state
+        self.in_string = False
+        self.escaped = False
+        self.done = -1            # a call's arguments end here (-1: still open)
+
+    def end_tag(self) -> int:
+        """Where ``</tool_call>`` starts in the body (searched past a call's arguments), or -1."""
+        start = max(self.searched - len(TOOL_CALL_END) + 1, self.done if self.kind == "call" else 0)
+        found = self.body.find(TOOL_CALL_END, max(0, start))
+        self.searched = len(self.body)
+        return found
+
+    def scan_arguments(self) -> None:
+        """Read the arguments from ``sent`` on, as JSON text, until their object closes."""
+        body, i = self.body, self.sent
+        while i < len(body) and self.done < 0:
+            c = body[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = i + 1
+            i += 1
+
+
 class ToolCallStream:
-    """The incremental form of ``extract_tool_calls``: fed the content piece by piece, it
-    returns what each piece decides, in order. Held back until decided: a possible
-    ``<tool_call>`` start (``<tool_``), an open block (until it closes), and whitespace
-    that a following call would drop. ``finish()`` releases the rest. Concatenated, the
-    events equal ``extract_tool_calls`` of the whole text, given the same ``new_id``.
+    """The Hermes parser fed the content piece by piece: it returns what each piece decides,
+    in order (the module docstring's rules). Held back until decided: a possible
+    ``<tool_call>`` start (``<tool_``), a block's head until it is complete (or cannot be),
+    a block read whole until it closes, and whitespace that a following call would drop.
+    ``finish()`` releases the rest.
     """
 
     def __init__(self, new_id: Callable[[], str], parallel: bool = True) -> None:
         self._new_id = new_id
         self._parallel = parallel
         self._pending = ""     # content that may be the start of <tool_call>
-        self._block: str | None = None  # the body of an open block
-        self._searched = 0     # body length already searched for </tool_call>
+        self._block: _Block | None = None
         self._space = ""       # trailing whitespace of the content so far
         self._after_call = False  # no content since the last call: leading whitespace goes
         self._num_calls = 0
@@ -179,7 +249,7 @@ class ToolCallStream:
             head, found, tail = text.partition(TOOL_CALL_START)
             if found:
                 self._content(head, events)
-                self._block, self._searched = "", 0
+                self._block = _Block()
                 text = tail
                 continue
             keep = held_back(text, TOOL_CALL_START)
@@ -189,10 +259,13 @@ class ToolCallStream:
         return events
 
     def finish(self) -> list[ToolCallEvent]:
-        """The end of the content: an open block is parsed as it is, held text released."""
+        """The end of the content: an open block ends with it, held text is released."""
         events: list[ToolCallEvent] = []
-        if self._block is not None:
-            self._close_block(self._block, False, events)
+        block = self._block
+        if block is not None:
+            self._block = None
+            if block.kind != "call":
+                self._close_whole(block.body, False, events)
         self._content(self._pending, events)
         self._pending = ""
         if self._space:
@@ -201,19 +274,43 @@ class ToolCallStream:
         return events
 
     def _grow_block(self, text: str, events: list[ToolCallEvent]) -> str:
-        """Add ``text`` to the open block; close it if its end tag is there. Returns what
-        follows the block ("" while it stays open)."""
-        assert self._block is not None
-        body = self._block + text
-        end = body.find(TOOL_CALL_END, max(0, self._searched - len(TOOL_CALL_END) + 1))
+        """Add ``text`` to the open block and send what it decides. Returns what follows the
+        block ("" while it stays open)."""
+        block = self._block
+        assert block is not None
+        block.body += text
+        if block.kind == "wait":
+            kind, name, start = read_head(block.body)
+            if kind == "call":
+                self._start_call(block, name, start, events)
+            elif kind == "no":
+                block.kind = "other"
+        if block.kind == "call":
+            block.scan_arguments()
+            upto = block.done if block.done >= 0 else len(block.body)
+            if block.index >= 0 and upto > block.sent:
+                events.append(ToolCallArguments(block.index, block.body[block.sent:upto]))
+            block.sent = upto
+            if block.done < 0:
+                return ""
+        end = block.end_tag()
         if end < 0:
-            self._block, self._searched = body, len(body)
             return ""
-        self._close_block(body[:end], True, events)
-        return body[end + len(TOOL_CALL_END):]
-
-    def _close_block(self, body: str, closed: bool, events: list[ToolCallEvent]) -> None:
         self._block = None
+        if block.kind != "call":  # a head that never completed, or another block: read whole
+            self._close_whole(block.body[:end], True, events)
+        return block.body[end + len(TOOL_CALL_END):]
+
+    def _start_call(self, block: _Block, name: str, start: int, events: list[ToolCallEvent]) -> None:
+        block.kind, block.sent = "call", start
+        self._space, self._after_call = "", True
+        if self._parallel or self._num_calls == 0:
+            block.index = self._num_calls
+            self._num_calls += 1
+            events.append(ToolCallStart(block.index, self._new_id(), name))
+
+    def _close_whole(self, body: str, closed: bool, events: list[ToolCallEvent]) -> None:
+        """A block read whole: a call in another order, or content as written."""
         call = parse_call(body)
         if call is None:
             self._content(TOOL_CALL_START + body + (TOOL_CALL_END if closed else ""), events)

@@ -130,7 +130,9 @@ def test_template_thinking_switch_and_history(tokenizer) -> None:
     ("<think>cut off by max_tokens", False, "cut off by max_tokens", None),
     ("<think>all</think>", False, "all", None),
     ("<think></think>x", False, None, "x"),
-    ("pre <think>r</think> post", False, "r", "pre  post"),
+    ("pre <think>r</think> post", False, None, "pre <think>r</think> post"),  # opens only at the start
+    (" \n<think>r</think> post", False, "r", " \n post"),
+    ('<tool_call>{"q": "<think>"}</tool_call>', False, None, '<tool_call>{"q": "<think>"}</tool_call>'),
     ("a</think>b", False, None, "a</think>b"),         # no <think> anywhere: all content
     ("<think>r</think>x<think>y</think>", False, "r", "x<think>y</think>"),
     ("steps</think>answer", True, "steps", "answer"),   # the prompt opened <think>
@@ -160,7 +162,7 @@ def streamed_reasoning(pieces: list[str], in_reasoning: bool) -> ReasoningSplit:
 
 def test_reasoning_stream_holds_back_only_a_possible_tag() -> None:
     stream = ReasoningStream()
-    assert stream.feed("abc<thi").content == "abc"
+    assert stream.feed(" \n<thi").content == " \n"   # whitespace first: a <think> may still open
     d = stream.feed("nk>x <")
     assert (d.content, d.reasoning_content) == ("", "x ")
     d = stream.feed("b</th")     # "<b" is not the start of </think>
@@ -168,8 +170,11 @@ def test_reasoning_stream_holds_back_only_a_possible_tag() -> None:
     d = stream.feed("ink><think")
     assert (d.reasoning_content, d.content) == ("", "<think")  # after the block, a tag is text
     assert stream.finish().content == ""
+    late = ReasoningStream()
+    assert late.feed("abc<thi").content == "abc<thi"  # text first: no reasoning, nothing held
+    assert late.feed("nk>x").content == "nk>x"
     cut = ReasoningStream()
-    assert cut.feed("x<thin").content == "x"
+    assert cut.feed("<thin").content == ""
     assert cut.finish().content == "<thin"  # a tag that never completed is text
 
 
@@ -222,13 +227,20 @@ def ids() -> list[str]:
     ("<tool_call>{bad json}</tool_call> tail", True, "<tool_call>{bad json}</tool_call> tail", []),
     ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>', True,
      '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', []),
-    ('<tool_call>{"name": "f", "arguments": {}, "extra": 1}</tool_call>', True,
-     '<tool_call>{"name": "f", "arguments": {}, "extra": 1}</tool_call>', []),
-    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', True,
-     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
+    # After a complete head a block is a call: its arguments as written, to their closing brace.
+    ('<tool_call>{"name": "f", "arguments": {}, "extra": 1}</tool_call>', True, None, [("f", "{}")]),
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', True, None, [("f", '{"x": NaN}')]),
+    ('<tool_call>{"name": "f", "arguments": {"s": "</tool_call>", "t": "<think>}"}}</tool_call> ok', True, "ok",
+     [("f", '{"s": "</tool_call>", "t": "<think>}"}')]),
+    ('<tool_call>{"name": "f", "arguments": {"s": "a\\"}</tool_call>b"}}</tool_call>', True, None,
+     [("f", '{"s": "a\\"}</tool_call>b"}')]),
+    # Another key order is read whole, normalised; a head that cannot be is content.
+    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', True, None, [("f", '{"a": 1}')]),
+    ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', True, '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+     []),
     # Text between and after calls stays, less the whitespace touching the calls.
     ("a " + call_text("f", {}) + " b \n" + call_text("g", {"s": "é"}) + "\n c ", True, "abc ",
-     [("f", "{}"), ("g", '{"s": "é"}')]),
+     [("f", "{}"), ("g", '{"s": "\\u00e9"}')]),
     # A malformed block between calls is text; a valid block left open at the end is a call.
     (call_text("f", {}) + "\n<tool_call>{</tool_call>\n" + '<tool_call>{"name": "g", "arguments": {}}', True,
      "<tool_call>{</tool_call>", [("f", "{}"), ("g", "{}")]),
@@ -269,10 +281,13 @@ def streamed_tool_calls(pieces: list[str], parallel: bool, seed: int) -> ToolCal
 def test_tool_call_stream_holds_back_until_decided() -> None:
     stream = ToolCallStream(tool_call_ids(seed=0))
     assert stream.feed("Sure <tool_") == [ContentDelta("Sure")]   # " " waits: a call may follow
-    assert stream.feed('call>\n{"name": "f", "arguments": {"x": ') == []
-    events = stream.feed('1}}\n</tool_call>\nok')
-    assert [type(e) for e in events] == [ToolCallStart, ToolCallArguments, ContentDelta]
-    assert (events[0].name, events[1].arguments, events[2].text) == ("f", '{"x": 1}', "ok")
+    assert stream.feed('call>\n{"name": "f", "argu') == []      # the head is not complete yet
+    events = stream.feed('ments": {"x": ')                     # it is: the name, then the arguments
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArguments]
+    assert (events[0].name, events[1].arguments) == ("f", '{"x": ')
+    assert stream.feed('"</tool_call>') == [ToolCallArguments(0, '"</tool_call>')]  # inside a string
+    events = stream.feed('"}}\n</tool_call>\nok')
+    assert events == [ToolCallArguments(0, '"}'), ContentDelta("ok")]
     assert stream.feed(" <tool_call>{oops") == []
     assert stream.finish() == [ContentDelta(" <tool_call>{oops")]
 

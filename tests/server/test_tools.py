@@ -50,7 +50,9 @@ SCRIPTS = {
              + call("add", {"a": 2, "b": 3}),
     "think?": "<think>\n2 and 3 make 5.\n</think>\n\nThe sum is 5.",
     "21 degrees": "It is 21 degrees in Paris.",
-    "broken?": '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+    "broken?": '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>',
+    "tags?": call("get_weather", {"city": "</tool_call> and <think> are text"}),
+    "garbled?": '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
 }
 PLAIN = "Plain answer."
 
@@ -220,9 +222,14 @@ def test_reasoning_without_tools_and_a_malformed_call(server) -> None:
     m = whole.choices[0].message
     assert (m.model_extra["reasoning_content"], m.content, m.tool_calls) == ("\n2 and 3 make 5.\n",
                                                                              "\n\nThe sum is 5.", None)
-    broken, _ = both_ways(server, messages=user("broken?"), tools=[WEATHER])
+    broken, _ = both_ways(server, messages=user("broken?"), tools=[WEATHER])  # not a call's head: content
     assert broken.choices[0].message.content == SCRIPTS["broken?"]
     assert broken.choices[0].message.tool_calls is None and broken.choices[0].finish_reason == "stop"
+    # A call's head, then arguments the model got wrong: a call, its arguments as written
+    # (a stream has sent the name before the arguments go wrong).
+    garbled, _ = both_ways(server, messages=user("garbled?"), tools=[WEATHER])
+    (tc,) = garbled.choices[0].message.tool_calls
+    assert (tc.function.name, tc.function.arguments) == ("get_weather", '{"city": }')
     plain, _ = both_ways(server, messages=user("hello"), tools=[WEATHER])
     assert plain.choices[0].message.content == PLAIN
     assert plain.choices[0].message.model_extra["reasoning_content"] is None
@@ -386,3 +393,39 @@ def test_the_final_message_continued_or_no_generation_prompt(server) -> None:
                          "the final message must be the assistant's")):
         r = server.client.post("/v1/chat/completions", json={"model": MODEL, **body})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_a_streamed_call_sends_its_name_then_its_arguments_as_written(server) -> None:
+    """Fed the reply token by token (as the engine's detokenizer hands it over), a choice's
+    parser sends the name as soon as the call's head is complete, then argument pieces as
+    they are written, not the whole call at its end. (Through the server a lagging stream
+    may merge deltas, so this is checked at the parser, with the model's real tokens.)"""
+    from minivllm.server.chat_output import chat_output_parser
+    from minivllm.server.protocol import ChatCompletionRequest
+
+    tokenizer = server.executor.tokenizer
+    reply = SCRIPTS["weather?"]
+    pieces = [tokenizer.decode(t) for t in tokenizer.encode(reply, add_special_tokens=False)]
+    assert "".join(pieces) == reply
+    req = ChatCompletionRequest(model=MODEL, messages=user("weather?"), tools=[WEATHER])
+    stream = chat_output_parser(ServerConfig(MODEL, reasoning_parser="qwen3", tool_call_parser="hermes"), req,
+                                "<|im_start|>assistant\n").stream(0)
+    calls = [(i, tc) for i, p in enumerate(pieces) for d in stream.feed(p) for tc in d.tool_calls or ()]
+    assert not stream.finish()
+    (start_at, start), rest = calls[0], calls[1:]
+    assert start.function.name == "get_weather" and start.function.arguments == ""
+    assert "".join(tc.function.arguments for _, tc in rest) == '{"city": "Paris"}'
+    assert len({i for i, _ in rest}) >= 3 and start_at <= rest[0][0]  # piece by piece
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_tags_inside_a_calls_arguments_are_argument_text(server, tool_choice: str) -> None:
+    """An argument string holding ``</tool_call>`` and ``<think>`` neither ends the call nor
+    opens reasoning: the call parses, free or forced."""
+    server.executor.refused.clear()
+    whole, _ = both_ways(server, messages=user("tags?"), tools=[WEATHER], tool_choice=tool_choice)
+    choice = whole.choices[0]
+    (tc,) = choice.message.tool_calls
+    assert json.loads(tc.function.arguments) == {"city": "</tool_call> and <think> are text"}
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning"] is None and server.executor.refused == []
