@@ -44,6 +44,7 @@ from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatFinishRe
                                       CompletionStreamResponse, DeltaMessage, ModelCard, ModelList,
                                       ServerConfig, TokenLogprob, TopLogprob, Usage, _Request,
                                       error_body)
+from minivllm.server.tool_calls import ReasoningMode, after_reasoning
 
 T = TypeVar("T")
 
@@ -315,10 +316,13 @@ class _Server:
                                 f"{self.model_name!r}", "model")
 
     async def submit(self, kind: str, prompts: list[list[int]], req: _Request,
-                     tool_constraint: StructuredOutputs | None = None) -> tuple[str, int, RequestGroup]:
+                     tool_constraint: StructuredOutputs | None = None,
+                     reasoning: ReasoningMode = "none") -> tuple[str, int, RequestGroup]:
         """Queue one request per prompt; returns the response id (``kind-<hex>``), its
         creation time and the requests' group. ``tool_constraint``: the grammar of a forced
-        tool call (``tool_choice``), which no other constraint may accompany."""
+        tool call (``tool_choice``), which no other constraint may accompany. ``reasoning``:
+        where the model may reason before the request's own constraint applies (a chat
+        reply with the reasoning parser on)."""
         request_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         max_tokens = self.max_tokens(req, prompts)
@@ -330,6 +334,9 @@ class _Server:
                     raise ValueError("tool_choice: a forced tool call cannot be combined with another "
                                      "structured-output constraint (response_format, structured_outputs)")
                 params = dataclasses.replace(params, structured_outputs=tool_constraint)
+            elif params.structured_outputs is not None and reasoning != "none":
+                params = dataclasses.replace(params, structured_outputs=after_reasoning(
+                    params.structured_outputs, reasoning))
             return request_id, created, await self.engine.add_requests(ids, prompts, params)
         except (ValueError, TypeError) as e:
             raise _refusal(str(e), ids, req) from e
@@ -418,7 +425,8 @@ class _Server:
         except ValueError as e:
             raise APIError(400, str(e), _param_named(str(e))) from e
         rid, created, group = await self.submit(kind, [prompt], req,
-                                                parser.constraint if parser is not None else None)
+                                                parser.constraint if parser is not None else None,
+                                                parser.reasoning_mode if parser is not None else "none")
         return ChatTurn(req, rid, created, group, parser)
 
     def chat_choices(self, turn: "ChatTurn", deltas: list[list[Delta]]) -> tuple[list[ChatChoice], Usage]:

@@ -26,6 +26,7 @@ class ChatOutputParser:
     Attributes:
         reasoning: split ``<think>`` reasoning from the content.
         in_reasoning: the prompt opened ``<think>`` (the output starts in the reasoning).
+        reasoning_mode: where a grammar lets the model reason first (``tool_calls.ReasoningMode``).
         tool_calls: read Hermes tool calls from the content.
         parallel_tool_calls: report every call (else the first only).
         constraint: the grammar that ``tool_choice`` ``required`` or a named function
@@ -34,6 +35,7 @@ class ChatOutputParser:
 
     reasoning: bool
     in_reasoning: bool
+    reasoning_mode: ReasoningMode
     tool_calls: bool
     parallel_tool_calls: bool
     constraint: StructuredOutputs | None
@@ -131,5 +133,5 @@ def chat_output_parser(config: ServerConfig, req: ChatCompletionRequest, opening
     tools = choice != "none"
     if not reasoning and not tools:
         return None
-    return ChatOutputParser(reasoning=reasoning, in_reasoning=in_reasoning, tool_calls=tools,
+    return ChatOutputParser(reasoning=reasoning, in_reasoning=in_reasoning, reasoning_mode=mode, tool_calls=tools,
                             parallel_tool_calls=req.parallel_tool_calls, constraint=constraint)

@@ -419,12 +419,47 @@ def _calls_format(st: Any, functions: list[Mapping[str, Any]], parallel: bool,
             for f in functions]
     calls = st.TagsWithSeparatorFormat(tags=tags, separator=CALL_SEPARATOR, at_least_one=True,
                                        stop_after_first=not parallel)
+    return _reasoning_first(st, calls, reasoning)
+
+
+def _reasoning_first(st: Any, body: Any, reasoning: ReasoningMode) -> Any:
+    """The structural-tag format ``body``, after a ``<think>`` block as ``reasoning`` allows
+    (``tool_choice_constraint``'s modes; ``st``: xgrammar's module)."""
     if reasoning == "none":
-        return calls
+        return body
     thought = st.AnyTextFormat(excludes=[THINK_START, THINK_END])
     after_thought = st.ConstStringFormat(value=REASONING_SEPARATOR)
     if reasoning == "open":
         return st.SequenceFormat(elements=[st.TagFormat(begin="", content=thought, end=THINK_END),
-                                           after_thought, calls])
+                                           after_thought, body])
     think = st.TagFormat(begin=THINK_START, content=thought, end=THINK_END)
-    return st.OrFormat(elements=[st.SequenceFormat(elements=[think, after_thought, calls]), calls])
+    return st.OrFormat(elements=[st.SequenceFormat(elements=[think, after_thought, body]), body])
+
+
+def after_reasoning(spec: StructuredOutputs, reasoning: ReasoningMode) -> StructuredOutputs:
+    """``spec``'s constraint on the answer, after a reasoning block as ``reasoning`` allows
+    (``tool_choice_constraint``'s modes; ``"none"``: ``spec`` itself): as vLLM applies a
+    grammar once the reasoning has ended, so that a reasoning model thinks first.
+
+    Raises:
+        ValueError: a constraint xgrammar cannot compile (the message names ``spec``'s kind).
+    """
+    if reasoning == "none":
+        return spec
+    import xgrammar
+    from xgrammar import structural_tag as st
+    if spec.json is not None or spec.json_object:
+        schema = valid_json_strings(json.loads(spec.json)) if spec.json is not None else {"type": "object"}
+        body: Any = st.JSONSchemaFormat(json_schema=schema)
+    elif spec.regex is not None:
+        body = st.RegexFormat(pattern=spec.regex)
+    elif spec.choice is not None:
+        body = st.GrammarFormat(grammar="root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+    else:
+        assert spec.grammar is not None
+        body = st.GrammarFormat(grammar=spec.grammar)
+    try:
+        grammar = xgrammar.Grammar.from_structural_tag(st.StructuralTag(format=_reasoning_first(st, body, reasoning)))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.{spec.kind}: cannot be compiled into a grammar: {e}") from e
+    return StructuredOutputs(grammar=str(grammar))

@@ -470,3 +470,24 @@ def test_a_forced_calls_length_limited_strings_are_json() -> None:
     assert accepts(g, call_text("note", {"text": "buy milk"}))
     for bad in ("\t", "\x00", "\x1b"):
         assert not accepts(g, '<tool_call>\n{"name": "note", "arguments": {"text": "buy' + bad + 'milk"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("spec, good, bad", [
+    ({"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}, '{"n": 5}', '{"n": "5"}'),
+    ({"json_object": True}, '{"a": [1]}', "[1]"),
+    ({"regex": "[0-9]{2}"}, "42", "4"),
+    ({"choice": ["yes", "no"]}, "no", "maybe"),
+    ({"grammar": 'root ::= "x" [0-9]'}, "x7", "y7"),
+], ids=["json", "json_object", "regex", "choice", "grammar"])
+def test_a_constraint_after_the_reasoning(spec: dict, good: str, bad: str) -> None:
+    """Each kind of constraint, after an optional reasoning block or after the reasoning the
+    prompt opened; the answer alone is held to the constraint."""
+    from minivllm.sampling import StructuredOutputs
+    from minivllm.server.tool_calls import after_reasoning
+    so = StructuredOutputs(**spec)
+    assert after_reasoning(so, "none") is so
+    optional, opened = after_reasoning(so, "optional").grammar, after_reasoning(so, "open").grammar
+    thought = "<think>\nhm, <b>\n</think>\n\n"
+    assert accepts(optional, good) and accepts(optional, thought + good) and not accepts(optional, thought + bad)
+    assert accepts(opened, thought[len("<think>"):] + good) and not accepts(opened, good)
+    assert not accepts(opened, thought[len("<think>"):] + bad)

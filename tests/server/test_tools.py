@@ -51,6 +51,7 @@ SCRIPTS = {
     "think?": "<think>\n2 and 3 make 5.\n</think>\n\nThe sum is 5.",
     "21 degrees": "It is 21 degrees in Paris.",
     "broken?": '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>',
+    "json?": '<think>\nFive, as JSON.\n</think>\n\n{"sum": 5}',
     "tags?": call("get_weather", {"city": "</tool_call> and <think> are text"}),
     "garbled?": '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
 }
@@ -429,3 +430,22 @@ def test_tags_inside_a_calls_arguments_are_argument_text(server, tool_choice: st
     assert json.loads(tc.function.arguments) == {"city": "</tool_call> and <think> are text"}
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.model_extra["reasoning"] is None and server.executor.refused == []
+
+
+SUM = {"type": "json_schema", "json_schema": {"name": "sum", "schema": {
+    "type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}}}
+
+
+def test_structured_output_applies_after_the_reasoning(server, plain_server) -> None:
+    """With the reasoning parser on, the model thinks first and the schema holds for the
+    answer (as vLLM applies a grammar once the reasoning ends); without the parser, the schema
+    holds from the first token, so the scripted <think> is refused."""
+    server.executor.refused.clear()
+    whole, _ = both_ways(server, messages=user("json?"), response_format=SUM)
+    m = whole.choices[0].message
+    assert (m.model_extra["reasoning"], json.loads(m.content)) == ("\nFive, as JSON.\n", {"sum": 5})
+    assert server.executor.refused == []
+    r = plain_server.post("/v1/chat/completions", json={"model": MODEL, "messages": user("json?"),
+                                                        "response_format": SUM})
+    assert r.status_code == 200, r.text
+    assert not r.json()["choices"][0]["message"]["content"].startswith("<think>")  # refused by the grammar
