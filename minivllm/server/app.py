@@ -185,7 +185,7 @@ class _Server:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "prompt: is empty", "prompt")
-        return [self._token_ids(i, p, "prompt") for i, p in enumerate(prompts)]
+        return [self._token_ids(i, p, "prompt", req.truncate_prompt_tokens) for i, p in enumerate(prompts)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
         """The prompt's token ids, and the text that opens the reply: the messages through the
@@ -215,13 +215,19 @@ class _Server:
             raise APIError(400, f"messages: refused by the model's chat template: {e}", "messages") from e
         except ValueError as e:  # chat_template_kwargs that set apply_chat_template's own arguments
             raise APIError(400, str(e), _param_named(str(e))) from e
-        return self._token_ids(0, text, "messages"), opening
+        return self._token_ids(0, text, "messages", req.truncate_prompt_tokens), opening
 
-    def _token_ids(self, i: int, prompt: Any, field: str) -> list[int]:
+    def _token_ids(self, i: int, prompt: Any, field: str, keep: int | None = None) -> list[int]:
+        """``prompt``'s token ids; ``keep``: only its last ``keep`` (``truncate_prompt_tokens``;
+        -1: the context's length), as vLLM truncates from the left."""
         try:  # LLM's one prompt check: tokenize, non-empty, ids inside the vocabulary
-            return self.llm.prompt_token_ids(i, prompt)
+            ids = self.llm.prompt_token_ids(i, prompt)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"{field}: {e}", field) from e
+        if keep is None:
+            return ids
+        keep = self.engine.max_model_len if keep == -1 else keep
+        return ids[-keep:]
 
     def max_tokens(self, req: _Request, prompts: list[list[int]]) -> int:
         """The request's completion limit: the one it sends, else its endpoint's default.
@@ -323,7 +329,7 @@ class _Server:
         tool call (``tool_choice``), which no other constraint may accompany. ``reasoning``:
         where the model may reason before the request's own constraint applies (a chat
         reply with the reasoning parser on)."""
-        request_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
+        request_id, created = f"{kind}-{req.request_id or uuid.uuid4().hex}", int(time.time())
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         max_tokens = self.max_tokens(req, prompts)
         self.check_stop_token_ids(req)

@@ -1,9 +1,9 @@
 """OpenAI API request and response models (pydantic v2), and the server's config.
 
-Requests forbid unknown fields and are strict about types (``"16"`` is not an
-int, ``1`` is not a bool), so a misspelt option or a wrong type is a 400 and
-never silently ignored or coerced; ``null`` for a field means its default, as
-OpenAI clients send it for what they leave unset. A field of the OpenAI API that
+Requests forbid unknown fields, so a misspelt option is a 400, never silently ignored;
+types are read as vLLM's server reads them, by pydantic's lax mode (``"16"`` is 16, ``1``
+is true; ``"hot"`` is no number, a 400); ``null`` for a field means its default, as OpenAI
+clients send it for what they leave unset. A field of the OpenAI API that
 this server does not implement is declared only to be refused with a message
 naming it. Sampling values are checked once, by ``SamplingParams``
 (``to_sampling_params``); only what has no ``SamplingParams`` counterpart
@@ -13,6 +13,7 @@ naming it. Sampling values are checked once, by ``SamplingParams``
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any, Callable, ClassVar, Literal, Union
@@ -21,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from minivllm.outputs import FinishReason, StopReason
 from minivllm.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
+
+logger = logging.getLogger(__name__)
 
 # A completion prompt: text, several texts, token ids, or several token-id lists.
 PromptInput = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
@@ -80,10 +83,11 @@ class ServerConfig:
 
 
 class _Body(BaseModel):
-    """A JSON object of a request: unknown fields and wrong types are refused; ``null`` for
-    a field means its default (OpenAI clients send null for what they leave unset)."""
+    """A JSON object of a request: unknown fields are refused, types read leniently (module
+    doc); ``null`` for a field means its default (OpenAI clients send null for what they leave
+    unset)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -151,8 +155,44 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
+# Fields of the OpenAI API that change nothing here (storage, billing, tracing, a predicted
+# output): accepted, with one logged warning per field, as vLLM's server does.
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "prediction", "safety_identifier",
+                            "prompt_cache_key", "web_search_options", "modalities", "audio"})
+_warned: set[str] = set()
+
+
 class _Request(_Body):
     """Fields common to both endpoints."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ignored_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not IGNORED_FIELDS & data.keys():
+            return data
+        for name in sorted(IGNORED_FIELDS & data.keys() - _warned):
+            _warned.add(name)
+            logger.warning("request field %r is accepted and ignored: it changes nothing on this server", name)
+        return {k: v for k, v in data.items() if k not in IGNORED_FIELDS}
+
+    request_id: str | None = None        # extension (vLLM): the response id's suffix
+    priority: int = 0                    # extension (vLLM): only 0; requests are served in order
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # extension: keep the last k (-1: max)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("must be a number of tokens to keep (>= 1), or -1 for the context's length")
+        return keep
+
+    @field_validator("priority")
+    @classmethod
+    def _first_come_first_served(cls, priority: int) -> int:
+        if priority != 0:
+            raise ValueError("only priority 0 is served (this server schedules first come, first served, "
+                             "as vLLM does without --scheduling-policy priority)")
+        return priority
 
     model: str | None = None
     max_tokens: Int64 | None = None
