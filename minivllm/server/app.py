@@ -42,8 +42,8 @@ from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatFinishRe
                                       ChatStreamChoice, ChoiceLogprobs, CompletionChoice,
                                       CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       CompletionStreamResponse, DeltaMessage, ModelCard, ModelList,
-                                      ServerConfig, TokenLogprob, TopLogprob, Usage, _Request,
-                                      error_body)
+                                      DetokenizeRequest, ServerConfig, TokenizeRequest, TokenizeResponse,
+                                      TokenLogprob, TopLogprob, Usage, _Request, error_body)
 from minivllm.server.tool_calls import ReasoningMode, after_reasoning
 
 T = TypeVar("T")
@@ -550,15 +550,62 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
             return error_response(500, str(server.engine.error))
         return JSONResponse({"status": "ok"})
 
+    def card() -> ModelCard:
+        return ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = ModelCard(id=server.model_name, created=server.created,
-                         max_model_len=server.engine.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != server.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {server.model_name!r}",
+                           "model")
+        return card().model_dump()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        server.check_model(req)
+        tokenizer = server.llm.tokenizer
+        if req.prompt is not None:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:
+            try:
+                chat = req.chat_request()
+            except ValueError as e:  # the chat request's own checks (continue_final_message ...)
+                raise APIError(400, str(e), _param_named(str(e))) from e
+            ids, _ = server.chat_prompt(chat)
+            if req.add_special_tokens:
+                ids = tokenizer.build_inputs_with_special_tokens(ids)
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=server.engine.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump(exclude_none=True)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        server.check_model(req)
+        vocab = server.llm.model_config.vocab_size
+        bad = sorted({t for t in req.tokens if not 0 <= t < vocab})
+        if bad:
+            raise APIError(400, f"tokens: {bad[:8]} outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": server.llm.tokenizer.decode(req.tokens)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("minivllm")
+    except PackageNotFoundError:  # run from the tree, not installed
+        return "unknown"
 
 
 def _chunk_json(chunk: CompletionStreamResponse | ChatCompletionChunk, include_usage: bool) -> dict:

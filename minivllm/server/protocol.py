@@ -702,6 +702,49 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a completion ``prompt``, or chat ``messages`` rendered as the
+    chat API renders them (with ``tools``, ``chat_template_kwargs``,
+    ``add_generation_prompt`` and ``continue_final_message``)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None   # default: True for a prompt, False for messages (vLLM's)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: send a prompt or messages (one of them)")
+        return self
+
+    def chat_request(self) -> "ChatCompletionRequest":
+        """The messages as a chat request renders them."""
+        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools,
+                                     chat_template_kwargs=self.chat_template_kwargs,
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

@@ -934,3 +934,25 @@ def test_vllm_extras_that_shape_the_request(server, caplog: pytest.LogCaptureFix
             assert r.status_code == 200, r.text
     warned = [m for m in caplog.messages if "accepted and ignored" in m]
     assert len([m for m in warned if "'store'" in m]) == 1 and any("'metadata'" in m for m in warned)
+
+
+def test_tokenize_detokenize_version_and_one_model(server) -> None:
+    """vLLM's /tokenize (a prompt, or messages as the chat API renders them), /detokenize,
+    /version and GET /v1/models/{id}."""
+    c = server.client
+    r = c.post("/tokenize", json={"prompt": "12+3=", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == server.llm.tokenizer.encode("12+3=") and body["count"] == len(body["tokens"]) == 5
+    assert body["max_model_len"] == 64 and "".join(body["token_strs"]) == "12+3="
+    chat = c.post("/v1/chat/completions", json=CHAT | {"max_tokens": 1}).json()
+    r = c.post("/tokenize", json={"messages": CHAT["messages"]})
+    assert r.json()["count"] == chat["usage"]["prompt_tokens"] and "token_strs" not in r.json()
+    assert c.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "12+3="}
+    assert_error(c.post("/detokenize", json={"tokens": [1, 100]}), 400, "[100] outside the vocabulary", "tokens")
+    assert_error(c.post("/tokenize", json={}), 400, "send a prompt or messages", "prompt")
+    assert_error(c.post("/tokenize", json={"prompt": "1", "model": "other"}), 404, "does not exist", "model")
+    assert isinstance(c.get("/version").json()["version"], str)
+    listed = c.get("/v1/models").json()["data"][0]
+    assert c.get(f"/v1/models/{listed['id']}").json() == listed
+    assert_error(c.get("/v1/models/other"), 404, "'other' does not exist", "model")
