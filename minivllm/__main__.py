@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import logging
 import sys
 from typing import TYPE_CHECKING, TextIO
 
 from minivllm import envs
 from minivllm.config import KERNEL_CHOICES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
+from minivllm.sampling import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from minivllm.llm import LLM
@@ -19,6 +21,9 @@ if TYPE_CHECKING:
 
 
 SERVE_MAX_NUM_BATCHED_TOKENS = 8192
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+logger = logging.getLogger("minivllm.cli")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="split <think>...</think> out of chat replies as reasoning_content")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="turn <tool_call> blocks of chat replies into tool_calls (tool_choice auto)")
+    s.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                   help="log level of the HTTP server (uvicorn)")
+    _add_vllm_serve_args(s)
     _add_engine_args(s)
     c = sub.add_parser("chat", help="chat on stdin/stdout: each line is a user turn, the reply "
                                     "streams back; EOF or /exit ends it",
@@ -70,6 +78,53 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None, help="sampling seed of every reply")
     _add_engine_args(c)
     return p
+
+
+def _add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's serve flags that scripts copy from a ``vllm serve`` line: accepted, so that the
+    line runs here; ``_check_vllm_flags`` says which change nothing."""
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice auto; needs --tool-call-parser, which alone "
+                        "enables it here")
+    p.add_argument("--max-logprobs", type=int, default=None,
+                   help=f"vLLM's cap on top logprobs per token; fixed at {MAX_LOGPROBS} here")
+    p.add_argument("--generation-config", default=None,
+                   help="vLLM's source of sampling defaults; none here (a request's own, else "
+                        "vLLM's); the model's generation_config.json gives its eos ids only")
+    p.add_argument("--tokenizer", default=None, help="vLLM's tokenizer path; the model's is used here")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM's permission to run a checkpoint's code; none is run here")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's switch; requests are not logged here")
+
+
+def _ineffective_vllm_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, why it changes nothing here) for each such vLLM flag given."""
+    ineffective = []
+    if args.max_logprobs is not None and args.max_logprobs != MAX_LOGPROBS:
+        ineffective.append(("--max-logprobs", f"a request may ask for at most {MAX_LOGPROBS} top logprobs"))
+    if args.generation_config is not None:
+        ineffective.append(("--generation-config", "sampling defaults are a request's own, else vLLM's; the "
+                                                   "model's generation_config.json is read for its eos ids only"))
+    if args.tokenizer is not None and args.tokenizer != args.model:
+        ineffective.append(("--tokenizer", "the tokenizer is the model's own"))
+    if args.trust_remote_code:
+        ineffective.append(("--trust-remote-code", "no code of a checkpoint is ever run"))
+    if args.disable_log_requests:
+        ineffective.append(("--disable-log-requests", "requests are not logged"))
+    return ineffective
+
+
+def _check_vllm_flags(args: argparse.Namespace) -> None:
+    """Refuse what vLLM refuses; log one warning per vLLM flag given that changes nothing here.
+
+    Raises:
+        ValueError: --enable-auto-tool-choice without --tool-call-parser.
+    """
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM)")
+    for flag, why in _ineffective_vllm_flags(args):
+        logger.warning("%s has no effect here: %s", flag, why)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -87,8 +142,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "serve, as vLLM)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of the GPU's memory the model and KV pool may use (CUDA)")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="no prefix cache (every prompt computed in full)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes computed before (off: every prompt "
+                        "computed in full)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (processes; one GPU each on CUDA) the model is split over")
@@ -168,7 +224,11 @@ CHAT_EXIT = "/exit"
 def _chat(args: argparse.Namespace) -> int:
     from minivllm.llm import LLM
     from minivllm.sampling import RequestOutputKind, SamplingParams
+    from minivllm.server.engine_process import size_torch_threads
 
+    # One process whose main thread detokenizes and writes beside torch's threads, as the
+    # server's engine process beside its server process: sized the same way.
+    size_torch_threads()
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed, output_kind=RequestOutputKind.DELTA)
@@ -235,6 +295,8 @@ def _stream_reply(llm: "LLM", prompt_ids: list[int], params: "SamplingParams", r
 def _serve(args: argparse.Namespace) -> int:
     try:
         from minivllm.server.app import build_app, serve
+        from minivllm.server.engine_loop import AsyncEngine
+        from minivllm.server.metrics import ServerMetrics
         from minivllm.server.protocol import ServerConfig
     except ImportError as e:
         print(f"error: serving needs the 'serve' extra (pip install -e '.[serve]'): {e}",
@@ -243,6 +305,7 @@ def _serve(args: argparse.Namespace) -> int:
     from minivllm.llm import LLM
 
     try:
+        _check_vllm_flags(args)
         config = ServerConfig(model_name=args.served_model_name or args.model,
                               api_key=args.api_key or envs.api_key(),
                               max_body_bytes=args.max_body_bytes,
@@ -253,21 +316,23 @@ def _serve(args: argparse.Namespace) -> int:
         # vLLM's server budget (its offline LLM takes 16384, as ours does on CUDA): a
         # smaller step keeps the streams' inter-token latency down while prompts arrive.
         llm_options.setdefault("max_num_batched_tokens", SERVE_MAX_NUM_BATCHED_TOKENS)
+        metrics = ServerMetrics(config.model_name)
         if args.engine_process:
             from minivllm.server.engine_process import LLMFront, ProcessAsyncEngine
 
             front = LLMFront(args.model)
-            engine = ProcessAsyncEngine(args.model, llm_options, front.tokenizer)
+            engine = ProcessAsyncEngine(args.model, llm_options, front.tokenizer, metrics)
         else:
             llm = LLM(args.model, **llm_options)  # type: ignore[arg-type]
+            engine = AsyncEngine.from_llm(llm, metrics)
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # 1 when the server stopped because its engine failed (app.serve).
     if args.engine_process:  # the app's lifespan stops the engine process
-        return serve(build_app(front, config, engine), args.host, args.port)
+        return serve(build_app(front, config, engine), args.host, args.port, args.uvicorn_log_level)
     with llm:
-        return serve(build_app(llm, config), args.host, args.port)
+        return serve(build_app(llm, config, engine), args.host, args.port, args.uvicorn_log_level)
 
 
 if __name__ == "__main__":

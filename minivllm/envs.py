@@ -18,8 +18,8 @@ TP_TIMEOUT_S = "MINIVLLM_TP_TIMEOUT_S"
 # Triton's own switch, read here too: "1" runs Triton kernels on the CPU through its
 # interpreter (how the CPU tests run them).
 TRITON_INTERPRET = "TRITON_INTERPRET"
-# OpenMP's own thread count, read here too: set, the server's engine process keeps the
-# torch thread count it gives instead of sizing it from the CPUs it may use.
+# OpenMP's own thread count, read here too: set, the server's engine process and the chat
+# command keep the torch thread count it gives instead of sizing it from the CPUs they may use.
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 DEFAULT_TP_TIMEOUT_S = 300.0

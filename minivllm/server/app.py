@@ -36,6 +36,7 @@ from minivllm.sampling import StructuredOutputs
 from minivllm.server.chat_output import ChatOutputParser, chat_output_parser
 from minivllm.server.engine_loop import (AsyncEngine, Delta, EngineDeadError, RequestGroup,
                                          RequestLostError, merge_deltas)
+from minivllm.server.metrics import ServerMetrics
 from minivllm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatFinishReason, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse,
@@ -169,7 +170,7 @@ class _Server:
         self.llm = llm
         self.config = config
         self.model_name = config.model_name
-        self.engine = engine if engine is not None else AsyncEngine.from_llm(llm)
+        self.engine = engine if engine is not None else AsyncEngine.from_llm(llm, ServerMetrics(config.model_name))
         self.metrics = self.engine.metrics
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}

@@ -28,11 +28,19 @@ ever taken back; the engine's final text (cut before the stop string) ends it.
 If the engine goes idle while a choice is unfinished (it lost an output: a bug),
 the choice fails with ``RequestLostError`` instead of waiting forever.
 
-After every loop the thread records the step in ``ServerMetrics`` (``/metrics``).
+After every loop the thread records the step in ``ServerMetrics`` (``/metrics``), and
+each completion's events as they happen: admission, first scheduling (``ScheduleWatch``
+names the sequences a step scheduled first), tokens, and its end. A client's abort stops
+its deltas at once, but its choices stay tracked until the engine's abort output comes:
+that output carries the tokens generated but not yet delivered (all of them, for a
+non-streamed request), which count as generated.
 
 Everything that touches the engine goes through five hooks (``_admit``, ``_abort``,
 ``_has_work``, ``_step``, ``_counts``); ``engine_process.ProcessAsyncEngine``
 replaces them to run the engine in another process, keeping the rest.
+
+Importing this module imports no ``prometheus_client`` (the ``serve`` extra):
+``engine_process`` is imported for its thread sizing by commands that serve nothing.
 """
 
 from __future__ import annotations
@@ -45,13 +53,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Union
 
 from minivllm.detokenizer import IncrementalDetokenizer, Tokenizer
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.outputs import FinishReason, RequestOutput, StopReason, text_token_ids
+from minivllm.engine.llm_engine import LLMEngine, StepRecord
+from minivllm.outputs import FinishReason, RequestOutput, StopReason, sequence_name, text_token_ids
 from minivllm.sampling import SamplingParams
-from minivllm.server.metrics import ServerMetrics, StepCounts
+
+if TYPE_CHECKING:
+    from minivllm.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -143,15 +153,70 @@ def admit_into(engine: LLMEngine, request_ids: Sequence[str], prompts: Sequence[
     return None
 
 
-def engine_counts(engine: LLMEngine, stepped: bool) -> StepCounts:
-    """The engine's queues, pool and running totals after a step (``ServerMetrics.step``)."""
+@dataclass(frozen=True)
+class StepCounts:
+    """What the engine reported after a step (``ServerMetrics.step``).
+
+    Attributes:
+        running / waiting: sequences in the scheduler's queues (+ requests not admitted yet).
+        blocks_used / blocks_total: KV blocks held by sequences / in the pool.
+        batch_size: sequences scheduled in the step (0: the step only delivered outputs).
+        steps, cached_tokens, computed_prefill_tokens, preemptions: the engine's
+            running totals (``EngineStats``) after the step.
+        first_scheduled: names (``sequence_name``) of the sequences the step scheduled
+            for the first time (``ScheduleWatch``).
+        step_start: ``time.monotonic()`` when the step began: their queue time ends there.
+    """
+
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    batch_size: int
+    steps: int
+    cached_tokens: int
+    computed_prefill_tokens: int
+    preemptions: int
+    first_scheduled: tuple[str, ...] = ()
+    step_start: float = 0.0
+
+
+NO_COUNTS = StepCounts(0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+class ScheduleWatch:
+    """Names the sequences each step scheduled for the first time.
+
+    The engine's record of a step names every sequence it scheduled; this remembers the
+    names seen (until their sequence finishes), so that only new ones are passed on: a
+    few names a step, not the whole batch, cross the pipe from an engine process.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def first_scheduled(self, record: StepRecord) -> tuple[str, ...]:
+        """The names in ``record`` (the engine's ``last_step``, once per step) not seen before."""
+        new = tuple(name for name in record.scheduled if name not in self._seen)
+        self._seen.update(new)
+        self._seen.difference_update(record.finished)  # aborted ones included: they end in a step
+        return new
+
+
+def engine_counts(engine: LLMEngine, watch: ScheduleWatch | None = None,
+                  step_start: float = 0.0) -> StepCounts:
+    """The engine's queues, pool and running totals (``ServerMetrics.step``): after a step
+    (``watch`` names the sequences it scheduled first; ``step_start``: when it began), or,
+    without ``watch``, between steps (batch size 0)."""
     sched, last, stats = engine.scheduler, engine.last_step, engine.stats
+    batch_size, first = (0, ()) if watch is None or last is None else (len(last.scheduled),
+                                                                       watch.first_scheduled(last))
     return StepCounts(
         running=len(sched.running), waiting=len(sched.waiting),
         blocks_used=engine.num_blocks - engine.num_free_blocks, blocks_total=engine.num_blocks,
-        batch_size=len(last.scheduled) if stepped and last is not None else 0,
-        steps=stats.num_steps, cached_tokens=stats.num_cached_tokens,
-        computed_prefill_tokens=stats.num_prefill_tokens, preemptions=stats.num_preemptions)
+        batch_size=batch_size, steps=stats.num_steps, cached_tokens=stats.num_cached_tokens,
+        computed_prefill_tokens=stats.num_prefill_tokens, preemptions=stats.num_preemptions,
+        first_scheduled=first, step_start=step_start)
 
 
 class RequestLostError(RuntimeError):
@@ -245,6 +310,20 @@ class _Choice:
     num_sent_chars: int = 0
     num_tokens: int = 0              # completion tokens so far
     first_token_time: float | None = None
+    last_delivery: float | None = None  # time.monotonic() when tokens of it were last delivered
+    aborted: bool = False            # by its client: no more deltas; it ends with the engine's output
+
+    def count_gaps(self, num_new: int, now: float, gaps: dict[tuple[float, int], int]) -> None:
+        """Add this delivery's ``num_new`` tokens to ``gaps`` ((time of the token before, gaps)
+        -> completions): each token after the first is a gap from the one before; the gaps of
+        several tokens delivered at once are taken as equal."""
+        before: float | None = self.last_delivery
+        n = num_new
+        if before is None:  # the first token delivered follows no other
+            before, n = self.first_token_time, num_new - 1
+        self.last_delivery = now
+        if n > 0 and before is not None:
+            gaps[before, n] = gaps.get((before, n), 0) + 1
 
     def next_text(self, released: str, out: StepOutput) -> str:
         """The text to send now, given the detokenizer's newly ``released`` text."""
@@ -293,9 +372,13 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, tokenizer: Tokenizer,
                  metrics: ServerMetrics | None = None) -> None:
+        if metrics is None:
+            from minivllm.server.metrics import ServerMetrics  # here: see the module docstring
+
+            metrics = ServerMetrics()
         self.engine = engine
         self.tokenizer = tokenizer
-        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self.metrics = metrics
         self._lock = threading.Lock()      # guards _inbox, _error, _closed
         self._inbox: list[_Admit | _Abort] = []
         self._applying: list[_Admit | _Abort] = []  # taken from the inbox, being applied
@@ -303,8 +386,11 @@ class AsyncEngine:
         self._closed = False
         self._wakeup = threading.Event()   # set: the inbox has commands
         self._idle = threading.Event()     # set: inbox empty and nothing unfinished
-        # Engine thread only: per unfinished request id, its choices (None once finished).
+        # Engine thread only: per unfinished request id, its choices (None once finished);
+        # per sequence name of a choice never scheduled yet, its arrival.
         self._tracked: dict[str, list[_Choice | None]] = {}
+        self._queued: dict[str, float] = {}
+        self._watch = ScheduleWatch()
         self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
 
@@ -414,12 +500,14 @@ class AsyncEngine:
                     self._wakeup.wait()
                     continue
                 self._apply_all(commands)
-                stepped = self._has_work()
-                if stepped:
-                    self._deliver(self._step())
+                counts = None
+                if self._has_work():
+                    outputs, counts = self._step()
+                    self._scheduled(counts)
+                    self._deliver(outputs)
                 if self._tracked and not self._has_work():
                     self._fail_lost()
-                self._record_step(stepped)
+                self._record_step(counts if counts is not None else self._counts())
         except Exception as e:  # surfaced to every waiting request, never swallowed
             logger.exception("engine thread failed")
             error = EngineDeadError(f"engine failed: {type(e).__name__}: {e}")
@@ -440,10 +528,21 @@ class AsyncEngine:
                     self._admitted(admit, error)  # type: ignore[arg-type]
                 continue
             for command in run:
-                dropped = [rid for rid in command.request_ids if self._tracked.pop(rid, None) is not None]
-                if dropped:
-                    self._abort(dropped)
-                    self.metrics.aborted.inc(len(dropped))
+                self._abort_tracked(command.request_ids)
+
+    def _abort_tracked(self, request_ids: Sequence[str]) -> None:
+        """Stop the deltas of these requests' unfinished choices and have the engine abort
+        them; each choice ends when the engine's abort output comes (``_deliver``)."""
+        aborted = []
+        for rid in request_ids:
+            live = [c for c in self._tracked.get(rid, ()) if c is not None and not c.aborted]
+            for c in live:
+                c.aborted = True
+            if live:
+                aborted.append(rid)
+        if aborted:
+            self._abort(aborted)
+            self.metrics.aborted.inc(len(aborted))
 
     # ---- what touches the engine (``ProcessAsyncEngine`` replaces these) -------
 
@@ -459,11 +558,15 @@ class AsyncEngine:
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def _step(self) -> list[StepOutput]:
-        return [step_output(o) for o in self.engine.step()]
+    def _step(self) -> tuple[list[StepOutput], StepCounts]:
+        """One engine step: its outputs, and the counts after it."""
+        start = time.monotonic()
+        outputs = [step_output(o) for o in self.engine.step()]
+        return outputs, engine_counts(self.engine, self._watch, start)
 
-    def _counts(self, stepped: bool) -> StepCounts:
-        return engine_counts(self.engine, stepped)
+    def _counts(self) -> StepCounts:
+        """The counts when no step ran."""
+        return engine_counts(self.engine)
 
     # ---- the engine thread's bookkeeping --------------------------------------
 
@@ -478,9 +581,17 @@ class AsyncEngine:
                 _Choice(group, i * group.n + j, command.loop, IncrementalDetokenizer(self.tokenizer, prompt),
                         len(prompt), holdback, command.arrival)
                 for j in range(group.n)]
-            self.metrics.prompt_tokens.inc(len(prompt))
-        self.metrics.requests.inc(len(command.prompts))
+            for j in range(group.n):
+                self._queued[sequence_name(rid, j)] = command.arrival
+        self.metrics.admitted([len(p) for p in command.prompts])
         _notify(command.loop, _settle, command.admitted, None)
+
+    def _scheduled(self, counts: StepCounts) -> None:
+        """Observe the queue time of the sequences the step scheduled first."""
+        for name in counts.first_scheduled:
+            arrival = self._queued.pop(name, None)
+            if arrival is not None:
+                self.metrics.queued(counts.step_start - arrival)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Turn the engine's streamed outputs (``new_token_ids`` per step) into deltas, handed to
@@ -488,15 +599,17 @@ class AsyncEngine:
         socket: once per output it cost more than the detokenizing)."""
         now = time.monotonic()
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[QueueItem], Delta]]] = {}
-        generated = 0  # one counter update a step: prometheus_client takes a lock per inc
+        # One metrics update a step, not one per output: prometheus_client takes a lock per call.
+        generated = 0
+        gaps: dict[tuple[float, int], int] = {}
         for out in outputs:
+            new = out.new_token_ids
+            generated += len(new)  # an aborted choice's too: the engine generated them
             choices = self._tracked.get(out.request_id)
             c = choices[out.index] if choices is not None and out.index < len(choices) else None
             if c is None:
-                continue  # aborted by its client
-            new = out.new_token_ids
+                continue  # failed meanwhile (RequestLostError)
             c.num_tokens = out.num_tokens
-            generated += len(new)
             done = out.finish_reason is not None
             if not new and not done:
                 continue
@@ -504,17 +617,22 @@ class AsyncEngine:
                 # The engine's time, not this delivery's: a non-streamed request (final_only)
                 # is delivered once, at its end.
                 c.first_token_time = out.first_token_time
-                self.metrics.ttft.observe(c.first_token_time - c.arrival)
-            shown = text_token_ids(new, out.finish_reason)
-            text = c.next_text(c.detokenizer.add(shown), out)
-            logprobs = out.new_logprobs
+                self.metrics.first_token(c.first_token_time - c.arrival)
+            if new:
+                c.count_gaps(len(new), now, gaps)
             if done:
                 self._finished(out, c, now)
-            delta = Delta(c.index, text, tuple(new), logprobs, c.num_prompt_tokens, c.num_tokens,
+            if c.aborted:
+                continue  # nobody reads its deltas any more
+            shown = text_token_ids(new, out.finish_reason)
+            text = c.next_text(c.detokenizer.add(shown), out)
+            delta = Delta(c.index, text, tuple(new), out.new_logprobs, c.num_prompt_tokens, c.num_tokens,
                           out.finish_reason, out.stop_reason)
             batches.setdefault(c.loop, []).append((c.group.queue, delta))
         if generated:
-            self.metrics.generation_tokens.inc(generated)
+            self.metrics.generated(generated)
+        for (before, n), count in gaps.items():
+            self.metrics.inter_token((now - before) / n, n * count)
         for loop, items in batches.items():
             _notify(loop, _put_all, items)
 
@@ -523,9 +641,13 @@ class AsyncEngine:
         choices[out.index] = None
         if not any(choices):
             del self._tracked[out.request_id]
-        self.metrics.finished.labels(finish_reason=str(out.finish_reason)).inc()
+        self._queued.pop(sequence_name(out.request_id, out.index), None)  # aborted while waiting
+        assert out.finish_reason is not None
+        tpot = None
         if c.first_token_time is not None and c.num_tokens > 1:
-            self.metrics.tpot.observe((now - c.first_token_time) / (c.num_tokens - 1))
+            tpot = (now - c.first_token_time) / (c.num_tokens - 1)
+        self.metrics.finished_completion(out.finish_reason, now - c.arrival, c.num_prompt_tokens,
+                                         c.num_tokens, tpot)
 
     def _fail_lost(self) -> None:
         """The engine is idle, so choices still tracked will never finish: fail them."""
@@ -536,11 +658,11 @@ class AsyncEngine:
                                              f"choice {c.index}")
                     _notify(c.loop, c.group.queue.put_nowait, error)
         self._tracked.clear()
+        self._queued.clear()
 
-    def _record_step(self, stepped: bool) -> None:
+    def _record_step(self, counts: StepCounts) -> None:
         with self._lock:
             inbox = sum(len(c.prompts) for c in self._inbox if isinstance(c, _Admit))
-        counts = self._counts(stepped)
         self.metrics.step(dataclasses.replace(counts, waiting=counts.waiting + inbox))
 
     def _fail(self, error: EngineDeadError) -> None:
@@ -556,3 +678,4 @@ class AsyncEngine:
                 if c is not None:
                     _notify(c.loop, c.group.queue.put_nowait, error)
         self._tracked.clear()
+        self._queued.clear()

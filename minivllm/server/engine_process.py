@@ -34,20 +34,23 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Collection
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from minivllm import envs
 from minivllm.llm import LLM, load_tokenizer, resolve_model_path
 from minivllm.model.hf_config import read_model_config
 from minivllm.sampling import SamplingParams
-from minivllm.server.engine_loop import (AsyncEngine, EngineDeadError, StepOutput, admit_into, engine_counts,
-                                         step_output)
-from minivllm.server.metrics import ServerMetrics, StepCounts
+from minivllm.server.engine_loop import (NO_COUNTS, AsyncEngine, EngineDeadError, ScheduleWatch, StepCounts,
+                                         StepOutput, admit_into, engine_counts, step_output)
+
+if TYPE_CHECKING:
+    from minivllm.server.metrics import ServerMetrics
 
 STARTUP_TIMEOUT_S = 600.0
 JOIN_TIMEOUT_S = 10.0
@@ -111,7 +114,7 @@ class ProcessAsyncEngine(AsyncEngine):
         # Steps received while waiting for an admission verdict: (outputs, counts), in order.
         self._pending: collections.deque[tuple[list[StepOutput], StepCounts]] = collections.deque()
         self._work = False
-        self._counts_of_step = StepCounts(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._counts_of_step = NO_COUNTS
         try:
             if not self._outs.poll(STARTUP_TIMEOUT_S):
                 raise RuntimeError(f"the engine process did not start within {STARTUP_TIMEOUT_S:.0f} s")
@@ -161,12 +164,13 @@ class ProcessAsyncEngine(AsyncEngine):
             self._raise_exit()
         return bool(self._pending) or self._work
 
-    def _step(self) -> list[StepOutput]:
-        """The next step's outputs. The core has work whenever we think so: it leaves its
-        last request only by a step (``LLMEngine`` reports even an abort in a step), and
-        that step's message says it is idle."""
-        outputs, self._counts_of_step = self._pending.popleft() if self._pending else self._take_step(self._recv())
-        return outputs
+    def _step(self) -> tuple[list[StepOutput], StepCounts]:
+        """The next step's outputs and counts. The core has work whenever we think so: it
+        leaves its last request only by a step (``LLMEngine`` reports even an abort in a
+        step), and that step's message says it is idle."""
+        step = self._pending.popleft() if self._pending else self._take_step(self._recv())
+        self._counts_of_step = step[1]
+        return step
 
     def _take_step(self, message: tuple[Any, ...]) -> tuple[list[StepOutput], StepCounts]:
         """A step message's outputs and counts; its idle flag applies now (messages are
@@ -176,8 +180,8 @@ class ProcessAsyncEngine(AsyncEngine):
         _, outputs, counts, self._work = message
         return outputs, counts
 
-    def _counts(self, stepped: bool) -> StepCounts:
-        return self._counts_of_step if stepped else dataclasses.replace(self._counts_of_step, batch_size=0)
+    def _counts(self) -> StepCounts:
+        return dataclasses.replace(self._counts_of_step, batch_size=0, first_scheduled=())
 
     # ---- plumbing -------------------------------------------------------------
 
@@ -252,8 +256,10 @@ def _usable_cpus() -> Collection[int]:
     return range(os.cpu_count() or 1)
 
 
-def _size_torch_threads() -> None:
-    """Size torch's thread pool before the model is built, unless ``OMP_NUM_THREADS`` did."""
+def size_torch_threads() -> None:
+    """Size torch's thread pool (``engine_num_threads``) before a model is built, unless
+    ``OMP_NUM_THREADS`` did: the engine process's, and the chat command's (one process whose
+    main thread does the Python work beside torch's)."""
     if envs.omp_num_threads_set():
         return
     import torch  # here: the server process never imports torch
@@ -266,15 +272,17 @@ def _core_main(cmds: Connection, outs: Connection, model: str | Callable[..., An
     """The engine process: build the LLM, then apply commands and step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; it stops us
     try:
-        _size_torch_threads()
+        size_torch_threads()
         llm = model(**llm_options) if callable(model) else LLM(model, **llm_options)
         engine = llm.engine
+        watch = ScheduleWatch()
         outs.send(("ready", llm.scheduler_config.max_model_len))
         while True:
             busy = engine.has_unfinished_requests()
             if busy and not cmds.poll():
+                start = time.monotonic()
                 outputs = [step_output(o) for o in engine.step()]
-                outs.send(("step", outputs, engine_counts(engine, True), engine.has_unfinished_requests()))
+                outs.send(("step", outputs, engine_counts(engine, watch, start), engine.has_unfinished_requests()))
                 continue
             try:
                 message = cmds.recv()  # idle: wait for work
