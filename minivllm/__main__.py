@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from minivllm import envs
@@ -47,8 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="HF-format model directory or hub id")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model argument)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may send (default: the model argument); responses "
+                        "and metrics carry the first")
+    s.add_argument("--chat-template", default=None,
+                   help="the chat template to use instead of the tokenizer's: a file, or the "
+                        "template's text")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request send its own chat_template (refused otherwise, as vLLM)")
     s.add_argument("--seed", type=int, default=0, help="sampler seed for unseeded requests")
     # The env var is read in _serve, not here: a default would be printed by --help.
     s.add_argument("--api-key", default=None,
@@ -292,6 +299,23 @@ def _stream_reply(llm: "LLM", prompt_ids: list[int], params: "SamplingParams", r
     return text.text
 
 
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the text of the file it names, or (no such file) the template's
+    own text, as vLLM reads it.
+
+    Raises:
+        ValueError: a value that looks like a file name (no Jinja in it) but names no file.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template: no file {value!r}, and it is no template either (no {{{{ or {{%)")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from minivllm.server.app import build_app, serve
@@ -306,11 +330,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         _check_vllm_flags(args)
-        config = ServerConfig(model_name=args.served_model_name or args.model,
+        names = args.served_model_name or [args.model]
+        config = ServerConfig(model_name=names[0], aliases=tuple(names[1:]),
                               api_key=args.api_key or envs.api_key(),
                               max_body_bytes=args.max_body_bytes,
                               reasoning_parser=args.reasoning_parser,
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser,
+                              chat_template=_chat_template(args.chat_template),
+                              trust_request_chat_template=args.trust_request_chat_template)
         llm_options = dict(device=args.device, dtype=args.dtype, kernels=args.kernels,
                            seed=args.seed, **_engine_options(args, args.seed))
         # vLLM's server budget (its offline LLM takes 16384, as ours does on CUDA): a

@@ -387,7 +387,8 @@ class LLM:
 
     def chat_prompt_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                          chat_template_kwargs: dict[str, Any] | None = None, *,
-                         add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         chat_template: str | None = None) -> str:
         """``conversation`` through the tokenizer's chat template, ready for the assistant's reply.
 
         Args:
@@ -397,6 +398,7 @@ class LLM:
             add_generation_prompt: end with the template's opening of an assistant turn.
             continue_final_message: leave the final (assistant) message open, for the model to
                 continue it (instead of opening a new turn).
+            chat_template: a template (Jinja text) to render with instead of the tokenizer's.
 
         Raises:
             ValueError: ``chat_template_kwargs`` sets one of ``apply_chat_template``'s own
@@ -409,7 +411,7 @@ class LLM:
                              "not template variables")
         return self._require_tokenizer().apply_chat_template(
             conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **kwargs)
+            continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                         chat_template_kwargs: dict[str, Any] | None = None, **ending: bool) -> list[int]:

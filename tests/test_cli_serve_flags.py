@@ -144,3 +144,14 @@ def test_chat_needs_no_serve_extra() -> None:
             "for m in ('prometheus_client', 'fastapi', 'uvicorn', 'pydantic', 'httpx'): sys.modules[m] = None\n"
             "from minivllm.server.engine_process import size_torch_threads\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_chat_template_is_a_file_or_the_templates_text(tmp_path) -> None:
+    from minivllm.__main__ import _chat_template
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert _chat_template(str(path)) == "{{ messages[0].content }}"
+    assert _chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for")
+    assert _chat_template(None) is None
+    with pytest.raises(ValueError, match="no file"):
+        _chat_template(str(tmp_path / "missing.jinja"))

@@ -198,11 +198,18 @@ class _Server:
         continued: text a user wrote (say, about the ``<think>`` tag) is never in it.
         """
         messages, tools = [m.template_message() for m in req.messages], req.template_tools()
+        if req.chat_template is not None and not self.config.trust_request_chat_template:
+            raise APIError(400, "chat_template: this server takes no chat template from a request "
+                                "(start it with --trust-request-chat-template, as vLLM)", "chat_template")
+        template = req.chat_template or self.config.chat_template
+        variables = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", req.reasoning_effort)
 
         def render(add_generation_prompt: bool, continue_final_message: bool) -> str:
-            return self.llm.chat_prompt_text(messages, tools, req.chat_template_kwargs,
+            return self.llm.chat_prompt_text(messages, tools, variables,
                                              add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message)
+                                             continue_final_message=continue_final_message, chat_template=template)
         try:
             text = render(req.add_generation_prompt, req.continue_final_message)
             if req.continue_final_message:
@@ -317,10 +324,11 @@ class _Server:
 
     # ---- running requests ----------------------------------------------------
 
-    def check_model(self, req: _Request) -> None:
-        if req.model is not None and req.model != self.model_name:
+    def check_model(self, req: Any) -> None:
+        """404 unless ``req.model`` is unset or one of the served names."""
+        if req.model is not None and req.model not in self.config.served_names:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "model")
+                                f"{_names(self.config.served_names)}", "model")
 
     async def submit(self, kind: str, prompts: list[list[int]], req: _Request,
                      tool_constraint: StructuredOutputs | None = None,
@@ -516,6 +524,9 @@ def build_app(llm: Any, config: ServerConfig, engine: AsyncEngine | None = None)
     _add_info_routes(app, server)
     _add_completion_route(app, server)
     _add_chat_route(app, server)
+    from minivllm.server import messages, responses  # built on the chat turn above
+    responses.add_routes(app, server)
+    messages.add_routes(app, server)
     return app
 
 
@@ -551,19 +562,19 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
             return error_response(500, str(server.engine.error))
         return JSONResponse({"status": "ok"})
 
-    def card() -> ModelCard:
-        return ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_model_len)
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=server.created, max_model_len=server.engine.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return ModelList(data=[card()]).model_dump()
+        return ModelList(data=[card(name) for name in server.config.served_names]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != server.model_name:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {server.model_name!r}",
-                           "model")
-        return card().model_dump()
+        if model_id not in server.config.served_names:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves "
+                                f"{_names(server.config.served_names)}", "model")
+        return card(model_id).model_dump()
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -599,6 +610,10 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _names(names: Sequence[str]) -> str:
+    return " and ".join(repr(n) for n in names)
 
 
 def _version() -> str:

@@ -60,6 +60,11 @@ class ServerConfig:
         tool_call_parser: ``"hermes"``: ``<tool_call>`` blocks become ``tool_calls``
             when a request gives tools (``minivllm/server/tool_calls.py``); None: a request
             whose tool_choice is ``auto`` is refused, as vLLM refuses it.
+        aliases: more names clients may send as ``model`` (vLLM's ``--served-model-name A B``:
+            responses and metrics carry the first, ``model_name``).
+        chat_template: the chat template (Jinja text) that replaces the tokenizer's, or None.
+        trust_request_chat_template: a request may send its own ``chat_template`` (vLLM's
+            ``--trust-request-chat-template``; without it such a request is refused).
     """
 
     model_name: str
@@ -67,10 +72,21 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     reasoning_parser: Literal["qwen3"] | None = None
     tool_call_parser: Literal["hermes"] | None = None
+    aliases: tuple[str, ...] = ()
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name clients may send as ``model``, the first the one responses carry."""
+        return (self.model_name, *self.aliases)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_name, str) or not self.model_name:
-            raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        for name in self.served_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"model_name must be a non-empty string, got {name!r}")
+        if len(set(self.served_names)) != len(self.served_names):
+            raise ValueError(f"served model names must differ, got {list(self.served_names)}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be None or a non-empty string")
         b = self.max_body_bytes
@@ -470,6 +486,8 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None   # extension: template variables
     add_generation_prompt: bool = True       # extension: end with the template's opening of a reply
     continue_final_message: bool = False     # extension: the model continues the final message
+    chat_template: str | None = None         # extension: this request's template (a trusting server's)
+    reasoning_effort: str | None = None      # OpenAI's: a template variable, as vLLM hands it over
     prompt_field: ClassVar[str] = "messages"
 
     @model_validator(mode="after")
@@ -714,6 +732,7 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     add_special_tokens: bool | None = None   # default: True for a prompt, False for messages (vLLM's)
     return_token_strs: bool = False
 
@@ -726,7 +745,7 @@ class TokenizeRequest(_Body):
     def chat_request(self) -> "ChatCompletionRequest":
         """The messages as a chat request renders them."""
         return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools,
-                                     chat_template_kwargs=self.chat_template_kwargs,
+                                     chat_template_kwargs=self.chat_template_kwargs, chat_template=self.chat_template,
                                      add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message)
 

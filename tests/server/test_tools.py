@@ -449,3 +449,28 @@ def test_structured_output_applies_after_the_reasoning(server, plain_server) -> 
                                                         "response_format": SUM})
     assert r.status_code == 200, r.text
     assert not r.json()["choices"][0]["message"]["content"].startswith("<think>")  # refused by the grammar
+
+
+MARKED = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["server template", "request template trusted"])
+def test_served_names_and_chat_templates(model_dir: Path, trusted: bool) -> None:
+    """``--served-model-name A B``: both answer, responses carry the first; ``--chat-template``
+    replaces the tokenizer's; a request's own template only on a trusting server."""
+    config = ServerConfig(MODEL, aliases=("alias",), chat_template=MARKED, trust_request_chat_template=trusted)
+    url, executor, stop = start_server(model_dir, config)
+    try:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+            assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL, "alias"]
+            r = client.post("/v1/chat/completions", json={"model": "alias", "messages": user("hello")})
+            assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+            assert executor.prompts[-1] == "[user] hello\n[assistant] "
+            own = {"model": MODEL, "messages": user("hello"), "chat_template": "<{{ messages[0].content }}>"}
+            r = client.post("/v1/chat/completions", json=own)
+            if trusted:
+                assert r.status_code == 200 and executor.prompts[-1] == "<hello>", r.text
+            else:
+                assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+    finally:
+        stop()
