@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -43,7 +44,8 @@ from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatFinishRe
                                       ChatStreamChoice, ChoiceLogprobs, CompletionChoice,
                                       CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       CompletionStreamResponse, DeltaMessage, ModelCard, ModelList,
-                                      DetokenizeRequest, ServerConfig, TokenizeRequest, TokenizeResponse,
+                                      DetokenizeRequest, PromptLogprob, PromptLogprobs, ServerConfig,
+                                      TokenizeRequest, TokenizeResponse, WholeCompletionChoice,
                                       TokenLogprob, TopLogprob, Usage, _Request, error_body)
 from minivllm.server.tool_calls import ReasoningMode, after_reasoning
 
@@ -256,6 +258,8 @@ class _Server:
             raise APIError(400, f"{context}, and the {what} {has} {num} tokens, which leaves no room "
                                 "for a completion: shorten it", req.prompt_field)
         field, limit = req.completion_limit()
+        if getattr(req, "prompt_only", False):
+            return 1  # the prompt is scored by a step that samples one token, which is not returned
         room = max_len - num
         if limit is None:
             limit = req.default_max_tokens(room)
@@ -306,6 +310,32 @@ class _Server:
             top_logprobs=[{self.token_text(i): _finite(v) for i, v in _top(lp, len(lp))}
                           for lp in d.logprobs],
             text_offset=offsets)
+
+    def echo_logprobs(self, prompt: list[int], d: Delta) -> CompletionLogprobs:
+        """The legacy ``logprobs`` of an echoed prompt (the first token has none: null)."""
+        assert d.prompt_logprobs is not None, "echo with logprobs asks the engine for the prompt's"
+        tokens = [self.token_text(t) for t in prompt]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[None if lp is None else _finite(lp[t]) for t, lp in zip(prompt, d.prompt_logprobs)],
+            top_logprobs=[None if lp is None else {self.token_text(i): _finite(v) for i, v in _top(lp, len(lp))}
+                          for lp in d.prompt_logprobs],
+            text_offset=offsets)
+
+    def prompt_logprobs(self, prompt: list[int], d: Delta) -> PromptLogprobs:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first), its listed tokens
+        by id with their log-probability, rank among those listed and text."""
+        assert d.prompt_logprobs is not None
+        out: PromptLogprobs = []
+        for lp in d.prompt_logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = _top(lp, len(lp))
+            out.append({i: PromptLogprob(logprob=_finite(v), rank=rank, decoded_token=self.token_text(i))
+                        for rank, (i, v) in enumerate(ranked, 1)})
+        return out
 
     def chat_logprobs(self, d: Delta, k: int) -> ChoiceLogprobs:
         """``choices[i].logprobs`` of ``d``'s tokens, with the ``k`` most likely alternatives."""
@@ -442,7 +472,7 @@ class _Server:
         rid, created, group = await self.submit(kind, [prompt], req,
                                                 parser.constraint if parser is not None else None,
                                                 parser.reasoning_mode if parser is not None else "none")
-        return ChatTurn(req, rid, created, group, parser)
+        return ChatTurn(req, rid, created, group, parser, prompt)
 
     def chat_choices(self, turn: "ChatTurn", deltas: list[list[Delta]]) -> tuple[list[ChatChoice], Usage]:
         """A finished turn's choices (each text parsed into reasoning and tool calls when the
@@ -463,13 +493,14 @@ class _Server:
 @dataclasses.dataclass(frozen=True)
 class ChatTurn:
     """A queued chat request: the request, its response id and creation time, its requests'
-    group and its output parser (None: the text is the content)."""
+    group, its output parser (None: the text is the content) and its prompt's token ids."""
 
     req: ChatCompletionRequest
     rid: str
     created: int
     group: RequestGroup
     parser: ChatOutputParser | None
+    prompt: list[int]
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -633,8 +664,10 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Response:
         server.check_model(req)
-        rid, created, group = await server.submit("cmpl", server.completion_prompts(req), req)
+        prompts = server.completion_prompts(req)
+        rid, created, group = await server.submit("cmpl", prompts, req)
         want_logprobs = req.logprobs is not None
+        echoed: set[int] = set()  # choices whose prompt was sent
 
         def body(choices: list[CompletionChoice], usage: Usage | None = None) -> dict:
             return _chunk_json(CompletionStreamResponse(id=rid, created=created, model=server.model_name,
@@ -643,15 +676,25 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
         offsets: dict[int, int] = {}  # choice -> text offset of its next token
         writer = _ChunkWriter("text_completion", rid, created, server.model_name, req.include_usage)
 
+        def echo(d: Delta) -> tuple[str, CompletionLogprobs | None]:
+            """The prompt before a choice's first text (``echo``), and its logprobs."""
+            if not req.echo or d.index in echoed:
+                return "", None
+            echoed.add(d.index)
+            ids = prompts[d.index // group.n]
+            return server.llm.tokenizer.decode(ids), server.echo_logprobs(ids, d) if want_logprobs else None
+
         def chunk(d: Delta) -> list[str]:
-            if not d.text and d.finish_reason is None and not (want_logprobs and d.token_ids):
+            d = _scored_only(d) if req.prompt_only else d
+            head, head_logprobs = echo(d)
+            if not head and not d.text and d.finish_reason is None and not (want_logprobs and d.token_ids):
                 return []
             if not want_logprobs:
-                return [writer.completion(d.index, d.text, d.finish_reason, d.stop_reason)]
+                return [writer.completion(d.index, head + d.text, d.finish_reason, d.stop_reason)]
             offset = offsets.get(d.index, 0)
-            logprobs = server.completion_logprobs(d, offset)
+            logprobs = _joined(head_logprobs, server.completion_logprobs(d, offset + len(head)))
             offsets[d.index] = offset + sum(len(t) for t in logprobs.tokens)
-            choice = CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
+            choice = CompletionChoice(index=d.index, text=head + d.text, finish_reason=d.finish_reason,
                                       stop_reason=d.stop_reason, logprobs=logprobs)
             return [_sse(body([choice]))]
 
@@ -665,12 +708,33 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
         choices = []
         for ds in deltas:
             d = merge_deltas(ds)
-            choices.append(CompletionChoice(
-                index=d.index, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                logprobs=server.completion_logprobs(d, 0) if want_logprobs else None))
+            d = _scored_only(d) if req.prompt_only else d
+            head, head_logprobs = echo(d)
+            logprobs = _joined(head_logprobs, server.completion_logprobs(d, len(head))) if want_logprobs else None
+            choices.append(WholeCompletionChoice(
+                index=d.index, text=head + d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                logprobs=logprobs, prompt_logprobs=server.prompt_logprobs(prompts[d.index // group.n], d)
+                if req.prompt_logprobs is not None else None))
+        last = _final(deltas)
+        if req.prompt_only:
+            last = {i: _scored_only(d) for i, d in last.items()}
         return JSONResponse(CompletionResponse(id=rid, created=created, model=server.model_name,
-                                               choices=choices, usage=_usage(_final(deltas), group.n)
-                                               ).model_dump())
+                                               choices=choices, usage=_usage(last, group.n)).model_dump())
+
+
+def _scored_only(d: Delta) -> Delta:
+    """``d`` without what was generated: a prompt-only request (``echo``, ``max_tokens`` 0)
+    runs one token, which it does not return."""
+    return dataclasses.replace(d, text="", token_ids=(), logprobs=() if d.logprobs is not None else None,
+                               num_completion_tokens=0, finish_reason=d.finish_reason and "length",
+                               stop_reason=None)
+
+
+def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs) -> CompletionLogprobs:
+    if a is None:
+        return b
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
 class _ChatChunks:
@@ -740,9 +804,12 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
             return StreamingResponse(server.stream(turn.group, chunks, chunks.first(turn.group.num_choices),
                                                    chunks.usage if req.include_usage else None),
                                      media_type="text/event-stream")
-        choices, usage = server.chat_choices(turn, await server.collect(request, turn.group))
+        deltas = await server.collect(request, turn.group)
+        choices, usage = server.chat_choices(turn, deltas)
+        prompt_logprobs = server.prompt_logprobs(turn.prompt, deltas[0][0]) if req.prompt_logprobs is not None else None
         return JSONResponse(ChatCompletionResponse(id=turn.rid, created=turn.created, model=server.model_name,
-                                                   choices=choices, usage=usage).model_dump())
+                                                   choices=choices, usage=usage,
+                                                   prompt_logprobs=prompt_logprobs).model_dump())
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:

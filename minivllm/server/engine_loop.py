@@ -85,6 +85,8 @@ class Delta:
         num_completion_tokens: completion tokens so far (the stop token included).
         finish_reason: None while the choice runs.
         stop_reason: as in ``RequestOutput`` (set in the last delta only).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, in the choice's first delta
+            (as ``RequestOutput.prompt_logprobs``: None for the first prompt token); else None.
     """
 
     index: int
@@ -95,6 +97,7 @@ class Delta:
     num_completion_tokens: int
     finish_reason: FinishReason | None
     stop_reason: StopReason = None
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
 
 
 def merge_deltas(ds: Sequence[Delta]) -> Delta:
@@ -104,7 +107,7 @@ def merge_deltas(ds: Sequence[Delta]) -> Delta:
     logprobs = None if last.logprobs is None else tuple(x for d in ds for x in d.logprobs or ())
     return Delta(last.index, "".join(d.text for d in ds), tuple(t for d in ds for t in d.token_ids),
                  logprobs, last.num_prompt_tokens, last.num_completion_tokens, last.finish_reason,
-                 last.stop_reason)
+                 last.stop_reason, ds[0].prompt_logprobs)
 
 
 class StepOutput(NamedTuple):
@@ -120,6 +123,7 @@ class StepOutput(NamedTuple):
         new_logprobs: logprobs of ``new_token_ids`` (``SamplingParams.logprobs``), else None.
         first_token_time: as in ``RequestOutput`` (the engine's clock: ``time.monotonic``,
             which an engine process shares with the server on one host).
+        prompt_logprobs: as in ``RequestOutput``, in a choice's first output with tokens only.
     """
 
     request_id: str
@@ -131,13 +135,16 @@ class StepOutput(NamedTuple):
     new_logprobs: tuple[dict[int, float], ...] | None
     first_token_time: float | None
     stop_reason: StopReason = None
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
 
 
 def step_output(out: RequestOutput) -> StepOutput:
     new = out.new_token_ids
     logprobs = out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None
+    first = len(new) == len(out.token_ids) > 0  # the choice's first tokens: its prompt's logprobs go along
     return StepOutput(out.request_id, out.index, tuple(new), len(out.token_ids), out.finish_reason,
-                      out.text, logprobs, out.first_token_time, out.stop_reason)
+                      out.text, logprobs, out.first_token_time, out.stop_reason,
+                      out.prompt_logprobs if first else None)
 
 
 def admit_into(engine: LLMEngine, request_ids: Sequence[str], prompts: Sequence[Sequence[int]],
@@ -627,7 +634,7 @@ class AsyncEngine:
             shown = text_token_ids(new, out.finish_reason)
             text = c.next_text(c.detokenizer.add(shown), out)
             delta = Delta(c.index, text, tuple(new), out.new_logprobs, c.num_prompt_tokens, c.num_tokens,
-                          out.finish_reason, out.stop_reason)
+                          out.finish_reason, out.stop_reason, out.prompt_logprobs)
             batches.setdefault(c.loop, []).append((c.group.queue, delta))
         if generated:
             self.metrics.generated(generated)

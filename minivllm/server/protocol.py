@@ -194,6 +194,7 @@ class _Request(_Body):
     request_id: str | None = None        # extension (vLLM): the response id's suffix
     priority: int = 0                    # extension (vLLM): only 0; requests are served in order
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # extension: keep the last k (-1: max)
+    prompt_logprobs: Int64 | None = None  # extension (vLLM): the top N of each prompt token after the first
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -260,6 +261,10 @@ class _Request(_Body):
         """Top log-probabilities per token asked for (``SamplingParams.logprobs``)."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """Top log-probabilities per prompt token asked for (``SamplingParams.prompt_logprobs``)."""
+        return self.prompt_logprobs
+
     def _structured_asked(self) -> list[tuple[str, Callable[[], StructuredOutputs | None]]]:
         """Each field that asks for a structured-output constraint, and how to build it."""
         asked: list[tuple[str, Callable[[], StructuredOutputs | None]]] = []
@@ -314,7 +319,8 @@ class _Request(_Body):
             max_tokens=max_tokens, top_k=self.top_k,
             min_p=self.min_p, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=self.num_logprobs(), structured_outputs=self.structured_constraint(),
+            logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
+            structured_outputs=self.structured_constraint(),
             **{k: v for k, v in given.items() if v is not None},
             # A response sent whole needs the engine's output once, at the end (as vLLM's server).
             output_kind="delta" if self.stream else "final_only")
@@ -325,17 +331,22 @@ class CompletionRequest(_Request):
 
     prompt: PromptInput
     logprobs: Int64 | None = None
-    echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo=true is not supported")
-        return echo
+    echo: bool = False   # the prompt before the completion (with logprobs: the prompt's logprobs too)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """With ``echo`` and ``logprobs``, the prompt's tokens need them too."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt scored, nothing generated (how
+        lm-eval-harness asks for log-likelihoods)."""
+        return self.echo and self.max_tokens == 0
 
 
 class FunctionCallParam(_Body):
@@ -501,6 +512,12 @@ class ChatCompletionRequest(_Request):
         return self
 
     @model_validator(mode="after")
+    def _prompt_logprobs_whole(self) -> "ChatCompletionRequest":
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not returned by a streamed chat reply (as vLLM); ask without stream")
+        return self
+
+    @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only allowed when logprobs is true")
@@ -556,9 +573,20 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions ``logprobs`` object, one entry per completion token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]          # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]   # where each token's text starts in the choice's text
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs`` (per prompt token, by token id)."""
+
+    logprob: float
+    rank: int          # 1 + how many of the listed tokens are more likely
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -569,12 +597,18 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
+class WholeCompletionChoice(CompletionChoice):
+    """A choice of a response sent whole: vLLM's ``prompt_logprobs`` beside the rest."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[WholeCompletionChoice]
     usage: Usage
 
 
@@ -663,6 +697,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None   # vLLM's, with prompt_logprobs
 
 
 class DeltaFunctionCall(BaseModel):

@@ -314,7 +314,6 @@ LONG_PROMPT = "1+" * 40 + "1="   # 82 tokens > max_model_len 64
     ("/v1/completions", {"prompt": "1+1=", "top_p": 0}, 400, "top_p must be", "top_p"),
     ("/v1/completions", {"prompt": "1+1=", "temperature": "hot"}, 400, "temperature:", "temperature"),
     ("/v1/completions", {"prompt": "1+1=", "best_of": 2}, 400, "best_of: unknown field", "best_of"),
-    ("/v1/completions", {"prompt": "1+1=", "echo": True}, 400, "echo", "echo"),
     ("/v1/completions", {"prompt": "1+1=", "n": 0}, 400, "n must be an int in [1, 128]", "n"),
     ("/v1/completions", {"prompt": "1+1=", "n": 1.5}, 400, "n: Input should be", "n"),
     ("/v1/completions", {"prompt": "1+1=", "n": 129}, 400, "n: Input should be less than or equal to 128",
@@ -956,3 +955,51 @@ def test_tokenize_detokenize_version_and_one_model(server) -> None:
     listed = c.get("/v1/models").json()["data"][0]
     assert c.get(f"/v1/models/{listed['id']}").json() == listed
     assert_error(c.get("/v1/models/other"), 404, "'other' does not exist", "model")
+
+
+def test_echo_and_prompt_scoring_as_lm_eval_asks(server) -> None:
+    """``echo`` puts the prompt before the completion; with ``logprobs`` the prompt's tokens
+    carry theirs (the first none), equal to the engine's ``prompt_logprobs``; ``max_tokens`` 0
+    with ``echo`` scores the prompt alone (lm-eval-harness's log-likelihood request)."""
+    c, prompt = server.client, "12+34="
+    want = server.offline.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+                                   use_tqdm=False)[0]
+    r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True})
+    assert r.json()["choices"][0]["text"] == prompt + want.text, r.text
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0, "stream": stream}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+            text = "".join(e["choices"][0]["text"] for e in events)
+            lp = {k: sum((e["choices"][0]["logprobs"][k] for e in events), []) for k in ("tokens", "token_logprobs")}
+        else:
+            choice = r.json()["choices"][0]
+            text, lp = choice["text"], choice["logprobs"]
+            assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+        assert text == prompt and "".join(lp["tokens"]) == prompt
+        assert lp["token_logprobs"][0] is None
+        ids = server.llm.tokenizer.encode(prompt)
+        assert lp["token_logprobs"][1:] == pytest.approx(
+            [max(d[t], -9999.0) for t, d in zip(ids[1:], want.prompt_logprobs[1:])], abs=1e-4)
+    assert_error(c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0}), 400, "max_tokens must be",
+                 "max_tokens")
+
+
+def test_prompt_logprobs_in_vllms_shape(server) -> None:
+    want = server.offline.generate("1+1=", SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                                   use_tqdm=False)[0].prompt_logprobs
+    r = server.client.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 1, "prompt_logprobs": 2})
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want) == 4, r.text
+    for entries, expected in zip(got[1:], want[1:]):
+        assert {int(k) for k in entries} == set(expected)
+        ranked = sorted(entries.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == list(range(1, len(entries) + 1))
+        assert [e["logprob"] for e in ranked] == sorted((e["logprob"] for e in ranked), reverse=True)
+    r = server.client.post("/v1/chat/completions", json=CHAT | {"max_tokens": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200 and r.json()["prompt_logprobs"][0] is None and len(r.json()["prompt_logprobs"]) > 1
+    assert_error(server.client.post("/v1/chat/completions", json=CHAT | {"prompt_logprobs": 1, "stream": True}),
+                 400, "not returned by a streamed chat reply", "prompt_logprobs")
