@@ -129,9 +129,9 @@ class DetokenizingTextStreams:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def __call__(self, prompt_token_ids: list[int]) -> TextStream:
+    def __call__(self, prompt_token_ids: list[int], params: SamplingParams) -> TextStream:
         from minivllm.detokenizer import IncrementalDetokenizer
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
 
 
 def _close_executor(executor: object) -> None:
@@ -331,12 +331,13 @@ class LLM:
         if self.tokenizer is None:
             return ordered
         # Requests with stop strings come back with the engine's text (cut at the stop string).
-        return [o if o.text is not None else dataclasses.replace(o, text=self._text(o)) for o in ordered]
+        return [o if o.text is not None else dataclasses.replace(o, text=self._text(o, p))
+                for o, p in zip(ordered, (params[ids_of[o.request_id]] for o in ordered))]
 
-    def _text(self, out: RequestOutput) -> str:
+    def _text(self, out: RequestOutput, params: SamplingParams) -> str:
         """The completion's text (``text_token_ids``: an eos or stop token that ended it is not in it)."""
         return self.tokenizer.decode(list(text_token_ids(out.token_ids, out.finish_reason)),
-                                     skip_special_tokens=True)
+                                     skip_special_tokens=params.skip_special_tokens)
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -174,6 +174,8 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt token after the first (the first
             has none). A request asking for them reads nothing from the prefix cache:
             every prompt position must be computed.
+        skip_special_tokens: leave special tokens (eos, ``<|im_end|>``) out of the text (the
+            token ids keep them); stop strings are matched on that text.
         presence_penalty: subtracted from the logit of every token that occurs in the
             completion so far; in [-2, 2].
         frequency_penalty: subtracted once per occurrence in the completion so far;
@@ -206,6 +208,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     structured_outputs: StructuredOutputs | None = None
 
@@ -241,6 +244,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(stop_str))  # input type only, as for stop_token_ids
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:

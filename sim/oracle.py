@@ -29,7 +29,7 @@ def fake_text(token_ids: Sequence[int]) -> str:
 class FakeTextStream:
     """The engine's text stream over the fake tokenizer (one character per token)."""
 
-    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(self, prompt_token_ids: Sequence[int], params: object = None) -> None:
         self.prompt_token_ids = list(prompt_token_ids)
 
     def add(self, token_ids: Sequence[int]) -> str:

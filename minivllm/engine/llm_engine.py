@@ -66,7 +66,7 @@ class TextStream(Protocol):
 
 
 # Makes the text stream of a request from its prompt token ids.
-TextStreamFactory = Callable[[list[int]], TextStream]
+TextStreamFactory = Callable[[list[int], SamplingParams], TextStream]
 
 
 @dataclass
@@ -210,7 +210,7 @@ class LLMEngine:
             assert self.grammar_backend is not None  # validate_request checked
             seq.grammar = self.grammar_backend.matcher(params.structured_outputs)
         if params.stop and self.text_streams is not None:
-            seq.text_stream = self.text_streams(list(prompt))
+            seq.text_stream = self.text_streams(list(prompt), params)
         self._next_seq_id += 1
         self.requests[seq.name] = seq
         return seq

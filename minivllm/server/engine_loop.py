@@ -585,7 +585,8 @@ class AsyncEngine:
         holdback = max((len(s) for s in params.stop), default=1) - 1
         for i, (rid, prompt) in enumerate(zip(group.request_ids, command.prompts)):
             self._tracked[rid] = [
-                _Choice(group, i * group.n + j, command.loop, IncrementalDetokenizer(self.tokenizer, prompt),
+                _Choice(group, i * group.n + j, command.loop,
+                        IncrementalDetokenizer(self.tokenizer, prompt, skip_special_tokens=params.skip_special_tokens),
                         len(prompt), holdback, command.arrival)
                 for j in range(group.n)]
             for j in range(group.n):

@@ -195,6 +195,7 @@ class _Request(_Body):
     priority: int = 0                    # extension (vLLM): only 0; requests are served in order
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # extension: keep the last k (-1: max)
     prompt_logprobs: Int64 | None = None  # extension (vLLM): the top N of each prompt token after the first
+    skip_special_tokens: bool = True      # extension (vLLM): special tokens left out of the text
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -318,7 +319,7 @@ class _Request(_Body):
         return SamplingParams(
             max_tokens=max_tokens, top_k=self.top_k,
             min_p=self.min_p, ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
             structured_outputs=self.structured_constraint(),
             **{k: v for k, v in given.items() if v is not None},

@@ -27,7 +27,7 @@ def _engine(eos: int | None, async_scheduling: bool) -> LLMEngine:
     sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                          async_scheduling=async_scheduling)
     return LLMEngine(sc, CacheConfig(block_size=4, num_blocks=32), FakeExecutor(VOCAB, 4, 32),
-                     eos_token_id=eos, text_streams=lambda prompt: _TokenText())
+                     eos_token_id=eos, text_streams=lambda prompt, params: _TokenText())
 
 
 def _greedy(n: int) -> list[int]:

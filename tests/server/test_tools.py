@@ -52,6 +52,7 @@ SCRIPTS = {
     "21 degrees": "It is 21 degrees in Paris.",
     "broken?": '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>',
     "json?": '<think>\nFive, as JSON.\n</think>\n\n{"sum": 5}',
+    "special?": "a<|im_start|>b",
     "tags?": call("get_weather", {"city": "</tool_call> and <think> are text"}),
     "garbled?": '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
 }
@@ -474,3 +475,14 @@ def test_served_names_and_chat_templates(model_dir: Path, trusted: bool) -> None
                 assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
     finally:
         stop()
+
+
+def test_skip_special_tokens(plain_server) -> None:
+    """Special tokens are left out of the text unless ``skip_special_tokens`` is false, streamed or not."""
+    for skip, want in ((None, "ab"), (False, "a<|im_start|>b")):
+        body = {"model": MODEL, "messages": user("special?"), **({} if skip is None else {"skip_special_tokens": skip})}
+        r = plain_server.post("/v1/chat/completions", json=body)
+        assert r.json()["choices"][0]["message"]["content"] == want, r.text
+        r = plain_server.post("/v1/chat/completions", json=body | {"stream": True})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == want
