@@ -486,7 +486,8 @@ class _Server:
             choices.append(ChatChoice(
                 index=d.index, message=message, finish_reason=_chat_finish(d.finish_reason, called),
                 stop_reason=d.stop_reason,
-                logprobs=self.chat_logprobs(d, top_k) if top_k is not None else None))
+                logprobs=self.chat_logprobs(d, top_k) if top_k is not None else None,
+                token_ids=list(d.token_ids) if turn.req.return_token_ids else None))
         return choices, _usage(_final(deltas), turn.group.n)
 
 
@@ -678,25 +679,36 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
 
         def echo(d: Delta) -> tuple[str, CompletionLogprobs | None]:
             """The prompt before a choice's first text (``echo``), and its logprobs."""
-            if not req.echo or d.index in echoed:
+            if d.index in echoed:
                 return "", None
             echoed.add(d.index)
+            if not req.echo:
+                return "", None
             ids = prompts[d.index // group.n]
             return server.llm.tokenizer.decode(ids), server.echo_logprobs(ids, d) if want_logprobs else None
 
         def chunk(d: Delta) -> list[str]:
             d = _scored_only(d) if req.prompt_only else d
+            first = d.index not in echoed
             head, head_logprobs = echo(d)
-            if not head and not d.text and d.finish_reason is None and not (want_logprobs and d.token_ids):
+            if not head and not d.text and d.finish_reason is None and not (
+                    (want_logprobs or req.return_token_ids) and d.token_ids):
                 return []
-            if not want_logprobs:
+            if not want_logprobs and not req.return_token_ids:
                 return [writer.completion(d.index, head + d.text, d.finish_reason, d.stop_reason)]
-            offset = offsets.get(d.index, 0)
-            logprobs = _joined(head_logprobs, server.completion_logprobs(d, offset + len(head)))
-            offsets[d.index] = offset + sum(len(t) for t in logprobs.tokens)
+            logprobs = None
+            if want_logprobs:
+                offset = offsets.get(d.index, 0)
+                logprobs = _joined(head_logprobs, server.completion_logprobs(d, offset + len(head)))
+                offsets[d.index] = offset + sum(len(t) for t in logprobs.tokens)
             choice = CompletionChoice(index=d.index, text=head + d.text, finish_reason=d.finish_reason,
                                       stop_reason=d.stop_reason, logprobs=logprobs)
-            return [_sse(body([choice]))]
+            event = body([choice])
+            if req.return_token_ids:
+                event["choices"][0]["token_ids"] = list(d.token_ids)
+                if first:
+                    event["choices"][0]["prompt_token_ids"] = prompts[d.index // group.n]
+            return [_sse(event)]
 
         def usage_chunk(usage: Usage) -> str:
             return _sse(body([], usage))
@@ -714,7 +726,9 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
             choices.append(WholeCompletionChoice(
                 index=d.index, text=head + d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                 logprobs=logprobs, prompt_logprobs=server.prompt_logprobs(prompts[d.index // group.n], d)
-                if req.prompt_logprobs is not None else None))
+                if req.prompt_logprobs is not None else None,
+                prompt_token_ids=prompts[d.index // group.n] if req.return_token_ids else None,
+                token_ids=list(d.token_ids) if req.return_token_ids else None))
         last = _final(deltas)
         if req.prompt_only:
             last = {i: _scored_only(d) for i, d in last.items()}
@@ -743,37 +757,44 @@ class _ChatChunks:
     last chunk of a delta."""
 
     def __init__(self, server: _Server, req: ChatCompletionRequest, rid: str, created: int,
-                 parser: Any, num_choices: int) -> None:
-        self.server, self.req, self.rid, self.created = server, req, rid, created
+                 parser: Any, num_choices: int, prompt: list[int]) -> None:
+        self.server, self.req, self.rid, self.created, self.prompt = server, req, rid, created, prompt
         self.top_k = req.num_logprobs()
         self.writer = _ChunkWriter("chat.completion.chunk", rid, created, server.model_name, req.include_usage)
         self.streams = {i: parser.stream(i) for i in range(num_choices)} if parser is not None else None
 
     def event(self, index: int, delta: DeltaMessage, finish_reason: ChatFinishReason | None = None,
-              logprobs: ChoiceLogprobs | None = None, stop_reason: StopReason = None) -> str:
+              logprobs: ChoiceLogprobs | None = None, stop_reason: StopReason = None,
+              token_ids: Sequence[int] = ()) -> str:
         choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
                                   stop_reason=stop_reason, logprobs=logprobs)
         body = _chunk_json(ChatCompletionChunk(id=self.rid, created=self.created, model=self.server.model_name,
                                                choices=[choice]), self.req.include_usage)
         # A delta names only what it adds; finish_reason stays, as null, as OpenAI sends it.
         body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+        if self.req.return_token_ids:  # vLLM's: each chunk's new token ids (the prompt's in the first)
+            body["choices"][0]["token_ids"] = list(token_ids)
         return _sse(body)
 
     def first(self, num_choices: int) -> list[str]:
-        return [self.event(i, DeltaMessage(role="assistant", content="")) for i in range(num_choices)]
+        events = [self.event(i, DeltaMessage(role="assistant", content="")) for i in range(num_choices)]
+        if self.req.return_token_ids:
+            events[0] = events[0][:-len("}\n\n")] + f',"prompt_token_ids":{json.dumps(self.prompt)}}}\n\n'
+        return events
 
     def __call__(self, d: Delta) -> list[str]:
         return self.plain(d) if self.streams is None else self.parsed(d)
 
     def plain(self, d: Delta) -> list[str]:
         top_k = self.top_k
-        if not d.text and d.finish_reason is None and not (top_k is not None and d.token_ids):
+        if not d.text and d.finish_reason is None and not ((top_k is not None or self.req.return_token_ids)
+                                                           and d.token_ids):
             return []
-        if top_k is None:
+        if top_k is None and not self.req.return_token_ids:
             return [self.writer.chat(d.index, d.text or None, d.finish_reason, d.stop_reason)]
-        logprobs = self.server.chat_logprobs(d, top_k)
+        logprobs = self.server.chat_logprobs(d, top_k) if top_k is not None else None
         return [self.event(d.index, DeltaMessage(content=d.text) if d.text else DeltaMessage(),
-                           d.finish_reason, logprobs, d.stop_reason)]
+                           d.finish_reason, logprobs, d.stop_reason, d.token_ids)]
 
     def parsed(self, d: Delta) -> list[str]:
         """The parsers' deltas, one chunk each; the last carries the logprobs and finish."""
@@ -782,13 +803,14 @@ class _ChatChunks:
         messages = stream.feed(d.text) + (stream.finish() if d.finish_reason is not None else [])
         top_k = self.top_k
         logprobs = self.server.chat_logprobs(d, top_k) if top_k is not None and d.token_ids else None
-        if not messages and d.finish_reason is None and logprobs is None:
+        if not messages and d.finish_reason is None and logprobs is None and not (self.req.return_token_ids
+                                                                                 and d.token_ids):
             return []
         messages = messages or [DeltaMessage()]
         last = len(messages) - 1
         return [self.event(d.index, m) for m in messages[:last]] + [
             self.event(d.index, messages[last], _chat_finish(d.finish_reason, stream.called), logprobs,
-                       d.stop_reason)]
+                       d.stop_reason, d.token_ids)]
 
     def usage(self, usage: Usage) -> str:
         return _sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.server.model_name,
@@ -800,16 +822,17 @@ def _add_chat_route(app: FastAPI, server: _Server) -> None:
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         turn = await server.start_chat(req)
         if req.stream:
-            chunks = _ChatChunks(server, req, turn.rid, turn.created, turn.parser, turn.group.num_choices)
+            chunks = _ChatChunks(server, req, turn.rid, turn.created, turn.parser, turn.group.num_choices, turn.prompt)
             return StreamingResponse(server.stream(turn.group, chunks, chunks.first(turn.group.num_choices),
                                                    chunks.usage if req.include_usage else None),
                                      media_type="text/event-stream")
         deltas = await server.collect(request, turn.group)
         choices, usage = server.chat_choices(turn, deltas)
         prompt_logprobs = server.prompt_logprobs(turn.prompt, deltas[0][0]) if req.prompt_logprobs is not None else None
-        return JSONResponse(ChatCompletionResponse(id=turn.rid, created=turn.created, model=server.model_name,
-                                                   choices=choices, usage=usage,
-                                                   prompt_logprobs=prompt_logprobs).model_dump())
+        return JSONResponse(ChatCompletionResponse(
+            id=turn.rid, created=turn.created, model=server.model_name, choices=choices, usage=usage,
+            prompt_logprobs=prompt_logprobs, prompt_token_ids=turn.prompt if req.return_token_ids else None
+        ).model_dump())
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:

@@ -196,6 +196,7 @@ class _Request(_Body):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # extension: keep the last k (-1: max)
     prompt_logprobs: Int64 | None = None  # extension (vLLM): the top N of each prompt token after the first
     skip_special_tokens: bool = True      # extension (vLLM): special tokens left out of the text
+    return_token_ids: bool = False        # extension (vLLM): the prompt's and each choice's token ids
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -599,9 +600,12 @@ class CompletionChoice(BaseModel):
 
 
 class WholeCompletionChoice(CompletionChoice):
-    """A choice of a response sent whole: vLLM's ``prompt_logprobs`` beside the rest."""
+    """A choice of a response sent whole: vLLM's ``prompt_logprobs``, and with
+    ``return_token_ids`` its prompt's and its own token ids, beside the rest."""
 
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -689,6 +693,7 @@ class ChatChoice(BaseModel):
     finish_reason: ChatFinishReason | None
     stop_reason: StopReason = None
     logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = None   # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -699,6 +704,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None   # vLLM's, with prompt_logprobs
+    prompt_token_ids: list[int] | None = None       # vLLM's, with return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):

@@ -1003,3 +1003,26 @@ def test_prompt_logprobs_in_vllms_shape(server) -> None:
     assert r.status_code == 200 and r.json()["prompt_logprobs"][0] is None and len(r.json()["prompt_logprobs"]) > 1
     assert_error(server.client.post("/v1/chat/completions", json=CHAT | {"prompt_logprobs": 1, "stream": True}),
                  400, "not returned by a streamed chat reply", "prompt_logprobs")
+
+
+def test_return_token_ids_streamed_or_not(server) -> None:
+    """vLLM's ``return_token_ids``: the prompt's ids and each choice's, which reassemble from a
+    stream's chunks into the whole response's."""
+    c, prompt_ids = server.client, server.llm.tokenizer.encode("12+34=")
+    body = {"prompt": "12+34=", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = c.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["prompt_token_ids"] == prompt_ids and len(whole["token_ids"]) == 3
+    assert whole["token_ids"][:2] == server.llm.tokenizer.encode("46")
+    events = [json.loads(line[6:]) for line in c.post("/v1/completions", json=body | {"stream": True}).text.splitlines()
+              if line.startswith("data: {")]
+    assert events[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert sum((e["choices"][0]["token_ids"] for e in events), []) == whole["token_ids"]
+    chat = CHAT | {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = c.post("/v1/chat/completions", json=chat).json()
+    assert r["prompt_token_ids"] == server.llm.chat_prompt_ids(CHAT["messages"]) and len(r["choices"][0]["token_ids"]) == 3
+    events = [json.loads(line[6:]) for line in c.post("/v1/chat/completions", json=chat | {"stream": True}).text.splitlines()
+              if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == r["prompt_token_ids"]
+    assert sum((e["choices"][0]["token_ids"] for e in events), []) == r["choices"][0]["token_ids"]
+    plain = c.post("/v1/completions", json={"prompt": "12+34=", "max_tokens": 1}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
