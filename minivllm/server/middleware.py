@@ -52,23 +52,27 @@ def _protected(path: str) -> bool:
 
 
 class ApiKeyMiddleware:
-    """Every HTTP route under ``/v1`` requires ``Authorization: Bearer <api_key>``;
-    otherwise 401 (the key is compared in constant time)."""
+    """Every HTTP route under ``/v1`` requires ``Authorization: Bearer <api_key>``, or
+    ``x-api-key: <api_key>`` (the Anthropic clients' header); otherwise 401 (the key is
+    compared in constant time)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = b"Bearer " + api_key.encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _protected(scope["path"]):
             await self.app(scope, receive, send)
             return
-        given = _header(scope, b"authorization")
+        bearer, x_api_key = _header(scope, b"authorization"), _header(scope, b"x-api-key")
+        given = x_api_key if bearer is None else bearer
+        expected = self._key if bearer is None else b"Bearer " + self._key
         if given is None:
             await send_error(send, 401, "missing API key: send the header 'Authorization: Bearer <key>'",
                              ((b"www-authenticate", b"Bearer"),))
-        elif not hmac.compare_digest(given, self._expected):
-            await send_error(send, 401, "invalid API key in the Authorization header",
+        elif not hmac.compare_digest(given, expected):
+            where = "Authorization" if bearer is not None else "x-api-key"
+            await send_error(send, 401, f"invalid API key in the {where} header",
                              ((b"www-authenticate", b"Bearer"),))
         else:
             await self.app(scope, receive, send)

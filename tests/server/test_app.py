@@ -433,6 +433,12 @@ def test_api_key_guards_v1_only(server) -> None:
             for wrong in (f"Bearer {API_KEY}x", API_KEY, "Bearer", f"Basic {API_KEY}"):
                 assert_error(bare.request(method, path, headers={"Authorization": wrong}), 401,
                              "invalid API key")
+            assert_error(bare.request(method, path, headers={"x-api-key": API_KEY + "x"}), 401,
+                         "invalid API key in the x-api-key header")
+        # The Anthropic clients' header carries the key as well; Authorization, when sent, decides.
+        assert bare.get("/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+        assert_error(bare.get("/v1/models", headers={"x-api-key": API_KEY, "Authorization": "Bearer no"}), 401,
+                     "invalid API key in the Authorization header")
     with openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0,
                        timeout=TIMEOUT) as bad_client, pytest.raises(openai.AuthenticationError):
         bad_client.completions.create(model=MODEL, prompt="1+1=", max_tokens=2)
