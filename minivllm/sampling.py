@@ -174,6 +174,8 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt token after the first (the first
             has none). A request asking for them reads nothing from the prefix cache:
             every prompt position must be computed.
+        logit_bias: ``{token id: bias}`` added to the token's logit before sampling (-100 bans
+            it, 100 all but forces it), as OpenAI's field; logprobs stay the raw ones.
         skip_special_tokens: leave special tokens (eos, ``<|im_end|>``) out of the text (the
             token ids keep them); stop strings are matched on that text.
         presence_penalty: subtracted from the logit of every token that occurs in the
@@ -209,6 +211,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     structured_outputs: StructuredOutputs | None = None
 
@@ -244,6 +247,17 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(stop_str))  # input type only, as for stop_token_ids
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        try:
+            pairs = tuple(sorted((t, float(b)) for t, b in items))
+        except (TypeError, ValueError):
+            pairs = None
+        if pairs is None or not all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in pairs):
+            raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {bias!r}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError(f"logit_bias names a token twice: {bias!r}")
+        object.__setattr__(self, "logit_bias", pairs)  # input type only: a dict becomes sorted pairs
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
@@ -293,6 +307,7 @@ class SamplingParams:
         d = dataclasses.asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         d["output_kind"] = self.output_kind.value
         d["structured_outputs"] = (self.structured_outputs.to_dict()
                                    if self.structured_outputs is not None else None)

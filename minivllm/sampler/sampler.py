@@ -90,6 +90,20 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` (S, V) with each row's ``SamplingParams.logit_bias`` added: a copy, or
+    ``logits`` itself when no row has one."""
+    rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
+    if not rows:
+        return logits
+    cols = [t for p in params for t, _ in p.logit_bias]
+    bias = [b for p in params for _, b in p.logit_bias]
+    out = logits.clone()
+    index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
+    out.index_put_((index[0], index[1]), torch.tensor(bias, dtype=out.dtype).to(logits.device), accumulate=True)
+    return out
+
+
 def _splitmix64(x: int) -> int:
     """Host-side 64-bit mix of a Python int (splitmix64 finaliser)."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64

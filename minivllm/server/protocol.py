@@ -197,6 +197,7 @@ class _Request(_Body):
     prompt_logprobs: Int64 | None = None  # extension (vLLM): the top N of each prompt token after the first
     skip_special_tokens: bool = True      # extension (vLLM): special tokens left out of the text
     return_token_ids: bool = False        # extension (vLLM): the prompt's and each choice's token ids
+    logit_bias: dict[str, float] | None = None   # OpenAI's: {"token id": bias in [-100, 100]}
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -313,7 +314,13 @@ class _Request(_Body):
             ValueError: a sampling value out of range (``SamplingParams`` names it), or a
                 structured-output request that is malformed or asks for two constraints.
         """
-        given = dict(temperature=self.temperature, top_p=self.top_p, n=self.n, seed=self.seed,
+        bias = None
+        if self.logit_bias is not None:
+            try:
+                bias = {int(t): b for t, b in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias: keys must be token ids, got {sorted(self.logit_bias)!r}") from None
+        given = dict(temperature=self.temperature, top_p=self.top_p, n=self.n, seed=self.seed, logit_bias=bias,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      repetition_penalty=self.repetition_penalty, stop=self.stop,
                      stop_token_ids=self.stop_token_ids)

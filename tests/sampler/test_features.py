@@ -455,3 +455,40 @@ def test_n_and_top_k_are_bounded() -> None:
     with pytest.raises(ValueError, match="top_k must be"):
         SamplingParams(top_k=2**31)
     assert SamplingParams(n=128, top_k=2**31 - 1).n == 128
+
+
+def test_logit_bias_shapes_the_sampling_and_not_the_logprobs(model):
+    """A bias of 100 all but forces its token and -100 bans the argmax, for greedy and random
+    rows (added before either sampler runs); logprobs stay those of the raw logits."""
+    from minivllm.sampler.sampler import apply_logit_bias
+    logits = torch.randn(3, 40)
+    params = [SamplingParams(logit_bias={7: 100}), SamplingParams(), SamplingParams(logit_bias={3: -100, 5: 2.5})]
+    assert params[2].logit_bias == ((3, -100.0), (5, 2.5))
+    out = apply_logit_bias(logits, params)
+    want = logits.clone()
+    want[0, 7] += 100
+    want[2, 3] -= 100
+    want[2, 5] += 2.5
+    torch.testing.assert_close(out, want)
+    assert apply_logit_bias(logits, [SamplingParams()] * 3) is logits
+    _hf, path = model
+    ex = make_executor(path)
+    seqs = [dict(tokens=[3, 1, 4], start=0, table=(0,), sample=True),
+            dict(tokens=[1, 5], start=0, table=(1,), sample=True)]
+    raw = ex.compute_logits(plan_of([s | {"params": SamplingParams()} for s in seqs]))
+    best = int(raw[1].argmax())
+    for temperature in (0.0, 1.0):
+        rows = [SamplingParams(temperature=temperature, seed=4, logit_bias={11: 100}, logprobs=1),
+                SamplingParams(temperature=0.0, logit_bias={best: -100})]
+        result = ex.execute(plan_of([s | {"params": p} for s, p in zip(seqs, rows)]))
+        assert result.sampled[0] == 11 and result.sampled[1] != best
+        raw_lp = torch.log_softmax(raw[0], dim=-1)[11].item()
+        np.testing.assert_allclose(result.logprobs[0].token_logprobs, [raw_lp], atol=1e-6)
+
+
+@pytest.mark.parametrize("bias, words", [({-1: 1}, "token ids >= 0"), ({1: 101}, "[-100, 100]"),
+                                         ({1: "x"}, "numbers"), (5, "must map")])
+def test_bad_logit_bias_is_refused(bias, words):
+    with pytest.raises(ValueError, match="logit_bias") as e:
+        SamplingParams(logit_bias=bias)
+    assert words in str(e.value)

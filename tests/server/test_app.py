@@ -1032,3 +1032,18 @@ def test_return_token_ids_streamed_or_not(server) -> None:
     assert sum((e["choices"][0]["token_ids"] for e in events), []) == r["choices"][0]["token_ids"]
     plain = c.post("/v1/completions", json={"prompt": "12+34=", "max_tokens": 1}).json()["choices"][0]
     assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+
+
+def test_logit_bias_through_the_api(server) -> None:
+    """OpenAI's ``logit_bias`` (token ids as string keys): 100 forces the token; keys that are no
+    token id, or outside the vocabulary, are a 400 naming the field."""
+    seven = server.llm.tokenizer.encode("7")[0]
+    r = server.client.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 3, "temperature": 0,
+                                                    "ignore_eos": True, "logit_bias": {str(seven): 100}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "777", r.text
+    assert_error(server.client.post("/v1/completions", json={"prompt": "1", "logit_bias": {"x": 1}}), 400,
+                 "logit_bias: keys must be token ids", "logit_bias")
+    assert_error(server.client.post("/v1/chat/completions", json=CHAT | {"logit_bias": {"100": 1}}), 400,
+                 "outside the vocabulary", "logit_bias")
+    params = SamplingParams(logit_bias={3: 1.5})
+    assert SamplingParams.from_dict(params.to_dict()) == params
