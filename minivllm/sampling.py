@@ -176,6 +176,7 @@ class SamplingParams:
             every prompt position must be computed.
         logit_bias: ``{token id: bias}`` added to the token's logit before sampling (-100 bans
             it, 100 all but forces it), as OpenAI's field; logprobs stay the raw ones.
+        allowed_token_ids: only these tokens may be sampled (vLLM's); None: any.
         skip_special_tokens: leave special tokens (eos, ``<|im_end|>``) out of the text (the
             token ids keep them); stop strings are matched on that text.
         presence_penalty: subtracted from the logit of every token that occurs in the
@@ -212,6 +213,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     structured_outputs: StructuredOutputs | None = None
 
@@ -258,6 +260,12 @@ class SamplingParams:
         if len({t for t, _ in pairs}) != len(pairs):
             raise ValueError(f"logit_bias names a token twice: {bias!r}")
         object.__setattr__(self, "logit_bias", pairs)  # input type only: a dict becomes sorted pairs
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (tuple, list)) or not allowed or not all(
+                    _is_int(t) and t >= 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be None or a non-empty list of ints >= 0, got {allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
@@ -308,6 +316,7 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        d["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
         d["output_kind"] = self.output_kind.value
         d["structured_outputs"] = (self.structured_outputs.to_dict()
                                    if self.structured_outputs is not None else None)

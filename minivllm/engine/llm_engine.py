@@ -246,9 +246,11 @@ class LLMEngine:
                              "has none (text_streams)")
         if params.structured_outputs is not None:
             self._validate_grammar(request_id, params)
-        if params.logit_bias and self.vocab_size is not None and params.logit_bias[-1][0] >= self.vocab_size:
-            raise ValueError(f"request {request_id!r}: logit_bias names token {params.logit_bias[-1][0]}, "
-                             f"outside the vocabulary [0, {self.vocab_size})")
+        for field, last in (("logit_bias", params.logit_bias[-1][0] if params.logit_bias else None),
+                            ("allowed_token_ids", params.allowed_token_ids[-1] if params.allowed_token_ids else None)):
+            if last is not None and self.vocab_size is not None and last >= self.vocab_size:
+                raise ValueError(f"request {request_id!r}: {field} names token {last}, "
+                                 f"outside the vocabulary [0, {self.vocab_size})")
         if len(prompt) == 0:
             raise ValueError(f"request {request_id!r}: prompt is empty")
         ids = np.asarray(prompt)

@@ -90,17 +90,31 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def shapes_logits(p: SamplingParams) -> bool:
+    """Whether ``p`` changes the logits its row is sampled from (``apply_logit_bias``)."""
+    return bool(p.logit_bias) or p.allowed_token_ids is not None
+
+
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """``logits`` (S, V) with each row's ``SamplingParams.logit_bias`` added: a copy, or
-    ``logits`` itself when no row has one."""
-    rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
-    if not rows:
+    """``logits`` (S, V) with each row's ``SamplingParams.logit_bias`` added and, where it
+    has ``allowed_token_ids``, every other token at -inf: a copy, or ``logits`` itself when
+    no row has either."""
+    if not any(map(shapes_logits, params)):
         return logits
-    cols = [t for p in params for t, _ in p.logit_bias]
-    bias = [b for p in params for _, b in p.logit_bias]
     out = logits.clone()
-    index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
-    out.index_put_((index[0], index[1]), torch.tensor(bias, dtype=out.dtype).to(logits.device), accumulate=True)
+    rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
+    if rows:
+        cols = [t for p in params for t, _ in p.logit_bias]
+        bias = [b for p in params for _, b in p.logit_bias]
+        index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
+        out.index_put_((index[0], index[1]), torch.tensor(bias, dtype=out.dtype).to(logits.device), accumulate=True)
+    limited = [(r, p.allowed_token_ids) for r, p in enumerate(params) if p.allowed_token_ids is not None]
+    if limited:
+        keep = torch.zeros(len(limited), logits.shape[1], dtype=torch.bool)
+        for i, (_, ids) in enumerate(limited):
+            keep[i, list(ids)] = True
+        rows_t = torch.tensor([r for r, _ in limited], dtype=torch.int64).to(logits.device)
+        out[rows_t] = out[rows_t].masked_fill(~keep.to(logits.device), float("-inf"))
     return out
 
 

@@ -198,6 +198,7 @@ class _Request(_Body):
     skip_special_tokens: bool = True      # extension (vLLM): special tokens left out of the text
     return_token_ids: bool = False        # extension (vLLM): the prompt's and each choice's token ids
     logit_bias: dict[str, float] | None = None   # OpenAI's: {"token id": bias in [-100, 100]}
+    allowed_token_ids: list[Int64] | None = None  # extension (vLLM): only these may be sampled
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -321,6 +322,7 @@ class _Request(_Body):
             except ValueError:
                 raise ValueError(f"logit_bias: keys must be token ids, got {sorted(self.logit_bias)!r}") from None
         given = dict(temperature=self.temperature, top_p=self.top_p, n=self.n, seed=self.seed, logit_bias=bias,
+                     allowed_token_ids=self.allowed_token_ids,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      repetition_penalty=self.repetition_penalty, stop=self.stop,
                      stop_token_ids=self.stop_token_ids)

@@ -492,3 +492,20 @@ def test_bad_logit_bias_is_refused(bias, words):
     with pytest.raises(ValueError, match="logit_bias") as e:
         SamplingParams(logit_bias=bias)
     assert words in str(e.value)
+
+
+def test_allowed_token_ids_keep_the_sampling_to_them(model):
+    from minivllm.sampler.sampler import apply_logit_bias
+    logits = torch.randn(2, 30)
+    out = apply_logit_bias(logits, [SamplingParams(allowed_token_ids=[4, 2, 4]), SamplingParams()])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [2, 4]
+    torch.testing.assert_close(out[0, [2, 4]], logits[0, [2, 4]])
+    torch.testing.assert_close(out[1], logits[1])
+    _hf, path = model
+    ex = make_executor(path)
+    seq = dict(tokens=[3, 1, 4], start=0, table=(0,), sample=True)
+    for seed in range(4):
+        p = SamplingParams(temperature=1.5, seed=seed, allowed_token_ids=[6, 13], logit_bias={13: -1})
+        assert ex.execute(plan_of([seq | {"params": p}])).sampled[0] in (6, 13)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

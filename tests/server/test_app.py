@@ -1045,5 +1045,11 @@ def test_logit_bias_through_the_api(server) -> None:
                  "logit_bias: keys must be token ids", "logit_bias")
     assert_error(server.client.post("/v1/chat/completions", json=CHAT | {"logit_bias": {"100": 1}}), 400,
                  "outside the vocabulary", "logit_bias")
-    params = SamplingParams(logit_bias={3: 1.5})
+    params = SamplingParams(logit_bias={3: 1.5}, allowed_token_ids=[4, 1])
     assert SamplingParams.from_dict(params.to_dict()) == params
+    ones = server.llm.tokenizer.encode("1")
+    r = server.client.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 3, "temperature": 1.0,
+                                                    "ignore_eos": True, "allowed_token_ids": ones})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "111", r.text
+    assert_error(server.client.post("/v1/completions", json={"prompt": "1", "allowed_token_ids": [100]}), 400,
+                 "outside the vocabulary", "allowed_token_ids")
