@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,14 @@ def call(name: str, arguments: dict) -> str:
 def last_user_turn(prompt: str) -> str:
     """The text of the rendered prompt's last user turn (what a script keys on)."""
     return prompt.rsplit("<|im_start|>user\n", 1)[-1]
+
+
+def script_of(replies: Mapping[str, str], plain: str) -> Callable[[str], str]:
+    """A script: the reply of the first key found in the prompt's last user turn, else ``plain``."""
+    def script(prompt: str) -> str:
+        turn = last_user_turn(prompt)
+        return next((reply for key, reply in replies.items() if key in turn), plain)
+    return script
 
 
 class ScriptedExecutor:

@@ -24,7 +24,7 @@ from minivllm.sampling import SamplingParams
 from minivllm.server.protocol import ServerConfig
 from minivllm.server.tool_calls import tool_choice_constraint
 from tests.server import scripted
-from tests.server.scripted import TIMEOUT, call, last_user_turn, write_model_dir
+from tests.server.scripted import TIMEOUT, call, script_of
 
 MODEL = "scripted-qwen3"
 
@@ -50,14 +50,7 @@ SCRIPTS = {
 PLAIN = "Plain answer."
 
 
-def script(prompt: str) -> str:
-    turn = last_user_turn(prompt)
-    return next((reply for key, reply in SCRIPTS.items() if key in turn), PLAIN)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("scripted-qwen3"))
+script = script_of(SCRIPTS, PLAIN)
 
 
 @pytest.fixture(scope="module")

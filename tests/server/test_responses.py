@@ -27,7 +27,7 @@ from minivllm.server.engine_process import LLMFront  # noqa: E402
 from minivllm.server.protocol import ServerConfig  # noqa: E402
 from minivllm.server.responses import ResponseStore, StoredResponse  # noqa: E402
 from tests.server import scripted  # noqa: E402
-from tests.server.scripted import TIMEOUT, call, last_user_turn, write_model_dir  # noqa: E402
+from tests.server.scripted import TIMEOUT, call, script_of  # noqa: E402
 from tests.server.utils import wait_for  # noqa: E402
 
 MODEL = "scripted-qwen3"
@@ -53,14 +53,7 @@ SCRIPTS = {
 }
 
 
-def script(prompt: str) -> str:
-    turn = last_user_turn(prompt)
-    return next((reply for key, reply in SCRIPTS.items() if key in turn), PLAIN)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("scripted-qwen3"))
+script = script_of(SCRIPTS, PLAIN)
 
 
 def start(model_dir: Path, config: ServerConfig) -> tuple[types.SimpleNamespace, Callable[[], None]]:

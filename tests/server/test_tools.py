@@ -30,8 +30,7 @@ from minivllm.server.engine_process import LLMFront  # noqa: E402
 from minivllm.server.protocol import ServerConfig  # noqa: E402
 from minivllm.server.tool_calls import tool_choice_constraint  # noqa: E402
 from tests.server import scripted  # noqa: E402
-from tests.server.scripted import (ROOT, TIMEOUT, ScriptedExecutor, call, last_user_turn,  # noqa: E402
-                                   write_model_dir)
+from tests.server.scripted import ROOT, TIMEOUT, ScriptedExecutor, call, script_of  # noqa: E402
 
 MODEL = "scripted-qwen3"
 
@@ -59,14 +58,7 @@ SCRIPTS = {
 PLAIN = "Plain answer."
 
 
-def script(prompt: str) -> str:
-    turn = last_user_turn(prompt)
-    return next((reply for key, reply in SCRIPTS.items() if key in turn), PLAIN)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("scripted-qwen3"))
+script = script_of(SCRIPTS, PLAIN)
 
 
 def start_server(model_dir: Path, config: ServerConfig) -> tuple[Any, ScriptedExecutor, Callable[[], None]]:
