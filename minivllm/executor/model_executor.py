@@ -242,8 +242,8 @@ class ModelExecutor:
             raise ValueError("CUDA graphs need kernels='triton' (the torch references sync the host); "
                              "pass enforce_eager=True to run them eagerly")
         if self.device.type == "cuda":
-            # cuBLAS may otherwise sum split-K partials of bf16 GEMMs in bf16, which at decode
-            # batch sizes costs far more accuracy than HF's batch-1 GEMMs lose (docs/tuning.md,
+            # cuBLAS may otherwise sum split-K partials of bf16 GEMMs in bf16. Measured, no GEMM
+            # shape here lost accuracy to it, so off costs nothing and rules it out (docs/tuning.md,
             # "Rounding and precision"). Process-wide: set before any GEMM is captured into a graph.
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         self.block_size = cache_config.block_size
