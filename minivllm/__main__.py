@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                         "template's text")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a request send its own chat_template (refused otherwise, as vLLM)")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in replies (the prefix cache's hits)")
     s.add_argument("--seed", type=int, default=0, help="sampler seed for unseeded requests")
     # The env var is read in _serve, not here: a default would be printed by --help.
     s.add_argument("--api-key", default=None,
@@ -337,7 +339,8 @@ def _serve(args: argparse.Namespace) -> int:
                               reasoning_parser=args.reasoning_parser,
                               tool_call_parser=args.tool_call_parser,
                               chat_template=_chat_template(args.chat_template),
-                              trust_request_chat_template=args.trust_request_chat_template)
+                              trust_request_chat_template=args.trust_request_chat_template,
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
         llm_options = dict(device=args.device, dtype=args.dtype, kernels=args.kernels,
                            seed=args.seed, **_engine_options(args, args.seed))
         # vLLM's server budget (its offline LLM takes 16384, as ours does on CUDA): a

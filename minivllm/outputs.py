@@ -56,6 +56,9 @@ class RequestOutput:
         stop_reason: once finished with ``stop``, the stop token id (one of
             ``stop_token_ids``) or the stop string that ended it; None while running
             and when eos, length or an abort ended it (vLLM's ``stop_reason``).
+        num_cached_tokens: prompt tokens the prefix cache served when the request was
+            first scheduled (whole blocks; 0 before it, or on a miss), vLLM's name. Not
+            part of ``==``: a cache hit gives the same tokens as a miss.
 
     A plain slotted dataclass, as vLLM's ``RequestOutput`` is a plain class: cheaper to
     build than a frozen one, and a streaming engine builds one per request per step
@@ -74,6 +77,7 @@ class RequestOutput:
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
     first_token_time: float | None = field(default=None, compare=False)
     stop_reason: StopReason = None
+    num_cached_tokens: int = field(default=0, compare=False)
 
     @property
     def name(self) -> str:

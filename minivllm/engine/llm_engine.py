@@ -588,7 +588,8 @@ class LLMEngine:
                              seq.finish_reason, text=text, new_token_ids=new, index=seq.index,
                              logprobs=seq.output_logprobs,
                              prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
-                             first_token_time=seq.first_token_time, stop_reason=stop_reason)
+                             first_token_time=seq.first_token_time, stop_reason=stop_reason,
+                             num_cached_tokens=seq.first_num_cached_tokens or 0)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         decode = chunked = 0

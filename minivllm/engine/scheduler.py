@@ -200,6 +200,8 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, hit, n)
             out.num_cached_tokens += seq.num_cached_tokens
+            if seq.first_num_cached_tokens is None:
+                seq.first_num_cached_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._take(out, seq, n, remaining)

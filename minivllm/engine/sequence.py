@@ -79,8 +79,10 @@ class Sequence:
         self.block_hashes: list[int] = []
         # Leading blocks of block_table already offered to the prefix cache.
         self.num_registered_blocks = 0
-        # Tokens served from the prefix cache at the last admission.
+        # Tokens served from the prefix cache at the last admission, and at the first (None
+        # before it): what the request's outputs report (vLLM's ``num_cached_tokens``).
         self.num_cached_tokens = 0
+        self.first_num_cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
         # Completion tokens already handed out in a RequestOutput (streaming).
         self.num_reported_tokens = 0

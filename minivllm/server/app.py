@@ -44,7 +44,7 @@ from minivllm.server.protocol import (AssistantMessage, ChatChoice, ChatFinishRe
                                       ChatStreamChoice, ChoiceLogprobs, CompletionChoice,
                                       CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       CompletionStreamResponse, DeltaMessage, ModelCard, ModelList,
-                                      DetokenizeRequest, PromptLogprob, PromptLogprobs, ServerConfig,
+                                      DetokenizeRequest, PromptLogprob, PromptLogprobs, PromptTokensDetails, ServerConfig,
                                       TokenizeRequest, TokenizeResponse, WholeCompletionChoice,
                                       TokenLogprob, TopLogprob, Usage, _Request, error_body)
 from minivllm.server.tool_calls import ReasoningMode, after_reasoning
@@ -438,7 +438,7 @@ class _Server:
                     for event in chunks(delta):
                         yield event
             if usage_chunk is not None:
-                yield usage_chunk(_usage(last, group.n))
+                yield usage_chunk(_usage(last, group.n, self.config.enable_prompt_tokens_details))
         except (EngineDeadError, RequestLostError) as e:
             yield _sse(error_body(500, str(e)))
         yield _sse("[DONE]")
@@ -488,7 +488,7 @@ class _Server:
                 stop_reason=d.stop_reason,
                 logprobs=self.chat_logprobs(d, top_k) if top_k is not None else None,
                 token_ids=list(d.token_ids) if turn.req.return_token_ids else None))
-        return choices, _usage(_final(deltas), turn.group.n)
+        return choices, _usage(_final(deltas), turn.group.n, self.config.enable_prompt_tokens_details)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,12 +510,14 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _usage(last: dict[int, Delta], n: int) -> Usage:
+def _usage(last: dict[int, Delta], n: int, details: bool = False) -> Usage:
     """From each choice's last delta; choice i * n + j is completion j of prompt i, and each
-    prompt counts once."""
+    prompt counts once (its cached tokens too, with ``details``)."""
     prompt = sum(d.num_prompt_tokens for i, d in last.items() if i % n == 0)
     completion = sum(d.num_completion_tokens for d in last.values())
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = PromptTokensDetails(cached_tokens=sum(d.num_cached_tokens for i, d in last.items() if i % n == 0))
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=cached if details else None)
 
 
 def _final(deltas: list[list[Delta]]) -> dict[int, Delta]:
@@ -733,7 +735,8 @@ def _add_completion_route(app: FastAPI, server: _Server) -> None:
         if req.prompt_only:
             last = {i: _scored_only(d) for i, d in last.items()}
         return JSONResponse(CompletionResponse(id=rid, created=created, model=server.model_name,
-                                               choices=choices, usage=_usage(last, group.n)).model_dump())
+                                               choices=choices, usage=_usage(last, group.n, server.config.enable_prompt_tokens_details)
+                                               ).model_dump())
 
 
 def _scored_only(d: Delta) -> Delta:

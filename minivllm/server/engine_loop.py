@@ -87,6 +87,7 @@ class Delta:
         stop_reason: as in ``RequestOutput`` (set in the last delta only).
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, in the choice's first delta
             (as ``RequestOutput.prompt_logprobs``: None for the first prompt token); else None.
+        num_cached_tokens: prompt tokens the prefix cache served (``RequestOutput``'s).
     """
 
     index: int
@@ -98,6 +99,7 @@ class Delta:
     finish_reason: FinishReason | None
     stop_reason: StopReason = None
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
+    num_cached_tokens: int = 0
 
 
 def merge_deltas(ds: Sequence[Delta]) -> Delta:
@@ -107,7 +109,7 @@ def merge_deltas(ds: Sequence[Delta]) -> Delta:
     logprobs = None if last.logprobs is None else tuple(x for d in ds for x in d.logprobs or ())
     return Delta(last.index, "".join(d.text for d in ds), tuple(t for d in ds for t in d.token_ids),
                  logprobs, last.num_prompt_tokens, last.num_completion_tokens, last.finish_reason,
-                 last.stop_reason, ds[0].prompt_logprobs)
+                 last.stop_reason, ds[0].prompt_logprobs, last.num_cached_tokens)
 
 
 class StepOutput(NamedTuple):
@@ -124,6 +126,7 @@ class StepOutput(NamedTuple):
         first_token_time: as in ``RequestOutput`` (the engine's clock: ``time.monotonic``,
             which an engine process shares with the server on one host).
         prompt_logprobs: as in ``RequestOutput``, in a choice's first output with tokens only.
+        num_cached_tokens: as in ``RequestOutput``.
     """
 
     request_id: str
@@ -136,6 +139,7 @@ class StepOutput(NamedTuple):
     first_token_time: float | None
     stop_reason: StopReason = None
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
+    num_cached_tokens: int = 0
 
 
 def step_output(out: RequestOutput) -> StepOutput:
@@ -144,7 +148,7 @@ def step_output(out: RequestOutput) -> StepOutput:
     first = len(new) == len(out.token_ids) > 0  # the choice's first tokens: its prompt's logprobs go along
     return StepOutput(out.request_id, out.index, tuple(new), len(out.token_ids), out.finish_reason,
                       out.text, logprobs, out.first_token_time, out.stop_reason,
-                      out.prompt_logprobs if first else None)
+                      out.prompt_logprobs if first else None, out.num_cached_tokens)
 
 
 def admit_into(engine: LLMEngine, request_ids: Sequence[str], prompts: Sequence[Sequence[int]],
@@ -635,7 +639,7 @@ class AsyncEngine:
             shown = text_token_ids(new, out.finish_reason)
             text = c.next_text(c.detokenizer.add(shown), out)
             delta = Delta(c.index, text, tuple(new), out.new_logprobs, c.num_prompt_tokens, c.num_tokens,
-                          out.finish_reason, out.stop_reason, out.prompt_logprobs)
+                          out.finish_reason, out.stop_reason, out.prompt_logprobs, out.num_cached_tokens)
             batches.setdefault(c.loop, []).append((c.group.queue, delta))
         if generated:
             self.metrics.generated(generated)

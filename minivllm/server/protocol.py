@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any, Callable, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer,
+                      model_validator)
 
 from minivllm.outputs import FinishReason, StopReason
 from minivllm.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
@@ -65,6 +66,8 @@ class ServerConfig:
         chat_template: the chat template (Jinja text) that replaces the tokenizer's, or None.
         trust_request_chat_template: a request may send its own ``chat_template`` (vLLM's
             ``--trust-request-chat-template``; without it such a request is refused).
+        enable_prompt_tokens_details: ``usage.prompt_tokens_details.cached_tokens`` in
+            replies (vLLM's ``--enable-prompt-tokens-details``).
     """
 
     model_name: str
@@ -75,6 +78,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    enable_prompt_tokens_details: bool = False
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -571,13 +575,26 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int   # prompt tokens the prefix cache served
+
+
 class Usage(BaseModel):
     """Token counts of one response: every prompt once, every choice's completion tokens
-    (an eos or stop token that ended a choice counts, as it was generated)."""
+    (an eos or stop token that ended a choice counts, as it was generated);
+    ``prompt_tokens_details`` on a server with ``enable_prompt_tokens_details``."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _details_where_given(self, handler: Any) -> dict[str, Any]:  # as vLLM: absent unless enabled
+        d = handler(self)
+        if d.get("prompt_tokens_details", 0) is None:
+            del d["prompt_tokens_details"]
+        return d
 
 
 class CompletionLogprobs(BaseModel):

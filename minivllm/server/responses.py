@@ -62,7 +62,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from minivllm.server.app import APIError, ChatTurn, _Server, _validation_error
 from minivllm.server.chat_output import ChatOutputParser
-from minivllm.server.engine_loop import EngineDeadError, RequestLostError, merge_deltas
+from minivllm.server.engine_loop import Delta, EngineDeadError, RequestLostError, merge_deltas
 from minivllm.server.protocol import (ChatCompletionRequest, DeltaMessage, DeltaToolCall,
                                       FunctionCallParam, Int64, _Body)
 
@@ -698,19 +698,20 @@ class ResponseRun:
             "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
         }
 
-    def usage(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, Any]:
+    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
         """Token counts; the reasoning's are its text's tokens (as the model wrote them, when
         it wrote the tokenizer's own split of that text)."""
         reasoning = self.output.reasoning_text()
         num_reasoning = len(self.server.llm.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-        return {"input_tokens": num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        return {"input_tokens": num_prompt_tokens, "input_tokens_details": {"cached_tokens": num_cached_tokens},
                 "output_tokens": num_completion_tokens, "output_tokens_details": {"reasoning_tokens": num_reasoning},
                 "total_tokens": num_prompt_tokens + num_completion_tokens}
 
-    def finished(self, finish_reason: str | None, num_prompt_tokens: int, num_completion_tokens: int,
-                 store: ResponseStore) -> dict[str, Any]:
-        """The final response object, kept in ``store`` when the request asked for it."""
-        body = self.body(response_status(finish_reason), self.usage(num_prompt_tokens, num_completion_tokens))
+    def finished(self, d: Delta, store: ResponseStore) -> dict[str, Any]:
+        """The final response object (``d``: the choice's last delta), kept in ``store`` when
+        the request asked for it."""
+        body = self.body(response_status(d.finish_reason),
+                         self.usage(d.num_prompt_tokens, d.num_completion_tokens, d.num_cached_tokens))
         if self.req.store:
             outputs = [input_item(i, item) for i, item in enumerate(body["output"])]
             store.put(StoredResponse(body, self.conversation + to_messages(outputs)))
@@ -722,7 +723,7 @@ class ResponseRun:
         d = merge_deltas(deltas[0])
         self.output.feed(d.text)
         self.output.finish(d.finish_reason)
-        return self.finished(d.finish_reason, d.num_prompt_tokens, d.num_completion_tokens, store)
+        return self.finished(d, store)
 
     async def events(self, store: ResponseStore) -> AsyncIterator[str]:
         """The response's server-sent events. Leaving early (the client disconnected) aborts
@@ -742,8 +743,7 @@ class ResponseRun:
                     events = self.output.feed(d.text)
                     if d.finish_reason is not None:
                         events += self.output.finish(d.finish_reason)
-                        final = self.finished(d.finish_reason, d.num_prompt_tokens, d.num_completion_tokens,
-                                              store)
+                        final = self.finished(d, store)
                         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                         events.append({"type": kind, "response": final})
                     for event in events:

@@ -4,6 +4,8 @@ failure cases of the original design, and loud failure instead of a spin."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from minivllm.config import CacheConfig, SchedulerConfig
@@ -164,7 +166,28 @@ def test_prefix_cache_hits_across_requests_after_the_first_finished() -> None:
     engine.step()
     assert engine.last_step.scheduled == {"second": 14 - 12}
     assert engine.stats.num_cached_tokens == 12
-    assert list(drain(engine)["second"].token_ids) == greedy_tokens(prompt + [7], 2)
+    second = drain(engine)["second"]
+    assert list(second.token_ids) == greedy_tokens(prompt + [7], 2)
+    assert second.num_cached_tokens == 12  # vLLM's name: the hit at its first scheduling
+
+
+def test_each_output_reports_the_prefix_cache_hit_of_its_first_scheduling() -> None:
+    """``RequestOutput.num_cached_tokens``: 0 on a miss, whole blocks on a hit, kept after
+    a preemption re-admits the sequence; not part of ``==``."""
+    engine = make_engine(block_size=4)
+    prompt = list(range(100, 110))
+    engine.add_request("miss", prompt, SamplingParams(max_tokens=3))
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert outs and all(o.num_cached_tokens == 0 for o in outs)
+    drain(engine)
+    engine.add_request("hit", prompt + [1, 2], SamplingParams(max_tokens=6))
+    outs = [o for _ in range(2) for o in engine.step()]
+    assert outs and all(o.num_cached_tokens == 8 for o in outs)
+    (seq,) = engine.requests.values()  # still running
+    seq.num_cached_tokens = 0  # as a re-admission after a preemption would set it
+    assert engine._output(seq).num_cached_tokens == 8
+    assert dataclasses.replace(outs[0], num_cached_tokens=0) == outs[0]
+    assert drain(engine)["hit"].num_cached_tokens == 8
 
 
 def test_tail_preemption_picks_the_most_recently_admitted() -> None:

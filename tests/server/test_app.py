@@ -1053,3 +1053,25 @@ def test_logit_bias_through_the_api(server) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "111", r.text
     assert_error(server.client.post("/v1/completions", json={"prompt": "1", "allowed_token_ids": [100]}), 400,
                  "outside the vocabulary", "allowed_token_ids")
+
+
+def test_prefix_cache_hits_reach_usage() -> None:
+    """``RequestOutput.num_cached_tokens`` into the Responses usage always, and into the chat and
+    completions usage on a server with ``--enable-prompt-tokens-details``."""
+    from tests.server.utils import served
+    prompt = "1+2+3+4+5+6+7+8+9+1+2+3+4+5+6+7+8+9+1+2+3="
+    with LLM(FIXTURE, device="cpu", num_blocks=64, max_model_len=64) as llm, \
+            served(build_app(llm, ServerConfig(MODEL, enable_prompt_tokens_details=True)), TIMEOUT) as (url, _), \
+            httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+        body = {"prompt": prompt, "max_tokens": 2}
+        first = client.post("/v1/completions", json=body).json()["usage"]
+        again = client.post("/v1/completions", json=body).json()["usage"]
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}, first
+        block = llm.engine.cache_config.block_size
+        assert again["prompt_tokens_details"]["cached_tokens"] == (len(prompt) - 1) // block * block > 0
+        chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+        client.post("/v1/chat/completions", json=chat)
+        usage = client.post("/v1/chat/completions", json=chat).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+        r = client.post("/v1/responses", json={"input": prompt, "max_output_tokens": 2}).json()
+        assert r["usage"]["input_tokens_details"]["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]

@@ -478,3 +478,8 @@ def test_skip_special_tokens(plain_server) -> None:
         r = plain_server.post("/v1/chat/completions", json=body | {"stream": True})
         chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == want
+
+
+def test_usage_has_no_prompt_tokens_details_by_default(plain_server) -> None:
+    usage = plain_server.post("/v1/chat/completions", json={"model": MODEL, "messages": user("hello")}).json()["usage"]
+    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens"}
