@@ -47,12 +47,15 @@ chat: $(VENV)/.full
 
 # Coverage is measured where it is enforced (the engine and the simulator), by the tests
 # of those two (ENGINE_TESTS, under the tracer); the model, kernel, server and TP tests
-# run after, untraced (tracing them cost ~40 s of the 5-minute budget and added nothing).
+# run after, untraced (tracing them cost ~40 s of the 5-minute budget and added nothing),
+# three workers on two cores: many of them wait on servers, subprocesses and sockets
+# (second phase on a 2-core machine: -n 2 305-346 s over three runs, -n 3 208 and 264 s,
+# -n 4 258 s).
 ENGINE_TESTS := tests/engine tests/sim tests/test_config.py tests/executor/test_inputs.py
 test: $(VENV)/.full
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q --cov=minivllm/engine --cov=sim --cov-report=term-missing:skip-covered $(ENGINE_TESTS)
 	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --skip-covered --fail-under=90
-	$(BIN)/python -m pytest -n 2 --dist worksteal -q tests $(addprefix --ignore=,$(ENGINE_TESTS))
+	$(BIN)/python -m pytest -n 3 --dist worksteal -q tests $(addprefix --ignore=,$(ENGINE_TESTS))
 
 sim: $(VENV)/.core
 	$(BIN)/python -m sim run --traces 10000 --seed 0
