@@ -300,6 +300,9 @@ class SamplingParams:
         if self.structured_outputs is not None and self.ignore_eos:
             raise ValueError("structured_outputs and ignore_eos cannot be combined: the grammar ends "
                              "the completion with eos")
+        # Whether the row's logits change before sampling (logit_bias, allowed_token_ids): kept,
+        # not a property, so that the executor's per-step pass reads it in C (attrgetter).
+        object.__setattr__(self, "shapes_logits", bool(self.logit_bias) or self.allowed_token_ids is not None)
 
     @property
     def has_penalties(self) -> bool:

@@ -68,7 +68,7 @@ from minivllm.ops.dispatch import Ops
 from minivllm.ops.metadata import AttentionMetadata
 from minivllm.sampler.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors
-from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_logit_bias, apply_token_bitmask, shapes_logits
+from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_logit_bias, apply_token_bitmask
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
 from minivllm.step_types import TokenHistory, TokenLogprobs
 
@@ -80,6 +80,7 @@ DTYPES: dict[str, torch.dtype] = {
 # Largest default KV pool off CUDA (pass num_blocks for another size).
 CPU_KV_CACHE_BYTES = 4 << 30
 _LOGPROBS = attrgetter("logprobs")
+_SHAPES_LOGITS = attrgetter("shapes_logits")
 
 
 @contextlib.contextmanager
@@ -516,7 +517,7 @@ class ModelExecutor:
         # A sampled token's position is its sequence's length so far: the seeded-row counter.
         tensors = SamplingTensors.build(params, inputs.kv_lens[plan.sample], self.model_config.vocab_size,
                                         self.device)
-        biased = any(map(shapes_logits, params))
+        biased = any(map(_SHAPES_LOGITS, params))
         if bitmask is None and not biased and self._samples_from_shards(tensors, extras):
             shard = self.model.compute_logits(hidden[batch.sample_indices], gather=False)  # (S, V / tp)
             return self.sampler.forward_vocab_parallel(shard, tensors, self.model.lm_head.vocab_start), None

@@ -90,16 +90,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-def shapes_logits(p: SamplingParams) -> bool:
-    """Whether ``p`` changes the logits its row is sampled from (``apply_logit_bias``)."""
-    return bool(p.logit_bias) or p.allowed_token_ids is not None
-
-
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``logits`` (S, V) with each row's ``SamplingParams.logit_bias`` added and, where it
     has ``allowed_token_ids``, every other token at -inf: a copy, or ``logits`` itself when
     no row has either."""
-    if not any(map(shapes_logits, params)):
+    if not any(p.shapes_logits for p in params):
         return logits
     out = logits.clone()
     rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
