@@ -75,6 +75,13 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status)
 
 
+def _text_only(blocks: list[ContentBlock] | None, message: str) -> list[ContentBlock] | None:
+    """``blocks`` if every one is a text block (or None); else ``ValueError(message)``."""
+    if blocks is not None and any(b.type != "text" for b in blocks):
+        raise ValueError(message)
+    return blocks
+
+
 def _as_text_blocks(value: Any) -> list[Any]:
     """Content: a string (one text block) or a list of blocks."""
     if isinstance(value, str):
@@ -129,9 +136,7 @@ class ContentBlock(_Body):
     @field_validator("content")
     @classmethod
     def _text_results(cls, content: list[ContentBlock] | None) -> list[ContentBlock] | None:
-        if content is not None and any(b.type != "text" for b in content):
-            raise ValueError("a tool_result's content is text or a list of text blocks")
-        return content
+        return _text_only(content, "a tool_result's content is text or a list of text blocks")
 
     def result_text(self) -> str:
         """A ``tool_result``'s content as text (its text blocks joined by newlines)."""
@@ -277,9 +282,7 @@ class Conversation(_Body):
     @field_validator("system")
     @classmethod
     def _system_is_text(cls, system: list[ContentBlock] | None) -> list[ContentBlock] | None:
-        if system is not None and any(b.type != "text" for b in system):
-            raise ValueError("the system prompt is text or text blocks")
-        return system
+        return _text_only(system, "the system prompt is text or text blocks")
 
     @model_validator(mode="after")
     def _tool_choice_among_tools(self) -> Conversation:
