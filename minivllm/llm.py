@@ -133,6 +133,10 @@ class DetokenizingTextStreams:
         from minivllm.detokenizer import IncrementalDetokenizer
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
 
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, without special tokens (``SamplingParams.bad_words``)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
 
 def _close_executor(executor: object) -> None:
     """Free what ``executor`` holds (model, KV pool, graphs, workers), if it can be closed."""

@@ -177,6 +177,15 @@ class SamplingParams:
         logit_bias: ``{token id: bias}`` added to the token's logit before sampling (-100 bans
             it, 100 all but forces it), as OpenAI's field; logprobs stay the raw ones.
         allowed_token_ids: only these tokens may be sampled (vLLM's); None: any.
+        min_tokens: nothing stops the completion before it has this many tokens (vLLM's):
+            eos and ``stop_token_ids`` are not sampled until then (a grammar that can only
+            end still ends), and a stop string ending in its first ``min_tokens`` tokens'
+            text does not count. 0..max_tokens.
+        bad_words: words never generated (vLLM's): the engine tokenizes each, with and
+            without a leading space, into ``bad_words_token_ids``.
+        bad_words_token_ids: the token sequences never generated: a sequence's last token is
+            not sampled where the completion so far ends with the rest of it (a one-token
+            sequence: never). Filled from ``bad_words``; may be given directly, as token ids.
         skip_special_tokens: leave special tokens (eos, ``<|im_end|>``) out of the text (the
             token ids keep them); stop strings are matched on that text.
         presence_penalty: subtracted from the logit of every token that occurs in the
@@ -214,6 +223,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     structured_outputs: StructuredOutputs | None = None
 
@@ -266,6 +278,18 @@ class SamplingParams:
                     _is_int(t) and t >= 0 for t in allowed):
                 raise ValueError(f"allowed_token_ids must be None or a non-empty list of ints >= 0, got {allowed!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens ({self.max_tokens})], "
+                             f"got {self.min_tokens!r}")
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (tuple, list)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a string or a list of non-blank strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(words))  # input type only
+        ids = self.bad_words_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(
+                isinstance(w, (tuple, list)) and w and all(_is_int(t) and t >= 0 for t in w) for w in ids):
+            raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids >= 0, got {ids!r}")
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in ids))  # input type only
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
@@ -303,6 +327,8 @@ class SamplingParams:
         # Whether the row's logits change before sampling (logit_bias, allowed_token_ids): kept,
         # not a property, so that the executor's per-step pass reads it in C (attrgetter).
         object.__setattr__(self, "shapes_logits", bool(self.logit_bias) or self.allowed_token_ids is not None)
+        # Whether a row may sample under token rules (min_tokens, bad words): its token bitmask.
+        object.__setattr__(self, "has_token_rules", self.min_tokens > 0 or bool(self.bad_words_token_ids))
 
     @property
     def has_penalties(self) -> bool:
@@ -320,6 +346,8 @@ class SamplingParams:
         d["stop"] = list(self.stop)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         d["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+        d["bad_words"] = list(self.bad_words)
+        d["bad_words_token_ids"] = [list(w) for w in self.bad_words_token_ids]
         d["output_kind"] = self.output_kind.value
         d["structured_outputs"] = (self.structured_outputs.to_dict()
                                    if self.structured_outputs is not None else None)
@@ -332,3 +360,25 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown SamplingParams key(s): {unknown}")
         return cls(**values)
+
+
+def tokenize_bad_words(words: Sequence[str], encode: Any) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` as token sequences, as vLLM's ``SamplingParams.update_from_tokenizer``:
+    each word as written (leading spaces stripped) and with one leading space, the latter
+    kept only where it is another sequence of the same length (a word that tokenizes apart
+    from the text before it, and one that does not). ``encode(text)`` -> token ids, without
+    special tokens.
+
+    Raises:
+        ValueError: a word that encodes to no token.
+    """
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        if not bare:
+            raise ValueError(f"bad_words: {word!r} encodes to no token")
+        out.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(dict.fromkeys(out))

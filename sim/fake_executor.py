@@ -47,19 +47,18 @@ def fake_next_token(context: Sequence[int] | np.ndarray, vocab_size: int) -> int
 
 
 def fake_masked_next_token(context: Sequence[int] | np.ndarray, allowed: np.ndarray) -> int:
-    """The fake model's next token after ``context`` under a grammar: of the ``allowed`` token
-    ids, the one with the smallest ``xxh64(context + [token])`` (the smallest id on a tie)."""
+    """The fake model's next token after ``context`` under a mask: of the ``allowed`` token ids
+    (ascending), the one whose score ``splitmix64(xxh64(context) ^ token)`` is smallest (the
+    smallest id on a tie). One hash of the context, then numpy over the allowed ids."""
     if not len(allowed):
         raise PagingError("a token bitmask row allows no token")
-    prefix = xxhash.xxh64(np.asarray(context, dtype=np.int64).tobytes())
-    best, best_hash = -1, -1
-    for t in allowed.tolist():
-        h = prefix.copy()
-        h.update(np.int64(t).tobytes())
-        d = h.intdigest()
-        if best < 0 or d < best_hash:
-            best, best_hash = t, d
-    return best
+    h = np.uint64(xxhash.xxh64_intdigest(np.asarray(context, dtype=np.int64).tobytes()))
+    z = np.asarray(allowed, dtype=np.uint64) ^ h
+    z += np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return int(allowed[int(np.argmin(z))])
 
 
 def fake_logprob(context: Sequence[int] | np.ndarray, token: int, vocab_size: int) -> float:
@@ -297,8 +296,8 @@ class _FakeStep:
         self.bitmask: np.ndarray | None = None
 
     def set_token_bitmask(self, bitmask: np.ndarray) -> None:
-        """Check and keep the grammar masks (``StepHandle.set_token_bitmask``): one row per
-        sampling row, every bit set on rows without a grammar, given once, before the step runs."""
+        """Check and keep the token masks (``StepHandle.set_token_bitmask``): one row per
+        sampling row, every bit set on unmasked rows, given once, before the step runs."""
         plan = self.plan
         if not plan.num_masked_rows:
             raise PagingError("a token bitmask for a step without masked rows")
@@ -309,7 +308,7 @@ class _FakeStep:
             raise PagingError(f"token bitmask of shape {bitmask.shape} {bitmask.dtype}, want {want} int32")
         unmasked = ~plan.masked[plan.sample]
         if (bitmask[unmasked] != ALL_ALLOWED).any():
-            raise PagingError("a row without a grammar has a restricted token bitmask")
+            raise PagingError("an unmasked row (no grammar, no token rule) has a restricted token bitmask")
         self.bitmask = bitmask.copy()
 
     def result(self) -> StepResult:

@@ -35,6 +35,11 @@ class FakeTextStream:
     def add(self, token_ids: Sequence[int]) -> str:
         return fake_text(token_ids)
 
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        """A text's fake token ids: each letter's first id (spaces and others: none)."""
+        return [FAKE_ALPHABET.index(c) for c in text if c in FAKE_ALPHABET]
+
 
 @dataclass(frozen=True)
 class Expected:
@@ -87,10 +92,13 @@ def oracle_generate(
     ``next_token`` replaces the hash model (``fake_next_token``), e.g. by the
     recorded model of a live trace (``sim.fake_executor.recorded_next_token``).
     A request with ``structured_outputs`` samples under its grammar's mask from
-    ``grammar_backend`` (``fake_masked_next_token``), position by position.
+    ``grammar_backend`` (``fake_masked_next_token``), position by position; so does
+    a position under a token rule (``bad_words_token_ids``: every one; ``min_tokens``:
+    the first ``min_tokens``), over the tokens the rule leaves.
 
     Stops at the first of: eos (unless ``ignore_eos``), a stop token, a stop
-    string in the (fake) text, ``max_tokens`` completion tokens,
+    string in the (fake) text (not one that ends within the first ``min_tokens``
+    tokens), ``max_tokens`` completion tokens,
     ``max_model_len`` total tokens. The token that stops it is included; if the
     last allowed token is also eos/stop the reason is ``stop``. A stop string cuts
     the text before it (after it with ``include_stop_str_in_output``); an eos or
@@ -100,27 +108,43 @@ def oracle_generate(
         ValueError: empty prompt, or a prompt already at ``max_model_len`` (no
             room for one completion token).
     """
-    if params.structured_outputs is not None:
-        if grammar_backend is None:
-            raise ValueError("a request with structured_outputs needs a grammar backend")
-        next_token = _masked_model(grammar_backend, params, vocab_size)
-    elif next_token is None:
+    if next_token is None:
         next_token = lambda context: fake_next_token(context, vocab_size)  # noqa: E731
+    if params.structured_outputs is not None or params.min_tokens or params.bad_words_token_ids:
+        if params.structured_outputs is not None and grammar_backend is None:
+            raise ValueError("a request with structured_outputs needs a grammar backend")
+        next_token = _masked_model(grammar_backend, params, vocab_size, len(prompt_token_ids),
+                                   eos_token_set(eos_token_id), next_token)
     e = _generate(list(prompt_token_ids), params, eos_token_id, max_model_len, next_token)
     return _with_logprobs(e, list(prompt_token_ids), params, vocab_size)
 
 
-def _masked_model(backend: GrammarBackend, params: SamplingParams, vocab_size: int
-                  ) -> Callable[[list[int]], int]:
-    """The fake model under the request's grammar: mask, pick, advance the matcher."""
-    assert params.structured_outputs is not None
-    matcher = backend.matcher(params.structured_outputs)
+def _masked_model(backend: GrammarBackend | None, params: SamplingParams, vocab_size: int, num_prompt: int,
+                  eos: frozenset[int], unmasked: Callable[[list[int]], int]) -> Callable[[list[int]], int]:
+    """The fake model under the request's grammar and token rules: mask, pick, advance the
+    matcher; ``unmasked`` at a position neither masks."""
+    matcher = backend.matcher(params.structured_outputs) if params.structured_outputs is not None else None
     mask = np.empty((1, bitmask_width(vocab_size)), dtype=np.int32)
+    every = np.arange(vocab_size)
 
     def next_token(context: list[int]) -> int:
-        matcher.fill_bitmask(mask, 0)
-        token = fake_masked_next_token(context, allowed_tokens(mask[0], vocab_size))
-        assert matcher.accept_token(token)
+        out = context[num_prompt:]
+        if matcher is None and not params.bad_words_token_ids and len(out) >= params.min_tokens:
+            return unmasked(context)
+        allowed = every
+        if matcher is not None:
+            matcher.fill_bitmask(mask, 0)
+            allowed = allowed_tokens(mask[0], vocab_size)
+        banned = set()
+        if len(out) < params.min_tokens:
+            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
+        for word in params.bad_words_token_ids:
+            k = len(word) - 1
+            if len(out) >= k and out[len(out) - k:] == list(word[:-1]):
+                banned.add(word[-1])
+        left = allowed[~np.isin(allowed, list(banned))]
+        token = fake_masked_next_token(context, left if len(left) else allowed)
+        assert matcher is None or matcher.accept_token(token)
         return token
     return next_token
 
@@ -143,7 +167,8 @@ def _generate(prompt: list[int], params: SamplingParams, eos_token_id: int | Seq
             return Expected(tuple(out), "stop", text)
         if text is not None:
             text += fake_text([token])
-            ends = [(text.index(s), s) for s in params.stop if text.endswith(s)]  # one char per token
+            ends = [] if len(out) <= params.min_tokens else [
+                (len(text) - len(s), s) for s in params.stop if text.endswith(s)]  # one char per token
             if ends:
                 i, s = min(ends)
                 return Expected(tuple(out), "stop", text[:i + len(s)] if params.include_stop_str_in_output

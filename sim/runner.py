@@ -142,8 +142,8 @@ def recorded_contexts(trace: Trace) -> dict[str, tuple[int, ...]]:
 
 def replay_inputs(trace: Trace) -> Trace:
     """A recorded trace with its stop strings made replayable on the fake tokenizer
-    (the module docstring) and its grammars dropped (the recorded tokens obey them); a trace
-    of the hash model is returned as is."""
+    (the module docstring) and its grammars and token rules dropped (the recorded tokens
+    obey them); a trace of the hash model is returned as is."""
     if trace.fake_model != "recorded":
         return trace
     finished: dict[str, tuple[int, ...]] = {}
@@ -153,10 +153,13 @@ def replay_inputs(trace: Trace) -> Trace:
         reasons.update(e.finish_reasons or {})
     events = []
     for ev in trace.events:
-        if isinstance(ev, AddEvent) and ev.sampling.structured_outputs is not None:
-            # The recorded tokens already obey the grammar, and the engine's decisions depend
-            # on it only through them; the fake backend could not compile a real one.
-            ev = dataclasses.replace(ev, sampling=dataclasses.replace(ev.sampling, structured_outputs=None))
+        if isinstance(ev, AddEvent) and (ev.sampling.structured_outputs is not None or ev.sampling.has_token_rules):
+            # The recorded tokens already obey the grammar and the token rules, and the engine's
+            # decisions depend on them only through those tokens (a masked row would sample the
+            # fake model's masked pick, not the recording); the fake backend could not compile
+            # a real grammar.
+            ev = dataclasses.replace(ev, sampling=dataclasses.replace(
+                ev.sampling, structured_outputs=None, min_tokens=0, bad_words=(), bad_words_token_ids=()))
         if isinstance(ev, AddEvent) and ev.sampling.stop:
             p = ev.sampling
             stops = []

@@ -4,8 +4,9 @@
 arrivals over time, shared prefixes (among live requests and across finished
 ones), prompts that need chunking, pools small enough to preempt and evict,
 aborts of waiting/running/finished requests, eos and stop hits, ``ignore_eos``,
-``max_model_len`` hits and requests that must be rejected when added. Half the
-traces run with asynchronous scheduling (one step in flight).
+``max_model_len`` hits, grammars, token rules (``min_tokens``, bad words), and
+requests that must be rejected when added. Half the traces run with asynchronous
+scheduling (one step in flight).
 
 The format's names (events, ``Trace``, ``load``/``loads``) are re-exported here, so
 the simulator's modules take everything about traces from one place.
@@ -18,9 +19,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
+
 from minivllm.config import POLICIES, CacheConfig, SchedulerConfig, cdiv
 from minivllm.engine.trace import AbortEvent, AddEvent, ExpectEvent, InputEvent, Trace, load, loads
 from minivllm.sampling import SamplingParams
+from sim.fake_executor import fake_masked_next_token
+from sim.oracle import fake_text
 
 __all__ = ["AbortEvent", "AddEvent", "ExpectEvent", "InputEvent", "OVERRIDE_KEYS", "Trace",
            "flatten_overrides", "generate_trace", "load", "loads"]
@@ -63,9 +68,11 @@ class _Draw:
     # Its own stream for the sampling features (n, logprobs), so adding them kept every
     # seed's requests as they were.
     features: random.Random = field(default_factory=random.Random)
-    # And one for the output kind (drawn later still), and one for grammars (later again).
+    # And one for the output kind (drawn later still), one for grammars (later again), and
+    # one for token rules (later again).
     output_kinds: random.Random = field(default_factory=random.Random)
     grammars: random.Random = field(default_factory=random.Random)
+    rules: random.Random = field(default_factory=random.Random)
     events: list[InputEvent] = field(default_factory=list)
     valid: list[AddEvent] = field(default_factory=list)
 
@@ -141,7 +148,7 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
     num_blocks = cache.num_blocks if cache.num_blocks is not None else c["executor_num_blocks"]
     d = _Draw(rng, c["vocab_size"], cache.block_size, sched.max_model_len, num_blocks,
               features=random.Random(f"features-{seed}"), output_kinds=random.Random(f"output-kinds-{seed}"),
-              grammars=random.Random(f"grammars-{seed}"))
+              grammars=random.Random(f"grammars-{seed}"), rules=random.Random(f"rules-{seed}"))
     if rng.random() < 0.15:
         d.alphabet = rng.randint(1, 3)
     if d.cap >= 2:
@@ -189,9 +196,10 @@ def _draw_requests(d: _Draw, eos_token_id: int | None) -> None:
         if rng.random() < 0.25:
             stop = tuple(rng.randrange(d.vocab_size) for _ in range(rng.randint(1, 3)))
         ignore_eos = rng.random() < 0.2
+        rules = _draw_token_rules(d, prompt, max_tokens, stop, eos_token_id)
         params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop,
-            **_draw_stop_strings(rng), **_draw_features(d.features),
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+            **{"stop_token_ids": stop, **_draw_stop_strings(rng), **_draw_features(d.features), **rules},
             # A quarter report only when they end, as offline generate() asks.
             output_kind="final_only" if d.output_kinds.random() < 0.25 else "delta",
             structured_outputs=_draw_grammar(d.grammars) if eos_token_id is not None and not ignore_eos else None,
@@ -213,6 +221,54 @@ def _draw_features(rng: random.Random) -> dict[str, Any]:
         f["logprobs"] = rng.randint(0, 3)
     if rng.random() < 0.1:
         f["prompt_logprobs"] = rng.randint(0, 2)
+    return f
+
+
+def _draw_token_rules(d: _Draw, prompt: list[int], max_tokens: int, stop: tuple[int, ...],
+                      eos_token_id: int | None) -> dict[str, Any]:
+    """Token rules (``engine/token_rules.py``) for an eighth of the requests, drawn to bite:
+    from the first few tokens the fake model would pick under a mask (``chain``),
+
+    - ``min_tokens`` (half of them), with one of the chain's tokens before it made a stop
+      token half the times, so that the ban changes the completion, and a stop string the
+      chain writes before it a third of the others, which must not end the completion;
+    - ``bad_words_token_ids`` (the other half, some with ``min_tokens`` too): mostly runs of
+      1-3 chain tokens, whose first occurrence the ban then breaks; near misses (a chain
+      token after a prefix it does not follow there, which must not be banned); some random.
+    """
+    rng = d.rules
+    u = rng.random()
+    if u >= 0.125:
+        return {}
+    banned = set(stop) | ({eos_token_id} if eos_token_id is not None else set())
+    allowed = np.array([t for t in range(d.vocab_size) if t not in banned])
+    chain, context = [], list(prompt)
+    for _ in range(min(max_tokens, 4)):
+        chain.append(fake_masked_next_token(context, allowed))
+        context.append(chain[-1])
+    f: dict[str, Any] = {}
+    if u < 0.0625 or rng.random() < 0.3:
+        f["min_tokens"] = rng.randint(1, max_tokens)
+        v = rng.random()
+        if v < 0.5:
+            f["stop_token_ids"] = tuple(dict.fromkeys(stop + (rng.choice(chain[:f["min_tokens"]]),)))
+        elif v < 0.8:  # a stop string the first min_tokens tokens write, which must not count
+            end = rng.randrange(min(f["min_tokens"], len(chain)))
+            f["stop"] = (fake_text(chain[max(0, end - rng.randint(0, 1)):end + 1]),)
+    if u >= 0.0625:
+        words = []
+        for _ in range(rng.randint(1, 3)):
+            u = rng.random()
+            if u < 0.6:
+                end = rng.randrange(len(chain))
+                words.append(tuple(chain[max(0, end - rng.randint(0, 2)):end + 1]))
+            elif u < 0.85:  # a near miss: a chain token after another prefix, never banned there
+                end = rng.randrange(len(chain))
+                other = [t for t in range(d.vocab_size) if end == 0 or t != chain[end - 1]]
+                words.append((rng.choice(other), chain[end]))
+            else:
+                words.append(tuple(rng.randrange(d.vocab_size) for _ in range(rng.randint(1, 3))))
+        f["bad_words_token_ids"] = tuple(dict.fromkeys(words))
     return f
 
 

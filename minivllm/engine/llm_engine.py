@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 from typing import Sequence as Seq
 
 import numpy as np
@@ -39,9 +39,10 @@ from minivllm.engine.observer import EngineObserver
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.token_rules import ban, banned_tokens, masks_position
 from minivllm.executor.base import Executor, StepHandle
 from minivllm.outputs import FinishReason, RequestOutput, StopReason
-from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
+from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set, tokenize_bad_words
 from minivllm.step_types import TokenHistory
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
@@ -65,8 +66,16 @@ class TextStream(Protocol):
         ...
 
 
-# Makes the text stream of a request from its prompt token ids.
-TextStreamFactory = Callable[[list[int], SamplingParams], TextStream]
+class TextStreamFactory(Protocol):
+    """The engine's window on the tokenizer (``minivllm.llm.DetokenizingTextStreams``)."""
+
+    def __call__(self, prompt_token_ids: list[int], params: SamplingParams) -> TextStream:
+        """The text stream of a request from its prompt token ids."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, without special tokens (for ``SamplingParams.bad_words``)."""
+        ...
 
 
 @dataclass
@@ -113,8 +122,8 @@ class _InFlight:
     # Sequences that finished (or were aborted) while this step may still write
     # their blocks: freed when it completes.
     retired: list[Sequence] = field(default_factory=list)
-    # Per sampling row, the sequence whose grammar masks it (None: unconstrained); None
-    # when no row is masked, or once the bitmask was given.
+    # Per sampling row, the sequence whose grammar or token rules mask it (None: unmasked);
+    # None when no row is masked, or once the bitmask was given.
     masked: list[Sequence | None] | None = None
 
 
@@ -191,6 +200,10 @@ class LLMEngine:
         """Queue a request; raises ``ValueError``/``TypeError`` (nothing queued) if it can never run."""
         params = SamplingParams() if sampling_params is None else sampling_params
         self.validate_request(request_id, prompt_token_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            assert self.text_streams is not None  # validate_request checked
+            params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(
+                params.bad_words, self.text_streams.encode))
         seq = self._new_sequence(request_id, [int(t) for t in prompt_token_ids], params, 0)
         self._members[request_id] = [seq.name]
         if params.n > 1:
@@ -244,10 +257,17 @@ class LLMEngine:
         if params.stop and self.text_streams is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this engine "
                              "has none (text_streams)")
+        if params.bad_words and not params.bad_words_token_ids and self.text_streams is None:
+            raise ValueError(f"request {request_id!r}: bad_words need a tokenizer, and this engine has "
+                             "none (text_streams); give bad_words_token_ids instead")
+        if params.has_token_rules and self._mask_vocab_size is None:
+            raise ValueError(f"request {request_id!r}: min_tokens and bad_words need an engine that knows "
+                             "its vocabulary size")
         if params.structured_outputs is not None:
             self._validate_grammar(request_id, params)
         for field, last in (("logit_bias", params.logit_bias[-1][0] if params.logit_bias else None),
-                            ("allowed_token_ids", params.allowed_token_ids[-1] if params.allowed_token_ids else None)):
+                            ("allowed_token_ids", params.allowed_token_ids[-1] if params.allowed_token_ids else None),
+                            ("bad_words_token_ids", max(map(max, params.bad_words_token_ids), default=None))):
             if last is not None and self.vocab_size is not None and last >= self.vocab_size:
                 raise ValueError(f"request {request_id!r}: {field} names token {last}, "
                                  f"outside the vocabulary [0, {self.vocab_size})")
@@ -385,8 +405,8 @@ class LLMEngine:
             plan = self._build_plan(out)
             self._inflight = _InFlight(out, self.executor.submit(plan), frozenset(plan.seq_ids))
             if plan.num_masked_rows:
-                self._inflight.masked = [c.seq if c.seq.grammar is not None else None
-                                         for c in out.scheduled if c.samples]
+                self._inflight.masked = [c.seq if m else None
+                                         for c, m in zip(out.scheduled, plan.masked) if c.samples]
         if previous is not None:
             outputs.extend(self._complete(previous))
         if self._inflight is not None and self._inflight.masked is not None:
@@ -399,16 +419,30 @@ class LLMEngine:
             self.observer.on_step(self, self.last_step)
         return outputs
 
+    @property
+    def _mask_vocab_size(self) -> int | None:
+        """The token ids a bitmask row covers: the grammar backend's, else the model's."""
+        return self.grammar_backend.vocab_size if self.grammar_backend is not None else self.vocab_size
+
     def _send_bitmask(self, step: _InFlight) -> None:
-        """Fill the step's grammar masks from its sequences' matchers and hand them over."""
-        assert step.masked is not None and self.grammar_backend is not None
+        """Fill the step's masks (grammars from their matchers, then token rules:
+        ``engine/token_rules.py``) and hand them over."""
+        assert step.masked is not None
+        vocab_size = self._mask_vocab_size
+        assert vocab_size is not None  # validate_request checked
         t0 = time.perf_counter()
-        bitmask = np.full((len(step.masked), bitmask_width(self.grammar_backend.vocab_size)),
-                          ALL_ALLOWED, dtype=np.int32)
-        live = [(row, seq.grammar) for row, seq in enumerate(step.masked)
-                if seq is not None and seq.grammar is not None]  # None: retired since the plan
-        if live:
-            self.grammar_backend.fill_bitmasks([m for _, m in live], bitmask, [r for r, _ in live])
+        bitmask = np.full((len(step.masked), bitmask_width(vocab_size)), ALL_ALLOWED, dtype=np.int32)
+        # A sequence retired since the plan samples unmasked; its token is dropped.
+        live = [(row, seq) for row, seq in enumerate(step.masked)
+                if seq is not None and seq.status is not SequenceStatus.FINISHED]
+        grammars = [(row, seq.grammar) for row, seq in live if seq.grammar is not None]
+        if grammars:
+            assert self.grammar_backend is not None
+            self.grammar_backend.fill_bitmasks([m for _, m in grammars], bitmask, [r for r, _ in grammars])
+        for row, seq in live:
+            if seq.has_token_rules:
+                params = seq.sampling_params
+                ban(bitmask, row, banned_tokens(params, seq.output_token_ids, self._eos), vocab_size)
         step.masked = None
         self.stats.num_masked_steps += 1
         self.stats.grammar_mask_s += time.perf_counter() - t0
@@ -451,7 +485,9 @@ class LLMEngine:
             tables.append(tuple(seq.block_table))
             sample.append(c.samples)
             params.append(seq.sampling_params)
-            if c.samples and seq.grammar is not None:
+            # num_output_tokens counts this step's own sample (pending) too.
+            if c.samples and (seq.grammar is not None or seq.has_token_rules and masks_position(
+                    seq.sampling_params, seq.num_output_tokens - 1)):
                 masked = masked or [False] * len(out.scheduled)
                 masked[i] = True
             if c.samples and seq.has_penalties:
@@ -547,23 +583,25 @@ class LLMEngine:
             return _STOPPED_BY_EOS
         if token in p.stop_token_ids:
             return "stop", token
-        if seq.text_stream is not None and (stop := self._stop_string_found(seq, token)) is not None:
-            return "stop", stop
         known = len(seq.token_ids)
+        if seq.text_stream is not None and (stop := self._stop_string_found(
+                seq, token, known - seq.num_prompt_tokens > p.min_tokens)) is not None:
+            return "stop", stop
         if known - seq.num_prompt_tokens >= p.max_tokens or known >= self.scheduler_config.max_model_len:
             return _LENGTH
         return _RUNNING
 
     @staticmethod
-    def _stop_string_found(seq: Sequence, token: int) -> str | None:
-        """Grow ``seq.text`` by ``token``; the stop string it now contains (and the cut set), if any.
+    def _stop_string_found(seq: Sequence, token: int, search: bool) -> str | None:
+        """Grow ``seq.text`` by ``token``; the stop string it now contains (and the cut set), if
+        any, when ``search`` (not before ``min_tokens``).
 
         Only occurrences that end in the new text are new; the earliest one wins.
         """
         assert seq.text_stream is not None
         delta = seq.text_stream.add([token])
         seq.text += delta
-        if not delta:
+        if not delta or not search:
             return None
         p, n = seq.sampling_params, len(seq.text)
         found = [(i, s) for s in p.stop

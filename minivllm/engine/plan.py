@@ -27,7 +27,8 @@ Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
                            tokens (``TokenHistory``); None elsewhere. A token
                            fed by reference is not in it: the executor adds
                            the resolved value (it is a completion token)
-    masked           (B,)  True where the row samples under a grammar: its token bitmask
+    masked           (B,)  True where the row samples under a grammar or a token rule
+                           (``engine/token_rules.py``): its token bitmask
                            is filled once the tokens before it are known and comes to
                            the executor through ``StepHandle.set_token_bitmask``
                            (``engine/grammar.py``), before the step's result is asked for
@@ -129,7 +130,7 @@ class StepPlan:
 
     @property
     def num_masked_rows(self) -> int:
-        """Rows sampling under a grammar (0: the step needs no token bitmask)."""
+        """Rows sampling under a token bitmask (0: the step needs none)."""
         return int(np.count_nonzero(self.masked)) if len(self.masked) else 0
 
     @property

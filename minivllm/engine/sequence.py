@@ -104,6 +104,7 @@ class Sequence:
         if self.computes_prompt_logprobs:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
         self.has_penalties = sampling_params.has_penalties
+        self.has_token_rules = sampling_params.has_token_rules  # min_tokens, bad words (engine/token_rules.py)
         # Structured outputs: the matcher (engine/grammar.py), which has accepted exactly
         # the known completion tokens (``num_grammar_tokens`` of them); None when unconstrained.
         self.grammar: Any = None

@@ -203,6 +203,8 @@ class _Request(_Body):
     return_token_ids: bool = False        # extension (vLLM): the prompt's and each choice's token ids
     logit_bias: dict[str, float] | None = None   # OpenAI's: {"token id": bias in [-100, 100]}
     allowed_token_ids: list[Int64] | None = None  # extension (vLLM): only these may be sampled
+    min_tokens: Int64 = 0                 # extension (vLLM): no stop before this many tokens
+    bad_words: list[str] | None = None    # extension (vLLM): words never generated
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -326,12 +328,12 @@ class _Request(_Body):
             except ValueError:
                 raise ValueError(f"logit_bias: keys must be token ids, got {sorted(self.logit_bias)!r}") from None
         given = dict(temperature=self.temperature, top_p=self.top_p, n=self.n, seed=self.seed, logit_bias=bias,
-                     allowed_token_ids=self.allowed_token_ids,
+                     allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      repetition_penalty=self.repetition_penalty, stop=self.stop,
                      stop_token_ids=self.stop_token_ids)
         return SamplingParams(
-            max_tokens=max_tokens, top_k=self.top_k,
+            max_tokens=max_tokens, top_k=self.top_k, min_tokens=self.min_tokens,
             min_p=self.min_p, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),

@@ -10,6 +10,7 @@ nothing; a strong one moves the argmax as defined).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest sets it too)
@@ -509,3 +510,31 @@ def test_allowed_token_ids_keep_the_sampling_to_them(model):
         assert ex.execute(plan_of([seq | {"params": p}])).sampled[0] in (6, 13)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_min_tokens_and_bad_words_through_the_engine(model):
+    """Through ``LLM`` on the tiny model, greedy, both scheduling modes: a stop token the
+    completion would write second does not end it before ``min_tokens``, and the token after a
+    bad word's prefix is the best other one (HF's logits with it excluded)."""
+    from minivllm import LLM
+
+    hf, path = model
+    prompt = [3, 1, 4, 1, 5]
+    with LLM(path, device="cpu", kernels="torch", skip_tokenizer_init=True, block_size=BS,
+             num_blocks=32, max_num_seqs=4) as llm:
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)[0].token_ids
+        g = tuple(free)
+        stop_second = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[g[1]])
+        word = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words_token_ids=[g[1:3]])
+        for async_scheduling in (False, True):
+            llm.engine.set_async_scheduling(async_scheduling)
+            stopped, held, banned = llm.generate(
+                [prompt] * 3, [stop_second, dataclasses.replace(stop_second, min_tokens=3), word], use_tqdm=False)
+            assert stopped.token_ids == g[:2] and stopped.finish_reason == "stop"
+            assert held.token_ids[0] == g[0] and held.token_ids[1] != g[1] and len(held.token_ids) >= 3
+            assert banned.token_ids[:2] == g[:2] and banned.token_ids[2] != g[2]
+            for out, at in ((banned, 2), (held, 1)):  # the banned token's runner-up
+                logits = hf_logits(hf, prompt + list(g[:at]))[-1]
+                logits[g[at]] = float("-inf")
+                assert out.token_ids[at] == int(logits.argmax())

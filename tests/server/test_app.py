@@ -1055,6 +1055,28 @@ def test_logit_bias_through_the_api(server) -> None:
                  "outside the vocabulary", "allowed_token_ids")
 
 
+def test_min_tokens_and_bad_words_through_the_api(server) -> None:
+    """vLLM's ``min_tokens`` (eos held back until then) and ``bad_words`` (tokenized by the
+    server, with and without a leading space), streamed or not; bad values are a 400 naming
+    the field."""
+    c, body = server.client, {"prompt": "1+1=", "max_tokens": 8, "temperature": 0}
+    assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == "2"
+    r = c.post("/v1/completions", json=body | {"min_tokens": 5}).json()
+    assert len(r["choices"][0]["text"]) == 5 and r["choices"][0]["finish_reason"] == "stop", r
+    assert r["usage"]["completion_tokens"] == 6  # and the eos after them
+    r = c.post("/v1/completions", json={**body, "prompt": "12+34=", "bad_words": ["46"]}).json()
+    assert r["choices"][0]["text"] == "47", r
+    chat = CHAT | {"max_tokens": 8, "temperature": 0}
+    want = c.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    events = [json.loads(line[6:]) for line in c.post(
+        "/v1/chat/completions", json=chat | {"stream": True, "bad_words": [want]}).text.splitlines()
+        if line.startswith("data: {")]
+    got = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert got and want not in got, (want, got)
+    assert_error(c.post("/v1/completions", json=body | {"min_tokens": 9}), 400, "min_tokens", "min_tokens")
+    assert_error(c.post("/v1/completions", json=body | {"bad_words": [" "]}), 400, "bad_words", "bad_words")
+
+
 def test_prefix_cache_hits_reach_usage() -> None:
     """``RequestOutput.num_cached_tokens`` into the Responses usage always, and into the chat and
     completions usage on a server with ``--enable-prompt-tokens-details``."""
