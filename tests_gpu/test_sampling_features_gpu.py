@@ -54,3 +54,25 @@ def test_structured_outputs_on_the_gpu_match_the_cpu() -> None:
                 outs[device, mode] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         gc.collect()
     assert outs["cuda", False] == outs["cpu", False] == outs["cuda", True]
+
+
+def test_request_shaping_on_the_gpu_matches_the_cpu() -> None:
+    """logit_bias and allowed_token_ids (applied to the device's logits), min_tokens and bad_words
+    (token rules in the host's bitmask), random rows seeded: the CPU executor's tokens, in both
+    scheduling modes, and every request's own promise kept."""
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=8, logit_bias={25: 5.0, 2: -100}),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=8, ignore_eos=True, allowed_token_ids=[21, 22, 23]),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=6),
+              SamplingParams(temperature=0, max_tokens=8, bad_words=["46", "7"])]
+    outs = {}
+    for device in ("cuda", "cpu"):
+        with LLM("fixtures/tiny-qwen3", device=device, dtype="float32", num_blocks=256, max_num_seqs=8) as llm:
+            for mode in (False, True):
+                llm.engine.set_async_scheduling(mode)
+                outs[device, mode] = llm.generate(PROMPTS[:1] * 4, params, use_tqdm=False)
+        gc.collect()
+    tokens = {k: [o.token_ids for o in v] for k, v in outs.items()}
+    assert tokens["cuda", False] == tokens["cpu", False] == tokens["cuda", True] == tokens["cpu", True]
+    biased, allowed, held, banned = outs["cuda", True]
+    assert 2 not in biased.token_ids and set(allowed.token_ids) <= {21, 22, 23}
+    assert len(held.token_ids) >= 6 and "46" not in banned.text and "7" not in banned.text
