@@ -137,6 +137,53 @@ class SchedulerConfig:
         return _from_dict(cls, values)
 
 
+SPEC_METHODS: tuple[str, ...] = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``, its names): a proposer suggests up
+    to ``num_speculative_tokens`` draft tokens per decoding sequence, and one forward of the
+    model scores them all (docs/design.md, "Speculative decoding").
+
+    Attributes:
+        method: ``ngram``: prompt lookup, the tokens that followed the latest earlier
+            occurrence of the context's last n tokens (``minivllm/spec/ngram.py``).
+        num_speculative_tokens: most drafts per sequence and step (k), 1..16.
+        prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first
+            (vLLM's defaults: 5 and 5 when neither is given, the other one when one is).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an int in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)  # the defaults, resolved
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "SpeculativeConfig":
+        return _from_dict(cls, values)
+
+
 DTYPE_NAMES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 LoadFormat = Literal["auto", "dummy"]

@@ -40,6 +40,11 @@ from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.step_types import TokenLogprobs
 
 
+# What a slot holds once the draft token written there was rejected: its K/V is garbage,
+# and a correct engine rewrites the slot before any step reads it.
+REJECTED = -2
+
+
 def fake_next_token(context: Sequence[int] | np.ndarray, vocab_size: int) -> int:
     """The fake model's next token after ``context`` (positions 0..n-1)."""
     data = np.asarray(context, dtype=np.int64).tobytes()
@@ -210,6 +215,8 @@ class FakeExecutor:
         self._write(inputs.slot_mapping, ids)
         rows = np.flatnonzero(plan.sample)
         contexts = self._read(inputs.block_tables[rows], inputs.kv_lens[rows])
+        if len(plan.num_drafts):
+            return self._verify(plan, inputs, rows, contexts, bitmask)
         if bitmask is None:
             sampled = {plan.seq_ids[r]: self._next_token(plan.seq_ids[r], ctx)
                        for r, ctx in zip(rows.tolist(), contexts)}
@@ -226,6 +233,49 @@ class FakeExecutor:
         self._last_sampled = sampled
         self.num_steps += 1
         return StepResult(sampled=sampled, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(plan, inputs))
+
+    def _verify(self, plan: StepPlan, inputs: BatchInputs, rows: np.ndarray, contexts: list[np.ndarray],
+                bitmask: np.ndarray | None) -> StepResult:
+        """A step with drafts: each sampling row with d drafts is scored at its last d + 1
+        positions; its drafts are accepted while each equals the fake model's token there,
+        then it samples the model's token after the accepted ones. The slots of rejected
+        drafts are marked ``REJECTED``, so a later read of one before it is rewritten fails."""
+        sampled, accepted, logprobs = {}, {}, {}
+        for i, (r, ctx) in enumerate(zip(rows.tolist(), contexts)):
+            sid, d = plan.seq_ids[r], int(plan.num_drafts[r])
+            if len(plan.masked) and plan.masked[r]:
+                if d:
+                    raise PagingError(f"sequence {sid} has drafts and a token bitmask")
+                assert bitmask is not None
+                ctxs = [ctx]
+                run = [fake_masked_next_token(ctx, allowed_tokens(bitmask[i], self.vocab_size))]
+            else:
+                first = len(ctx) - d  # ctx[:first + j]: the context that predicts draft j
+                ctxs = [ctx[:first + j] for j in range(d + 1)]
+                a = 0
+                while a < d and ctx[first + a] == self._next_token(sid, ctxs[a]):
+                    a += 1
+                ctxs = ctxs[:a + 1]
+                run = [int(t) for t in ctx[first:first + a]] + [self._next_token(sid, ctxs[a])]
+                if d:
+                    accepted[sid] = a
+                    self._reject(inputs, r, first + a, len(ctx))
+            sampled[sid] = run[-1]
+            k = plan.sampling_params[r].logprobs
+            if k is not None:
+                logprobs[sid] = _fake_token_logprobs(ctxs, run, k, self.vocab_size)
+        self._last_sampled = sampled
+        self.num_steps += 1
+        return StepResult(sampled=sampled, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(plan, inputs),
+                          num_accepted=accepted)
+
+    def _reject(self, inputs: BatchInputs, row: int, lo: int, hi: int) -> None:
+        """Mark the slots of positions ``lo .. hi - 1`` of ``row`` as holding rejected drafts."""
+        if lo >= hi:
+            return
+        pos = np.arange(lo, hi)
+        table = inputs.block_tables[row]
+        self.kv.reshape(-1)[table[pos // self.block_size] * self.block_size + pos % self.block_size] = REJECTED
 
     def _next_token(self, seq_id: int, context: np.ndarray) -> int:
         if self.recorded is None:
@@ -282,7 +332,10 @@ class FakeExecutor:
                 )
         # (S, W * block_size): every sequence's slots in position order.
         flat = self.kv[np.where(tables >= 0, tables, 0)].reshape(len(tables), tables.shape[1] * self.block_size)
-        return [flat[i, :n] for i, n in enumerate(kv_lens.tolist())]
+        read = [flat[i, :n] for i, n in enumerate(kv_lens.tolist())]
+        if (flat == REJECTED).any() and any((ctx == REJECTED).any() for ctx in read):
+            raise PagingError("a step reads a slot that holds a rejected draft, before any step rewrote it")
+        return read
 
 
 class _FakeStep:

@@ -44,9 +44,10 @@ from minivllm.config import cdiv
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput, sequence_name
 from minivllm.sampling import RequestOutputKind, eos_token_set
-from sim.fake_executor import FakeExecutor, recorded_next_token
+from sim.fake_executor import REJECTED, FakeExecutor, recorded_next_token
 from minivllm.engine.grammar import GrammarBackend
 from sim.grammar import FakeGrammarBackend, grammar_pattern
+from sim.fake_proposer import make_proposer
 from sim.oracle import Expected, FakeTextStream, fake_text, is_stop_token, oracle_generate
 from sim.traces import AbortEvent, AddEvent, ExpectEvent, Trace
 
@@ -189,7 +190,8 @@ class _Run:
                                 self.live_tokens, self.sequence_name if self.live_tokens is not None else None)
         self.grammars = grammar_backend or FakeGrammarBackend(trace.vocab_size, trace.eos_token_id)
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
-                                text_streams=FakeTextStream, grammar_backend=self.grammars)
+                                text_streams=FakeTextStream, grammar_backend=self.grammars,
+                                proposer=make_proposer(trace.speculative, trace.vocab_size))
         # Requests by id; their completions (n of them) by sequence name (``sequence_name``).
         self.accepted: dict[str, AddEvent] = {}
         self.owner: dict[str, str] = {}      # sequence name -> request id
@@ -373,6 +375,7 @@ class _Run:
             self.check_stream(step, out, seen)
             if out.finished:
                 self.check_output(step, out)
+        self.check_cached_blocks(step)
         late = sorted(self.aborted & self.unfinished)
         if late:
             self.violation(step, f"aborted {late} not returned by the next step()")
@@ -385,6 +388,17 @@ class _Run:
         elif self.mode == "replay":
             self.compare(step, expect)
         return bool(scheduled) or bool(outs) or not busy_before
+
+    def check_cached_blocks(self, step: int) -> None:
+        """No block in the prefix cache holds a rejected draft's token (``REJECTED``)."""
+        bm = self.engine.scheduler.block_manager
+        if not bm.hash_to_block:
+            return
+        kv = self.engine.executor.kv
+        hashed = list(bm.hash_to_block.values())
+        if (kv[hashed] == REJECTED).any():
+            bad = [b for b in hashed if (kv[b] == REJECTED).any()]
+            self.violation(step, f"prefix-cached block(s) {bad[:8]} hold a rejected draft")
 
     def check_record(self, step: int, outs: list[RequestOutput]) -> ExpectEvent:
         """Check ``engine.last_step`` against what the step returned; return it as an expect event."""

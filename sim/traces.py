@@ -32,7 +32,7 @@ __all__ = ["AbortEvent", "AddEvent", "ExpectEvent", "InputEvent", "OVERRIDE_KEYS
 
 _CACHE_KEYS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_TOP_KEYS = {"vocab_size", "eos_token_id", "executor_num_blocks"}
+_TOP_KEYS = {"vocab_size", "eos_token_id", "executor_num_blocks", "speculative"}
 OVERRIDE_KEYS: frozenset[str] = frozenset(_CACHE_KEYS | _SCHED_KEYS | _TOP_KEYS)
 
 
@@ -159,7 +159,24 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
     return Trace(
         seed=seed, cache=cache, scheduler=sched, executor_num_blocks=c["executor_num_blocks"],
         vocab_size=c["vocab_size"], eos_token_id=c["eos_token_id"], events=tuple(e for _, e in events),
+        speculative=_draw_speculative(random.Random(f"speculative-{seed}"), ov),
     )
+
+
+def _draw_speculative(rng: random.Random, ov: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Speculative decoding for 40% of the traces (its own stream: every other draw is as it
+    was): mostly the fake proposer (k 1..8, hit rates 0..1), else n-gram lookup, which the
+    traces' tiny alphabets and shared prefixes feed."""
+    if "speculative" in ov:
+        return ov["speculative"]
+    if rng.random() >= 0.4:
+        return None
+    if rng.random() < 0.75:
+        return {"method": "fake", "num_speculative_tokens": rng.randint(1, 8),
+                "hit_rate": rng.choice([0.0, 0.3, 0.6, 0.8, 0.9, 1.0])}
+    lo = rng.randint(1, 3)
+    return {"method": "ngram", "num_speculative_tokens": rng.randint(1, 5), "prompt_lookup_min": lo,
+            "prompt_lookup_max": lo + rng.randint(0, 2)}
 
 
 def _draw_prefixes(d: _Draw) -> list[list[int]]:

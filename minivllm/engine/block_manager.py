@@ -142,6 +142,20 @@ class BlockManager:
             assert need <= len(self.free_blocks), "caller must check blocks_needed() first"
             seq.block_table.extend(self._take_free_block() for _ in range(need))
 
+    def roll_back(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Forget ``seq``'s computed tokens past ``num_computed_tokens`` (rejected drafts: their
+        K/V is garbage and is rewritten before it is read); blocks that held only those go
+        back to the pool, first in line (they carry no hash worth keeping)."""
+        assert num_computed_tokens <= seq.num_computed_tokens
+        seq.num_computed_tokens = num_computed_tokens
+        keep = cdiv(num_computed_tokens, self.block_size)
+        for block in seq.block_table[keep:]:
+            assert self.ref_counts[block] == 1 and self.block_hash[block] is None, "a draft's block is private"
+            self.ref_counts[block] = 0
+            self.free_blocks[block] = None
+            self.free_blocks.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks; tail blocks first, so they are evicted first."""
         for block in reversed(seq.block_table):

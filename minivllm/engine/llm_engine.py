@@ -37,12 +37,13 @@ from minivllm.engine.block_manager import InvariantError
 from minivllm.engine.grammar import ALL_ALLOWED, GrammarBackend, bitmask_width
 from minivllm.engine.observer import EngineObserver
 from minivllm.engine.plan import StepPlan, StepResult
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+from minivllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.token_rules import ban, banned_tokens, masks_position
 from minivllm.executor.base import Executor, StepHandle
 from minivllm.outputs import FinishReason, RequestOutput, StopReason
 from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set, tokenize_bad_words
+from minivllm.spec.base import Proposer
 from minivllm.step_types import TokenHistory
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
@@ -91,6 +92,12 @@ class EngineStats:
     num_aborts: int = 0
     num_masked_steps: int = 0      # steps with grammar-masked rows
     grammar_mask_s: float = 0.0    # host seconds filling their token bitmasks
+    # Speculative decoding (vLLM's names): rows scored with drafts, the drafts scored,
+    # those accepted, and accepted drafts by position (index i: the (i+1)-th draft).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,9 @@ class LLMEngine:
             recorder; ``close()`` closes it.
         grammar_backend: compiles the grammars of requests with ``structured_outputs``
             (``engine/grammar.py``); without one such requests are refused.
+        proposer: speculative decoding's draft tokens (``spec/base.py``); with one, every
+            step is planned with all tokens known (the step in flight is applied first),
+            since drafts follow the latest token.
 
     Raises:
         ValueError: the configured pool is larger than the executor holds, or the
@@ -153,8 +163,8 @@ class LLMEngine:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  executor: Executor, eos_token_id: int | Seq[int] | None = None,
                  text_streams: TextStreamFactory | None = None, vocab_size: int | None = None,
-                 observer: EngineObserver | None = None, grammar_backend: GrammarBackend | None = None
-                 ) -> None:
+                 observer: EngineObserver | None = None, grammar_backend: GrammarBackend | None = None,
+                 proposer: Proposer | None = None) -> None:
         available = executor.num_kv_blocks()
         num_blocks = cache_config.num_blocks if cache_config.num_blocks is not None else available
         if num_blocks > available:
@@ -181,6 +191,7 @@ class LLMEngine:
         self._last_out: SchedulerOutput | None = None
         self.vocab_size = vocab_size
         self.grammar_backend = grammar_backend
+        self.proposer = proposer
         self.observer = observer
         if observer is not None:
             observer.attach(self)
@@ -393,9 +404,13 @@ class LLMEngine:
         """
         busy = self.has_unfinished_requests()
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self._drain_first and self._inflight is not None:
+        if (self._drain_first or self.proposer is not None) and self._inflight is not None:
             outputs.extend(self._complete(self._take_inflight()))
+        proposed = self._propose() if self.proposer is not None else []
         out = self.scheduler.schedule(can_preempt=self._inflight is None)
+        for seq in proposed:
+            if seq.drafts and not any(c.seq is seq and c.num_drafts for c in out.scheduled):
+                seq.drafts = []  # not scheduled with them: drafts live only until their step
         self._drain_first = out.blocked
         self._last_out = out
         if not out.scheduled and self._inflight is None:
@@ -418,6 +433,31 @@ class LLMEngine:
             assert self.last_step is not None
             self.observer.on_step(self, self.last_step)
         return outputs
+
+    def _propose(self) -> list[Sequence]:
+        """Ask the proposer for drafts for every running sequence about to decode (all its
+        tokens known); each gets at most k, and fewer than the tokens it may still produce
+        (the step adds one of its own). Returns the sequences asked for."""
+        assert self.proposer is not None
+        asked, room = [], []
+        k, max_len = self.proposer.num_speculative_tokens, self.scheduler_config.max_model_len
+        for seq in self.scheduler.running:
+            if not seq.is_decoding or not self._can_draft(seq):
+                continue
+            left = min(seq.sampling_params.max_tokens - seq.num_output_tokens, max_len - seq.num_tokens)
+            if left >= 2:
+                asked.append(seq)
+                room.append(min(k, left - 1))
+        if asked:
+            drafts = self.proposer.propose([seq.token_ids for seq in asked], room)
+            for seq, d, r in zip(asked, drafts, room):
+                seq.drafts = [int(t) for t in d[:r]]
+        return asked
+
+    @staticmethod
+    def _can_draft(seq: Sequence) -> bool:
+        """Rows the verifier scores without a mask or a token history per position."""
+        return seq.grammar is None and not seq.has_token_rules and not seq.has_penalties
 
     @property
     def _mask_vocab_size(self) -> int | None:
@@ -473,12 +513,20 @@ class LLMEngine:
         masked: list[bool] | None = None
         histories: list[TokenHistory | None] | None = None
         targets: list[np.ndarray | None] | None = None
+        drafts: list[int] | None = None
         for i, c in enumerate(out.scheduled):
             seq, start, end = c.seq, c.start, c.end
             known = seq.token_ids
+            if c.num_drafts:  # its last token, then the drafts (every token is known)
+                end = start + 1
+                drafts = drafts or [0] * len(out.scheduled)
+                drafts[i] = c.num_drafts
             # A chunk past the known tokens ends with the pending token of the step in flight.
             ref = end > len(known)
-            chunks.append(known[start:end] + [-1] if ref else known[start:end])
+            if ref:
+                chunks.append(known[start:end] + [-1])
+            else:
+                chunks.append(known[start:end] + seq.drafts if c.num_drafts else known[start:end])
             refs.append(ref)
             seq_ids.append(seq.seq_id)
             starts.append(start)
@@ -509,6 +557,7 @@ class LLMEngine:
             histories=histories,
             prompt_logprob_targets=targets,
             masked=masked,
+            num_drafts=drafts,
         )
 
     @staticmethod
@@ -532,7 +581,8 @@ class LLMEngine:
             seq = c.seq
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted while the step ran: its sample is dropped
-            bm.register_computed_blocks(seq, c.end)
+            if not c.num_drafts:  # a row with drafts registers once it knows which it kept
+                bm.register_computed_blocks(seq, c.end)
             if seq.seq_id in result.prompt_logprobs:
                 self._add_prompt_logprobs(seq, c.start, result)
             if not c.samples:
@@ -540,15 +590,18 @@ class LLMEngine:
             if self._unspawned and seq.index == 0 and seq.request_id in self._unspawned:
                 self._spawn(seq)  # the prompt is computed and its blocks cached now
             token = result.sampled[seq.seq_id]
-            if seq.grammar is not None:
-                self._advance_grammar(seq, token)
             seq.num_pending_tokens -= 1
-            seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.logprobs is not None:
-                seq.logprobs.extend(result.logprobs[seq.seq_id].as_dicts([token]))
-            reason, stop_reason = self._finish_reason(seq, token)
+            if c.num_drafts:
+                reason, stop_reason = self._apply_drafts(seq, c, token, result)
+            else:
+                if seq.grammar is not None:
+                    self._advance_grammar(seq, token)
+                seq.token_ids.append(token)
+                if seq.logprobs is not None:
+                    seq.logprobs.extend(result.logprobs[seq.seq_id].as_dicts([token]))
+                reason, stop_reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
                 del self.requests[seq.name]
@@ -557,6 +610,47 @@ class LLMEngine:
                 continue
             outputs.append(self._output(seq, stop_reason))
         return outputs
+
+    def _apply_drafts(self, seq: Sequence, c: ScheduledChunk, token: int,
+                      result: StepResult) -> tuple[FinishReason | None, StopReason]:
+        """Append a drafted row's accepted drafts and its own token, one at a time, as if each
+        came from its own step (a stop among them ends it there); then roll the computed
+        length back past the rejected drafts, give back blocks only they used, and offer the
+        blocks of accepted tokens to the prefix cache."""
+        d, a = c.num_drafts, result.num_accepted.get(seq.seq_id, 0)
+        if not 0 <= a <= d:
+            raise RuntimeError(f"{seq}: the executor accepted {a} of {d} drafts")
+        self._count_drafts(d, a)
+        seq.num_draft_tokens += d
+        seq.num_accepted_tokens += a
+        run = seq.drafts[:a] + [token]
+        seq.drafts = []
+        logprobs = result.logprobs[seq.seq_id].as_dicts(run) if seq.logprobs is not None else None
+        reason: FinishReason | None = None
+        stop_reason: StopReason = None
+        for i, t in enumerate(run):
+            seq.token_ids.append(t)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+            reason, stop_reason = self._finish_reason(seq, t)
+            if reason is not None:
+                break
+        kept = c.end - (d - a)  # the fed tokens whose K/V stand: its last token and the accepted drafts
+        bm = self.scheduler.block_manager
+        bm.register_computed_blocks(seq, min(kept, len(seq.token_ids)))
+        if reason is None:
+            bm.roll_back(seq, kept)
+        return reason, stop_reason
+
+    def _count_drafts(self, d: int, a: int) -> None:
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += d
+        s.num_accepted_tokens += a
+        if len(s.accepted_per_position) < d:
+            s.accepted_per_position.extend([0] * (d - len(s.accepted_per_position)))
+        for i in range(a):
+            s.accepted_per_position[i] += 1
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> None:
@@ -632,7 +726,7 @@ class LLMEngine:
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         decode = chunked = 0
         for c in out.scheduled:
-            decode += c.is_decode
+            decode += c.num_tokens if c.is_decode else 0  # a decode's drafts count with it
             chunked += 0 if c.samples else c.num_tokens
         prefill = out.num_tokens - decode
         s = self.stats
@@ -673,7 +767,7 @@ class LLMEngine:
                     or s.num_pending_tokens):
                 raise InvariantError(f"{s}: a waiting (or preempted) sequence is not bare")
         for s in running:
-            if s.status is not SequenceStatus.RUNNING or s.num_uncomputed_tokens < 1:
+            if s.status is not SequenceStatus.RUNNING or s.num_uncomputed_tokens + len(s.drafts) < 1:
                 raise InvariantError(f"{s}: running but not RUNNING, or nothing left to compute")
         for s in [*waiting, *running]:
             if (s.grammar is None) != (s.sampling_params.structured_outputs is None) or (

@@ -37,6 +37,11 @@ Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
                            int64 (P,) with P <= query_len: the prompt token that
                            fed position i predicts (the next prompt token), for
                            the chunk's first P positions; None elsewhere
+    num_drafts       (B,)  (or () when no row has any) d >= 0: the row's chunk is its
+                           last token followed by d draft tokens (speculative
+                           decoding); a sampling row with d > 0 is scored at its
+                           last d + 1 positions, and the executor accepts a prefix
+                           of the drafts (``StepResult.num_accepted``)
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class StepPlan:
     prompt_logprob_targets: tuple[np.ndarray | None, ...] = ()
     # bool (B,), or () when no row is: samples under a token bitmask given later.
     masked: np.ndarray | tuple[()] = ()
+    # int32 (B,), or () when no row has any: the draft tokens ending the row's chunk.
+    num_drafts: np.ndarray | tuple[()] = ()
 
     @staticmethod
     def build(
@@ -96,6 +103,7 @@ class StepPlan:
         histories: list[TokenHistory | None] | None = None,
         prompt_logprob_targets: list[np.ndarray | None] | None = None,
         masked: list[bool] | None = None,
+        num_drafts: list[int] | None = None,
     ) -> "StepPlan":
         """Assemble a plan from per-sequence lists (one concatenation, no per-token loop).
 
@@ -120,6 +128,8 @@ class StepPlan:
             prompt_logprob_targets=(tuple(prompt_logprob_targets) if prompt_logprob_targets is not None
                                     and any(t is not None for t in prompt_logprob_targets) else ()),
             masked=_frozen(np.asarray(masked, dtype=bool)) if masked is not None and any(masked) else (),
+            num_drafts=(_frozen(np.asarray(num_drafts, dtype=np.int32)) if num_drafts is not None
+                        and any(num_drafts) else ()),
         )
 
     @property
@@ -160,8 +170,13 @@ class StepResult:
             exactly the sampling sequences whose params ask for ``logprobs``.
         prompt_logprobs: sequence id -> ``TokenLogprobs`` of its P targets, for
             exactly the sequences with ``plan.prompt_logprob_targets`` set.
+        num_accepted: sequence id -> a, for rows with drafts (absent: 0): the row's first
+            a drafts are accepted and ``sampled`` is the token after them (the correction
+            of draft a + 1, or the bonus token after all d); its ``logprobs`` then cover
+            those a + 1 tokens (P = a + 1).
     """
 
     sampled: dict[int, int]
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    num_accepted: dict[int, int] = field(default_factory=dict)

@@ -50,7 +50,8 @@ class ScheduledChunk:
     start: int        # position of the first fed token (tokens computed before)
     num_tokens: int   # tokens fed this step (>= 1)
     samples: bool     # the chunk reaches the sequence's end: the step samples its next token
-    is_decode: bool   # ``is_decode_chunk``: one sampled token fed back
+    is_decode: bool   # ``is_decode_chunk``: one sampled token fed back (and its drafts)
+    num_drafts: int = 0  # draft tokens fed after it (``seq.drafts``, cut to fit)
 
     @property
     def end(self) -> int:
@@ -142,6 +143,8 @@ class Scheduler:
             if is_decode_chunk(start, remaining, seq.num_prompt_tokens):
                 if prefill_only:
                     continue
+                if seq.drafts and self._take_drafts(out, seq):
+                    continue
                 if start < len(seq.block_table) * bm.block_size:
                     # The common case, kept short (it runs per sequence per step):
                     # one token into a last block that has a free slot; nothing to allocate.
@@ -154,6 +157,23 @@ class Scheduler:
                 break  # seq preempted itself (everything after it is gone too) or is blocked
             bm.append_slots(seq, n)
             self._take(out, seq, n, remaining)
+
+    def _take_drafts(self, out: SchedulerOutput, seq: Sequence) -> bool:
+        """Schedule a decode with as many of its drafts as the budget and the free blocks
+        allow (never preempting for a draft); False (drafts dropped) when none fits."""
+        bm = self.block_manager
+        room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+        d = min(len(seq.drafts), out.budget - 1, room - 1)
+        del seq.drafts[max(d, 0):]
+        if d <= 0:
+            return False
+        bm.append_slots(seq, 1 + d)
+        start = seq.num_computed_tokens
+        out.scheduled.append(ScheduledChunk(seq, start, 1 + d, True, True, d))
+        out.budget -= 1 + d
+        seq.num_computed_tokens += 1 + d
+        seq.num_pending_tokens += 1
+        return True
 
     def _done_when_resolved(self, seq: Sequence) -> bool:
         """Its pending token is its last allowed one: nothing is scheduled past a request's end."""
@@ -220,6 +240,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
+        seq.drafts = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

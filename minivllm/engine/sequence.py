@@ -109,6 +109,11 @@ class Sequence:
         # the known completion tokens (``num_grammar_tokens`` of them); None when unconstrained.
         self.grammar: Any = None
         self.num_grammar_tokens = 0
+        # Speculative decoding: the draft tokens proposed to follow its last token, from
+        # proposal until the step that scores them is applied; and its totals so far.
+        self.drafts: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def reads_prefix_cache(self) -> bool:

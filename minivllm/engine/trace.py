@@ -128,6 +128,9 @@ class Trace:
         expects: recorded decisions, one per step (empty for an unrecorded trace).
         description: free text saying what the trace is about (golden traces).
         fake_model: ``recorded`` for a trace of live traffic (see the module docstring).
+        speculative: the proposer's config (``config.speculative`` in the file), or None:
+            a ``SpeculativeConfig`` as a dict, or one the simulator reads itself
+            (``sim.fake_proposer``).
     """
 
     seed: int
@@ -140,6 +143,7 @@ class Trace:
     expects: tuple[ExpectEvent, ...] = ()
     description: str | None = None
     fake_model: FakeModel = "hash"
+    speculative: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.fake_model not in get_args(FakeModel):
@@ -171,6 +175,8 @@ class Trace:
         }
         if self.cache.num_blocks is None or self.executor_num_blocks != self.cache.num_blocks:
             config["executor"] = {"num_blocks": self.executor_num_blocks}
+        if self.speculative is not None:
+            config["speculative"] = dict(self.speculative)
         head: dict[str, Any] = {
             "version": TRACE_VERSION, "seed": self.seed, "config": config,
             "vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id,
@@ -267,7 +273,7 @@ def trace_from_lines(lines: list[dict[str, Any]], source: str = "<trace>") -> Tr
     if head["version"] != TRACE_VERSION:
         raise ValueError(f"{source}: trace version {head['version']!r}, this reader knows {TRACE_VERSION}")
     config = head["config"]
-    _check_keys(config, {"cache", "scheduler"}, {"executor"}, f"{source}:1 config")
+    _check_keys(config, {"cache", "scheduler"}, {"executor", "speculative"}, f"{source}:1 config")
     cache = CacheConfig.from_dict(config["cache"])
     executor = config.get("executor", {})
     _check_keys(executor, set(), {"num_blocks"}, f"{source}:1 config.executor")
@@ -284,6 +290,7 @@ def trace_from_lines(lines: list[dict[str, Any]], source: str = "<trace>") -> Tr
         executor_num_blocks=int(exec_blocks), vocab_size=int(head["vocab_size"]),
         eos_token_id=head["eos_token_id"], events=tuple(events), expects=tuple(expects),
         description=head.get("description"), fake_model=head.get("fake_model", "hash"),
+        speculative=config.get("speculative"),
     )
 
 
@@ -364,7 +371,8 @@ class TraceRecorder:
         cache = dataclasses.replace(engine.cache_config, num_blocks=engine.num_blocks)
         return Trace(seed=self._seed, cache=cache, scheduler=engine.scheduler_config,
                      executor_num_blocks=engine.num_blocks, vocab_size=engine.vocab_size,
-                     eos_token_id=engine.eos_token_id, events=(), fake_model="recorded").header()
+                     eos_token_id=engine.eos_token_id, events=(), fake_model="recorded",
+                     speculative=engine.proposer.config() if engine.proposer is not None else None).header()
 
     def on_add_request(self, engine: LLMEngine, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> None:

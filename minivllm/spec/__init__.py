@@ -1,0 +1,1 @@
+"""Speculative decoding's proposers, behind one interface (``base.Proposer``)."""

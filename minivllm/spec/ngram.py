@@ -1,0 +1,47 @@
+"""N-gram prompt lookup (vLLM's ``method: "ngram"``): guess that the text repeats itself.
+
+For the context's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``,
+find their latest earlier occurrence; the drafts are the tokens that followed it. The
+first n that matches wins (longer n-grams are surer guesses). Host-only numpy: it suits
+copy-heavy work (editing a given text or code, quoting a document).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from minivllm.config import SpeculativeConfig
+
+
+class NgramProposer:
+    """``spec.base.Proposer`` by prompt lookup."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.speculative_config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def config(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.speculative_config)
+
+    def propose(self, contexts: Sequence[Sequence[int]], max_drafts: Sequence[int]) -> list[list[int]]:
+        return [self.lookup(np.asarray(c, dtype=np.int64), k) if k > 0 else []
+                for c, k in zip(contexts, max_drafts)]
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        """At most ``k`` tokens that followed the latest earlier occurrence of the longest
+        matching suffix of ``tokens`` (int64 (L,)); [] when none matches."""
+        size = len(tokens)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            # Windows starting at 0 .. size - n - 1: every n-gram but the suffix itself.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
+            hits = np.flatnonzero((windows == tokens[size - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the token after the latest occurrence
+                return tokens[start:start + k].tolist()
+        return []
