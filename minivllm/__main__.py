@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import logging
 import sys
 from pathlib import Path
@@ -166,6 +167,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(an FP8 checkpoint is read as it is)")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights, only config.json read (no weight files needed)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 3}')
     p.add_argument("--record-trace", default=None, metavar="FILE.jsonl",
                    help="write the engine's traffic as a trace that python -m sim replay replays")
 
@@ -192,6 +196,13 @@ def _engine_options(args: argparse.Namespace, seed: int = 0) -> dict[str, object
         opts["kv_cache_dtype"] = args.kv_cache_dtype
     if args.quantization is not None:
         opts["quantization"] = args.quantization
+    if args.speculative_config is not None:
+        try:
+            opts["speculative_config"] = json.loads(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(opts["speculative_config"], dict):
+            raise ValueError("--speculative-config must be a JSON object")
     if args.record_trace is not None:
         from minivllm.engine.trace import TraceRecorder
         opts["observer"] = TraceRecorder(args.record_trace, seed=seed)
@@ -207,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm.llm import LLM
     from minivllm.sampling import SamplingParams
 
-    opts = _engine_options(args)  # --seed is each request's here, not the LLM's
     try:
+        opts = _engine_options(args)  # --seed is each request's here, not the LLM's
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
                                 ignore_eos=args.ignore_eos)

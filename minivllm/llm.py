@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
-from minivllm.config import CacheConfig, ExecutorConfig, SchedulerConfig
+from minivllm.config import CacheConfig, ExecutorConfig, SchedulerConfig, SpeculativeConfig
 from minivllm.engine.grammar import GrammarBackend
 from minivllm.engine.llm_engine import LLMEngine, TextStream
 from minivllm.engine.observer import EngineObserver
@@ -19,6 +19,7 @@ from minivllm.executor.base import freeze_imported_objects
 from minivllm.model.hf_config import read_model_config
 from minivllm.outputs import RequestOutput, text_token_ids
 from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
+from minivllm.spec.ngram import NgramProposer
 
 Prompt = Union[str, Sequence[int]]
 
@@ -171,6 +172,9 @@ class LLM:
         seed: seed of the sampler's generator for unseeded requests.
         skip_tokenizer_init: run without a tokenizer (token-id prompts only,
             ``text`` stays None), for checkpoints that ship none.
+        speculative_config: speculative decoding, vLLM's dict (``SpeculativeConfig``), e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}``;
+            greedy rows without logprobs take drafts (``ModelExecutor.verifies_drafts``).
         observer: told of the engine's traffic as it runs (``EngineObserver``); e.g.
             ``minivllm.engine.trace.TraceRecorder(PATH)`` writes a trace in the simulator's format
             that ``python -m sim replay`` (``--plot``) replays without the model, on any
@@ -193,13 +197,16 @@ class LLM:
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
                  kernels: str = "auto", seed: int = 0, skip_tokenizer_init: bool = False,
-                 observer: EngineObserver | None = None, **options: Any) -> None:
+                 observer: EngineObserver | None = None,
+                 speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None, **options: Any) -> None:
         import torch
 
         from minivllm.executor.model_executor import ModelExecutor
 
         freeze_imported_objects()  # before the model exists: it stays collectable
         cache_opts, sched_opts, exec_opts = split_engine_options(options)
+        if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         executor_config = ExecutorConfig.from_dict(
             {**exec_opts, "device": device, "dtype": dtype, "kernels": kernels, "seed": seed})
         if device == "auto":
@@ -234,7 +241,8 @@ class LLM:
         try:
             self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
                                     text_streams=streams, vocab_size=self.model_config.vocab_size,
-                                    observer=observer, grammar_backend=self._grammars(executor_config, eos))
+                                    observer=observer, grammar_backend=self._grammars(executor_config, eos),
+                                    proposer=NgramProposer(speculative_config) if speculative_config else None)
         except BaseException:  # e.g. too many num_blocks: no LLM owns the executor to close it
             _close_executor(executor)
             raise

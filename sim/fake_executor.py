@@ -37,6 +37,7 @@ import xxhash
 from minivllm.engine.grammar import ALL_ALLOWED, allowed_tokens, bitmask_width
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
+from minivllm.sampling import SamplingParams
 from minivllm.step_types import TokenLogprobs
 
 
@@ -157,6 +158,10 @@ class FakeExecutor:
     def num_kv_blocks(self) -> int:
         """The pool size given at construction."""
         return self.num_blocks
+
+    def verifies_drafts(self, params: SamplingParams) -> bool:
+        """Every unmasked row: the fake model is greedy (``_verify``)."""
+        return True
 
     def execute(self, plan: StepPlan) -> StepResult:
         """``submit(plan).result()``."""

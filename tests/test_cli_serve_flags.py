@@ -36,6 +36,17 @@ def test_prefix_caching_flags_reach_the_engine_options() -> None:
     assert _engine_options(serve_args("--no-enable-prefix-caching", "--enable-prefix-caching")) == {}
 
 
+def test_speculative_config_reaches_the_engine_options(capsys) -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert _engine_options(serve_args("--speculative-config", spec))["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 3}
+    for bad, words in (("{", "not JSON"), ("[1]", "JSON object")):
+        with pytest.raises(ValueError, match=words):
+            _engine_options(serve_args("--speculative-config", bad))
+    assert cli_main(["generate", "--model", FIXTURE, *SMALL, "--speculative-config", '{"method": "x"}', "1"]) == 2
+    assert "speculative_config.method" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, warned", [
     (["--max-logprobs", "5"], "--max-logprobs"),
     (["--generation-config", "auto"], "--generation-config"),

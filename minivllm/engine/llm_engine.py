@@ -454,10 +454,11 @@ class LLMEngine:
                 seq.drafts = [int(t) for t in d[:r]]
         return asked
 
-    @staticmethod
-    def _can_draft(seq: Sequence) -> bool:
-        """Rows the verifier scores without a mask or a token history per position."""
-        return seq.grammar is None and not seq.has_token_rules and not seq.has_penalties
+    def _can_draft(self, seq: Sequence) -> bool:
+        """Rows scored without a mask or a token history per position, which the executor
+        can verify (``Executor.verifies_drafts``)."""
+        return (seq.grammar is None and not seq.has_token_rules and not seq.has_penalties
+                and self.executor.verifies_drafts(seq.sampling_params))
 
     @property
     def _mask_vocab_size(self) -> int | None:

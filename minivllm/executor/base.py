@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.sampling import SamplingParams
 
 
 @runtime_checkable
@@ -52,6 +53,11 @@ class Executor(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult:
         """``submit(plan).result()``."""
+        ...
+
+    def verifies_drafts(self, params: SamplingParams) -> bool:
+        """Whether a row with these params may be given drafts (``StepPlan.num_drafts``):
+        the engine proposes only for rows its executor can score with them."""
         ...
 
 

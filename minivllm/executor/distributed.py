@@ -304,6 +304,10 @@ class TPExecutor:
         """The pool every rank holds (the minimum over ranks)."""
         return self.local.num_kv_blocks()
 
+    def verifies_drafts(self, params: object) -> bool:
+        """None yet under tensor parallelism: a speculative engine decodes one token per step."""
+        return False
+
     def submit(self, plan: StepPlan) -> StepHandle:
         """Send the plan to every worker, then run rank 0's shard of it."""
         self._check_workers()

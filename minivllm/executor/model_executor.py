@@ -46,7 +46,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -143,11 +143,17 @@ class _StepOutputs:
     seq_ids: list[int]                      # the sampling sequences, in row order
     logprobs: LogprobLayout | None
     prompt_logprobs: LogprobLayout | None
+    # Sequences with drafts: their accepted counts follow the sampled ids (S more values).
+    drafted: list[int] | None = None
 
     def unpack(self, flat: np.ndarray) -> StepResult:
         s = len(self.seq_ids)
-        blocks: dict[str, dict[int, TokenLogprobs]] = {}
+        blocks: dict[str, Any] = {}
         offset = s
+        if self.drafted is not None:
+            counts = dict(zip(self.seq_ids, flat[s:2 * s].tolist()))
+            blocks["num_accepted"] = {sid: counts[sid] for sid in self.drafted}
+            offset += s
         for name, layout in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if layout is not None:
                 blocks[name] = layout.unpack(flat[offset:offset + layout.size])
@@ -491,8 +497,11 @@ class ModelExecutor:
                      seq_ids: list[int], params: list[SamplingParams], extras: _Extras,
                      bitmask: np.ndarray | None) -> StepHandle:
         """Sample (under ``bitmask``'s grammar masks, if given), then bring the results down."""
+        accepted = None
         if seq_ids:
             tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask)
+            if len(plan.num_drafts):
+                tokens, accepted = self._accept_drafts(plan, inputs, hidden, tokens)
             self.prev_sampled[:len(seq_ids)].copy_(tokens)
             self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}
         else:
@@ -505,8 +514,42 @@ class ModelExecutor:
             rows = extras.prompt_rows
             prompt = sliced_logprobs(lambda s: self.model.compute_logits(hidden[rows[s]]),
                                      extras.prompt_targets, extras.prompt.max_k)
-        return self._results(_StepOutputs(seq_ids, extras.logprobs, extras.prompt),
-                             [tokens] + [t.packed() for t in (logprobs, prompt) if t is not None])
+        drafted = None if accepted is None else [sid for sid, d in zip(plan.seq_ids, plan.num_drafts) if d]
+        return self._results(_StepOutputs(seq_ids, extras.logprobs, extras.prompt, drafted),
+                             [tokens] + ([accepted] if accepted is not None else [])
+                             + [t.packed() for t in (logprobs, prompt) if t is not None])
+
+    def verifies_drafts(self, params: SamplingParams) -> bool:
+        """Rows this executor scores with drafts: greedy, without logprobs or shaped logits
+        (the accepted run is the argmax at every position, as decoding without drafts)."""
+        return params.greedy and params.logprobs is None and not params.shapes_logits
+
+    def _accept_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor,
+                       tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy verification on the device: a drafted row keeps its drafts while each equals
+        the argmax before it, then takes the argmax after the last kept one (the sampler's own
+        token, at the row's last position, when all are kept). Returns the sampling rows'
+        tokens (S,) and accepted counts (S,), int64."""
+        rows = np.flatnonzero(plan.sample)
+        d = plan.num_drafts[rows].astype(np.int64)               # (S,) drafts per sampling row
+        drafted = np.flatnonzero(d)
+        ends = inputs.cu_seqlens_q[rows[drafted] + 1].astype(np.int64)  # one past each row's last token
+        k = int(d.max())
+        j = np.arange(k)
+        valid = j[None, :] < d[drafted, None]                     # (R, k)
+        first = ends - 1 - d[drafted]                             # row of the position before draft 1
+        at = np.where(valid, first[:, None] + j[None, :], first[:, None])  # (R, k): scores draft j + 1
+        fed = plan.token_ids[np.where(valid, at + 1, at)]         # (R, k): the drafts themselves
+        up = [torch.from_numpy(a).to(self.device) for a in (at, fed, valid, drafted, d[drafted])]
+        at_t, fed_t, valid_t, drafted_t, d_t = up
+        best = self.model.compute_logits(hidden[at_t.reshape(-1)]).argmax(-1).view(at.shape)  # (R, k)
+        a = ((best == fed_t) & valid_t).to(torch.int64).cumprod(1).sum(1)   # (R,) leading matches
+        after = best.gather(1, a.clamp(max=k - 1)[:, None])[:, 0]
+        tokens = tokens.clone()
+        tokens[drafted_t] = torch.where(a == d_t, tokens[drafted_t], after)
+        accepted = torch.zeros_like(tokens)
+        accepted[drafted_t] = a
+        return tokens, accepted
 
     def _sample(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
                 params: list[SamplingParams], extras: _Extras, bitmask: np.ndarray | None = None

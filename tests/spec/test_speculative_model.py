@@ -1,0 +1,86 @@
+"""Speculative decoding on a real model (CPU, float32): greedy decoding with n-gram drafts
+gives exactly the tokens of greedy decoding without them, through ``LLM``, in both scheduling
+modes, with prefix caching, a pool small enough to preempt, n > 1 and stop strings; and the
+drafts were scored and accepted."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest sets it too)
+
+import pytest  # noqa: E402
+
+from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm.testing import TinyConfig, make_hf_model, save_hf_model  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+TINY_QWEN3 = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    return save_hf_model(make_hf_model(TinyConfig(), seed=5), tmp_path_factory.mktemp("spec"))
+
+
+def _generate(path, prompts, params, speculative, **options):
+    outs = {}
+    with LLM(path, device="cpu", dtype="float32", kernels="torch", speculative_config=speculative, **options) as llm:
+        for mode in (False, True):
+            llm.engine.set_async_scheduling(mode)
+            outs[mode] = [(o.token_ids, o.text, o.finish_reason)
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.stats
+    return outs, stats
+
+
+@pytest.mark.parametrize("pool", [64, 12], ids=["roomy", "preempting"])
+def test_greedy_with_ngram_drafts_equals_greedy_without(random_model, pool: int) -> None:
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 3, [7, 7, 8, 7, 7, 8, 7], [11, 12, 13, 11, 12, 13, 11, 12, 13, 11]]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, n=2),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+    options = dict(skip_tokenizer_init=True, block_size=4, num_blocks=pool, max_num_seqs=4, max_model_len=64)
+    plain, _ = _generate(random_model, prompts, params, None, **options)
+    drafted, stats = _generate(random_model, prompts, params, NGRAM, **options)
+    assert drafted[False] == drafted[True] == plain[False]
+    assert stats.num_draft_tokens > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert (stats.num_preemptions > 0) == (pool == 12), stats
+
+
+def test_stops_inside_drafts_and_rows_that_take_none(random_model) -> None:
+    """max_tokens and a stop token met inside an accepted run; a sampled row beside drafted
+    ones decodes one token per step, as without drafts."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    options = dict(skip_tokenizer_init=True, block_size=4, num_blocks=64, max_model_len=64)
+    with LLM(random_model, device="cpu", dtype="float32", kernels="torch", **options) as llm:
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                            use_tqdm=False)[0].token_ids
+    stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop]),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)]
+    plain, _ = _generate(random_model, [prompt] * 3, params, None, **options)
+    drafted, stats = _generate(random_model, [prompt] * 3, params, NGRAM, **options)
+    assert drafted[False] == drafted[True] == plain[False]
+    assert drafted[False][0][0] == free[:9] and drafted[False][1][0][-1] == stop
+    assert stats.num_accepted_tokens > 0
+
+
+def test_text_and_stop_strings_with_drafts() -> None:
+    """The trained fixture with its tokenizer: texts and stop strings as without drafts."""
+    prompts = ["12+34=", "1+2+3+1+2+3+1+2+3=", "50+27="]
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0, max_tokens=12, stop=["3"]),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, include_stop_str_in_output=True,
+                             stop=["77"])]
+    plain, _ = _generate(TINY_QWEN3, prompts, params, None, num_blocks=64)
+    drafted, _ = _generate(TINY_QWEN3, prompts, params, NGRAM, num_blocks=64)
+    assert drafted[False] == drafted[True] == plain[False]
+
+
+def test_a_bad_speculative_config_is_refused(random_model) -> None:
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(random_model, device="cpu", skip_tokenizer_init=True, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="unknown SpeculativeConfig key"):
+        LLM(random_model, device="cpu", skip_tokenizer_init=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_tp": 1})
