@@ -67,6 +67,10 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
 
 class XGrammarBackend:
     """Grammars for one model: its vocabulary size and eos ids, and a tokenizer.

@@ -52,13 +52,20 @@ def fake_next_token(context: Sequence[int] | np.ndarray, vocab_size: int) -> int
     return xxhash.xxh64_intdigest(data) % vocab_size
 
 
-def fake_masked_next_token(context: Sequence[int] | np.ndarray, allowed: np.ndarray) -> int:
-    """The fake model's next token after ``context`` under a mask: of the ``allowed`` token ids
-    (ascending), the one whose score ``splitmix64(xxh64(context) ^ token)`` is smallest (the
-    smallest id on a tie). One hash of the context, then numpy over the allowed ids."""
+def fake_masked_next_token(context: Sequence[int] | np.ndarray, allowed: np.ndarray, vocab_size: int) -> int:
+    """The fake model's next token after ``context`` under a mask, as a real model's argmax
+    under one: its unmasked token (``fake_next_token``) where ``allowed`` holds it, else of
+    the ``allowed`` token ids (ascending) the one whose score
+    ``splitmix64(xxh64(context) ^ token)`` is smallest (the smallest id on a tie). So a mask
+    that allows everything changes nothing."""
     if not len(allowed):
         raise PagingError("a token bitmask row allows no token")
-    h = np.uint64(xxhash.xxh64_intdigest(np.asarray(context, dtype=np.int64).tobytes()))
+    digest = xxhash.xxh64_intdigest(np.asarray(context, dtype=np.int64).tobytes())
+    free = digest % vocab_size  # fake_next_token(context, vocab_size)
+    at = np.searchsorted(allowed, free)
+    if at < len(allowed) and allowed[at] == free:
+        return int(free)
+    h = np.uint64(digest)
     z = np.asarray(allowed, dtype=np.uint64) ^ h
     z += np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -226,7 +233,8 @@ class FakeExecutor:
             sampled = {plan.seq_ids[r]: self._next_token(plan.seq_ids[r], ctx)
                        for r, ctx in zip(rows.tolist(), contexts)}
         else:
-            sampled = {plan.seq_ids[r]: (fake_masked_next_token(ctx, allowed_tokens(bitmask[i], self.vocab_size))
+            sampled = {plan.seq_ids[r]: (fake_masked_next_token(ctx, allowed_tokens(bitmask[i], self.vocab_size),
+                                                                self.vocab_size)
                                          if plan.masked[r] else self._next_token(plan.seq_ids[r], ctx))
                        for i, (r, ctx) in enumerate(zip(rows.tolist(), contexts))}
         logprobs = {}
@@ -244,27 +252,31 @@ class FakeExecutor:
         """A step with drafts: each sampling row with d drafts is scored at its last d + 1
         positions; its drafts are accepted while each equals the fake model's token there,
         then it samples the model's token after the accepted ones. The slots of rejected
-        drafts are marked ``REJECTED``, so a later read of one before it is rewritten fails."""
+        drafts are marked ``REJECTED``, so a later read of one before it is rewritten fails.
+        A masked row's position j samples under its bitmask row ``offset + j``."""
         sampled, accepted, logprobs = {}, {}, {}
+        num_drafts = plan.num_drafts[rows].astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(1 + num_drafts)])
         for i, (r, ctx) in enumerate(zip(rows.tolist(), contexts)):
-            sid, d = plan.seq_ids[r], int(plan.num_drafts[r])
-            if len(plan.masked) and plan.masked[r]:
-                if d:
-                    raise PagingError(f"sequence {sid} has drafts and a token bitmask")
+            sid, d = plan.seq_ids[r], int(num_drafts[i])
+            masked = bool(len(plan.masked) and plan.masked[r])
+
+            def pick(j: int, context: np.ndarray) -> int:
+                if not masked:
+                    return self._next_token(sid, context)
                 assert bitmask is not None
-                ctxs = [ctx]
-                run = [fake_masked_next_token(ctx, allowed_tokens(bitmask[i], self.vocab_size))]
-            else:
-                first = len(ctx) - d  # ctx[:first + j]: the context that predicts draft j
-                ctxs = [ctx[:first + j] for j in range(d + 1)]
-                a = 0
-                while a < d and ctx[first + a] == self._next_token(sid, ctxs[a]):
-                    a += 1
-                ctxs = ctxs[:a + 1]
-                run = [int(t) for t in ctx[first:first + a]] + [self._next_token(sid, ctxs[a])]
-                if d:
-                    accepted[sid] = a
-                    self._reject(inputs, r, first + a, len(ctx))
+                allowed = allowed_tokens(bitmask[offsets[i] + j], self.vocab_size)
+                return fake_masked_next_token(context, allowed, self.vocab_size)
+            first = len(ctx) - d  # ctx[:first + j]: the context that predicts draft j
+            ctxs = [ctx[:first + j] for j in range(d + 1)]
+            a = 0
+            while a < d and ctx[first + a] == pick(a, ctxs[a]):
+                a += 1
+            ctxs = ctxs[:a + 1]
+            run = [int(t) for t in ctx[first:first + a]] + [pick(a, ctxs[a])]
+            if d:
+                accepted[sid] = a
+                self._reject(inputs, r, first + a, len(ctx))
             sampled[sid] = run[-1]
             k = plan.sampling_params[r].logprobs
             if k is not None:
@@ -355,16 +367,18 @@ class _FakeStep:
 
     def set_token_bitmask(self, bitmask: np.ndarray) -> None:
         """Check and keep the token masks (``StepHandle.set_token_bitmask``): one row per
-        sampling row, every bit set on unmasked rows, given once, before the step runs."""
+        scored position (a sampling row with d drafts has 1 + d), every bit set on unmasked
+        rows, given once, before the step runs."""
         plan = self.plan
         if not plan.num_masked_rows:
             raise PagingError("a token bitmask for a step without masked rows")
         if self.bitmask is not None or self.value is not None:
             raise PagingError("a token bitmask given twice, or after the step ran")
-        want = (int(plan.sample.sum()), bitmask_width(self.executor.vocab_size))
+        scored = 1 + (plan.num_drafts[plan.sample] if len(plan.num_drafts) else np.zeros(int(plan.sample.sum()), int))
+        want = (int(scored.sum()), bitmask_width(self.executor.vocab_size))
         if bitmask.shape != want or bitmask.dtype != np.int32:
             raise PagingError(f"token bitmask of shape {bitmask.shape} {bitmask.dtype}, want {want} int32")
-        unmasked = ~plan.masked[plan.sample]
+        unmasked = np.repeat(~plan.masked[plan.sample], scored)
         if (bitmask[unmasked] != ALL_ALLOWED).any():
             raise PagingError("an unmasked row (no grammar, no token rule) has a restricted token bitmask")
         self.bitmask = bitmask.copy()

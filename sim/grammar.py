@@ -192,6 +192,7 @@ class FakeMatcher:
         self.backend, self.regex = backend, regex
         self.states = regex.start
         self.terminated = False
+        self._before: list[frozenset[int]] = []  # the states before each accepted token
 
     def accept_token(self, token_id: int) -> bool:
         if self.terminated:
@@ -199,13 +200,23 @@ class FakeMatcher:
         if token_id in self.backend.eos:
             if not self.regex.accepts(self.states):
                 return False
+            self._before.append(self.states)
             self.terminated = True
             return True
         nxt = self.regex.move(self.states, self.backend.letter(token_id))
         if not nxt:
             return False
+        self._before.append(self.states)
         self.states = nxt
         return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= len(self._before):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self._before)} accepted tokens")
+        if num_tokens:
+            self.states = self._before[-num_tokens]
+            del self._before[-num_tokens:]
+            self.terminated = False  # eos is the last token a matcher accepts
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         words = np.zeros(bitmask.shape[1], dtype=np.int32)

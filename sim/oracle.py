@@ -143,7 +143,7 @@ def _masked_model(backend: GrammarBackend | None, params: SamplingParams, vocab_
             if len(out) >= k and out[len(out) - k:] == list(word[:-1]):
                 banned.add(word[-1])
         left = allowed[~np.isin(allowed, list(banned))]
-        token = fake_masked_next_token(context, left if len(left) else allowed)
+        token = fake_masked_next_token(context, left if len(left) else allowed, vocab_size)
         assert matcher is None or matcher.accept_token(token)
         return token
     return next_token

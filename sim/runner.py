@@ -191,7 +191,7 @@ class _Run:
         self.grammars = grammar_backend or FakeGrammarBackend(trace.vocab_size, trace.eos_token_id)
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
                                 text_streams=FakeTextStream, grammar_backend=self.grammars,
-                                proposer=make_proposer(trace.speculative, trace.vocab_size))
+                                proposer=make_proposer(trace.speculative, trace.vocab_size, self.true_next))
         # Requests by id; their completions (n of them) by sequence name (``sequence_name``).
         self.accepted: dict[str, AddEvent] = {}
         self.owner: dict[str, str] = {}      # sequence name -> request id
@@ -267,6 +267,16 @@ class _Run:
         return [sequence_name(rid, i) for i in range(self.accepted[rid].sampling.n)]
 
     # ---- outputs ------------------------------------------------------------
+
+    def true_next(self, name: str, context: list[int]) -> int | None:
+        """The oracle's token after ``context`` for completion ``name`` (the fake proposer's
+        truth), by position; None past its end or for a name it does not know."""
+        rid = self.owner.get(name)
+        if rid is None:
+            return None
+        i = len(context) - len(self.accepted[rid].prompt_token_ids)
+        tokens = self.oracle(name).token_ids
+        return tokens[i] if 0 <= i < len(tokens) else None
 
     def oracle(self, name: str) -> Expected:
         """The oracle's answer for a completion (the hash model ignores seeds: all n are equal;

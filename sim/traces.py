@@ -261,14 +261,18 @@ def _draw_token_rules(d: _Draw, prompt: list[int], max_tokens: int, stop: tuple[
     allowed = np.array([t for t in range(d.vocab_size) if t not in banned])
     chain, context = [], list(prompt)
     for _ in range(min(max_tokens, 4)):
-        chain.append(fake_masked_next_token(context, allowed))
+        chain.append(fake_masked_next_token(context, allowed, d.vocab_size))
         context.append(chain[-1])
     f: dict[str, Any] = {}
     if u < 0.0625 or rng.random() < 0.3:
         f["min_tokens"] = rng.randint(1, max_tokens)
         v = rng.random()
         if v < 0.5:
-            f["stop_token_ids"] = tuple(dict.fromkeys(stop + (rng.choice(chain[:f["min_tokens"]]),)))
+            # before min_tokens, or (half the times, where the chain reaches it) the first
+            # token it allows a stop at: both sides of the edge
+            m = f["min_tokens"]
+            pick = chain[m] if m < len(chain) and rng.random() < 0.5 else rng.choice(chain[:m])
+            f["stop_token_ids"] = tuple(dict.fromkeys(stop + (pick,)))
         elif v < 0.8:  # a stop string the first min_tokens tokens write, which must not count
             end = rng.randrange(min(f["min_tokens"], len(chain)))
             f["stop"] = (fake_text(chain[max(0, end - rng.randint(0, 1)):end + 1]),)

@@ -57,6 +57,11 @@ class GrammarMatcher(Protocol):
         """Whether the grammar has ended (it accepted an eos token)."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding: drafts are
+        tried against the grammar, then the matcher goes back to the known tokens)."""
+        ...
+
 
 class GrammarBackend(Protocol):
     """Compiles ``StructuredOutputs`` against one vocabulary and hands out matchers."""

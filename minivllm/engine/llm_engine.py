@@ -34,7 +34,7 @@ import numpy as np
 
 from minivllm.config import CacheConfig, SchedulerConfig, cdiv
 from minivllm.engine.block_manager import InvariantError
-from minivllm.engine.grammar import ALL_ALLOWED, GrammarBackend, bitmask_width
+from minivllm.engine.grammar import ALL_ALLOWED, GrammarBackend, GrammarMatcher, bitmask_width
 from minivllm.engine.observer import EngineObserver
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -129,9 +129,10 @@ class _InFlight:
     # Sequences that finished (or were aborted) while this step may still write
     # their blocks: freed when it completes.
     retired: list[Sequence] = field(default_factory=list)
-    # Per sampling row, the sequence whose grammar or token rules mask it (None: unmasked);
-    # None when no row is masked, or once the bitmask was given.
-    masked: list[Sequence | None] | None = None
+    # Per sampling row, the sequence whose grammar or token rules mask it (None: unmasked)
+    # and its drafts (it is scored at 1 + d positions, each with its bitmask row); None
+    # when no row is masked, or once the bitmask was given.
+    masked: list[tuple[Sequence | None, int]] | None = None
 
 
 class LLMEngine:
@@ -420,7 +421,7 @@ class LLMEngine:
             plan = self._build_plan(out)
             self._inflight = _InFlight(out, self.executor.submit(plan), frozenset(plan.seq_ids))
             if plan.num_masked_rows:
-                self._inflight.masked = [c.seq if m else None
+                self._inflight.masked = [(c.seq if m else None, c.num_drafts)
                                          for c, m in zip(out.scheduled, plan.masked) if c.samples]
         if previous is not None:
             outputs.extend(self._complete(previous))
@@ -449,16 +450,31 @@ class LLMEngine:
                 asked.append(seq)
                 room.append(min(k, left - 1))
         if asked:
-            drafts = self.proposer.propose([seq.token_ids for seq in asked], room)
+            drafts = self.proposer.propose([seq.token_ids for seq in asked], room, [seq.name for seq in asked])
             for seq, d, r in zip(asked, drafts, room):
                 seq.drafts = [int(t) for t in d[:r]]
+                if seq.grammar is not None and seq.drafts:
+                    seq.drafts = self._grammatical(seq.grammar, seq.drafts)
         return asked
 
+    @staticmethod
+    def _grammatical(matcher: GrammarMatcher, drafts: list[int]) -> list[int]:
+        """The drafts up to the first the grammar refuses or that ends it (a grammar's eos comes
+        as a step's own token: no mask follows it); the matcher ends where it began."""
+        n = 0
+        while n < len(drafts) and matcher.accept_token(drafts[n]):
+            n += 1
+            if matcher.is_terminated():
+                matcher.rollback(1)
+                n -= 1
+                break
+        matcher.rollback(n)
+        return drafts[:n]
+
     def _can_draft(self, seq: Sequence) -> bool:
-        """Rows scored without a mask or a token history per position, which the executor
-        can verify (``Executor.verifies_drafts``)."""
-        return (seq.grammar is None and not seq.has_token_rules and not seq.has_penalties
-                and self.executor.verifies_drafts(seq.sampling_params))
+        """Rows scored without a token history per position, which the executor can verify
+        (``Executor.verifies_drafts``)."""
+        return not seq.has_penalties and self.executor.verifies_drafts(seq.sampling_params)
 
     @property
     def _mask_vocab_size(self) -> int | None:
@@ -467,27 +483,44 @@ class LLMEngine:
 
     def _send_bitmask(self, step: _InFlight) -> None:
         """Fill the step's masks (grammars from their matchers, then token rules:
-        ``engine/token_rules.py``) and hand them over."""
+        ``engine/token_rules.py``) and hand them over: one row per scored position, a drafted
+        row's 1 + d in order, each as if the drafts before it were accepted."""
         assert step.masked is not None
         vocab_size = self._mask_vocab_size
         assert vocab_size is not None  # validate_request checked
         t0 = time.perf_counter()
-        bitmask = np.full((len(step.masked), bitmask_width(vocab_size)), ALL_ALLOWED, dtype=np.int32)
+        starts = np.cumsum([0] + [1 + d for _, d in step.masked])
+        bitmask = np.full((int(starts[-1]), bitmask_width(vocab_size)), ALL_ALLOWED, dtype=np.int32)
         # A sequence retired since the plan samples unmasked; its token is dropped.
-        live = [(row, seq) for row, seq in enumerate(step.masked)
+        live = [(int(starts[i]), seq, d) for i, (seq, d) in enumerate(step.masked)
                 if seq is not None and seq.status is not SequenceStatus.FINISHED]
-        grammars = [(row, seq.grammar) for row, seq in live if seq.grammar is not None]
-        if grammars:
+        grammars = [(row, seq.grammar) for row, seq, d in live if seq.grammar is not None and not d]
+        if grammars:  # the common case, one position each: in one call
             assert self.grammar_backend is not None
             self.grammar_backend.fill_bitmasks([m for _, m in grammars], bitmask, [r for r, _ in grammars])
-        for row, seq in live:
+        for row, seq, d in live:
+            if d and seq.grammar is not None:
+                self._fill_drafted(seq.grammar, seq.drafts[:d], bitmask, row)
             if seq.has_token_rules:
-                params = seq.sampling_params
-                ban(bitmask, row, banned_tokens(params, seq.output_token_ids, self._eos), vocab_size)
+                output = list(seq.output_token_ids)
+                for j in range(d + 1):
+                    ban(bitmask, row + j, banned_tokens(seq.sampling_params, output + seq.drafts[:j], self._eos),
+                        vocab_size)
         step.masked = None
         self.stats.num_masked_steps += 1
         self.stats.grammar_mask_s += time.perf_counter() - t0
         step.handle.set_token_bitmask(bitmask)
+
+    @staticmethod
+    def _fill_drafted(matcher: GrammarMatcher, drafts: list[int], bitmask: np.ndarray, row: int) -> None:
+        """Rows ``row .. row + d`` of ``bitmask``: the matcher's masks after 0 .. d of ``drafts``
+        (which it accepts: they were cut to what it accepts when proposed); it ends where it began."""
+        for j, token in enumerate(drafts):
+            matcher.fill_bitmask(bitmask, row + j)
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refuses draft {j} ({token}), which it accepted when proposed")
+        matcher.fill_bitmask(bitmask, row + len(drafts))
+        matcher.rollback(len(drafts))
 
     def _take_inflight(self) -> _InFlight | None:
         step, self._inflight = self._inflight, None
@@ -630,6 +663,8 @@ class LLMEngine:
         reason: FinishReason | None = None
         stop_reason: StopReason = None
         for i, t in enumerate(run):
+            if seq.grammar is not None:
+                self._advance_grammar(seq, t)
             seq.token_ids.append(t)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])

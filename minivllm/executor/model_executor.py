@@ -499,9 +499,12 @@ class ModelExecutor:
         """Sample (under ``bitmask``'s grammar masks, if given), then bring the results down."""
         accepted = None
         if seq_ids:
+            scored = bitmask  # with drafts: one row per scored position; the sampler takes each row's last
+            if bitmask is not None and len(plan.num_drafts):
+                bitmask = bitmask[np.cumsum(1 + plan.num_drafts[plan.sample]) - 1]
             tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask)
             if len(plan.num_drafts):
-                tokens, accepted = self._accept_drafts(plan, inputs, hidden, tokens)
+                tokens, accepted = self._accept_drafts(plan, inputs, hidden, tokens, scored)
             self.prev_sampled[:len(seq_ids)].copy_(tokens)
             self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}
         else:
@@ -525,11 +528,12 @@ class ModelExecutor:
         return params.greedy and params.logprobs is None and not params.shapes_logits
 
     def _accept_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor,
-                       tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       tokens: torch.Tensor, bitmask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy verification on the device: a drafted row keeps its drafts while each equals
-        the argmax before it, then takes the argmax after the last kept one (the sampler's own
-        token, at the row's last position, when all are kept). Returns the sampling rows'
-        tokens (S,) and accepted counts (S,), int64."""
+        the argmax before it (under that position's ``bitmask`` row, if masked), then takes the
+        argmax after the last kept one (the sampler's own token, at the row's last position,
+        when all are kept). Returns the sampling rows' tokens (S,) and accepted counts (S,),
+        int64."""
         rows = np.flatnonzero(plan.sample)
         d = plan.num_drafts[rows].astype(np.int64)               # (S,) drafts per sampling row
         drafted = np.flatnonzero(d)
@@ -542,7 +546,12 @@ class ModelExecutor:
         fed = plan.token_ids[np.where(valid, at + 1, at)]         # (R, k): the drafts themselves
         up = [torch.from_numpy(a).to(self.device) for a in (at, fed, valid, drafted, d[drafted])]
         at_t, fed_t, valid_t, drafted_t, d_t = up
-        best = self.model.compute_logits(hidden[at_t.reshape(-1)]).argmax(-1).view(at.shape)  # (R, k)
+        logits = self.model.compute_logits(hidden[at_t.reshape(-1)])  # (R * k, V)
+        if bitmask is not None:  # position j of drafted row i: mask row offsets[i] + j
+            offsets = np.concatenate([[0], np.cumsum(1 + d)[:-1]])[drafted]
+            rows_of = (offsets[:, None] + np.minimum(j[None, :], d[drafted, None])).reshape(-1)
+            logits = apply_token_bitmask(logits, self._upload_bitmask(np.ascontiguousarray(bitmask[rows_of])))
+        best = logits.argmax(-1).view(at.shape)  # (R, k)
         a = ((best == fed_t) & valid_t).to(torch.int64).cumprod(1).sum(1)   # (R,) leading matches
         after = best.gather(1, a.clamp(max=k - 1)[:, None])[:, 0]
         tokens = tokens.clone()

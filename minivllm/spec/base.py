@@ -21,7 +21,10 @@ class Proposer(Protocol):
         """What rebuilds it: ``speculative_config`` as a dict (a trace's ``config.speculative``)."""
         ...
 
-    def propose(self, contexts: Sequence[Sequence[int]], max_drafts: Sequence[int]) -> list[list[int]]:
+    def propose(self, contexts: Sequence[Sequence[int]], max_drafts: Sequence[int],
+                names: Sequence[str]) -> list[list[int]]:
         """Per sequence (prompt and completion tokens, all known), at most ``max_drafts[i]``
-        (<= k) draft tokens that may follow; [] where it has no guess."""
+        (<= k) draft tokens that may follow; [] where it has no guess. ``names``: the
+        sequences' names (``outputs.sequence_name``), for proposers that keep state per
+        sequence."""
         ...

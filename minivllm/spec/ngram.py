@@ -29,7 +29,8 @@ class NgramProposer:
     def config(self) -> dict[str, Any]:
         return dataclasses.asdict(self.speculative_config)
 
-    def propose(self, contexts: Sequence[Sequence[int]], max_drafts: Sequence[int]) -> list[list[int]]:
+    def propose(self, contexts: Sequence[Sequence[int]], max_drafts: Sequence[int],
+                names: Sequence[str] = ()) -> list[list[int]]:
         return [self.lookup(np.asarray(c, dtype=np.int64), k) if k > 0 else []
                 for c, k in zip(contexts, max_drafts)]
 

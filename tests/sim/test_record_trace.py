@@ -94,8 +94,8 @@ def test_recorded_fake_traffic_replays_and_matches_the_simulators_record(tmp_pat
         if trace.speculative is not None and any(
                 e.sampling.structured_outputs is not None or e.sampling.has_token_rules
                 for e in trace.events if isinstance(e, AddEvent)):
-            # Rows under a mask take no drafts, and a replay drops the masks (the recorded
-            # tokens obey them), so it would draft where the live run did not.
+            # A replay drops grammars and token rules (the recorded tokens obey them), which
+            # cut or steered the live run's drafts: it would draft otherwise.
             trace = dataclasses.replace(trace, speculative=None)
         path = tmp_path / f"live-{seed}.jsonl"
         drive(trace, path)

@@ -180,7 +180,17 @@ class _StopsOnlyAtTheEnd(LLMEngine):
             del self._finish_reason
 
 
-@pytest.mark.parametrize("engine", [_RollbackOneShort, _HashesRejected, _AcceptedFromTheNextRow, _StopsOnlyAtTheEnd])
+class _MaskOnePositionLate(LLMEngine):
+    """Gives a drafted row's position j the grammar's mask of position j - 1."""
+
+    @staticmethod
+    def _fill_drafted(matcher, drafts, bitmask, row):
+        LLMEngine._fill_drafted(matcher, drafts, bitmask, row)
+        bitmask[row + 1:row + 1 + len(drafts)] = bitmask[row:row + len(drafts)].copy()
+
+
+@pytest.mark.parametrize("engine", [_RollbackOneShort, _HashesRejected, _AcceptedFromTheNextRow, _StopsOnlyAtTheEnd,
+                                    _MaskOnePositionLate])
 def test_checks_catch_a_broken_draft(engine: type[LLMEngine], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "LLMEngine", engine)
     found = [seed for seed in range(200) if not run_trace(_trace(seed)).ok]

@@ -4,6 +4,7 @@ themselves; and the bugs the rules invite, each of which the checks must catch."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -139,8 +140,17 @@ def _run_one(engine: LLMEngine, rid: str, params: SamplingParams) -> tuple[int, 
 
 # ---- the checks catch the bugs the rules invite -------------------------------------------
 
-def _one_late(params, num_output_before):
-    return params.bad_words_token_ids != () or num_output_before <= params.min_tokens
+def _mask_one_short(params, num_output_before):
+    return params.bad_words_token_ids != () or num_output_before < params.min_tokens - 1
+
+
+def _one_more(params):
+    return dataclasses.replace(params, min_tokens=params.min_tokens + 1,
+                               max_tokens=max(params.max_tokens, params.min_tokens + 1))
+
+
+def _ban_one_long(params, output, eos):
+    return _BANNED(_one_more(params), output, eos) if params.min_tokens else _BANNED(params, output, eos)
 
 
 def _prefix_ignored(params, output, eos):
@@ -153,6 +163,7 @@ def _stale_tail(params, output, eos):
 
 
 _BANNED = token_rules.banned_tokens
+_MASKS = token_rules.masks_position
 
 
 class _StopStringsBeforeMinTokens(LLMEngine):
@@ -161,13 +172,16 @@ class _StopStringsBeforeMinTokens(LLMEngine):
         return LLMEngine._stop_string_found(seq, token, True)
 
 
-@pytest.mark.parametrize("bug", ["rules ignored", "min_tokens one late", "bad word prefix ignored", "rules see a stale tail",
+@pytest.mark.parametrize("bug", ["rules ignored", "min_tokens mask one short", "min_tokens ban one long", "bad word prefix ignored", "rules see a stale tail",
                                  "stop strings before min_tokens"])
 def test_checks_catch_a_broken_rule(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if bug == "rules ignored":
         monkeypatch.setattr(llm_engine, "banned_tokens", lambda params, output, eos: set())
-    elif bug == "min_tokens one late":
-        monkeypatch.setattr(llm_engine, "masks_position", _one_late)
+    elif bug == "min_tokens mask one short":
+        monkeypatch.setattr(llm_engine, "masks_position", _mask_one_short)
+    elif bug == "min_tokens ban one long":
+        monkeypatch.setattr(llm_engine, "masks_position", lambda p, n: _MASKS(_one_more(p) if p.min_tokens else p, n))
+        monkeypatch.setattr(llm_engine, "banned_tokens", _ban_one_long)
     elif bug == "bad word prefix ignored":
         monkeypatch.setattr(llm_engine, "banned_tokens", _prefix_ignored)
     elif bug == "rules see a stale tail":

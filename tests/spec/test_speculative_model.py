@@ -84,3 +84,16 @@ def test_a_bad_speculative_config_is_refused(random_model) -> None:
     with pytest.raises(ValueError, match="unknown SpeculativeConfig key"):
         LLM(random_model, device="cpu", skip_tokenizer_init=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_tp": 1})
+
+
+def test_grammars_with_drafts() -> None:
+    """Drafts are cut where the grammar refuses them and every scored position is masked:
+    constrained greedy output as without drafts, in both scheduling modes."""
+    prompts = ["1+2+1+2+1+2=", "12+12+12=", "3+3+3+3="]
+    params = [SamplingParams(temperature=0, max_tokens=14, structured_outputs={"regex": "(1\\+2\\+){2}[0-9]{1,3}"}),
+              SamplingParams(temperature=0, max_tokens=14, structured_outputs={"choice": ["12+12+12", "36"]}),
+              SamplingParams(temperature=0, max_tokens=14, min_tokens=6, bad_words=["9"])]
+    plain, _ = _generate(TINY_QWEN3, prompts, params, None, num_blocks=64)
+    drafted, stats = _generate(TINY_QWEN3, prompts, params, NGRAM, num_blocks=64)
+    assert drafted[False] == drafted[True] == plain[False]
+    assert stats.num_accepted_tokens > 0, stats
