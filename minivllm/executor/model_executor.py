@@ -64,10 +64,12 @@ from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.loader import fill_dummy_weights, load_weights, require_weights
 from minivllm.model.registry import build_model
 from minivllm.ops.communicator import Communicator, build_communicator
-from minivllm.ops.dispatch import Ops
+from minivllm.ops.dispatch import Ops, hashed_uniform, row_keys
 from minivllm.ops.metadata import AttentionMetadata
+from minivllm.sampler import rejection
 from minivllm.sampler.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors
+from minivllm.sampler.rejection import target_probs
 from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_logit_bias, apply_token_bitmask
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
 from minivllm.step_types import TokenHistory, TokenLogprobs
@@ -81,6 +83,7 @@ DTYPES: dict[str, torch.dtype] = {
 CPU_KV_CACHE_BYTES = 4 << 30
 _LOGPROBS = attrgetter("logprobs")
 _SHAPES_LOGITS = attrgetter("shapes_logits")
+_ACCEPT_SALT = 0x2545F491  # keys of the acceptance tests, apart from the draws' (same seed, position)
 
 
 @contextlib.contextmanager
@@ -523,9 +526,9 @@ class ModelExecutor:
                              + [t.packed() for t in (logprobs, prompt) if t is not None])
 
     def verifies_drafts(self, params: SamplingParams) -> bool:
-        """Rows this executor scores with drafts: greedy, without logprobs or shaped logits
-        (the accepted run is the argmax at every position, as decoding without drafts)."""
-        return params.greedy and params.logprobs is None and not params.shapes_logits
+        """Rows this executor scores with drafts: without logprobs or shaped logits (greedy
+        rows keep the argmax run; random ones are rejection-sampled, ``sampler/rejection.py``)."""
+        return params.logprobs is None and not params.shapes_logits
 
     def _accept_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor,
                        tokens: torch.Tensor, bitmask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -546,6 +549,9 @@ class ModelExecutor:
         fed = plan.token_ids[np.where(valid, at + 1, at)]         # (R, k): the drafts themselves
         up = [torch.from_numpy(a).to(self.device) for a in (at, fed, valid, drafted, d[drafted])]
         at_t, fed_t, valid_t, drafted_t, d_t = up
+        params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
+        if not all(params[i].greedy for i in drafted):
+            return self._sample_drafts(plan, inputs, hidden, tokens, bitmask, rows, d, drafted, params)
         logits = self.model.compute_logits(hidden[at_t.reshape(-1)])  # (R * k, V)
         if bitmask is not None:  # position j of drafted row i: mask row offsets[i] + j
             offsets = np.concatenate([[0], np.cumsum(1 + d)[:-1]])[drafted]
@@ -556,6 +562,44 @@ class ModelExecutor:
         after = best.gather(1, a.clamp(max=k - 1)[:, None])[:, 0]
         tokens = tokens.clone()
         tokens[drafted_t] = torch.where(a == d_t, tokens[drafted_t], after)
+        accepted = torch.zeros_like(tokens)
+        accepted[drafted_t] = a
+        return tokens, accepted
+
+    def _sample_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
+                       bitmask: np.ndarray | None, rows: np.ndarray, d: np.ndarray, drafted: np.ndarray,
+                       params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rejection sampling of the drafted rows (``sampler/rejection.py``, the torch reference):
+        p at each of a row's 1 + d positions as the sampler would draw from it; randomness
+        keyed as the sampler's (a seeded row by its seed and each token's position)."""
+        k = int(d.max())
+        j = np.arange(k + 1)
+        dd = d[drafted]
+        ends = inputs.cu_seqlens_q[rows[drafted] + 1].astype(np.int64)
+        first = ends - 1 - dd                                             # token row scored for draft 1
+        at = first[:, None] + np.minimum(j[None, :], dd[:, None])         # (R, k + 1), past d: repeats d
+        fed = plan.token_ids[np.minimum(at[:, :k] + 1, ends[:, None] - 1)]  # (R, k): drafts (padding: the last)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(at.reshape(-1)).to(self.device)])
+        if bitmask is not None:
+            offsets = np.concatenate([[0], np.cumsum(1 + d)[:-1]])[drafted]
+            rows_of = (offsets[:, None] + np.minimum(j[None, :], dd[:, None])).reshape(-1)
+            logits = apply_token_bitmask(logits, self._upload_bitmask(np.ascontiguousarray(bitmask[rows_of])))
+        # Scored position j samples the token at position kv_len - d + j.
+        kv = inputs.kv_lens[rows[drafted]].astype(np.int64)
+        positions = (kv - dd)[:, None] + j[None, :]
+        t = SamplingTensors.build([params[i] for i in drafted for _ in j], positions.reshape(-1),
+                                  self.model_config.vocab_size, self.device)
+        v = logits.shape[-1]
+        probs = target_probs(logits, t).view(len(drafted), k + 1, v)
+        keys = row_keys(t.seeded, t.seed_keys, self.sampler.next_step_seed()).view(len(drafted), k + 1, 2)
+        fed_t, dd_t = (torch.from_numpy(a).to(self.device) for a in (fed, dd))
+        accept_u = hashed_uniform((keys[:, :k] ^ _ACCEPT_SALT).reshape(-1, 2), 1).view(len(drafted), k)
+        a = rejection.accept(probs, fed_t, dd_t, accept_u)
+        draw_u = hashed_uniform(keys[torch.arange(len(drafted), device=self.device), a], v)
+        own = rejection.draw_after(probs, fed_t, dd_t, a, draw_u)
+        tokens = tokens.clone()
+        drafted_t = torch.from_numpy(drafted).to(self.device)
+        tokens[drafted_t] = own
         accepted = torch.zeros_like(tokens)
         accepted[drafted_t] = a
         return tokens, accepted

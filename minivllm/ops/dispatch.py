@@ -34,14 +34,14 @@ from minivllm.envs import triton_interpreted
 from minivllm.kernels import reference as ref
 from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_channel
 from minivllm.kernels.gemv import MAX_ROWS
-from minivllm.kernels.gumbel_sample import gumbel_best_reference, gumbel_sample_reference, hashed_uniform
+from minivllm.kernels.gumbel_sample import gumbel_best_reference, gumbel_sample_reference, hashed_uniform, row_keys
 from minivllm.ops.communicator import Communicator
 from minivllm.ops.metadata import AttentionMetadata
 
 # Besides Ops, what the rooms above take from the kernels' side, all plain torch: the weight
 # formats the layers and the loader build at load time (e4m3 and its two quantizers, per
 # 128 x 128 block and per output channel) and the sampler's noise (its torch reference's).
-__all__ = ["FP8_DTYPE", "MAX_ROWS", "Ops", "fp8_mode", "hashed_uniform", "quantize_fp8_block",
+__all__ = ["FP8_DTYPE", "MAX_ROWS", "Ops", "fp8_mode", "hashed_uniform", "row_keys", "quantize_fp8_block",
            "quantize_fp8_per_channel", "triton_runs_on"]
 
 # MAX_ROWS, the most rows the GEMV kernel takes (tl.dot's smallest tile), is the small-batch

@@ -48,9 +48,9 @@ def test_greedy_with_ngram_drafts_equals_greedy_without(random_model, pool: int)
     assert (stats.num_preemptions > 0) == (pool == 12), stats
 
 
-def test_stops_inside_drafts_and_rows_that_take_none(random_model) -> None:
-    """max_tokens and a stop token met inside an accepted run; a sampled row beside drafted
-    ones decodes one token per step, as without drafts."""
+def test_stops_inside_drafts_beside_a_sampled_row(random_model) -> None:
+    """max_tokens and a stop token met inside an accepted run, beside a rejection-sampled row
+    (its tokens are its own draws: they need not equal those without drafts)."""
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
     options = dict(skip_tokenizer_init=True, block_size=4, num_blocks=64, max_model_len=64)
     with LLM(random_model, device="cpu", dtype="float32", kernels="torch", **options) as llm:
@@ -62,9 +62,23 @@ def test_stops_inside_drafts_and_rows_that_take_none(random_model) -> None:
               SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)]
     plain, _ = _generate(random_model, [prompt] * 3, params, None, **options)
     drafted, stats = _generate(random_model, [prompt] * 3, params, NGRAM, **options)
-    assert drafted[False] == drafted[True] == plain[False]
+    assert drafted[False][:2] == drafted[True][:2] == plain[False][:2]
     assert drafted[False][0][0] == free[:9] and drafted[False][1][0][-1] == stop
+    assert drafted[False][2] == drafted[True][2] and len(drafted[False][2][0]) == 12  # seeded: replays
     assert stats.num_accepted_tokens > 0
+
+
+def test_sampled_rows_accept_what_the_model_would_say(random_model) -> None:
+    """Rejection sampling scores each draft at its own position: at a low temperature it
+    keeps what greedy verification keeps, at a high one far less."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    rates = {}
+    for temperature in (0.0, 0.05, 5.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=24, ignore_eos=True)
+        _, stats = _generate(random_model, [prompt] * 4, params, NGRAM, skip_tokenizer_init=True, block_size=4,
+                             num_blocks=64, max_model_len=64)
+        rates[temperature] = stats.num_accepted_tokens / max(stats.num_draft_tokens, 1)
+    assert rates[0.0] > 0.1 and abs(rates[0.05] - rates[0.0]) < 0.05 and rates[5.0] < 0.5 * rates[0.0], rates
 
 
 def test_text_and_stop_strings_with_drafts() -> None:
