@@ -59,6 +59,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens the prefix cache served when the request was
             first scheduled (whole blocks; 0 before it, or on a miss), vLLM's name. Not
             part of ``==``: a cache hit gives the same tokens as a miss.
+        num_draft_tokens / num_accepted_tokens: speculative decoding, so far: draft tokens
+            scored for this completion, and those kept. Not part of ``==``.
 
     A plain slotted dataclass, as vLLM's ``RequestOutput`` is a plain class: cheaper to
     build than a frozen one, and a streaming engine builds one per request per step
@@ -78,6 +80,8 @@ class RequestOutput:
     first_token_time: float | None = field(default=None, compare=False)
     stop_reason: StopReason = None
     num_cached_tokens: int = field(default=0, compare=False)
+    num_draft_tokens: int = field(default=0, compare=False)
+    num_accepted_tokens: int = field(default=0, compare=False)
 
     @property
     def name(self) -> str:

@@ -757,7 +757,8 @@ class LLMEngine:
                              logprobs=seq.output_logprobs,
                              prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
                              first_token_time=seq.first_token_time, stop_reason=stop_reason,
-                             num_cached_tokens=seq.first_num_cached_tokens or 0)
+                             num_cached_tokens=seq.first_num_cached_tokens or 0,
+                             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         decode = chunked = 0

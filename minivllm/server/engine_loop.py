@@ -174,6 +174,8 @@ class StepCounts:
         batch_size: sequences scheduled in the step (0: the step only delivered outputs).
         steps, cached_tokens, computed_prefill_tokens, preemptions: the engine's
             running totals (``EngineStats``) after the step.
+        drafts, draft_tokens, accepted_tokens, accepted_per_position: speculative
+            decoding's running totals (``EngineStats``).
         first_scheduled: names (``sequence_name``) of the sequences the step scheduled
             for the first time (``ScheduleWatch``).
         step_start: ``time.monotonic()`` when the step began: their queue time ends there.
@@ -190,6 +192,10 @@ class StepCounts:
     preemptions: int
     first_scheduled: tuple[str, ...] = ()
     step_start: float = 0.0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
 
 
 NO_COUNTS = StepCounts(0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -227,7 +233,8 @@ def engine_counts(engine: LLMEngine, watch: ScheduleWatch | None = None,
         blocks_used=engine.num_blocks - engine.num_free_blocks, blocks_total=engine.num_blocks,
         batch_size=batch_size, steps=stats.num_steps, cached_tokens=stats.num_cached_tokens,
         computed_prefill_tokens=stats.num_prefill_tokens, preemptions=stats.num_preemptions,
-        first_scheduled=first, step_start=step_start)
+        first_scheduled=first, step_start=step_start, drafts=stats.num_drafts, draft_tokens=stats.num_draft_tokens,
+        accepted_tokens=stats.num_accepted_tokens, accepted_per_position=tuple(stats.accepted_per_position))
 
 
 class RequestLostError(RuntimeError):

@@ -160,6 +160,21 @@ class VllmMetrics:
                                                _VLLM_TOKEN_COUNT_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Completion tokens, per completion.", _VLLM_TOKEN_COUNT_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Rows scored with draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens scored.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by their position in the drafts (0: the first).",
+                                     names + ["position"], registry=r)
+        self._values = values
+        self.spec_accepted_per_position: list[Counter] = []
+
+    def accepted_at(self, position: int) -> Counter:
+        """The counter of drafts accepted at ``position`` (0: the first), made when first met."""
+        while len(self.spec_accepted_per_position) <= position:
+            self.spec_accepted_per_position.append(
+                self._per_position.labels(*self._values, str(len(self.spec_accepted_per_position))))
+        return self.spec_accepted_per_position[position]
 
 
 class ServerMetrics:
@@ -201,8 +216,9 @@ class ServerMetrics:
         self.batch_size = Histogram(p + "batch_size", "Sequences scheduled per engine step.",
                                     buckets=_BATCH_BUCKETS, registry=r)
         # The engine's running totals at the last step: steps, cached tokens, computed
-        # prefill tokens, preemptions.
-        self._totals = (0, 0, 0, 0)
+        # prefill tokens, preemptions, drafts, draft tokens, accepted tokens.
+        self._totals = (0, 0, 0, 0, 0, 0, 0)
+        self._per_position: tuple[int, ...] = ()  # accepted drafts by position, as last seen
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -212,10 +228,20 @@ class ServerMetrics:
 
     def step(self, now: StepCounts) -> None:
         """Record an engine step; the running totals advance the counters by their growth."""
-        totals = (now.steps, now.cached_tokens, now.computed_prefill_tokens, now.preemptions)
-        steps, hits, computed, preempted = (a - b for a, b in zip(totals, self._totals))
+        totals = (now.steps, now.cached_tokens, now.computed_prefill_tokens, now.preemptions,
+                  now.drafts, now.draft_tokens, now.accepted_tokens)
+        steps, hits, computed, preempted, drafts, drafted, accepted = (a - b for a, b in zip(totals, self._totals))
         self._totals = totals
         v = self.vllm
+        if drafts:
+            v.spec_drafts.inc(drafts)
+            v.spec_draft_tokens.inc(drafted)
+            v.spec_accepted_tokens.inc(accepted)
+            for i, n in enumerate(now.accepted_per_position):
+                grown = n - (self._per_position[i] if i < len(self._per_position) else 0)
+                if grown:
+                    v.accepted_at(i).inc(grown)
+            self._per_position = now.accepted_per_position
         for ours, theirs, value in ((self.running, v.running, now.running),
                                     (self.waiting, v.waiting, now.waiting)):
             ours.set(value)

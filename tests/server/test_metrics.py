@@ -11,6 +11,7 @@ abort lands mid-request, never after the request ended by itself.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -28,7 +29,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from minivllm import LLM  # noqa: E402
+from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.engine.llm_engine import StepRecord  # noqa: E402
 from minivllm.server.app import build_app  # noqa: E402
 from minivllm.server.engine_loop import AsyncEngine, ScheduleWatch  # noqa: E402
@@ -241,3 +242,31 @@ def test_weighted_histogram_exposes_cumulative_buckets() -> None:
     assert buckets == {"0.01": 1, "0.025": 4, "80.0": 4, "+Inf": 6}
     assert m[("vllm:x_seconds_count", (("model_name", "m"),))] == 6
     assert m[("vllm:x_seconds_sum", (("model_name", "m"),))] == pytest.approx(0.01 + 0.06 + 200.0)
+
+
+def test_speculative_decoding_metrics_under_vllms_names() -> None:
+    """A server with n-gram drafts: vLLM's spec_decode counters equal the engine's totals
+    (accepted per position summing to the accepted), and each choice's counts reach its
+    ``RequestOutput``."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with LLM(FIXTURE, speculative_config=spec, **OPTIONS) as llm, \
+            served(build_app(llm, ServerConfig(MODEL)), TIMEOUT) as (url, _):
+        before = scrape(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+        assert vllm(before, "spec_decode_num_drafts_total") == 0
+        body = {"model": MODEL, "prompt": "1+2+1+2+1+2+1+2=", "max_tokens": 12, "temperature": 0,
+                "min_tokens": 12, "structured_outputs": {"regex": "(1\\+2\\+){6}"}}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "1+2+" * 3, r.text
+        after = scrape(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+        stats = copy.deepcopy(llm.engine.stats)  # the server's requests only
+        out = llm.generate(["1+2+1+2+1+2+1+2="], SamplingParams(temperature=0, max_tokens=8,
+                                                                             structured_outputs={"regex": "(1\\+2\\+){2}"}),
+                           use_tqdm=False)[0]
+    assert stats.num_accepted_tokens > 0
+    assert vllm(after, "spec_decode_num_drafts_total") == stats.num_drafts
+    assert vllm(after, "spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+    assert vllm(after, "spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens
+    per_position = [vllm(after, "spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+                    for i in range(len(stats.accepted_per_position))]
+    assert per_position == stats.accepted_per_position and sum(per_position) == stats.num_accepted_tokens
+    assert out.num_draft_tokens >= out.num_accepted_tokens > 0
