@@ -48,6 +48,10 @@ from minivllm.step_types import TokenHistory
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 
+# Most steps an engine waits before asking its proposer again after rounds that found no
+# draft (``LLMEngine._back_off``): those steps keep one step in flight.
+MAX_SPEC_BACKOFF = 16
+
 # Finished request ids remembered (to tell "already finished" from "unknown"
 # on abort, and to refuse a reused id); older ones are forgotten.
 MAX_FINISHED_IDS = 100_000
@@ -193,6 +197,10 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.grammar_backend = grammar_backend
         self.proposer = proposer
+        # Proposal rounds that found nothing back off (1, 2, 4 .. MAX_SPEC_BACKOFF steps without
+        # asking), so that those steps keep one step in flight: ``_back_off``.
+        self._spec_backoff = 0
+        self._spec_wait = 0
         self.observer = observer
         if observer is not None:
             observer.attach(self)
@@ -405,9 +413,12 @@ class LLMEngine:
         """
         busy = self.has_unfinished_requests()
         outputs, self._pending_outputs = self._pending_outputs, []
-        if (self._drain_first or self.proposer is not None) and self._inflight is not None:
+        proposing = self.proposer is not None and self._spec_wait == 0
+        if (self._drain_first or proposing) and self._inflight is not None:
             outputs.extend(self._complete(self._take_inflight()))
-        proposed = self._propose() if self.proposer is not None else []
+        proposed = self._propose() if proposing else []
+        if self.proposer is not None:
+            self._back_off(proposing, bool(proposed), any(seq.drafts for seq in proposed))
         out = self.scheduler.schedule(can_preempt=self._inflight is None)
         for seq in proposed:
             if seq.drafts and not any(c.seq is seq and c.num_drafts for c in out.scheduled):
@@ -434,6 +445,20 @@ class LLMEngine:
             assert self.last_step is not None
             self.observer.on_step(self, self.last_step)
         return outputs
+
+    def _back_off(self, proposing: bool, asked: bool, found: bool) -> None:
+        """After a step that asked the proposer about some sequences (``asked``): wait 0 steps
+        before asking again if it ``found`` drafts, else twice as long as last time (at most
+        MAX_SPEC_BACKOFF); a step that was not ``proposing`` counts one down."""
+        if not proposing:
+            self._spec_wait -= 1
+        elif not asked:
+            return  # no sequence was decoding: nothing learned
+        elif found:
+            self._spec_backoff = self._spec_wait = 0
+        else:
+            self._spec_backoff = min(max(1, 2 * self._spec_backoff), MAX_SPEC_BACKOFF)
+            self._spec_wait = self._spec_backoff
 
     def _propose(self) -> list[Sequence]:
         """Ask the proposer for drafts for every running sequence about to decode (all its

@@ -195,3 +195,36 @@ def test_checks_catch_a_broken_draft(engine: type[LLMEngine], monkeypatch: pytes
     monkeypatch.setattr(runner, "LLMEngine", engine)
     found = [seed for seed in range(200) if not run_trace(_trace(seed)).ok]
     assert len(found) >= 10, found
+
+
+class _Silent:
+    """A proposer that never finds a draft, counting how often it is asked."""
+
+    num_speculative_tokens = 4
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def config(self) -> dict:
+        return {"method": "ngram", "num_speculative_tokens": 4}
+
+    def propose(self, contexts, max_drafts, names):
+        self.calls += 1
+        return [[] for _ in contexts]
+
+
+def test_rounds_that_find_nothing_back_off_and_keep_a_step_in_flight() -> None:
+    """Asked about every step while it finds nothing, a proposer would make every step wait
+    for the one before: rounds without a draft double the wait (up to MAX_SPEC_BACKOFF steps),
+    and the steps between keep one step in flight."""
+    from minivllm.engine.llm_engine import MAX_SPEC_BACKOFF
+    silent = _Silent()
+    engine = LLMEngine(SchedulerConfig(max_model_len=256, async_scheduling=True),
+                       CacheConfig(block_size=4, num_blocks=128), FakeExecutor(50, 4, 128), proposer=silent)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+    in_flight = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        in_flight += engine._inflight is not None
+    steps = engine.stats.num_steps
+    assert silent.calls <= 6 + steps // MAX_SPEC_BACKOFF and in_flight > 0.9 * steps, (silent.calls, in_flight, steps)
