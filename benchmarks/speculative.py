@@ -148,8 +148,9 @@ def main() -> None:
     path = model_path(args)
     t0 = time.perf_counter()
     # A proposer is set per run (the engine reads it every step); the config only sizes nothing.
+    smoke = dict(max_num_batched_tokens=64) if args.smoke else {}
     llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True, load_format=args.load_format,
-              max_model_len=64 if args.smoke else 4096, max_num_batched_tokens=64 if args.smoke else None,
+              max_model_len=64 if args.smoke else 4096, **smoke,
               speculative_config={"method": "ngram", "num_speculative_tokens": max(args.ks)})
     print(f"start-up {time.perf_counter() - t0:.1f}s", flush=True)
     vocab = llm.model_config.vocab_size
