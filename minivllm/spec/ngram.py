@@ -36,13 +36,24 @@ class NgramProposer:
 
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """At most ``k`` tokens that followed the latest earlier occurrence of the longest
-        matching suffix of ``tokens`` (int64 (L,)); [] when none matches."""
+        matching suffix of ``tokens`` (int64 (L,)); [] when none matches.
+
+        One pass over the context finds where its last token occurred before (the ends of
+        every candidate match); only those few candidates are compared further."""
         size = len(tokens)
+        if size < self.min_n + 1:
+            return []
+        ends = np.flatnonzero(tokens[self.min_n - 1:size - 1] == tokens[-1]) + self.min_n - 1
+        if not ends.size:
+            return []
+        back = np.arange(self.max_n)                                   # offsets before each end
+        before = ends[:, None] - back[None, :]                         # (C, max_n)
+        ok = before >= 0
+        same = (tokens[np.where(ok, before, 0)] == tokens[size - 1 - back][None, :]) & ok
+        run = np.cumprod(same, axis=1).sum(axis=1)                     # matched suffix length per end
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. size - n - 1: every n-gram but the suffix itself.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
-            hits = np.flatnonzero((windows == tokens[size - n:]).all(axis=1))
+            hits = np.flatnonzero(run >= n)
             if hits.size:
-                start = int(hits[-1]) + n  # the token after the latest occurrence
+                start = int(ends[hits[-1]]) + 1  # the token after the latest occurrence
                 return tokens[start:start + k].tolist()
         return []

@@ -228,3 +228,21 @@ def test_rounds_that_find_nothing_back_off_and_keep_a_step_in_flight() -> None:
         in_flight += engine._inflight is not None
     steps = engine.stats.num_steps
     assert silent.calls <= 6 + steps // MAX_SPEC_BACKOFF and in_flight > 0.9 * steps, (silent.calls, in_flight, steps)
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 3), (2, 4), (5, 5), (1, 1)])
+def test_ngram_lookup_equals_a_brute_force_search(lo: int, hi: int) -> None:
+    """Against every window compared in full, on small alphabets where matches abound."""
+    def brute(tokens: np.ndarray, k: int) -> list[int]:
+        size = len(tokens)
+        for n in range(min(hi, size - 1), lo - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
+            hits = np.flatnonzero((windows == tokens[size - n:]).all(axis=1))
+            if hits.size:
+                return tokens[int(hits[-1]) + n:int(hits[-1]) + n + k].tolist()
+        return []
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=lo, prompt_lookup_max=hi))
+    rng = np.random.default_rng(lo * 10 + hi)
+    for _ in range(1500):
+        tokens = rng.integers(0, rng.integers(2, 6), rng.integers(1, 40))
+        assert p.lookup(tokens, 4) == brute(tokens, 4), tokens.tolist()
