@@ -135,6 +135,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--offline", type=int, default=256, help="requests of the offline cost run (0: skip it)")
     ap.add_argument("--offline-rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="auto",
+                    help="float32: the scoring forward gives the decode forward's tokens (in bf16 random "
+                         "weights' near-ties may round otherwise, and the replayed truth drifts)")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
     args.ks = [int(x) for x in args.ks.split(",")]
@@ -149,13 +152,14 @@ def main() -> None:
     t0 = time.perf_counter()
     # A proposer is set per run (the engine reads it every step); the config only sizes nothing.
     smoke = dict(max_num_batched_tokens=64) if args.smoke else {}
-    llm = LLM(path, device=device, seed=args.seed, skip_tokenizer_init=True, load_format=args.load_format,
+    llm = LLM(path, device=device, dtype=args.dtype, seed=args.seed, skip_tokenizer_init=True,
+              load_format=args.load_format,
               max_model_len=64 if args.smoke else 4096, **smoke,
               speculative_config={"method": "ngram", "num_speculative_tokens": max(args.ks)})
     print(f"start-up {time.perf_counter() - t0:.1f}s", flush=True)
     vocab = llm.model_config.vocab_size
     rows = curve(llm, args, device, vocab)
-    summary: dict[str, Any] = dict(shapes=args.shapes, new_tokens=args.new_tokens, curve=rows)
+    summary: dict[str, Any] = dict(shapes=args.shapes, dtype=args.dtype, new_tokens=args.new_tokens, curve=rows)
     b1 = {r["accept"]: r for r in rows if r["batch"] == 1 and r["k"] in (0, 4)}
     if 0.0 in b1 and None in b1:
         summary["cost_always_wrong_batch1"] = b1[0.0]["ms_per_token"] / b1[None]["ms_per_token"]
@@ -164,7 +168,8 @@ def main() -> None:
         summary["offline_ngram_finding_nothing"] = offline_cost(llm, args, device)
         print(f"offline-{args.offline}, n-gram finding nothing: x{summary['offline_ngram_finding_nothing']['ratio']:.3f}")
     llm.close()
-    write_summary("speculative" + ("" if args.shapes == "qwen3-0.6b" else f"_{args.shapes}"), summary)
+    write_summary("speculative" + ("" if args.shapes == "qwen3-0.6b" else f"_{args.shapes}")
+                  + ("" if args.dtype == "auto" else f"_{args.dtype}"), summary)
 
 
 if __name__ == "__main__":
