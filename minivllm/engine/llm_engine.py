@@ -49,7 +49,7 @@ from minivllm.step_types import TokenHistory
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 
 # Most steps an engine waits before asking its proposer again after rounds that found no
-# draft (``LLMEngine._back_off``): those steps keep one step in flight.
+# draft or kept none (``LLMEngine._spec_outcome``): those steps keep one step in flight.
 MAX_SPEC_BACKOFF = 16
 
 # Finished request ids remembered (to tell "already finished" from "unknown"
@@ -133,6 +133,8 @@ class _InFlight:
     # Sequences that finished (or were aborted) while this step may still write
     # their blocks: freed when it completes.
     retired: list[Sequence] = field(default_factory=list)
+    # Whether some row has drafts: the next step is planned only once this one is applied.
+    drafted: bool = False
     # Per sampling row, the sequence whose grammar or token rules mask it (None: unmasked)
     # and its drafts (it is scored at 1 + d positions, each with its bitmask row); None
     # when no row is masked, or once the bitmask was given.
@@ -413,12 +415,17 @@ class LLMEngine:
         """
         busy = self.has_unfinished_requests()
         outputs, self._pending_outputs = self._pending_outputs, []
-        proposing = self.proposer is not None and self._spec_wait == 0
-        if (self._drain_first or proposing) and self._inflight is not None:
+        inflight = self._inflight
+        # Drafts follow the latest token, and a drafted step's rollback is known only once it
+        # is applied: either way, the step in flight is applied first.
+        if inflight is not None and (self._drain_first or inflight.drafted
+                                     or self.proposer is not None and self._spec_wait == 0):
             outputs.extend(self._complete(self._take_inflight()))
+        proposing = self.proposer is not None and self._spec_wait == 0
+        assert not proposing or self._inflight is None
         proposed = self._propose() if proposing else []
         if self.proposer is not None:
-            self._back_off(proposing, bool(proposed), any(seq.drafts for seq in proposed))
+            self._back_off(proposing, bool(proposed) and not any(seq.drafts for seq in proposed))
         out = self.scheduler.schedule(can_preempt=self._inflight is None)
         for seq in proposed:
             if seq.drafts and not any(c.seq is seq and c.num_drafts for c in out.scheduled):
@@ -430,7 +437,8 @@ class LLMEngine:
         previous = self._take_inflight()
         if out.scheduled:
             plan = self._build_plan(out)
-            self._inflight = _InFlight(out, self.executor.submit(plan), frozenset(plan.seq_ids))
+            self._inflight = _InFlight(out, self.executor.submit(plan), frozenset(plan.seq_ids),
+                                       drafted=bool(len(plan.num_drafts)))
             if plan.num_masked_rows:
                 self._inflight.masked = [(c.seq if m else None, c.num_drafts)
                                          for c, m in zip(out.scheduled, plan.masked) if c.samples]
@@ -446,15 +454,19 @@ class LLMEngine:
             self.observer.on_step(self, self.last_step)
         return outputs
 
-    def _back_off(self, proposing: bool, asked: bool, found: bool) -> None:
-        """After a step that asked the proposer about some sequences (``asked``): wait 0 steps
-        before asking again if it ``found`` drafts, else twice as long as last time (at most
-        MAX_SPEC_BACKOFF); a step that was not ``proposing`` counts one down."""
+    def _back_off(self, proposing: bool, found_none: bool) -> None:
+        """A step that was not ``proposing`` counts the wait one down; a round that asked about
+        some sequences and ``found_none`` is a miss (``_spec_outcome``)."""
         if not proposing:
             self._spec_wait -= 1
-        elif not asked:
-            return  # no sequence was decoding: nothing learned
-        elif found:
+        elif found_none:
+            self._spec_outcome(False)
+
+    def _spec_outcome(self, useful: bool) -> None:
+        """After a miss (no draft found, or a drafted step that kept none), wait twice as long
+        as last time (1, 2, 4 .. MAX_SPEC_BACKOFF steps) before asking again; after a step that
+        kept a draft, ask at once."""
+        if useful:
             self._spec_backoff = self._spec_wait = 0
         else:
             self._spec_backoff = min(max(1, 2 * self._spec_backoff), MAX_SPEC_BACKOFF)
@@ -633,6 +645,8 @@ class LLMEngine:
         """Cache the step's full blocks, resolve pending tokens, finish requests; one output
         per request that got a token."""
         self._check_result(out, result)
+        if result.num_accepted:
+            self._spec_outcome(any(result.num_accepted.values()))
         bm = self.scheduler.block_manager
         outputs = []
         now = time.monotonic()

@@ -547,7 +547,7 @@ class ModelExecutor:
         first = ends - 1 - d[drafted]                             # row of the position before draft 1
         at = np.where(valid, first[:, None] + j[None, :], first[:, None])  # (R, k): scores draft j + 1
         fed = plan.token_ids[np.where(valid, at + 1, at)]         # (R, k): the drafts themselves
-        up = [torch.from_numpy(a).to(self.device) for a in (at, fed, valid, drafted, d[drafted])]
+        up = [self._upload(a) for a in (at, fed, valid, drafted, d[drafted])]
         at_t, fed_t, valid_t, drafted_t, d_t = up
         params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
         if not all(params[i].greedy for i in drafted):
@@ -566,6 +566,14 @@ class ModelExecutor:
         accepted[drafted_t] = a
         return tokens, accepted
 
+    def _upload(self, a: np.ndarray) -> torch.Tensor:
+        """A small host array on the device without waiting for the stream (a pageable copy
+        would wait for the forward before it): pinned, then copied asynchronously."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _sample_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
                        bitmask: np.ndarray | None, rows: np.ndarray, d: np.ndarray, drafted: np.ndarray,
                        params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -579,7 +587,7 @@ class ModelExecutor:
         first = ends - 1 - dd                                             # token row scored for draft 1
         at = first[:, None] + np.minimum(j[None, :], dd[:, None])         # (R, k + 1), past d: repeats d
         fed = plan.token_ids[np.minimum(at[:, :k] + 1, ends[:, None] - 1)]  # (R, k): drafts (padding: the last)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(at.reshape(-1)).to(self.device)])
+        logits = self.model.compute_logits(hidden[self._upload(at.reshape(-1))])
         if bitmask is not None:
             offsets = np.concatenate([[0], np.cumsum(1 + d)[:-1]])[drafted]
             rows_of = (offsets[:, None] + np.minimum(j[None, :], dd[:, None])).reshape(-1)
@@ -592,13 +600,13 @@ class ModelExecutor:
         v = logits.shape[-1]
         probs = target_probs(logits, t).view(len(drafted), k + 1, v)
         keys = row_keys(t.seeded, t.seed_keys, self.sampler.next_step_seed()).view(len(drafted), k + 1, 2)
-        fed_t, dd_t = (torch.from_numpy(a).to(self.device) for a in (fed, dd))
+        fed_t, dd_t = (self._upload(a) for a in (fed, dd))
         accept_u = hashed_uniform((keys[:, :k] ^ _ACCEPT_SALT).reshape(-1, 2), 1).view(len(drafted), k)
         a = rejection.accept(probs, fed_t, dd_t, accept_u)
         draw_u = hashed_uniform(keys[torch.arange(len(drafted), device=self.device), a], v)
         own = rejection.draw_after(probs, fed_t, dd_t, a, draw_u)
         tokens = tokens.clone()
-        drafted_t = torch.from_numpy(drafted).to(self.device)
+        drafted_t = self._upload(drafted)
         tokens[drafted_t] = own
         accepted = torch.zeros_like(tokens)
         accepted[drafted_t] = a

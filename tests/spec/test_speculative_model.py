@@ -11,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest
 
 import pytest  # noqa: E402
 
+from benchmarks.speculative import ReplayProposer  # noqa: E402
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.testing import TinyConfig, make_hf_model, save_hf_model  # noqa: E402
 
@@ -23,9 +24,11 @@ def random_model(tmp_path_factory):
     return save_hf_model(make_hf_model(TinyConfig(), seed=5), tmp_path_factory.mktemp("spec"))
 
 
-def _generate(path, prompts, params, speculative, **options):
+def _generate(path, prompts, params, speculative, proposer=None, **options):
     outs = {}
     with LLM(path, device="cpu", dtype="float32", kernels="torch", speculative_config=speculative, **options) as llm:
+        if proposer is not None:
+            llm.engine.proposer = proposer
         for mode in (False, True):
             llm.engine.set_async_scheduling(mode)
             outs[mode] = [(o.token_ids, o.text, o.finish_reason)
@@ -61,7 +64,9 @@ def test_stops_inside_drafts_beside_a_sampled_row(random_model) -> None:
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop]),
               SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)]
     plain, _ = _generate(random_model, [prompt] * 3, params, None, **options)
-    drafted, stats = _generate(random_model, [prompt] * 3, params, NGRAM, **options)
+    # Drafts that replay the greedy run, every one right: runs of 5 tokens, which the stops cut.
+    replay = ReplayProposer({tuple(prompt): free}, len(prompt), 4, 1.0, TinyConfig().vocab_size)
+    drafted, stats = _generate(random_model, [prompt] * 3, params, NGRAM, proposer=replay, **options)
     assert drafted[False][:2] == drafted[True][:2] == plain[False][:2]
     assert drafted[False][0][0] == free[:9] and drafted[False][1][0][-1] == stop
     assert drafted[False][2] == drafted[True][2] and len(drafted[False][2][0]) == 12  # seeded: replays
