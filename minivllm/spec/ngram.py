@@ -25,14 +25,36 @@ class NgramProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self._arrays: dict[str, np.ndarray] = {}  # the contexts of the last call, by sequence name
 
     def config(self) -> dict[str, Any]:
         return dataclasses.asdict(self.speculative_config)
 
     def propose(self, contexts: Sequence[Sequence[int]], max_drafts: Sequence[int],
                 names: Sequence[str] = ()) -> list[list[int]]:
-        return [self.lookup(np.asarray(c, dtype=np.int64), k) if k > 0 else []
-                for c, k in zip(contexts, max_drafts)]
+        if not names:
+            return [self.lookup(np.asarray(c, dtype=np.int64), k) if k > 0 else []
+                    for c, k in zip(contexts, max_drafts)]
+        # A context only grows: each sequence's int64 copy is kept and extended by the tokens
+        # new since the last call (converting a whole list of thousands of tokens, for each
+        # of hundreds of sequences, costs more than the lookup). Sequences not asked about
+        # this time are forgotten.
+        arrays = {}
+        out = []
+        for context, k, name in zip(contexts, max_drafts, names):
+            arrays[name] = tokens = self._extended(self._arrays.get(name), context)
+            out.append(self.lookup(tokens, k) if k > 0 else [])
+        self._arrays = arrays
+        return out
+
+    @staticmethod
+    def _extended(tokens: np.ndarray | None, context: Sequence[int]) -> np.ndarray:
+        n = 0 if tokens is None else len(tokens)
+        if n == len(context):
+            return tokens  # type: ignore[return-value]
+        if n == 0 or n > len(context):
+            return np.asarray(context, dtype=np.int64)
+        return np.concatenate([tokens, np.asarray(context[n:], dtype=np.int64)])
 
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """At most ``k`` tokens that followed the latest earlier occurrence of the longest

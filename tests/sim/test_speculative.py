@@ -246,3 +246,22 @@ def test_ngram_lookup_equals_a_brute_force_search(lo: int, hi: int) -> None:
     for _ in range(1500):
         tokens = rng.integers(0, rng.integers(2, 6), rng.integers(1, 40))
         assert p.lookup(tokens, 4) == brute(tokens, 4), tokens.tolist()
+
+
+def test_ngram_lookup_keeps_each_context_and_extends_it() -> None:
+    """With names, each context's copy grows by the new tokens only; the answers are those of
+    a proposer that converts every context afresh (a shorter context under a known name, as a
+    new sequence would bring, is converted afresh)."""
+    cached = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3))
+    fresh = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3))
+    rng = np.random.default_rng(7)
+    contexts = {f"s{i}": rng.integers(0, 4, 5).tolist() for i in range(6)}
+    for step in range(40):
+        for name, c in contexts.items():
+            c.extend(rng.integers(0, 4, rng.integers(0, 3)).tolist())
+        if step == 20:
+            contexts["s0"] = [1, 2]
+        names = [n for n in contexts if rng.random() < 0.8]
+        got = cached.propose([contexts[n] for n in names], [3] * len(names), names)
+        assert got == fresh.propose([contexts[n] for n in names], [3] * len(names))
+        assert set(cached._arrays) == set(names)
