@@ -69,7 +69,6 @@ from minivllm.ops.metadata import AttentionMetadata
 from minivllm.sampler import rejection
 from minivllm.sampler.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors
-from minivllm.sampler.rejection import target_probs
 from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_logit_bias, apply_token_bitmask
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
 from minivllm.step_types import TokenHistory, TokenLogprobs
@@ -577,9 +576,10 @@ class ModelExecutor:
     def _sample_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
                        bitmask: np.ndarray | None, rows: np.ndarray, d: np.ndarray, drafted: np.ndarray,
                        params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rejection sampling of the drafted rows (``sampler/rejection.py``, the torch reference):
-        p at each of a row's 1 + d positions as the sampler would draw from it; randomness
-        keyed as the sampler's (a seeded row by its seed and each token's position)."""
+        """Rejection sampling of the drafted rows (``rejection.sample_drafted``): p at each of a
+        row's 1 + d positions as the sampler would draw from it, the token after the kept
+        drafts drawn by the sampler; randomness keyed as the sampler's (a seeded row by its
+        seed and each token's position)."""
         k = int(d.max())
         j = np.arange(k + 1)
         dd = d[drafted]
@@ -598,13 +598,12 @@ class ModelExecutor:
         t = SamplingTensors.build([params[i] for i in drafted for _ in j], positions.reshape(-1),
                                   self.model_config.vocab_size, self.device)
         v = logits.shape[-1]
-        probs = target_probs(logits, t).view(len(drafted), k + 1, v)
-        keys = row_keys(t.seeded, t.seed_keys, self.sampler.next_step_seed()).view(len(drafted), k + 1, 2)
+        step_seed = self.sampler.next_step_seed()
+        keys = row_keys(t.seeded, t.seed_keys, step_seed).view(len(drafted), k + 1, 2)
         fed_t, dd_t = (self._upload(a) for a in (fed, dd))
         accept_u = hashed_uniform((keys[:, :k] ^ _ACCEPT_SALT).reshape(-1, 2), 1).view(len(drafted), k)
-        a = rejection.accept(probs, fed_t, dd_t, accept_u)
-        draw_u = hashed_uniform(keys[torch.arange(len(drafted), device=self.device), a], v)
-        own = rejection.draw_after(probs, fed_t, dd_t, a, draw_u)
+        own, a = rejection.sample_drafted(self.sampler, logits.view(len(drafted), k + 1, v), t, fed_t, dd_t,
+                                          accept_u, step_seed)
         tokens = tokens.clone()
         drafted_t = self._upload(drafted)
         tokens[drafted_t] = own

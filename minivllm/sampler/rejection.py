@@ -14,15 +14,20 @@ Each token of the run then follows p (Leviathan et al., 2023, "Fast inference fr
 transformers via speculative decoding"). A greedy row's p is one-hot at its argmax: a
 draft is kept iff it is the argmax, and the token after is the argmax, as without drafts.
 
-This is the torch reference; randomness comes in as uniforms, so a caller keys them as it
-keys the sampler's (seeded rows by seed and position).
+``rejection_sample`` is the torch reference (any q; randomness comes in as uniforms).
+``sample_drafted`` is what the executor runs for one-hot q: acceptance from the filtered
+log-softmax, then the token after the kept drafts drawn by the sampler itself (the fused
+Triton pass on CUDA), from p with the refused draft banned, which for one-hot q is
+norm(max(0, p - q)); the filters' floor is taken before the ban, so it is p's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minivllm.sampler.sampler import SamplingTensors, apply_filters
+import dataclasses
+
+from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_filters, filter_floor
 
 
 def target_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -84,3 +89,49 @@ def draw_after(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tens
              else draft_probs[rows, at])
         p = torch.where((accepted < num_drafts)[:, None], (p - q).clamp(min=0), p)
     return (p.log() - torch.log(-torch.log(draw_u))).argmax(-1)
+
+
+def sample_drafted(sampler: Sampler, logits: torch.Tensor, t: SamplingTensors, drafts: torch.Tensor,
+                   num_drafts: torch.Tensor, accept_u: torch.Tensor, step_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of R drafted rows, drafts from a proposer without probabilities.
+
+    Args:
+        logits: (R, k + 1, V) raw logits (masked where a grammar masks) at each row's positions.
+        t: sampling settings of the R * (k + 1) (row, position) pairs, row-major, each keyed by
+            the position of the token it would sample (``SamplingTensors.build``).
+        drafts, num_drafts, accept_u: as ``rejection_sample``'s.
+        step_seed: keys the unseeded rows' draws (``Sampler.next_step_seed``).
+
+    Returns:
+        (tokens (R,), accepted (R,)) int64.
+    """
+    r, k1, v = logits.shape
+    k = k1 - 1
+    flat = logits.reshape(r * k1, v)
+    floor = filter_floor(flat, t)                                                        # (R * (k + 1),) or None
+    rows = torch.arange(r, device=logits.device)
+    valid = torch.arange(k, device=logits.device)[None, :] < num_drafts[:, None]
+    if k:
+        scaled = flat.float() / t.temperature[:, None]
+        if floor is not None:
+            scaled = scaled.masked_fill(flat < floor[:, None], float("-inf"))
+        logp = scaled.log_softmax(-1).view(r, k1, v)[:, :k]
+        p_x = logp.gather(-1, drafts[..., None])[..., 0].exp()                           # (R, k)
+        best = flat.argmax(-1).view(r, k1)[:, :k]
+        p_x = torch.where(t.greedy.view(r, k1)[:, :k], (drafts == best).to(p_x.dtype), p_x)
+        accepted = ((accept_u < p_x) & valid).to(torch.int64).cumprod(1).sum(1)
+    else:
+        accepted = torch.zeros(r, dtype=torch.int64, device=logits.device)
+    at = rows * k1 + accepted                                                            # (R,) rows of flat
+    own = flat[at]                                                                       # (R, V) a copy
+    if k:
+        refused = accepted < num_drafts
+        x = drafts.gather(1, accepted.clamp(max=k - 1)[:, None])                        # (R, 1)
+        banned = torch.where(refused[:, None], float("-inf"), own.gather(1, x))
+        own.scatter_(1, x, banned.to(own.dtype))
+    # Row i's settings at its position ``accepted[i]`` (its seed keyed by that token's position);
+    # the draw reads no ``seeded_rows`` (the reference sampler's).
+    picked = dataclasses.replace(t, temperature=t.temperature[at], top_k=t.top_k[at], top_p=t.top_p[at],
+                                 log_min_p=t.log_min_p[at], greedy=t.greedy[at], seeded=t.seeded[at],
+                                 seed_keys=t.seed_keys[at])
+    return sampler.draw(own, picked, None if floor is None else floor[at], step_seed), accepted

@@ -478,6 +478,14 @@ class Sampler(nn.Module):
         return self.ops.gumbel_pairs(shard, t.temperature, t.greedy, t.seeded, t.seed_keys, step_seed, col_offset,
                                      t.all_greedy, self._split_counts(shard))
 
+    def draw(self, logits: torch.Tensor, t: SamplingTensors, floor: torch.Tensor | None, step_seed: int) -> torch.Tensor:
+        """``forward``'s draw with the filter ``floor`` given (computed before some tokens of
+        ``logits`` were banned: rejection sampling's correction, ``sampler/rejection.py``)."""
+        if t.all_greedy:
+            return logits.argmax(dim=-1)
+        return self.ops.gumbel_sample(logits, t.temperature, floor, t.greedy, t.seeded, t.seed_keys, step_seed,
+                                      self._split_counts(logits))
+
     def _split_counts(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The fused pass's split counters for ``logits``' rows (None off Triton): one zeroed
         buffer kept across calls (each launch leaves it zero), replaced by a larger one when a

@@ -104,3 +104,45 @@ def test_rows_of_fewer_drafts_and_none() -> None:
                                         torch.rand(DRAWS, 1, generator=g), torch.rand(DRAWS, V, generator=g).clamp(1e-7))
     assert not accepted.any() and _tv(tokens, p) < TV_BOUND
     assert np.isfinite(tokens.numpy()).all()
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["plain", "top_k", "top_p", "min_p"])
+def test_the_samplers_road_follows_the_target(params: SamplingParams) -> None:
+    """``sample_drafted`` (acceptance from the filtered log-softmax, the token after drawn by
+    the sampler with the refused draft banned): the first token is distributed as p."""
+    from minivllm.ops.dispatch import Ops
+    from minivllm.sampler.rejection import sample_drafted
+    from minivllm.sampler.sampler import Sampler
+
+    p = target_probs(LOGITS[None], SamplingTensors.build([params], [0], V, "cpu"))[0]
+    sampler = Sampler(Ops.build("torch", torch.device("cpu"), torch.float32))
+    t = SamplingTensors.build([params] * (2 * DRAWS), np.zeros(2 * DRAWS, dtype=np.int64), V, "cpu")
+    draft = torch.full((DRAWS, 1), int(LOGITS.argmax()), dtype=torch.int64)
+    u = torch.rand(DRAWS, 1, generator=torch.Generator().manual_seed(3))
+    tokens, accepted = sample_drafted(sampler, LOGITS.expand(DRAWS, 2, V).contiguous(), t, draft,
+                                      torch.ones(DRAWS, dtype=torch.int64), u, step_seed=11)
+    first = torch.where(accepted == 1, draft[:, 0], tokens)
+    assert _tv(first, p) < TV_BOUND
+    assert not ((accepted == 0) & (tokens == draft[:, 0])).any()  # a refused draft is never drawn again
+
+
+def test_the_samplers_road_on_triton_draws_what_torch_draws() -> None:
+    """The same drafted rows through the Triton sampler (interpreter) and the torch one: the same
+    tokens, seeded and unseeded, greedy and filtered rows mixed."""
+    from minivllm.ops.dispatch import Ops
+    from minivllm.sampler.rejection import sample_drafted
+    from minivllm.sampler.sampler import Sampler
+
+    g = torch.Generator().manual_seed(4)
+    r, k, v = 6, 3, 40
+    logits = torch.randn(r, k + 1, v, generator=g) * 2
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0), SamplingParams(top_k=5),
+              SamplingParams(top_p=0.7, seed=9), SamplingParams(min_p=0.1), SamplingParams(temperature=1.5)]
+    t = SamplingTensors.build([q for q in params for _ in range(k + 1)], np.tile(np.arange(k + 1), r) + 20, v, "cpu")
+    drafts = logits[:, :k].argmax(-1)
+    drafts[::2, 1] = (drafts[::2, 1] + 1) % v
+    num = torch.tensor([3, 3, 2, 1, 0, 3])
+    u = torch.rand(r, k, generator=g)
+    got = [sample_drafted(Sampler(Ops.build(name, torch.device("cpu"), torch.float32)), logits, t, drafts, num, u, 5)
+           for name in ("torch", "triton")]
+    assert got[0][1].tolist() == got[1][1].tolist() and got[0][0].tolist() == got[1][0].tolist()
