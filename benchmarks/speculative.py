@@ -32,32 +32,7 @@ from benchmarks.report import write_summary
 from benchmarks.throughput import add_common_args, bench_device, model_path, offline_workload, sync
 from minivllm.config import SpeculativeConfig
 from minivllm.spec.ngram import NgramProposer
-
-
-class ReplayProposer:
-    """Benchmark-only: replays each prompt's recorded greedy continuation as drafts, each right
-    with probability ``accept`` (a hash of the sequence and position decides), else the true
-    token + 1."""
-
-    def __init__(self, truth: dict[tuple[int, ...], Sequence[int]], prompt_len: int, k: int, accept: float,
-                 vocab_size: int) -> None:
-        self.truth, self.prompt_len, self.accept, self.vocab_size = truth, prompt_len, accept, vocab_size
-        self.num_speculative_tokens = k
-
-    def config(self) -> dict[str, Any]:
-        return {"method": "replay", "num_speculative_tokens": self.num_speculative_tokens, "accept": self.accept}
-
-    def propose(self, contexts: Sequence[Sequence[int]], max_drafts: Sequence[int],
-                names: Sequence[str] = ()) -> list[list[int]]:
-        out = []
-        for context, k in zip(contexts, max_drafts):
-            prompt = tuple(context[:self.prompt_len])
-            done = len(context) - self.prompt_len
-            true = list(self.truth[prompt][done:done + k])
-            rng = np.random.default_rng([hash(prompt) & 0xFFFFFFFF, done])
-            right = rng.random(len(true)) < self.accept
-            out.append([t if ok else (t + 1) % self.vocab_size for t, ok in zip(true, right)])
-        return out
+from minivllm.testing import ReplayProposer
 
 
 def timed(llm: Any, prompts: list[list[int]], params: Any, device: str) -> tuple[list[Any], float, Any]:

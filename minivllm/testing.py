@@ -13,7 +13,7 @@ import importlib.util
 import inspect
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -766,3 +766,30 @@ def describe(result: dict[str, Any]) -> str:
     return "; ".join(f"{side}: {r['identical']} of {r['prompts']} identical, mean {r['mean_leading']:.1f} leading "
                      f"tokens, teacher-forced flips {r['flip']:.2%}, logits error {r['logits_rel']:.4f}"
                      for side, r in ((s, result[s]) for s in ("ours", "hf")))
+
+
+class ReplayProposer:
+    """For benchmarks and tests, not a user option: replays each prompt's recorded greedy
+    continuation as drafts, each right
+    with probability ``accept`` (a hash of the sequence and position decides), else the true
+    token + 1."""
+
+    def __init__(self, truth: dict[tuple[int, ...], Sequence[int]], prompt_len: int, k: int, accept: float,
+                 vocab_size: int) -> None:
+        self.truth, self.prompt_len, self.accept, self.vocab_size = truth, prompt_len, accept, vocab_size
+        self.num_speculative_tokens = k
+
+    def config(self) -> dict[str, Any]:
+        return {"method": "replay", "num_speculative_tokens": self.num_speculative_tokens, "accept": self.accept}
+
+    def propose(self, contexts: Sequence[Sequence[int]], max_drafts: Sequence[int],
+                names: Sequence[str] = ()) -> list[list[int]]:
+        out = []
+        for context, k in zip(contexts, max_drafts):
+            prompt = tuple(context[:self.prompt_len])
+            done = len(context) - self.prompt_len
+            true = list(self.truth[prompt][done:done + k])
+            rng = np.random.default_rng([hash(prompt) & 0xFFFFFFFF, done])
+            right = rng.random(len(true)) < self.accept
+            out.append([t if ok else (t + 1) % self.vocab_size for t, ok in zip(true, right)])
+        return out

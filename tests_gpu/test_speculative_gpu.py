@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from minivllm import LLM, SamplingParams
-from minivllm.testing import QWEN3_0_6B, randomize_weights
+from minivllm.testing import QWEN3_0_6B, ReplayProposer, randomize_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -47,8 +47,6 @@ def test_greedy_with_drafts_equals_greedy_without_at_qwen3_0_6b_shapes(qwen3_0_6
     """Drafts replayed from the greedy run, half of them wrong (random weights repeat no
     n-gram, so lookup would find none): the same tokens, drafts kept and refused, both modes;
     a seeded sampled row replays."""
-    from benchmarks.speculative import ReplayProposer
-
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 6, [7, 7, 8] * 16, list(range(100, 148))]
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=32, ignore_eos=True)

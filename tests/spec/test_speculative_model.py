@@ -11,9 +11,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import (conftest
 
 import pytest  # noqa: E402
 
-from benchmarks.speculative import ReplayProposer  # noqa: E402
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm.testing import TinyConfig, make_hf_model, save_hf_model  # noqa: E402
+from minivllm.testing import ReplayProposer, TinyConfig, make_hf_model, save_hf_model  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 TINY_QWEN3 = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiny-qwen3")
