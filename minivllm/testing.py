@@ -770,9 +770,8 @@ def describe(result: dict[str, Any]) -> str:
 
 class ReplayProposer:
     """For benchmarks and tests, not a user option: replays each prompt's recorded greedy
-    continuation as drafts, each right
-    with probability ``accept`` (a hash of the sequence and position decides), else the true
-    token + 1."""
+    continuation as drafts, each right with probability ``accept`` (a hash of the prompt and
+    position decides), else the true token + 1."""
 
     def __init__(self, truth: dict[tuple[int, ...], Sequence[int]], prompt_len: int, k: int, accept: float,
                  vocab_size: int) -> None:
