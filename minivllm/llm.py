@@ -207,6 +207,9 @@ class LLM:
         cache_opts, sched_opts, exec_opts = split_engine_options(options)
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        if speculative_config is not None and exec_opts.get("tensor_parallel_size", 1) > 1:
+            raise ValueError("speculative_config: speculative decoding under tensor parallelism is not "
+                             "supported yet (tensor_parallel_size must be 1)")
         executor_config = ExecutorConfig.from_dict(
             {**exec_opts, "device": device, "dtype": dtype, "kernels": kernels, "seed": seed})
         if device == "auto":
