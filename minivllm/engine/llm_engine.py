@@ -421,15 +421,13 @@ class LLMEngine:
         if inflight is not None and (self._drain_first or inflight.drafted
                                      or self.proposer is not None and self._spec_wait == 0):
             outputs.extend(self._complete(self._take_inflight()))
-        proposing = self.proposer is not None and self._spec_wait == 0
-        assert not proposing or self._inflight is None
-        proposed = self._propose() if proposing else []
-        if self.proposer is not None:
-            self._back_off(proposing, bool(proposed) and not any(seq.drafts for seq in proposed))
+        proposed = self._propose_drafts() if self.proposer is not None else []
         out = self.scheduler.schedule(can_preempt=self._inflight is None)
-        for seq in proposed:
-            if seq.drafts and not any(c.seq is seq and c.num_drafts for c in out.scheduled):
-                seq.drafts = []  # not scheduled with them: drafts live only until their step
+        if proposed:
+            taken = {c.seq.seq_id for c in out.scheduled if c.num_drafts}
+            for seq in proposed:
+                if seq.seq_id not in taken:
+                    seq.drafts = []  # not scheduled with them: drafts live only until their step
         self._drain_first = out.blocked
         self._last_out = out
         if not out.scheduled and self._inflight is None:
@@ -454,13 +452,18 @@ class LLMEngine:
             self.observer.on_step(self, self.last_step)
         return outputs
 
-    def _back_off(self, proposing: bool, found_none: bool) -> None:
-        """A step that was not ``proposing`` counts the wait one down; a round that asked about
-        some sequences and ``found_none`` is a miss (``_spec_outcome``)."""
-        if not proposing:
+    def _propose_drafts(self) -> list[Sequence]:
+        """Ask the proposer, unless backing off (then count the wait down); a round that asked
+        about some sequences and found no draft is a miss (``_spec_outcome``). Returns the
+        sequences asked about."""
+        if self._spec_wait > 0:
             self._spec_wait -= 1
-        elif found_none:
+            return []
+        assert self._inflight is None, "drafts follow the latest token: the step in flight is applied first"
+        asked = self._propose()
+        if asked and not any(seq.drafts for seq in asked):
             self._spec_outcome(False)
+        return asked
 
     def _spec_outcome(self, useful: bool) -> None:
         """After a miss (no draft found, or a drafted step that kept none), wait twice as long
