@@ -199,8 +199,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.grammar_backend = grammar_backend
         self.proposer = proposer
-        # Proposal rounds that found nothing back off (1, 2, 4 .. MAX_SPEC_BACKOFF steps without
-        # asking), so that those steps keep one step in flight: ``_back_off``.
+        # Proposal rounds that found nothing, or kept nothing, back off (1, 2, 4 .. MAX_SPEC_BACKOFF
+        # steps without asking), so that those steps keep one step in flight: ``_spec_outcome``.
         self._spec_backoff = 0
         self._spec_wait = 0
         self.observer = observer
