@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     args = ap.parse_args()
     path = write_random_config("/tmp/qwen3-0.6b-config", "qwen3-0.6b")
-    llm = LLM(path, device="cuda", dtype="float32", load_format="dummy", skip_tokenizer_init=True,
+    llm = LLM(path, device="cuda", load_format="dummy", skip_tokenizer_init=True,
               max_model_len=1024, speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
     ex = llm.engine.executor
     prompt = np.random.default_rng(0).integers(0, 10000, 128).tolist()
