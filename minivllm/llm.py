@@ -174,7 +174,8 @@ class LLM:
             ``text`` stays None), for checkpoints that ship none.
         speculative_config: speculative decoding, vLLM's dict (``SpeculativeConfig``), e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}``;
-            greedy rows without logprobs take drafts (``ModelExecutor.verifies_drafts``).
+            rows without ``logit_bias``, ``allowed_token_ids`` or penalties take drafts
+            (``ModelExecutor.verifies_drafts``).
         observer: told of the engine's traffic as it runs (``EngineObserver``); e.g.
             ``minivllm.engine.trace.TraceRecorder(PATH)`` writes a trace in the simulator's format
             that ``python -m sim replay`` (``--plot``) replays without the model, on any

@@ -121,14 +121,16 @@ class _Extras:
     prompt_targets: torch.Tensor | None     # int64 (N,): the prompt token that row predicts
 
 
-def _gather_logprob_rows(seq_ids: list[int], params: list[SamplingParams]
+def _gather_logprob_rows(seq_ids: list[int], params: list[SamplingParams], scored: np.ndarray | None = None
                          ) -> tuple[LogprobLayout | None, np.ndarray | None]:
-    """Layout of the sampling rows that report logprobs, and their rows (None: all of them or none)."""
+    """Layout of the sampling rows that report logprobs, and their rows (None: all of them or none).
+    ``scored``: positions scored per sampling row (1 + its drafts; None: one each)."""
     ks = list(map(_LOGPROBS, params))
     if ks.count(None) == len(ks):  # the common case, in C
         return None, None
     asking = [i for i, k in enumerate(ks) if k is not None]
-    layout = LogprobLayout(seq_ids=tuple(seq_ids[i] for i in asking), num_rows=(1,) * len(asking),
+    layout = LogprobLayout(seq_ids=tuple(seq_ids[i] for i in asking),
+                           num_rows=(1,) * len(asking) if scored is None else tuple(int(scored[i]) for i in asking),
                            ks=tuple(ks[i] for i in asking))
     return layout, (np.asarray(asking, dtype=np.int64) if len(asking) < len(ks) else None)
 
@@ -504,9 +506,13 @@ class ModelExecutor:
             scored = bitmask  # with drafts: one row per scored position; the sampler takes each row's last
             if bitmask is not None and len(plan.num_drafts):
                 bitmask = bitmask[np.cumsum(1 + plan.num_drafts[plan.sample]) - 1]
-            tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask)
-            if len(plan.num_drafts):
+            drafted = bool(len(plan.num_drafts))
+            tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask,
+                                            with_logprobs=not drafted)
+            if drafted:
                 tokens, accepted = self._accept_drafts(plan, inputs, hidden, tokens, scored)
+                if extras.logprobs is not None:
+                    logprobs = self._drafted_logprobs(plan, inputs, hidden, tokens, accepted, extras, scored)
             self.prev_sampled[:len(seq_ids)].copy_(tokens)
             self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}
         else:
@@ -525,9 +531,38 @@ class ModelExecutor:
                              + [t.packed() for t in (logprobs, prompt) if t is not None])
 
     def verifies_drafts(self, params: SamplingParams) -> bool:
-        """Rows this executor scores with drafts: without logprobs or shaped logits (greedy
-        rows keep the argmax run; random ones are rejection-sampled, ``sampler/rejection.py``)."""
-        return params.logprobs is None and not params.shapes_logits
+        """Rows this executor scores with drafts: without shaped logits (greedy rows keep the
+        argmax run; random ones are rejection-sampled, ``sampler/rejection.py``)."""
+        return not params.shapes_logits
+
+    def _drafted_logprobs(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
+                          accepted: torch.Tensor, extras: _Extras, bitmask: np.ndarray | None) -> LogprobTensors:
+        """Logprobs of a drafted step's rows that ask: one per scored position (1 + d rows a
+        sequence, ``LogprobLayout.num_rows``), of the kept draft there, or of the row's own
+        token at the first position not kept (the rows after it are sent and never read),
+        from the raw logits (under the position's mask where masked)."""
+        rows = np.flatnonzero(plan.sample)
+        d = plan.num_drafts[rows].astype(np.int64)
+        asking = (np.arange(len(rows)) if extras.logprob_rows is None
+                  else np.asarray([i for i, p in enumerate(p for p, s in zip(plan.sampling_params, plan.sample) if s)
+                                   if p.logprobs is not None], dtype=np.int64))
+        owner = np.repeat(asking, 1 + d[asking])                         # sampling row of each logprob row
+        j = np.concatenate([np.arange(1 + d[i]) for i in asking])       # its scored position
+        ends = inputs.cu_seqlens_q[rows[owner] + 1].astype(np.int64)
+        at = ends - 1 - d[owner] + j                                    # token row scoring position j
+        fed = plan.token_ids[np.minimum(at + 1, ends - 1)]              # draft j + 1 (past d: unused)
+        owner_t, j_t, at_t, fed_t = (self._upload(a) for a in (owner, j, at, fed))
+        targets = torch.where(j_t < accepted[owner_t], fed_t, tokens[owner_t])
+        masks = None
+        if bitmask is not None:
+            offsets = np.concatenate([[0], np.cumsum(1 + d)[:-1]])
+            masks = self._upload_bitmask(np.ascontiguousarray(bitmask[offsets[owner] + j]))
+
+        def logits_of(s: slice) -> torch.Tensor:
+            logits = self.model.compute_logits(hidden[at_t[s]])
+            return logits if masks is None else apply_token_bitmask(logits, masks[s])
+        assert extras.logprobs is not None
+        return sliced_logprobs(logits_of, targets, extras.logprobs.max_k)
 
     def _accept_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor,
                        tokens: torch.Tensor, bitmask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -612,8 +647,8 @@ class ModelExecutor:
         return tokens, accepted
 
     def _sample(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
-                params: list[SamplingParams], extras: _Extras, bitmask: np.ndarray | None = None
-                ) -> tuple[torch.Tensor, LogprobTensors | None]:
+                params: list[SamplingParams], extras: _Extras, bitmask: np.ndarray | None = None,
+                with_logprobs: bool = True) -> tuple[torch.Tensor, LogprobTensors | None]:
         """Sample the plan's sampling rows: token ids (S,) on the device, and their logprobs where
         asked; ``bitmask`` (int32 (S, W)) masks the raw logits first, so logprobs are those of
         the constrained distribution, as in vLLM."""
@@ -630,7 +665,7 @@ class ModelExecutor:
         # The bias shapes the sampling, not the logprobs (raw, as vLLM's default).
         sampled_from = apply_logit_bias(logits, params) if biased else logits
         tokens = self.sampler(sampled_from, tensors, penalties=extras.penalties)  # (S,) int64 on the device
-        if extras.logprobs is None:
+        if extras.logprobs is None or not with_logprobs:
             return tokens, None
         rows = extras.logprob_rows  # None: every row asks
         if rows is None:
@@ -662,7 +697,8 @@ class ModelExecutor:
             ValueError: see ``_gather_penalties`` and ``_gather_prompt_targets``.
         """
         penalties = self._gather_penalties(plan, params)
-        logprobs, lp_rows = _gather_logprob_rows(seq_ids, params)
+        logprobs, lp_rows = _gather_logprob_rows(
+            seq_ids, params, 1 + plan.num_drafts[plan.sample] if len(plan.num_drafts) else None)
         prompt = self._gather_prompt_targets(plan, inputs)
         arrays: list[np.ndarray] = []
         if penalties is not None:

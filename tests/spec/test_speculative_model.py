@@ -118,3 +118,29 @@ def test_grammars_with_drafts() -> None:
     drafted, stats = _generate(TINY_QWEN3, prompts, params, NGRAM, num_blocks=64)
     assert drafted[False] == drafted[True] == plain[False]
     assert stats.num_accepted_tokens > 0, stats
+
+
+def test_logprobs_of_drafted_rows_are_those_without_drafts(random_model) -> None:
+    """A row asking for logprobs takes drafts too: each accepted token's logprobs (its own and
+    the top 3) are those decoding without drafts reports, greedy and seeded-sampled."""
+    import numpy as np
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    options = dict(skip_tokenizer_init=True, block_size=4, num_blocks=64, max_model_len=64)
+    with LLM(random_model, device="cpu", dtype="float32", kernels="torch", **options) as llm:
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                            use_tqdm=False)[0].token_ids
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=2, max_tokens=20, ignore_eos=True, logprobs=0)]
+    with LLM(random_model, device="cpu", dtype="float32", kernels="torch", **options) as llm:
+        plain = llm.generate([prompt] * 3, params, use_tqdm=False)
+        llm.engine.proposer = ReplayProposer({tuple(prompt): free}, len(prompt), 4, 0.7, TinyConfig().vocab_size)
+        drafted = llm.generate([prompt] * 3, params, use_tqdm=False)
+        assert llm.engine.stats.num_accepted_tokens > 5
+    assert drafted[0].token_ids == plain[0].token_ids and len(drafted[0].logprobs) == 20
+    for got, want in zip(drafted[0].logprobs, plain[0].logprobs):
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[t] for t in want], list(want.values()), atol=1e-4)
+    sampled = drafted[2]
+    assert len(sampled.logprobs) == 20 and all(t in lp for t, lp in zip(sampled.token_ids, sampled.logprobs))
