@@ -144,3 +144,21 @@ def test_logprobs_of_drafted_rows_are_those_without_drafts(random_model) -> None
         np.testing.assert_allclose([got[t] for t in want], list(want.values()), atol=1e-4)
     sampled = drafted[2]
     assert len(sampled.logprobs) == 20 and all(t in lp for t, lp in zip(sampled.token_ids, sampled.logprobs))
+
+
+def test_logprobs_of_a_drafted_row_under_a_grammar() -> None:
+    """Masked drafted positions report the masked distribution's logprobs, as without drafts."""
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=14, logprobs=2,
+                            structured_outputs={"regex": "(1\\+2\\+){2}[0-9]{1,3}"})
+    outs = []
+    for spec in (None, NGRAM):
+        with LLM(TINY_QWEN3, device="cpu", dtype="float32", kernels="torch", num_blocks=64,
+                 speculative_config=spec) as llm:
+            outs.append(llm.generate(["1+2+1+2+1+2="], params, use_tqdm=False)[0])
+            accepted = llm.engine.stats.num_accepted_tokens
+    assert accepted > 0 and outs[0].token_ids == outs[1].token_ids
+    for want, got in zip(outs[0].logprobs, outs[1].logprobs):
+        assert want.keys() == got.keys()
+        np.testing.assert_allclose([got[t] for t in want], list(want.values()), atol=1e-4)
