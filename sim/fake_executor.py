@@ -167,7 +167,7 @@ class FakeExecutor:
         return self.num_blocks
 
     def verifies_drafts(self, params: SamplingParams) -> bool:
-        """Every unmasked row: the fake model is greedy (``_verify``)."""
+        """Every row: the fake model is greedy (``_sample_rows``)."""
         return True
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -227,44 +227,28 @@ class FakeExecutor:
         self._write(inputs.slot_mapping, ids)
         rows = np.flatnonzero(plan.sample)
         contexts = self._read(inputs.block_tables[rows], inputs.kv_lens[rows])
-        if len(plan.num_drafts):
-            return self._verify(plan, inputs, rows, contexts, bitmask)
-        if bitmask is None:
-            sampled = {plan.seq_ids[r]: self._next_token(plan.seq_ids[r], ctx)
-                       for r, ctx in zip(rows.tolist(), contexts)}
-        else:
-            sampled = {plan.seq_ids[r]: (fake_masked_next_token(ctx, allowed_tokens(bitmask[i], self.vocab_size),
-                                                                self.vocab_size)
-                                         if plan.masked[r] else self._next_token(plan.seq_ids[r], ctx))
-                       for i, (r, ctx) in enumerate(zip(rows.tolist(), contexts))}
-        logprobs = {}
-        for r, ctx in zip(rows.tolist(), contexts):
-            k = plan.sampling_params[r].logprobs
-            if k is not None:
-                sid = plan.seq_ids[r]
-                logprobs[sid] = _fake_token_logprobs([ctx], [sampled[sid]], k, self.vocab_size)
-        self._last_sampled = sampled
-        self.num_steps += 1
-        return StepResult(sampled=sampled, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(plan, inputs))
+        return self._sample_rows(plan, inputs, rows, contexts, bitmask)
 
-    def _verify(self, plan: StepPlan, inputs: BatchInputs, rows: np.ndarray, contexts: list[np.ndarray],
-                bitmask: np.ndarray | None) -> StepResult:
-        """A step with drafts: each sampling row with d drafts is scored at its last d + 1
-        positions; its drafts are accepted while each equals the fake model's token there,
-        then it samples the model's token after the accepted ones. The slots of rejected
-        drafts are marked ``REJECTED``, so a later read of one before it is rewritten fails.
-        A masked row's position j samples under its bitmask row ``offset + j``."""
+    def _sample_rows(self, plan: StepPlan, inputs: BatchInputs, rows: np.ndarray, contexts: list[np.ndarray],
+                     bitmask: np.ndarray | None) -> StepResult:
+        """Each sampling row with d drafts (0 without) is scored at its last d + 1 positions;
+        its drafts are accepted while each equals the fake model's token there, then it
+        samples the model's token after the accepted ones. The slots of rejected drafts are
+        marked ``REJECTED``, so a later read of one before it is rewritten fails. A masked
+        row's position j samples under its bitmask row ``offset + j``
+        (``fake_masked_next_token``)."""
         sampled, accepted, logprobs = {}, {}, {}
-        num_drafts = plan.num_drafts[rows].astype(np.int64)
+        num_drafts = (plan.num_drafts[rows].astype(np.int64) if len(plan.num_drafts)
+                      else np.zeros(len(rows), dtype=np.int64))
         offsets = np.concatenate([[0], np.cumsum(1 + num_drafts)])
         for i, (r, ctx) in enumerate(zip(rows.tolist(), contexts)):
             sid, d = plan.seq_ids[r], int(num_drafts[i])
-            masked = bool(len(plan.masked) and plan.masked[r])
+            masked = bitmask is not None and bool(len(plan.masked) and plan.masked[r])
 
             def pick(j: int, context: np.ndarray) -> int:
                 if not masked:
                     return self._next_token(sid, context)
-                assert bitmask is not None
+                assert bitmask is not None  # masked implies it
                 allowed = allowed_tokens(bitmask[offsets[i] + j], self.vocab_size)
                 return fake_masked_next_token(context, allowed, self.vocab_size)
             first = len(ctx) - d  # ctx[:first + j]: the context that predicts draft j

@@ -542,10 +542,10 @@ class LLMEngine:
             if d and seq.grammar is not None:
                 self._fill_drafted(seq.grammar, seq.drafts[:d], bitmask, row)
             if seq.has_token_rules:
-                output = list(seq.output_token_ids)
+                output = seq.output_token_ids  # the kept tuple: no copy on a row without drafts
                 for j in range(d + 1):
-                    ban(bitmask, row + j, banned_tokens(seq.sampling_params, output + seq.drafts[:j], self._eos),
-                        vocab_size)
+                    ban(bitmask, row + j, banned_tokens(seq.sampling_params, output + tuple(seq.drafts[:j]), self._eos)
+                        if j else banned_tokens(seq.sampling_params, output, self._eos), vocab_size)
         step.masked = None
         self.stats.num_masked_steps += 1
         self.stats.grammar_mask_s += time.perf_counter() - t0

@@ -510,7 +510,7 @@ class ModelExecutor:
             tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask,
                                             with_logprobs=not drafted)
             if drafted:
-                tokens, accepted = self._accept_drafts(plan, inputs, hidden, tokens, scored)
+                tokens, accepted = self._verify_drafts(plan, inputs, hidden, tokens, scored)
                 if extras.logprobs is not None:
                     logprobs = self._drafted_logprobs(plan, inputs, hidden, tokens, accepted, extras, scored)
             self.prev_sampled[:len(seq_ids)].copy_(tokens)
@@ -535,67 +535,76 @@ class ModelExecutor:
         argmax run; random ones are rejection-sampled, ``sampler/rejection.py``)."""
         return not params.shapes_logits
 
+    def _scored(self, plan: StepPlan, inputs: BatchInputs, sel: np.ndarray,
+                bitmask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """Where sampling rows ``sel`` (indices among the plan's sampling rows) are scored: their
+        drafts d (R,); the token rows scoring positions 0..k (R, k + 1), past a row's d its
+        last; the drafts fed (R, k), past d its last token; and each position's ``bitmask`` row
+        (R, k + 1; None without a bitmask: one row per scored position, rows in order)."""
+        rows = np.flatnonzero(plan.sample)
+        d_all = plan.num_drafts[rows].astype(np.int64)
+        d = d_all[sel]
+        k = int(d.max())
+        j = np.minimum(np.arange(k + 1)[None, :], d[:, None])                 # (R, k + 1)
+        ends = inputs.cu_seqlens_q[rows[sel] + 1].astype(np.int64)           # one past each row's last token
+        at = (ends - 1 - d)[:, None] + j                                    # position 0: the row's last known token
+        fed = plan.token_ids[np.minimum(at[:, :k] + 1, ends[:, None] - 1)]
+        masks = None
+        if bitmask is not None:
+            masks = np.concatenate([[0], np.cumsum(1 + d_all)[:-1]])[sel][:, None] + j
+        return d, at, fed, masks
+
     def _drafted_logprobs(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
                           accepted: torch.Tensor, extras: _Extras, bitmask: np.ndarray | None) -> LogprobTensors:
         """Logprobs of a drafted step's rows that ask: one per scored position (1 + d rows a
         sequence, ``LogprobLayout.num_rows``), of the kept draft there, or of the row's own
         token at the first position not kept (the rows after it are sent and never read),
         from the raw logits (under the position's mask where masked)."""
-        rows = np.flatnonzero(plan.sample)
-        d = plan.num_drafts[rows].astype(np.int64)
-        asking = (np.arange(len(rows)) if extras.logprob_rows is None
-                  else np.asarray([i for i, p in enumerate(p for p, s in zip(plan.sampling_params, plan.sample) if s)
-                                   if p.logprobs is not None], dtype=np.int64))
-        owner = np.repeat(asking, 1 + d[asking])                         # sampling row of each logprob row
-        j = np.concatenate([np.arange(1 + d[i]) for i in asking])       # its scored position
-        ends = inputs.cu_seqlens_q[rows[owner] + 1].astype(np.int64)
-        at = ends - 1 - d[owner] + j                                    # token row scoring position j
-        fed = plan.token_ids[np.minimum(at + 1, ends - 1)]              # draft j + 1 (past d: unused)
-        owner_t, j_t, at_t, fed_t = (self._upload(a) for a in (owner, j, at, fed))
+        sampling = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
+        asking = np.asarray([i for i, p in enumerate(sampling) if p.logprobs is not None], dtype=np.int64)
+        d, at, fed, masks = self._scored(plan, inputs, asking, bitmask)
+        j = np.arange(at.shape[1])
+        keep = j[None, :] <= d[:, None]                                    # (R, k + 1): the positions scored
+        owner = np.repeat(asking, 1 + d)                                    # sampling row of each logprob row
+        fed = np.concatenate([fed, np.zeros((len(d), 1), dtype=fed.dtype)], axis=1)  # position k: no draft
+        owner_t, j_t, at_t, fed_t = (self._upload(a) for a in (owner, np.broadcast_to(j, at.shape)[keep],
+                                                               at[keep], fed[keep]))
         targets = torch.where(j_t < accepted[owner_t], fed_t, tokens[owner_t])
-        masks = None
-        if bitmask is not None:
-            offsets = np.concatenate([[0], np.cumsum(1 + d)[:-1]])
-            masks = self._upload_bitmask(np.ascontiguousarray(bitmask[offsets[owner] + j]))
+        mask_rows = None if masks is None else self._upload_bitmask(np.ascontiguousarray(bitmask[masks[keep]]))
 
         def logits_of(s: slice) -> torch.Tensor:
             logits = self.model.compute_logits(hidden[at_t[s]])
-            return logits if masks is None else apply_token_bitmask(logits, masks[s])
+            return logits if mask_rows is None else apply_token_bitmask(logits, mask_rows[s])
         assert extras.logprobs is not None
         return sliced_logprobs(logits_of, targets, extras.logprobs.max_k)
 
-    def _accept_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor,
-                       tokens: torch.Tensor, bitmask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy verification on the device: a drafted row keeps its drafts while each equals
-        the argmax before it (under that position's ``bitmask`` row, if masked), then takes the
-        argmax after the last kept one (the sampler's own token, at the row's last position,
-        when all are kept). Returns the sampling rows' tokens (S,) and accepted counts (S,),
-        int64."""
-        rows = np.flatnonzero(plan.sample)
-        d = plan.num_drafts[rows].astype(np.int64)               # (S,) drafts per sampling row
-        drafted = np.flatnonzero(d)
-        ends = inputs.cu_seqlens_q[rows[drafted] + 1].astype(np.int64)  # one past each row's last token
-        k = int(d.max())
-        j = np.arange(k)
-        valid = j[None, :] < d[drafted, None]                     # (R, k)
-        first = ends - 1 - d[drafted]                             # row of the position before draft 1
-        at = np.where(valid, first[:, None] + j[None, :], first[:, None])  # (R, k): scores draft j + 1
-        fed = plan.token_ids[np.where(valid, at + 1, at)]         # (R, k): the drafts themselves
-        up = [self._upload(a) for a in (at, fed, valid, drafted, d[drafted])]
-        at_t, fed_t, valid_t, drafted_t, d_t = up
+    def _verify_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
+                       bitmask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify the drafted rows (``rejection.sample_drafted``): p at each of a row's 1 + d
+        positions as the sampler would draw from it (under the position's ``bitmask`` row, if
+        masked), the token after the kept drafts drawn by the sampler; a greedy row keeps its
+        argmax run. Randomness is keyed as the sampler's (a seeded row by its seed and each
+        token's position). Returns the sampling rows' tokens (S,) and accepted counts (S,)."""
+        d_all = plan.num_drafts[plan.sample].astype(np.int64)
+        drafted = np.flatnonzero(d_all)
+        d, at, fed, masks = self._scored(plan, inputs, drafted, bitmask)
+        r, k1 = at.shape
+        logits = self.model.compute_logits(hidden[self._upload(at.reshape(-1))])
+        if masks is not None:
+            logits = apply_token_bitmask(logits, self._upload_bitmask(np.ascontiguousarray(bitmask[masks.reshape(-1)])))
+        # Scored position j samples the token at position kv_len - d + j.
+        kv = inputs.kv_lens[np.flatnonzero(plan.sample)[drafted]].astype(np.int64)
+        positions = (kv - d)[:, None] + np.arange(k1)[None, :]
         params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
-        if not all(params[i].greedy for i in drafted):
-            return self._sample_drafts(plan, inputs, hidden, tokens, bitmask, rows, d, drafted, params)
-        logits = self.model.compute_logits(hidden[at_t.reshape(-1)])  # (R * k, V)
-        if bitmask is not None:  # position j of drafted row i: mask row offsets[i] + j
-            offsets = np.concatenate([[0], np.cumsum(1 + d)[:-1]])[drafted]
-            rows_of = (offsets[:, None] + np.minimum(j[None, :], d[drafted, None])).reshape(-1)
-            logits = apply_token_bitmask(logits, self._upload_bitmask(np.ascontiguousarray(bitmask[rows_of])))
-        best = logits.argmax(-1).view(at.shape)  # (R, k)
-        a = ((best == fed_t) & valid_t).to(torch.int64).cumprod(1).sum(1)   # (R,) leading matches
-        after = best.gather(1, a.clamp(max=k - 1)[:, None])[:, 0]
+        t = SamplingTensors.build([params[i] for i in drafted for _ in range(k1)], positions.reshape(-1),
+                                  self.model_config.vocab_size, self.device)
+        step_seed = self.sampler.next_step_seed()
+        keys = row_keys(t.seeded, t.seed_keys, step_seed).view(r, k1, 2)
+        fed_t, d_t, drafted_t = (self._upload(a) for a in (fed, d, drafted))
+        accept_u = hashed_uniform((keys[:, :k1 - 1] ^ _ACCEPT_SALT).reshape(-1, 2), 1).view(r, k1 - 1)
+        own, a = rejection.sample_drafted(self.sampler, logits.view(r, k1, -1), t, fed_t, d_t, accept_u, step_seed)
         tokens = tokens.clone()
-        tokens[drafted_t] = torch.where(a == d_t, tokens[drafted_t], after)
+        tokens[drafted_t] = own
         accepted = torch.zeros_like(tokens)
         accepted[drafted_t] = a
         return tokens, accepted
@@ -607,44 +616,6 @@ class ModelExecutor:
         if self.device.type != "cuda":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _sample_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
-                       bitmask: np.ndarray | None, rows: np.ndarray, d: np.ndarray, drafted: np.ndarray,
-                       params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rejection sampling of the drafted rows (``rejection.sample_drafted``): p at each of a
-        row's 1 + d positions as the sampler would draw from it, the token after the kept
-        drafts drawn by the sampler; randomness keyed as the sampler's (a seeded row by its
-        seed and each token's position)."""
-        k = int(d.max())
-        j = np.arange(k + 1)
-        dd = d[drafted]
-        ends = inputs.cu_seqlens_q[rows[drafted] + 1].astype(np.int64)
-        first = ends - 1 - dd                                             # token row scored for draft 1
-        at = first[:, None] + np.minimum(j[None, :], dd[:, None])         # (R, k + 1), past d: repeats d
-        fed = plan.token_ids[np.minimum(at[:, :k] + 1, ends[:, None] - 1)]  # (R, k): drafts (padding: the last)
-        logits = self.model.compute_logits(hidden[self._upload(at.reshape(-1))])
-        if bitmask is not None:
-            offsets = np.concatenate([[0], np.cumsum(1 + d)[:-1]])[drafted]
-            rows_of = (offsets[:, None] + np.minimum(j[None, :], dd[:, None])).reshape(-1)
-            logits = apply_token_bitmask(logits, self._upload_bitmask(np.ascontiguousarray(bitmask[rows_of])))
-        # Scored position j samples the token at position kv_len - d + j.
-        kv = inputs.kv_lens[rows[drafted]].astype(np.int64)
-        positions = (kv - dd)[:, None] + j[None, :]
-        t = SamplingTensors.build([params[i] for i in drafted for _ in j], positions.reshape(-1),
-                                  self.model_config.vocab_size, self.device)
-        v = logits.shape[-1]
-        step_seed = self.sampler.next_step_seed()
-        keys = row_keys(t.seeded, t.seed_keys, step_seed).view(len(drafted), k + 1, 2)
-        fed_t, dd_t = (self._upload(a) for a in (fed, dd))
-        accept_u = hashed_uniform((keys[:, :k] ^ _ACCEPT_SALT).reshape(-1, 2), 1).view(len(drafted), k)
-        own, a = rejection.sample_drafted(self.sampler, logits.view(len(drafted), k + 1, v), t, fed_t, dd_t,
-                                          accept_u, step_seed)
-        tokens = tokens.clone()
-        drafted_t = self._upload(drafted)
-        tokens[drafted_t] = own
-        accepted = torch.zeros_like(tokens)
-        accepted[drafted_t] = a
-        return tokens, accepted
 
     def _sample(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
                 params: list[SamplingParams], extras: _Extras, bitmask: np.ndarray | None = None,

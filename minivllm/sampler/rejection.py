@@ -112,13 +112,15 @@ def sample_drafted(sampler: Sampler, logits: torch.Tensor, t: SamplingTensors, d
     rows = torch.arange(r, device=logits.device)
     valid = torch.arange(k, device=logits.device)[None, :] < num_drafts[:, None]
     if k:
-        scaled = flat.float() / t.temperature[:, None]
-        if floor is not None:
-            scaled = scaled.masked_fill(flat < floor[:, None], float("-inf"))
-        logp = scaled.log_softmax(-1).view(r, k1, v)[:, :k]
-        p_x = logp.gather(-1, drafts[..., None])[..., 0].exp()                           # (R, k)
         best = flat.argmax(-1).view(r, k1)[:, :k]
-        p_x = torch.where(t.greedy.view(r, k1)[:, :k], (drafts == best).to(p_x.dtype), p_x)
+        p_x = (drafts == best).float()                                                   # greedy rows: one-hot p
+        if not t.all_greedy:
+            scaled = flat.float() / t.temperature[:, None]
+            if floor is not None:
+                scaled = scaled.masked_fill(flat < floor[:, None], float("-inf"))
+            logp = scaled.log_softmax(-1).view(r, k1, v)[:, :k]
+            sampled = logp.gather(-1, drafts[..., None])[..., 0].exp()                   # (R, k)
+            p_x = torch.where(t.greedy.view(r, k1)[:, :k], p_x, sampled)
         accepted = ((accept_u < p_x) & valid).to(torch.int64).cumprod(1).sum(1)
     else:
         accepted = torch.zeros(r, dtype=torch.int64, device=logits.device)
