@@ -137,7 +137,7 @@ class SchedulerConfig:
         return _from_dict(cls, values)
 
 
-SPEC_METHODS: tuple[str, ...] = ("ngram",)
+SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -149,24 +149,41 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``ngram``: prompt lookup, the tokens that followed the latest earlier
-            occurrence of the context's last n tokens (``minivllm/spec/ngram.py``).
+            occurrence of the context's last n tokens (``minivllm/spec/ngram.py``);
+            ``draft_model``: a smaller model with the target's vocabulary drafts greedily,
+            in the target's executor (``minivllm/spec/draft_model.py``). None (the default):
+            ``draft_model`` when ``model`` is given, else ``ngram``.
+        model: the draft model's directory (``draft_model`` only).
         num_speculative_tokens: most drafts per sequence and step (k), 1..16.
         prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first
             (vLLM's defaults: 5 and 5 when neither is given, the other one when one is).
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
+        method = self.method if self.method is not None else ("draft_model" if self.model is not None else "ngram")
+        if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        object.__setattr__(self, "method", method)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config.model: method 'draft_model' needs the draft model's "
+                                 f"directory, got {self.model!r}")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method 'ngram', not 'draft_model'")
+            return
+        if self.model is not None:
+            raise ValueError(f"speculative_config.model is for method 'draft_model', not {method!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5

@@ -29,7 +29,8 @@ one, so paging bugs are caught as in the hash model.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+import dataclasses
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 import xxhash
@@ -38,7 +39,14 @@ from minivllm.engine.grammar import ALL_ALLOWED, allowed_tokens, bitmask_width
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.sampling import SamplingParams
+from minivllm.spec.base import DRAFT_ON_DEVICE
 from minivllm.step_types import TokenLogprobs
+
+
+class Drafter(Protocol):
+    """A fake draft model (``sim/fake_proposer.FakeProposer`` with ``on_device``)."""
+
+    def guesses(self, context: Sequence[int], n: int, truth: Callable[[list[int]], int]) -> list[int]: ...
 
 
 # What a slot holds once the draft token written there was rejected: its K/V is garbage,
@@ -136,11 +144,14 @@ class FakeExecutor:
             in the live run, by sequence name (``sequence_name``).
         name_of: recorded mode: the name of a scheduled sequence id (asked once per
             sequence, when a plan first schedules it).
+        drafter: the draft model of plans whose drafts are made on the device
+            (``StepPlan.drafts_on_device``): it guesses them within the step, from the
+            context read back through the block table (``sim/fake_proposer.py``).
     """
 
     def __init__(self, vocab_size: int, block_size: int, num_blocks: int,
                  recorded: Mapping[str, Sequence[int]] | None = None,
-                 name_of: Callable[[int], str] | None = None) -> None:
+                 name_of: Callable[[int], str] | None = None, drafter: Drafter | None = None) -> None:
         if vocab_size < 1 or block_size < 1 or num_blocks < 1:
             raise ValueError(
                 f"vocab_size, block_size and num_blocks must be >= 1, "
@@ -150,6 +161,7 @@ class FakeExecutor:
             raise ValueError("recorded and name_of come together")
         self.recorded = recorded
         self.name_of = name_of
+        self.drafter = drafter
         self._names: dict[int, str] = {}   # recorded mode: sequence id -> name
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -181,6 +193,10 @@ class FakeExecutor:
         if self._queue and self._queue[-1].plan.num_masked_rows and self._queue[-1].bitmask is None:
             raise PagingError("a plan submitted before the previous step's token bitmask was given "
                               "(the previous step's samples, which this plan may feed, depend on it)")
+        if plan.drafts_on_device and self.drafter is None:
+            raise PagingError("a plan asks for drafts made on the device, but this executor has no draft model")
+        if not plan.drafts_on_device and (plan.token_ids == DRAFT_ON_DEVICE).any():
+            raise PagingError("a plan holds draft placeholders, but does not ask for drafts made on the device")
         inputs = prepare_inputs(plan)
         self._check_references(plan)
         for earlier in self._queue:
@@ -224,10 +240,32 @@ class FakeExecutor:
             ids = ids.copy()
             refs = np.asarray(plan.seq_ids)[plan.feeds_prev_sample].tolist()
             ids[plan.prev_sample_slots] = [self._last_sampled[sid] for sid in refs]
+        made: dict[int, list[int]] = {}
+        if plan.drafts_on_device:
+            ids = ids.copy()
+            made = self._make_drafts(plan, inputs, ids)
+        if (ids == DRAFT_ON_DEVICE).any():
+            raise PagingError("a draft placeholder is left where no draft was made")
         self._write(inputs.slot_mapping, ids)
         rows = np.flatnonzero(plan.sample)
         contexts = self._read(inputs.block_tables[rows], inputs.kv_lens[rows])
-        return self._sample_rows(plan, inputs, rows, contexts, bitmask)
+        result = self._sample_rows(plan, inputs, rows, contexts, bitmask)
+        return dataclasses.replace(result, drafts=made) if made else result
+
+    def _make_drafts(self, plan: StepPlan, inputs: BatchInputs, ids: np.ndarray) -> dict[int, list[int]]:
+        """The drafter's guesses for each drafted row, written over its placeholders in ``ids``:
+        the context is what the row's block table holds before its chunk, then the chunk's
+        first token (its last known one)."""
+        assert self.drafter is not None
+        made = {}
+        for r in np.flatnonzero(plan.num_drafts).tolist():
+            sid, d, first = plan.seq_ids[r], int(plan.num_drafts[r]), int(inputs.cu_seqlens_q[r])
+            start = int(inputs.kv_lens[r]) - 1 - d
+            (before,) = self._read(inputs.block_tables[r:r + 1], np.array([start]))
+            context = before.tolist() + [int(ids[first])]
+            made[sid] = self.drafter.guesses(context, d, lambda ctx, sid=sid: self._next_token(sid, np.asarray(ctx)))
+            ids[first + 1:first + 1 + d] = made[sid]
+        return made
 
     def _sample_rows(self, plan: StepPlan, inputs: BatchInputs, rows: np.ndarray, contexts: list[np.ndarray],
                      bitmask: np.ndarray | None) -> StepResult:

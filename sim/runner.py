@@ -186,12 +186,13 @@ class _Run:
         self.result = RunResult(seed=trace.seed, timeline=[] if timeline else None)
         # A live trace's tokens by sequence name (None: the hash model).
         self.live_tokens = recorded_contexts(trace) if trace.fake_model == "recorded" else None
+        proposer = make_proposer(trace.speculative, trace.vocab_size, self.true_next)
         executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks,
-                                self.live_tokens, self.sequence_name if self.live_tokens is not None else None)
+                                self.live_tokens, self.sequence_name if self.live_tokens is not None else None,
+                                drafter=proposer if proposer is not None and proposer.on_device else None)
         self.grammars = grammar_backend or FakeGrammarBackend(trace.vocab_size, trace.eos_token_id)
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
-                                text_streams=FakeTextStream, grammar_backend=self.grammars,
-                                proposer=make_proposer(trace.speculative, trace.vocab_size, self.true_next))
+                                text_streams=FakeTextStream, grammar_backend=self.grammars, proposer=proposer)
         # Requests by id; their completions (n of them) by sequence name (``sequence_name``).
         self.accepted: dict[str, AddEvent] = {}
         self.owner: dict[str, str] = {}      # sequence name -> request id

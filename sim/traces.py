@@ -165,15 +165,17 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
 
 def _draw_speculative(rng: random.Random, ov: Mapping[str, Any]) -> dict[str, Any] | None:
     """Speculative decoding for 40% of the traces (its own stream: every other draw is as it
-    was): mostly the fake proposer (k 1..8, hit rates 0..1), else n-gram lookup, which the
-    traces' tiny alphabets and shared prefixes feed."""
+    was): mostly the fake proposer (k 1..8, hit rates 0..1; 40% of them standing for a draft
+    model, drafting on the device), else n-gram lookup, which the traces' tiny alphabets and
+    shared prefixes feed."""
     if "speculative" in ov:
         return ov["speculative"]
     if rng.random() >= 0.4:
         return None
     if rng.random() < 0.75:
-        return {"method": "fake", "num_speculative_tokens": rng.randint(1, 8),
+        spec = {"method": "fake", "num_speculative_tokens": rng.randint(1, 8),
                 "hit_rate": rng.choice([0.0, 0.3, 0.6, 0.8, 0.9, 1.0])}
+        return {**spec, "on_device": True} if rng.random() < 0.4 else spec
     lo = rng.randint(1, 3)
     return {"method": "ngram", "num_speculative_tokens": rng.randint(1, 5), "prompt_lookup_min": lo,
             "prompt_lookup_max": lo + rng.randint(0, 2)}

@@ -43,7 +43,7 @@ from minivllm.engine.token_rules import ban, banned_tokens, masks_position
 from minivllm.executor.base import Executor, StepHandle
 from minivllm.outputs import FinishReason, RequestOutput, StopReason
 from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set, tokenize_bad_words
-from minivllm.spec.base import Proposer
+from minivllm.spec.base import DRAFT_ON_DEVICE, Proposer
 from minivllm.step_types import TokenHistory
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
@@ -489,7 +489,10 @@ class LLMEngine:
             if left >= 2:
                 asked.append(seq)
                 room.append(min(k, left - 1))
-        if asked:
+        if asked and self.proposer.on_device:  # the executor makes them in the step: only how many
+            for seq, r in zip(asked, room):
+                seq.drafts = [DRAFT_ON_DEVICE] * r
+        elif asked:
             drafts = self.proposer.propose([seq.token_ids for seq in asked], room, [seq.name for seq in asked])
             for seq, d, r in zip(asked, drafts, room):
                 seq.drafts = [int(t) for t in d[:r]]
@@ -513,7 +516,11 @@ class LLMEngine:
 
     def _can_draft(self, seq: Sequence) -> bool:
         """Rows scored without a token history per position, which the executor can verify
-        (``Executor.verifies_drafts``)."""
+        (``Executor.verifies_drafts``); for drafts made on the device, rows without masks
+        (a mask per position needs the drafts before the step)."""
+        assert self.proposer is not None
+        if self.proposer.on_device and (seq.grammar is not None or seq.has_token_rules):
+            return False
         return not seq.has_penalties and self.executor.verifies_drafts(seq.sampling_params)
 
     @property
@@ -632,6 +639,7 @@ class LLMEngine:
             prompt_logprob_targets=targets,
             masked=masked,
             num_drafts=drafts,
+            drafts_on_device=self.proposer is not None and self.proposer.on_device,
         )
 
     @staticmethod
@@ -699,7 +707,10 @@ class LLMEngine:
         self._count_drafts(d, a)
         seq.num_draft_tokens += d
         seq.num_accepted_tokens += a
-        run = seq.drafts[:a] + [token]
+        drafts = result.drafts.get(seq.seq_id, []) if self.proposer.on_device else seq.drafts  # type: ignore[union-attr]
+        if len(drafts) != d:
+            raise RuntimeError(f"{seq}: the step scored {len(drafts)} drafts, the plan gave it {d}")
+        run = drafts[:a] + [token]
         seq.drafts = []
         logprobs = result.logprobs[seq.seq_id].as_dicts(run) if seq.logprobs is not None else None
         reason: FinishReason | None = None

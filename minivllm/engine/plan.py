@@ -42,6 +42,10 @@ Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
                            decoding); a sampling row with d > 0 is scored at its
                            last d + 1 positions, and the executor accepts a prefix
                            of the drafts (``StepResult.num_accepted``)
+    drafts_on_device       the drafts are made by the executor within the step (a
+                           draft model, ``spec/base.py``): in ``token_ids`` they are
+                           ``DRAFT_ON_DEVICE`` placeholders, and ``StepResult.drafts``
+                           returns them
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class StepPlan:
     masked: np.ndarray | tuple[()] = ()
     # int32 (B,), or () when no row has any: the draft tokens ending the row's chunk.
     num_drafts: np.ndarray | tuple[()] = ()
+    drafts_on_device: bool = False
 
     @staticmethod
     def build(
@@ -104,6 +109,7 @@ class StepPlan:
         prompt_logprob_targets: list[np.ndarray | None] | None = None,
         masked: list[bool] | None = None,
         num_drafts: list[int] | None = None,
+        drafts_on_device: bool = False,
     ) -> "StepPlan":
         """Assemble a plan from per-sequence lists (one concatenation, no per-token loop).
 
@@ -130,6 +136,7 @@ class StepPlan:
             masked=_frozen(np.asarray(masked, dtype=bool)) if masked is not None and any(masked) else (),
             num_drafts=(_frozen(np.asarray(num_drafts, dtype=np.int32)) if num_drafts is not None
                         and any(num_drafts) else ()),
+            drafts_on_device=drafts_on_device and num_drafts is not None and any(num_drafts),
         )
 
     @property
@@ -174,9 +181,12 @@ class StepResult:
             a drafts are accepted and ``sampled`` is the token after them (the correction
             of draft a + 1, or the bonus token after all d); its ``logprobs`` then cover
             those a + 1 tokens (P = a + 1).
+        drafts: sequence id -> the row's d drafts, for rows whose drafts the executor made
+            (``StepPlan.drafts_on_device``).
     """
 
     sampled: dict[int, int]
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     num_accepted: dict[int, int] = field(default_factory=dict)
+    drafts: dict[int, list[int]] = field(default_factory=dict)

@@ -19,6 +19,8 @@ from minivllm.config import SpeculativeConfig
 class NgramProposer:
     """``spec.base.Proposer`` by prompt lookup."""
 
+    on_device = False
+
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.speculative_config = config

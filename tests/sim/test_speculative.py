@@ -1,5 +1,6 @@
 """Speculative decoding in the simulator: random traces with drafts (the fake proposer at hit
-rates 0..1 and k 1..8, and n-gram lookup) through the real engine in both scheduling modes,
+rates 0..1 and k 1..8, on the host or standing for a draft model on the device, and n-gram
+lookup) through the real engine in both scheduling modes,
 every output equal to the oracle's (which knows nothing of drafts); the bugs drafts invite,
 each of which the checks must catch; and the n-gram proposer itself."""
 
@@ -31,6 +32,8 @@ def _speculative(seed: int, **overrides) -> dict:
     rng = np.random.default_rng(seed)
     spec = {"method": "fake", "num_speculative_tokens": int(rng.integers(1, 9)),
             "hit_rate": float(rng.choice([0.0, 0.3, 0.6, 0.8, 0.9, 1.0]))}
+    if seed % 3 == 1:  # a third stand for a draft model: drafts made by the executor in the step
+        spec["on_device"] = True
     if seed % 5 == 0:  # some with n-gram lookup, on a tiny alphabet it can match
         spec = {"method": "ngram", "num_speculative_tokens": int(rng.integers(1, 6)), "prompt_lookup_min": 1,
                 "prompt_lookup_max": 3}
@@ -61,7 +64,8 @@ def test_drafts_change_how_many_steps_not_what_comes_out() -> None:
     every draft wrong no fewer (wrong drafts only take budget and blocks); the outputs are
     the oracle's every time."""
     steps = {}
-    for name, spec in (("none", None), ("right", {"method": "fake", "num_speculative_tokens": 4, "hit_rate": 1.0}),
+    right = {"method": "fake", "num_speculative_tokens": 4, "hit_rate": 1.0}
+    for name, spec in (("none", None), ("right", right), ("right on device", {**right, "on_device": True}),
                        ("wrong", {"method": "fake", "num_speculative_tokens": 4, "hit_rate": 0.0})):
         total = 0
         for seed in range(40):
@@ -69,7 +73,7 @@ def test_drafts_change_how_many_steps_not_what_comes_out() -> None:
             assert run.run().ok, (name, seed)
             total += run.engine.stats.num_steps
         steps[name] = total
-    assert steps["right"] < 0.8 * steps["none"] <= 0.8 * steps["wrong"], steps
+    assert max(steps["right"], steps["right on device"]) < 0.8 * steps["none"] <= 0.8 * steps["wrong"], steps
 
 
 def test_a_stop_inside_the_drafts_ends_the_request_there() -> None:
@@ -160,6 +164,20 @@ class _AcceptedFromTheNextRow(LLMEngine):
         return super()._apply(out, result)
 
 
+class _DraftsOfTheNextRow(LLMEngine):
+    """Takes each row's drafts made on the device from the next such row's entry (cut or
+    filled up to its own count)."""
+
+    def _apply(self, out, result):
+        rows = [c.seq.seq_id for c in out.scheduled if c.seq.seq_id in result.drafts]
+        if len(rows) > 1:
+            turned = rows[1:] + rows[:1]
+            drafts = {sid: (result.drafts[nxt] + result.drafts[sid])[:len(result.drafts[sid])]
+                      for sid, nxt in zip(rows, turned)}
+            result = dataclasses.replace(result, drafts=drafts)
+        return super()._apply(out, result)
+
+
 class _StopsOnlyAtTheEnd(LLMEngine):
     """Judges a drafted row's finish on its last token only."""
 
@@ -190,7 +208,7 @@ class _MaskOnePositionLate(LLMEngine):
 
 
 @pytest.mark.parametrize("engine", [_RollbackOneShort, _HashesRejected, _AcceptedFromTheNextRow, _StopsOnlyAtTheEnd,
-                                    _MaskOnePositionLate])
+                                    _MaskOnePositionLate, _DraftsOfTheNextRow])
 def test_checks_catch_a_broken_draft(engine: type[LLMEngine], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "LLMEngine", engine)
     found = [seed for seed in range(200) if not run_trace(_trace(seed)).ok]
@@ -201,6 +219,7 @@ class _Silent:
     """A proposer that never finds a draft, counting how often it is asked."""
 
     num_speculative_tokens = 4
+    on_device = False
 
     def __init__(self) -> None:
         self.calls = 0
