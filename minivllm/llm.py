@@ -19,7 +19,7 @@ from minivllm.executor.base import freeze_imported_objects
 from minivllm.model.hf_config import read_model_config
 from minivllm.outputs import RequestOutput, text_token_ids
 from minivllm.sampling import RequestOutputKind, SamplingParams, eos_token_set
-from minivllm.spec.ngram import NgramProposer
+from minivllm.spec import make_proposer
 
 Prompt = Union[str, Sequence[int]]
 
@@ -173,7 +173,9 @@ class LLM:
         skip_tokenizer_init: run without a tokenizer (token-id prompts only,
             ``text`` stays None), for checkpoints that ship none.
         speculative_config: speculative decoding, vLLM's dict (``SpeculativeConfig``), e.g.
-            ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}``;
+            ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}`` or
+            ``{"model": DRAFT_DIR, "num_speculative_tokens": 4}`` (a draft model with this
+            model's vocabulary, run in the same executor);
             rows without ``logit_bias``, ``allowed_token_ids`` or penalties take drafts
             (``ModelExecutor.verifies_drafts``).
         observer: told of the engine's traffic as it runs (``EngineObserver``); e.g.
@@ -216,6 +218,9 @@ class LLM:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         path = resolve_model_path(model, weights=executor_config.load_format == "auto")
+        if speculative_config is not None and speculative_config.model is not None:
+            speculative_config = dataclasses.replace(speculative_config, model=resolve_model_path(
+                speculative_config.model, weights=executor_config.load_format == "auto"))
         self.model_config = read_model_config(path)
         sched_opts.setdefault("max_model_len", self.model_config.max_position_embeddings)
         # One step in flight pays where a device runs beside the host.
@@ -237,7 +242,7 @@ class LLM:
                                   executor_config)
         else:
             executor = ModelExecutor(self.model_config, path, self.scheduler_config, cache_config,
-                                     executor_config)
+                                     executor_config, speculative_config=speculative_config)
         eos = self.model_config.eos_token_id
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
@@ -246,7 +251,7 @@ class LLM:
             self.engine = LLMEngine(self.scheduler_config, cache_config, executor, eos_token_id=eos,
                                     text_streams=streams, vocab_size=self.model_config.vocab_size,
                                     observer=observer, grammar_backend=self._grammars(executor_config, eos),
-                                    proposer=NgramProposer(speculative_config) if speculative_config else None)
+                                    proposer=make_proposer(speculative_config))
         except BaseException:  # e.g. too many num_blocks: no LLM owns the executor to close it
             _close_executor(executor)
             raise

@@ -773,6 +773,8 @@ class ReplayProposer:
     continuation as drafts, each right with probability ``accept`` (a hash of the prompt and
     position decides), else the true token + 1."""
 
+    on_device = False
+
     def __init__(self, truth: dict[tuple[int, ...], Sequence[int]], prompt_len: int, k: int, accept: float,
                  vocab_size: int) -> None:
         self.truth, self.prompt_len, self.accept, self.vocab_size = truth, prompt_len, accept, vocab_size

@@ -51,16 +51,18 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig, cdiv
+from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, cdiv
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.executor.base import DoneStep, StepHandle
 from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
+from minivllm.executor.draft import DraftRunner, check_draft_config
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers.attention import kv_cache_torch_dtype
 from minivllm.layers.linear import quantize_to_fp8
 from minivllm.model.decoder import DecoderForCausalLM
+from minivllm.model.hf_config import read_model_config
 from minivllm.model.loader import fill_dummy_weights, load_weights, require_weights
 from minivllm.model.registry import build_model
 from minivllm.ops.communicator import Communicator, build_communicator
@@ -149,6 +151,9 @@ class _StepOutputs:
     prompt_logprobs: LogprobLayout | None
     # Sequences with drafts: their accepted counts follow the sampled ids (S more values).
     drafted: list[int] | None = None
+    # Drafts made on the device (``StepPlan.drafts_on_device``): each drafted sequence's
+    # count, in ``drafted``'s order; the drafts follow the accepted counts.
+    made: list[int] | None = None
 
     def unpack(self, flat: np.ndarray) -> StepResult:
         s = len(self.seq_ids)
@@ -158,6 +163,13 @@ class _StepOutputs:
             counts = dict(zip(self.seq_ids, flat[s:2 * s].tolist()))
             blocks["num_accepted"] = {sid: counts[sid] for sid in self.drafted}
             offset += s
+        if self.made is not None:
+            assert self.drafted is not None
+            drafts = {}
+            for sid, d in zip(self.drafted, self.made):
+                drafts[sid] = flat[offset:offset + d].tolist()
+                offset += d
+            blocks["drafts"] = drafts
         for name, layout in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if layout is not None:
                 blocks[name] = layout.unpack(flat[offset:offset + layout.size])
@@ -224,6 +236,9 @@ class ModelExecutor:
             process group).
         agree_num_blocks: with several ranks, maps this rank's pool size to the
             one all ranks use (the minimum over ranks).
+        speculative_config: with method ``draft_model``, the draft model (its directory
+            resolved) runs in this executor (``executor/draft.py``); other methods need
+            nothing here.
 
     Raises:
         ValueError: a bad setting, or a checkpoint that does not match the model.
@@ -232,7 +247,8 @@ class ModelExecutor:
     def __init__(self, model_config: ModelConfig, model_path: str | os.PathLike[str],
                  scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  config: ExecutorConfig = ExecutorConfig(), tp_rank: int = 0,
-                 agree_num_blocks: Callable[[int], int] | None = None) -> None:
+                 agree_num_blocks: Callable[[int], int] | None = None,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -265,7 +281,16 @@ class ModelExecutor:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.ops, self.generator)
-        self.model = self._load_model(model_path)
+        self.model = self._load_model(model_path, model_config)
+        self.draft_config: ModelConfig | None = None
+        self.draft_model: DecoderForCausalLM | None = None
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            if self.tp_size > 1:
+                raise ValueError("speculative_config: a draft model under tensor parallelism is not supported")
+            assert speculative_config.model is not None
+            self.draft_config = read_model_config(speculative_config.model)
+            check_draft_config(self.draft_config, model_config, self.max_model_len)
+            self.draft_model = self._load_model(speculative_config.model, self.draft_config)
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         num_blocks = cache_config.num_blocks
@@ -283,6 +308,14 @@ class ModelExecutor:
         self._extras_staging = _PinnedRing(self.device)  # its own ring: one upload a step each
         self._mask_staging = _PinnedRing(self.device)
         self._outputs = _PinnedRing(self.device)
+        self.drafter: DraftRunner | None = None
+        if self.draft_model is not None:
+            assert self.draft_config is not None and speculative_config is not None
+            self._draft_staging = _PinnedRing(self.device)
+            self.drafter = DraftRunner(
+                self.draft_model, self.draft_config, self._allocate_kv_cache(num_blocks, self.draft_config),
+                speculative_config.num_speculative_tokens, self.dtype, self.prev_sampled, self.max_num_seqs,
+                cdiv(self.max_model_len, self.block_size), use_graphs)
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
         if use_graphs:
@@ -309,6 +342,7 @@ class ModelExecutor:
             return
         self.graph_runner = None
         self.prefill_graph_runner = None
+        self.drafter = self.draft_model = None
         if self.ops.comm is not None:
             self.ops.comm.close()
         self.model = None  # type: ignore[assignment]
@@ -335,20 +369,25 @@ class ModelExecutor:
             cdiv(self.max_model_len, self.block_size),
             buckets or default_prefill_buckets(self.max_num_batched_tokens), capture)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        c = self.model_config
-        return torch.zeros(
-            (c.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim),
-            dtype=self.kv_dtype, device=self.device)
+    def _allocate_kv_cache(self, num_blocks: int, draft: ModelConfig | None = None) -> torch.Tensor:
+        """The target's KV cache, or with ``draft`` the draft model's (all its heads)."""
+        c = draft or self.model_config
+        heads = c.num_key_value_heads if draft is not None else self.num_kv_heads
+        return torch.zeros((c.num_hidden_layers, 2, num_blocks, self.block_size, heads, c.head_dim),
+                           dtype=self.kv_dtype, device=self.device)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers (K and V)."""
+        """Bytes of one KV block over all layers (K and V), the draft model's included."""
+        bits = torch.finfo(self.kv_dtype).bits
         c = self.model_config
-        return (c.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim
-                * torch.finfo(self.kv_dtype).bits // 8)
+        size = c.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim * bits // 8
+        if self.draft_config is not None:
+            d = self.draft_config
+            size += d.num_hidden_layers * 2 * self.block_size * d.num_key_value_heads * d.head_dim * bits // 8
+        return size
 
-    def _load_model(self, model_path: str | os.PathLike[str]) -> DecoderForCausalLM:
+    def _load_model(self, model_path: str | os.PathLike[str], model_config: ModelConfig) -> DecoderForCausalLM:
         """The model on the device, its weights from ``model_path`` or, with
         ``load_format="dummy"``, random (``fill_dummy_weights``; the same seed on every rank);
         with ``quantization="fp8"`` its 16-bit linear layers then quantized per channel."""
@@ -356,7 +395,7 @@ class ModelExecutor:
         if not dummy:
             require_weights(model_path)  # before a model is built for weights that are not there
         with _default_dtype(self.dtype), self.device:
-            model = build_model(self.model_config, ops=self.ops, tp_rank=self.tp_rank, tp_size=self.tp_size)
+            model = build_model(model_config, ops=self.ops, tp_rank=self.tp_rank, tp_size=self.tp_size)
         if dummy:
             fill_dummy_weights(model, self.config.seed)
         else:
@@ -489,6 +528,11 @@ class ModelExecutor:
         seq_ids = [i for i, s in zip(plan.seq_ids, plan.sample) if s]
         params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
         extras = self._extras(plan, inputs, batch, seq_ids, params)
+        if self.drafter is not None:  # its cache keeps up; drafts made on the device go into the ids
+            self.drafter.run(batch, inputs, plan.num_drafts if plan.drafts_on_device else (),
+                             lambda *a: self._upload_all(*a, ring=self._draft_staging))
+        elif plan.drafts_on_device:
+            raise ValueError("the plan asks for drafts made on the device, but this executor has no draft model")
         hidden = self._forward(batch)                                     # (T, hidden)
         if plan.num_masked_rows:  # the sampler waits for the masks; the forward runs meanwhile
             step = _MaskedStep(lambda bitmask: self._finish_step(plan, inputs, batch, hidden, seq_ids, params,
@@ -510,9 +554,9 @@ class ModelExecutor:
             tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask,
                                             with_logprobs=not drafted)
             if drafted:
-                tokens, accepted = self._verify_drafts(plan, inputs, hidden, tokens, scored)
+                tokens, accepted = self._verify_drafts(plan, inputs, batch, hidden, tokens, scored)
                 if extras.logprobs is not None:
-                    logprobs = self._drafted_logprobs(plan, inputs, hidden, tokens, accepted, extras, scored)
+                    logprobs = self._drafted_logprobs(plan, inputs, batch, hidden, tokens, accepted, extras, scored)
             self.prev_sampled[:len(seq_ids)].copy_(tokens)
             self.prev_sample_row = {sid: row for row, sid in enumerate(seq_ids)}
         else:
@@ -526,8 +570,14 @@ class ModelExecutor:
             prompt = sliced_logprobs(lambda s: self.model.compute_logits(hidden[rows[s]]),
                                      extras.prompt_targets, extras.prompt.max_k)
         drafted = None if accepted is None else [sid for sid, d in zip(plan.seq_ids, plan.num_drafts) if d]
-        return self._results(_StepOutputs(seq_ids, extras.logprobs, extras.prompt, drafted),
-                             [tokens] + ([accepted] if accepted is not None else [])
+        made, drafts = None, []
+        if accepted is not None and plan.drafts_on_device:  # the drafts, from the ids the target was fed
+            rows = np.flatnonzero(plan.num_drafts)
+            made = plan.num_drafts[rows].tolist()
+            into = np.concatenate([inputs.cu_seqlens_q[r] + 1 + np.arange(d) for r, d in zip(rows, made)])
+            drafts = [batch.input_ids[self._upload(into.astype(np.int64))]]
+        return self._results(_StepOutputs(seq_ids, extras.logprobs, extras.prompt, drafted, made),
+                             [tokens] + ([accepted] if accepted is not None else []) + drafts
                              + [t.packed() for t in (logprobs, prompt) if t is not None])
 
     def verifies_drafts(self, params: SamplingParams) -> bool:
@@ -539,8 +589,9 @@ class ModelExecutor:
                 bitmask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """Where sampling rows ``sel`` (indices among the plan's sampling rows) are scored: their
         drafts d (R,); the token rows scoring positions 0..k (R, k + 1), past a row's d its
-        last; the drafts fed (R, k), past d its last token; and each position's ``bitmask`` row
-        (R, k + 1; None without a bitmask: one row per scored position, rows in order)."""
+        last; where the drafts were fed (R, k; indices into the step's input ids, past d its
+        last token's); and each position's ``bitmask`` row (R, k + 1; None without a bitmask:
+        one row per scored position, rows in order)."""
         rows = np.flatnonzero(plan.sample)
         d_all = plan.num_drafts[rows].astype(np.int64)
         d = d_all[sel]
@@ -548,13 +599,14 @@ class ModelExecutor:
         j = np.minimum(np.arange(k + 1)[None, :], d[:, None])                 # (R, k + 1)
         ends = inputs.cu_seqlens_q[rows[sel] + 1].astype(np.int64)           # one past each row's last token
         at = (ends - 1 - d)[:, None] + j                                    # position 0: the row's last known token
-        fed = plan.token_ids[np.minimum(at[:, :k] + 1, ends[:, None] - 1)]
+        fed = np.minimum(at[:, :k] + 1, ends[:, None] - 1)
         masks = None
         if bitmask is not None:
             masks = np.concatenate([[0], np.cumsum(1 + d_all)[:-1]])[sel][:, None] + j
         return d, at, fed, masks
 
-    def _drafted_logprobs(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
+    def _drafted_logprobs(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
+                          tokens: torch.Tensor,
                           accepted: torch.Tensor, extras: _Extras, bitmask: np.ndarray | None) -> LogprobTensors:
         """Logprobs of a drafted step's rows that ask: one per scored position (1 + d rows a
         sequence, ``LogprobLayout.num_rows``), of the kept draft there, or of the row's own
@@ -569,6 +621,7 @@ class ModelExecutor:
         fed = np.concatenate([fed, np.zeros((len(d), 1), dtype=fed.dtype)], axis=1)  # position k: no draft
         owner_t, j_t, at_t, fed_t = (self._upload(a) for a in (owner, np.broadcast_to(j, at.shape)[keep],
                                                                at[keep], fed[keep]))
+        fed_t = batch.input_ids[fed_t]
         targets = torch.where(j_t < accepted[owner_t], fed_t, tokens[owner_t])
         mask_rows = None if masks is None else self._upload_bitmask(np.ascontiguousarray(bitmask[masks[keep]]))
 
@@ -578,8 +631,8 @@ class ModelExecutor:
         assert extras.logprobs is not None
         return sliced_logprobs(logits_of, targets, extras.logprobs.max_k)
 
-    def _verify_drafts(self, plan: StepPlan, inputs: BatchInputs, hidden: torch.Tensor, tokens: torch.Tensor,
-                       bitmask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_drafts(self, plan: StepPlan, inputs: BatchInputs, batch: DeviceBatch, hidden: torch.Tensor,
+                       tokens: torch.Tensor, bitmask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify the drafted rows (``rejection.sample_drafted``): p at each of a row's 1 + d
         positions as the sampler would draw from it (under the position's ``bitmask`` row, if
         masked), the token after the kept drafts drawn by the sampler; a greedy row keeps its
@@ -601,6 +654,7 @@ class ModelExecutor:
         step_seed = self.sampler.next_step_seed()
         keys = row_keys(t.seeded, t.seed_keys, step_seed).view(r, k1, 2)
         fed_t, d_t, drafted_t = (self._upload(a) for a in (fed, d, drafted))
+        fed_t = batch.input_ids[fed_t]
         accept_u = hashed_uniform((keys[:, :k1 - 1] ^ _ACCEPT_SALT).reshape(-1, 2), 1).view(r, k1 - 1)
         own, a = rejection.sample_drafted(self.sampler, logits.view(r, k1, -1), t, fed_t, d_t, accept_u, step_seed)
         tokens = tokens.clone()

@@ -1,1 +1,15 @@
-"""Speculative decoding's proposers, behind one interface (``base.Proposer``)."""
+"""Speculative decoding's proposers (``base.Proposer``): n-gram lookup and a draft model."""
+
+from __future__ import annotations
+
+from minivllm.config import SpeculativeConfig
+from minivllm.spec.base import Proposer
+from minivllm.spec.draft_model import DraftModelProposer
+from minivllm.spec.ngram import NgramProposer
+
+
+def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+    """The proposer ``config`` names (None: no speculation)."""
+    if config is None:
+        return None
+    return DraftModelProposer(config) if config.method == "draft_model" else NgramProposer(config)

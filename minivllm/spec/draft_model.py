@@ -32,3 +32,4 @@ class DraftModelProposer:
                 names: Sequence[str]) -> list[list[int]]:
         raise RuntimeError("a draft model's drafts are made by the executor within the step; "
                            "the engine never asks for them (spec/base.py)")
+
