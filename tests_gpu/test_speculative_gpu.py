@@ -76,3 +76,30 @@ def test_grammars_and_stop_strings_with_drafts_on_the_gpu() -> None:
     drafted, stats = _run("fixtures/tiny-qwen3", prompts, params, NGRAM)
     assert drafted[False] == drafted[True] == plain[False]
     assert stats.num_accepted_tokens > 0, stats
+
+
+def test_a_draft_model_on_the_gpu_at_qwen3_0_6b_shapes(qwen3_0_6b: str) -> None:
+    """The target as its own draft, graphs on (the draft's decode steps replay its own): the
+    same tokens as without drafts in both modes, nearly every draft kept, beside a seeded
+    sampled row that replays."""
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 6, [7, 7, 8] * 16, list(range(100, 148))]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=32, ignore_eos=True)
+    options = dict(skip_tokenizer_init=True, max_model_len=256)
+    plain, _ = _run(qwen3_0_6b, prompts, greedy, None, **options)
+    spec = {"model": qwen3_0_6b, "num_speculative_tokens": 4}
+    with LLM(qwen3_0_6b, device="cuda", dtype="float32", speculative_config=spec, num_blocks=512, **options) as llm:
+        assert llm.engine.executor.drafter.graph_runner is not None
+        runs = {}
+        for mode in (False, True):
+            llm.engine.set_async_scheduling(mode)
+            runs[mode] = llm.generate(prompts + prompts[:1], [greedy] * 3 + [sampled], use_tqdm=False)
+        replays = llm.engine.executor.drafter.graph_runner.num_replays
+    for mode in (False, True):
+        assert [o.token_ids for o in runs[mode][:3]] == [t for t, _ in plain[False]]
+        for o in runs[mode][:3]:
+            assert o.num_accepted_tokens >= 0.98 * o.num_draft_tokens > 20, o
+    assert runs[False][3].token_ids == runs[True][3].token_ids and len(runs[False][3].token_ids) == 32
+    assert replays > 50
+    gc.collect()
+    torch.cuda.empty_cache()
