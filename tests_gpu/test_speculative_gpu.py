@@ -89,12 +89,12 @@ def test_a_draft_model_on_the_gpu_at_qwen3_0_6b_shapes(qwen3_0_6b: str) -> None:
     plain, _ = _run(qwen3_0_6b, prompts, greedy, None, **options)
     spec = {"model": qwen3_0_6b, "num_speculative_tokens": 4}
     with LLM(qwen3_0_6b, device="cuda", dtype="float32", speculative_config=spec, num_blocks=512, **options) as llm:
-        assert llm.engine.executor.drafter.graph_runner is not None
+        assert llm.engine.executor.drafter.graphs
         runs = {}
         for mode in (False, True):
             llm.engine.set_async_scheduling(mode)
             runs[mode] = llm.generate(prompts + prompts[:1], [greedy] * 3 + [sampled], use_tqdm=False)
-        replays = llm.engine.executor.drafter.graph_runner.num_replays
+        replays = llm.engine.executor.drafter.num_replays
     for mode in (False, True):
         assert [o.token_ids for o in runs[mode][:3]] == [t for t, _ in plain[False]]
         for o in runs[mode][:3]:

@@ -20,11 +20,13 @@ Every step (``DraftRunner.run``, before the target's forward):
    steps past d repeat step d without writing.
 3. The drafts go into the step's input ids, in place, for the target to score.
 
-Steps of step 2 replay CUDA graphs of the draft's own (``CudaGraphRunner``) on CUDA.
+On CUDA the whole of step 2, k + 1 forwards with the argmaxes between them, is one CUDA
+graph per batch size (``DraftRunner._capture``), replayed from static buffers.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable
 
@@ -32,17 +34,20 @@ import numpy as np
 import torch
 
 from minivllm.config import ModelConfig
-from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
+from minivllm.executor.cuda_graph import default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.ops.metadata import AttentionMetadata
 
 Upload = Callable[..., list[torch.Tensor]]
+# Most drafted rows whose drafting loop replays a CUDA graph (one graph per captured batch size
+# up to it, each k + 1 forwards of the draft); more run it eagerly.
+MAX_GRAPH_ROWS = 64
 
 
 class DraftRunner:
-    """The draft model, its K/V cache and its decode graphs.
+    """The draft model, its K/V cache and the drafting loop (on CUDA one graph per batch size).
 
     Args:
         model: the draft model, loaded, on the device.
@@ -50,30 +55,68 @@ class DraftRunner:
         kv_cache: its cache, (layers, 2, num_blocks, block_size, kv_heads, head_dim), the
             target's number of blocks.
         num_speculative_tokens: k.
-        dtype: the draft's activations' dtype.
         prev_sampled: the executor's buffer of last-step samples (tokens fed by reference).
-        max_num_seqs, max_blocks_per_seq: the batch limits (graph sizes).
-        use_graphs: capture the decode steps.
+        max_num_seqs, max_blocks_per_seq: the batch limits (the loop's static buffers).
+        use_graphs: capture the loop for batches of up to ``MAX_GRAPH_ROWS`` drafted rows.
     """
 
     def __init__(self, model: DecoderForCausalLM, model_config: ModelConfig, kv_cache: torch.Tensor,
-                 num_speculative_tokens: int, dtype: torch.dtype, prev_sampled: torch.Tensor, max_num_seqs: int,
+                 num_speculative_tokens: int, prev_sampled: torch.Tensor, max_num_seqs: int,
                  max_blocks_per_seq: int, use_graphs: bool) -> None:
         self.model = model
         self.model_config = model_config
         self.kv_cache = kv_cache
-        self.k = num_speculative_tokens
+        self.k = k = num_speculative_tokens
         self.prev_sampled = prev_sampled
-        self.device = kv_cache.device
-        self.block_size = kv_cache.shape[3]
-        self.graph_runner = None
+        self.width = max_blocks_per_seq
+        g, dev = max_num_seqs, kv_cache.device
+        self.device = dev
+        # The loop's inputs, (step, row): the token fed first, each step's position, slot (-1:
+        # no write), kv_len, whether it feeds the draft just made; the rows' block tables.
+        self.first = torch.zeros(g, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(k + 1, g, dtype=torch.int64, device=dev)
+        self.slots = torch.full((k + 1, g), -1, dtype=torch.int64, device=dev)
+        self.kv_lens = torch.zeros(k + 1, g, dtype=torch.int32, device=dev)
+        self.feeds_new = torch.zeros(k + 1, g, dtype=torch.bool, device=dev)
+        self.tables = torch.full((g, max_blocks_per_seq), -1, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
+        self.drafts = torch.zeros(g, max(k, 1), dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sizes: list[int] = []
+        self.num_replays = 0
         if use_graphs:
-            self.graph_runner = CudaGraphRunner(
-                model.forward, kv_cache, prev_sampled, model_config.hidden_size, dtype,
-                max_blocks_per_seq, default_capture_sizes(max_num_seqs))
+            self.sizes = [b for b in default_capture_sizes(max_num_seqs) if b <= MAX_GRAPH_ROWS]
+            self._capture()
+
+    def _loop(self, bs: int) -> None:
+        """k + 1 decode-shaped steps of the first ``bs`` rows (module docstring, 2.)."""
+        token = self.first[:bs]
+        for step in range(self.k + 1):
+            meta = AttentionMetadata(slot_mapping=self.slots[step, :bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+                                     kv_lens=self.kv_lens[step, :bs], block_tables=self.tables[:bs], max_q_len=1,
+                                     is_decode=True, kv_cache=self.kv_cache)
+            hidden = self.model(token, self.positions[step, :bs], meta)
+            if step == self.k:
+                break
+            guess = self.model.compute_logits(hidden).argmax(dim=-1)
+            self.drafts[:bs, step] = guess
+            token = torch.where(self.feeds_new[step + 1, :bs], guess, token)
 
     @torch.inference_mode()
-    def run(self, batch: DeviceBatch, inputs: BatchInputs, num_drafts: np.ndarray,
+    def _capture(self) -> None:
+        pool = None
+        for bs in reversed(self.sizes):  # largest first: the smaller reuse its pool
+            self._loop(bs)  # warm-up (padding rows only: nothing written)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._loop(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def run(self, batch: DeviceBatch, inputs: BatchInputs, num_drafts: np.ndarray | tuple[()],
             upload: Upload) -> None:
         """Keep the draft's cache up with the step's tokens and make the drafts of the rows
         with ``num_drafts`` (B,) > 0, written into ``batch.input_ids`` in place (module
@@ -94,41 +137,34 @@ class DraftRunner:
     def _draft(self, batch: DeviceBatch, inputs: BatchInputs, rows: np.ndarray, d: np.ndarray,
                upload: Upload) -> None:
         k, r = self.k, len(rows)
-        first = inputs.cu_seqlens_q[rows].astype(np.int64)                    # the row's last known token
-        start = inputs.kv_lens[rows].astype(np.int64) - 1 - d                # its position L
-        j = np.minimum(np.arange(k + 1)[:, None], d[None, :])                # (k + 1, R): position L + j
-        fed = first[None, :] + j                                             # index of the token fed
-        slots = inputs.slot_mapping[fed]
-        slots[np.arange(k + 1)[:, None] > d[None, :]] = -1                   # steps past d write nothing
+        bs = self.sizes[bisect.bisect_left(self.sizes, r)] if self.sizes and r <= self.sizes[-1] else r
+        first = inputs.cu_seqlens_q[rows].astype(np.int64)                   # the row's last known token
+        start = inputs.kv_lens[rows].astype(np.int64) - 1 - d               # its position L
+        j = np.minimum(np.arange(k + 1)[:, None], d[None, :])               # (k + 1, R): position L + j
+        slots = inputs.slot_mapping[first[None, :] + j]
+        slots[np.arange(k + 1)[:, None] > d[None, :]] = -1                  # steps past d write nothing
+        pad = ((0, 0), (0, bs - r))
         tables = inputs.block_tables[rows]
-        into = np.concatenate([first[i] + 1 + np.arange(d[i]) for i in range(r)])   # the drafts' input ids
-        made = np.concatenate([i * k + np.arange(d[i]) for i in range(r)])          # ... in drafts (R, k)
-        steps = np.arange(k + 1)[:, None] <= d[None, :]                      # (k + 1, R): feeds a new token
-        fed_t, pos_t, slots_t, kv_t, tables_t, into_t, made_t, new_t = upload(
-            fed, start[None, :] + j, slots, start[None, :] + j + 1, tables, into, made, steps.astype(np.int64))
-        tables_t = tables_t.to(torch.int32)
-        kv_t = kv_t.to(torch.int32)
-        drafts = torch.zeros(r, k, dtype=torch.int64, device=self.device)
-        token = batch.input_ids[fed_t[0]]                                     # the rows' last known tokens
-        cu = torch.arange(r + 1, dtype=torch.int32, device=self.device)
-        no_refs = torch.full((r,), -1, dtype=torch.int64, device=self.device)
-        for step in range(k + 1):
-            meta = AttentionMetadata(slot_mapping=slots_t[step], cu_seqlens_q=cu, kv_lens=kv_t[step],
-                                     block_tables=tables_t, max_q_len=1, is_decode=True, kv_cache=self.kv_cache)
-            step_batch = DeviceBatch(input_ids=token, prev_rows=no_refs, positions=pos_t[step],
-                                     sample_indices=cu[:r].long(), attn_metadata=meta, num_seqs=r,
-                                     table_width=tables.shape[1])
-            if self.graph_runner is not None and self.graph_runner.can_run(step_batch):
-                hidden = self.graph_runner.run(step_batch)
-            else:
-                hidden = self.model(token, pos_t[step], meta)
-            if step == k:
-                break
-            guess = self.model.compute_logits(hidden).argmax(dim=-1)
-            drafts[:, step] = guess
-            # A row past its d drafts feeds its step d again (no write): its token stays.
-            token = torch.where(new_t[step + 1] > 0, guess, token)
-        batch.input_ids[into_t] = drafts.view(-1)[made_t]
+        into = np.concatenate([first[i] + 1 + np.arange(d[i]) for i in range(r)])    # the drafts' input ids
+        made = np.concatenate([i * self.drafts.shape[1] + np.arange(d[i]) for i in range(r)])  # ... in drafts
+        first_t, pos_t, slots_t, kv_t, new_t, tables_t, into_t, made_t = upload(
+            first, np.pad(start[None, :] + j, pad), np.pad(slots, pad, constant_values=-1),
+            np.pad(start[None, :] + j + 1, pad), np.pad(np.arange(k + 1)[:, None] <= d[None, :], pad),
+            tables, into, made)
+        self.first[:r].copy_(batch.input_ids[first_t])
+        self.first[r:bs].zero_()
+        self.positions[:, :bs].copy_(pos_t)
+        self.slots[:, :bs].copy_(slots_t)
+        self.kv_lens[:, :bs].copy_(kv_t)
+        self.feeds_new[:, :bs].copy_(new_t)
+        self.tables[:bs].fill_(-1)
+        self.tables[:r, :tables.shape[1]].copy_(tables_t)
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            self.num_replays += 1
+        else:
+            self._loop(bs)
+        batch.input_ids[into_t] = self.drafts.view(-1)[made_t]
 
 
 def draft_block_bytes(model_config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:

@@ -307,6 +307,7 @@ class ModelExecutor:
         self._staging = _PinnedRing(self.device)
         self._extras_staging = _PinnedRing(self.device)  # its own ring: one upload a step each
         self._mask_staging = _PinnedRing(self.device)
+        self._scoring_staging = _PinnedRing(self.device)  # a drafted step's scoring indices
         self._outputs = _PinnedRing(self.device)
         self.drafter: DraftRunner | None = None
         if self.draft_model is not None:
@@ -314,7 +315,7 @@ class ModelExecutor:
             self._draft_staging = _PinnedRing(self.device)
             self.drafter = DraftRunner(
                 self.draft_model, self.draft_config, self._allocate_kv_cache(num_blocks, self.draft_config),
-                speculative_config.num_speculative_tokens, self.dtype, self.prev_sampled, self.max_num_seqs,
+                speculative_config.num_speculative_tokens, self.prev_sampled, self.max_num_seqs,
                 cdiv(self.max_model_len, self.block_size), use_graphs)
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
@@ -551,8 +552,11 @@ class ModelExecutor:
             if bitmask is not None and len(plan.num_drafts):
                 bitmask = bitmask[np.cumsum(1 + plan.num_drafts[plan.sample]) - 1]
             drafted = bool(len(plan.num_drafts))
-            tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask,
-                                            with_logprobs=not drafted)
+            if drafted and bool(plan.num_drafts[plan.sample].all()):  # every row's token comes from the scorer
+                tokens, logprobs = torch.zeros(len(seq_ids), dtype=torch.int64, device=self.device), None
+            else:
+                tokens, logprobs = self._sample(plan, inputs, batch, hidden, params, extras, bitmask,
+                                                with_logprobs=not drafted)
             if drafted:
                 tokens, accepted = self._verify_drafts(plan, inputs, batch, hidden, tokens, scored)
                 if extras.logprobs is not None:
@@ -642,26 +646,39 @@ class ModelExecutor:
         drafted = np.flatnonzero(d_all)
         d, at, fed, masks = self._scored(plan, inputs, drafted, bitmask)
         r, k1 = at.shape
-        logits = self.model.compute_logits(hidden[self._upload(at.reshape(-1))])
+        at_t, fed_t, d_t, drafted_t = self._upload_all(at.reshape(-1), fed, d, drafted, ring=self._scoring_staging)
+        logits = self.model.compute_logits(hidden[at_t])
         if masks is not None:
             logits = apply_token_bitmask(logits, self._upload_bitmask(np.ascontiguousarray(bitmask[masks.reshape(-1)])))
+        fed_t = batch.input_ids[fed_t]
+        params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
+        if all(params[i].greedy for i in drafted):  # drafts kept while each is the argmax
+            best = logits.argmax(-1).view(r, k1)
+            valid = torch.arange(k1 - 1, device=self.device)[None, :] < d_t[:, None]
+            a = ((fed_t == best[:, :k1 - 1]) & valid).to(torch.int64).cumprod(1).sum(1)
+            own = best.gather(1, a[:, None])[:, 0]
+            return self._place_drafted(tokens, drafted_t, own, a)
         # Scored position j samples the token at position kv_len - d + j.
         kv = inputs.kv_lens[np.flatnonzero(plan.sample)[drafted]].astype(np.int64)
         positions = (kv - d)[:, None] + np.arange(k1)[None, :]
-        params = [p for p, s in zip(plan.sampling_params, plan.sample) if s]
         t = SamplingTensors.build([params[i] for i in drafted for _ in range(k1)], positions.reshape(-1),
                                   self.model_config.vocab_size, self.device)
         step_seed = self.sampler.next_step_seed()
         keys = row_keys(t.seeded, t.seed_keys, step_seed).view(r, k1, 2)
-        fed_t, d_t, drafted_t = (self._upload(a) for a in (fed, d, drafted))
-        fed_t = batch.input_ids[fed_t]
         accept_u = hashed_uniform((keys[:, :k1 - 1] ^ _ACCEPT_SALT).reshape(-1, 2), 1).view(r, k1 - 1)
         own, a = rejection.sample_drafted(self.sampler, logits.view(r, k1, -1), t, fed_t, d_t, accept_u, step_seed)
+        return self._place_drafted(tokens, drafted_t, own, a)
+
+    @staticmethod
+    def _place_drafted(tokens: torch.Tensor, drafted: torch.Tensor, own: torch.Tensor,
+                       accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling rows' tokens (S,) with the drafted rows' ``own`` in place, and their
+        accepted counts (S,; 0 on rows without drafts)."""
         tokens = tokens.clone()
-        tokens[drafted_t] = own
-        accepted = torch.zeros_like(tokens)
-        accepted[drafted_t] = a
-        return tokens, accepted
+        tokens[drafted] = own
+        out = torch.zeros_like(tokens)
+        out[drafted] = accepted
+        return tokens, out
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A small host array on the device without waiting for the stream (a pageable copy
