@@ -103,3 +103,26 @@ def test_a_draft_model_on_the_gpu_at_qwen3_0_6b_shapes(qwen3_0_6b: str) -> None:
     assert replays > 50
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_logprobs_of_drafted_rows_on_the_gpu(qwen3_0_6b: str) -> None:
+    """Greedy rows asking for logprobs take drafts: each kept token's logprobs (its own and
+    the top 3) are those decoding without drafts reports, within float32 rounding."""
+    import numpy as np
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 6
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=3)
+    with LLM(qwen3_0_6b, device="cuda", dtype="float32", speculative_config=NGRAM, num_blocks=512,
+             skip_tokenizer_init=True, max_model_len=256) as llm:
+        llm.engine.proposer = None
+        plain = llm.generate([prompt], params, use_tqdm=False)[0]
+        llm.engine.proposer = ReplayProposer({tuple(prompt): plain.token_ids}, 48, 4, 0.7,
+                                             llm.model_config.vocab_size)
+        drafted = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert llm.engine.stats.num_accepted_tokens > 5
+    assert drafted.token_ids == plain.token_ids and len(drafted.logprobs) == 32
+    for got, want in zip(drafted.logprobs, plain.logprobs):
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[t] for t in want], list(want.values()), atol=2e-3)
+    gc.collect()
+    torch.cuda.empty_cache()
