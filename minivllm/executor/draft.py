@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from minivllm.config import ModelConfig
-from minivllm.executor.cuda_graph import default_capture_sizes
+from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs
 from minivllm.model.decoder import DecoderForCausalLM
@@ -55,13 +55,14 @@ class DraftRunner:
         kv_cache: its cache, (layers, 2, num_blocks, block_size, kv_heads, head_dim), the
             target's number of blocks.
         num_speculative_tokens: k.
+        dtype: the draft's activations' dtype.
         prev_sampled: the executor's buffer of last-step samples (tokens fed by reference).
         max_num_seqs, max_blocks_per_seq: the batch limits (the loop's static buffers).
         use_graphs: capture the loop for batches of up to ``MAX_GRAPH_ROWS`` drafted rows.
     """
 
     def __init__(self, model: DecoderForCausalLM, model_config: ModelConfig, kv_cache: torch.Tensor,
-                 num_speculative_tokens: int, prev_sampled: torch.Tensor, max_num_seqs: int,
+                 num_speculative_tokens: int, dtype: torch.dtype, prev_sampled: torch.Tensor, max_num_seqs: int,
                  max_blocks_per_seq: int, use_graphs: bool) -> None:
         self.model = model
         self.model_config = model_config
@@ -84,9 +85,13 @@ class DraftRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sizes: list[int] = []
         self.num_replays = 0
+        # Decode steps without drafts (the draft's cache keeping up) replay graphs too.
+        self.decode_graphs: CudaGraphRunner | None = None
         if use_graphs:
             self.sizes = [b for b in default_capture_sizes(max_num_seqs) if b <= MAX_GRAPH_ROWS]
             self._capture()
+            self.decode_graphs = CudaGraphRunner(model.forward, kv_cache, prev_sampled, model_config.hidden_size,
+                                                 dtype, max_blocks_per_seq, default_capture_sizes(max_num_seqs))
 
     def _loop(self, bs: int) -> None:
         """k + 1 decode-shaped steps of the first ``bs`` rows (module docstring, 2.)."""
@@ -129,7 +134,11 @@ class DraftRunner:
 
     def mirror(self, batch: DeviceBatch) -> None:
         """The draft over every token of the step, writing its K/V (drafts' placeholders as
-        token 0: the drafted rows' slots past their first are rewritten by ``_draft``)."""
+        token 0: the drafted rows' slots past their first are rewritten by ``_draft``); a decode
+        step replays the draft's decode graph."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            self.decode_graphs.run(batch)
+            return
         ids = resolve_input_ids(batch.input_ids.clamp(min=0), batch.prev_rows, self.prev_sampled)
         meta = dataclasses.replace(batch.attn_metadata, kv_cache=self.kv_cache, tile_map=None)
         self.model(ids, batch.positions, meta)

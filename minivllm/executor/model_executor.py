@@ -315,7 +315,7 @@ class ModelExecutor:
             self._draft_staging = _PinnedRing(self.device)
             self.drafter = DraftRunner(
                 self.draft_model, self.draft_config, self._allocate_kv_cache(num_blocks, self.draft_config),
-                speculative_config.num_speculative_tokens, self.prev_sampled, self.max_num_seqs,
+                speculative_config.num_speculative_tokens, self.dtype, self.prev_sampled, self.max_num_seqs,
                 cdiv(self.max_model_len, self.block_size), use_graphs)
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
