@@ -38,6 +38,28 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+@torch.inference_mode()
+def capture_graphs(sizes: list[int], step: Callable[[int], None],
+                   before: Callable[[int], None] | None = None) -> dict[int, torch.cuda.CUDAGraph]:
+    """A CUDA graph of ``step(size)`` for each size, largest first so that the smaller reuse
+    its memory pool; each run once before its capture (kernels compile outside it), after
+    ``before(size)`` (inputs it needs, set outside the graph)."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    pool = None
+    for size in sorted(sizes, reverse=True):
+        if before is not None:
+            before(size)
+        step(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            step(size)
+        pool = graph.pool()
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs
+
+
 class CudaGraphRunner:
     """Captures ``forward(input_ids, positions, meta) -> hidden`` for decode batch sizes.
 
@@ -78,24 +100,11 @@ class CudaGraphRunner:
             kv_lens=self.kv_lens[:bs], block_tables=self.block_tables[:bs], max_q_len=1,
             is_decode=True, kv_cache=kv_cache)
 
-    @torch.inference_mode()
     def _capture(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor) -> None:
-        pool = None
-        # Largest first, so smaller graphs reuse the pool's memory.
-        def step(bs: int, meta: AttentionMetadata) -> None:
+        def step(bs: int) -> None:
             ids = resolve_input_ids(self.input_ids[:bs], self.prev_rows[:bs], self.prev_sampled)
-            self.hidden[:bs] = forward(ids, self.positions[:bs], meta)
-
-        for bs in reversed(self.sizes):
-            meta = self._meta(bs, kv_cache)
-            step(bs, meta)  # warm-up: compile kernels outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                step(bs, meta)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+            self.hidden[:bs] = forward(ids, self.positions[:bs], self._meta(bs, kv_cache))
+        self.graphs = capture_graphs(self.sizes, step)
 
     def can_run(self, batch: DeviceBatch) -> bool:
         """One token per sequence, a captured size and the static table width."""

@@ -21,7 +21,7 @@ Every step (``DraftRunner.run``, before the target's forward):
 3. The drafts go into the step's input ids, in place, for the target to score.
 
 On CUDA the whole of step 2, k + 1 forwards with the argmaxes between them, is one CUDA
-graph per batch size (``DraftRunner._capture``), replayed from static buffers.
+graph per batch size (``capture_graphs``), replayed from static buffers.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from minivllm.config import ModelConfig
-from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
+from minivllm.executor.cuda_graph import CudaGraphRunner, capture_graphs, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
 from minivllm.executor.inputs import BatchInputs
 from minivllm.model.decoder import DecoderForCausalLM
@@ -89,7 +89,7 @@ class DraftRunner:
         self.decode_graphs: CudaGraphRunner | None = None
         if use_graphs:
             self.sizes = [b for b in default_capture_sizes(max_num_seqs) if b <= MAX_GRAPH_ROWS]
-            self._capture()
+            self.graphs = capture_graphs(self.sizes, self._loop)  # padding rows only: nothing written
             self.decode_graphs = CudaGraphRunner(model.forward, kv_cache, prev_sampled, model_config.hidden_size,
                                                  dtype, max_blocks_per_seq, default_capture_sizes(max_num_seqs))
 
@@ -106,19 +106,6 @@ class DraftRunner:
             guess = self.model.compute_logits(hidden).argmax(dim=-1)
             self.drafts[:bs, step] = guess
             token = torch.where(self.feeds_new[step + 1, :bs], guess, token)
-
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        pool = None
-        for bs in reversed(self.sizes):  # largest first: the smaller reuse its pool
-            self._loop(bs)  # warm-up (padding rows only: nothing written)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._loop(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
 
     @torch.inference_mode()
     def run(self, batch: DeviceBatch, inputs: BatchInputs, num_drafts: np.ndarray | tuple[()],

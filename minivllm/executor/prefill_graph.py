@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from minivllm.executor.cuda_graph import capture_graphs
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
 from minivllm.ops.dispatch import Ops
 from minivllm.ops.metadata import AttentionMetadata
@@ -99,19 +100,8 @@ class PrefillGraphRunner:
         ids = resolve_input_ids(self.input_ids[:bucket], self.prev_rows[:bucket], self.prev_sampled)
         self.hidden[:bucket] = self.forward(ids, self.positions[:bucket], self._meta(bucket))
 
-    @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
-        for bucket in reversed(self.buckets):  # largest first: the smaller reuse its pool
-            self._fill_padding_only(bucket)
-            self._step(bucket)  # warm-up: compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._step(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize()
+        self.graphs = capture_graphs(self.buckets, self._step, before=self._fill_padding_only)
 
     def _fill_padding_only(self, bucket: int) -> None:
         """A step of only padding (what capture runs): one kv_len-0 sequence of every token."""
