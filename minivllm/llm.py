@@ -210,9 +210,6 @@ class LLM:
         cache_opts, sched_opts, exec_opts = split_engine_options(options)
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        if speculative_config is not None and exec_opts.get("tensor_parallel_size", 1) > 1:
-            raise ValueError("speculative_config: speculative decoding under tensor parallelism is not "
-                             "supported yet (tensor_parallel_size must be 1)")
         executor_config = ExecutorConfig.from_dict(
             {**exec_opts, "device": device, "dtype": dtype, "kernels": kernels, "seed": seed})
         if device == "auto":
@@ -239,7 +236,7 @@ class LLM:
         if executor_config.tensor_parallel_size > 1:
             from minivllm.executor.distributed import TPExecutor
             executor = TPExecutor(self.model_config, path, self.scheduler_config, cache_config,
-                                  executor_config)
+                                  executor_config, speculative_config=speculative_config)
         else:
             executor = ModelExecutor(self.model_config, path, self.scheduler_config, cache_config,
                                      executor_config, speculative_config=speculative_config)

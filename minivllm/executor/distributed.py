@@ -75,11 +75,12 @@ import torch.multiprocessing as mp
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_sentinels
 
-from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.envs import TP_TIMEOUT_S, tp_timeout_s
 from minivllm.executor.base import StepHandle, freeze_imported_objects
 from minivllm.executor.model_executor import ModelExecutor
+from minivllm.sampling import SamplingParams
 
 JOIN_TIMEOUT_S = 10.0
 JOIN_POLL_S = 0.02  # how often the driver looks for workers' check-ins at start-up
@@ -144,6 +145,7 @@ class RankSpec:
     master_port: int
     timeout_s: float
     fault: tuple[int, str] | None = None  # testing hook: (rank, "load" | "stepK")
+    speculative_config: SpeculativeConfig | None = None  # a draft model is sharded as the target
 
     @property
     def world_size(self) -> int:
@@ -196,7 +198,8 @@ def _min_over_ranks(group: dist.ProcessGroup) -> Callable[[int], int]:
 def _build_executor(spec: RankSpec, rank: int, group: dist.ProcessGroup) -> ModelExecutor:
     config = replace(spec.executor_config, device=_rank_device(spec.executor_config.device, rank))
     return ModelExecutor(spec.model_config, spec.model_path, spec.scheduler_config, spec.cache_config,
-                         config, tp_rank=rank, agree_num_blocks=_min_over_ranks(group))
+                         config, tp_rank=rank, agree_num_blocks=_min_over_ranks(group),
+                         speculative_config=spec.speculative_config)
 
 
 def _worker_main(rank: int, spec: RankSpec, errors: Any, plans: Connection) -> None:
@@ -247,7 +250,7 @@ class TPExecutor:
 
     def __init__(self, model_config: ModelConfig, model_path: str, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, config: ExecutorConfig,
-                 fault: tuple[int, str] | None = None) -> None:
+                 fault: tuple[int, str] | None = None, speculative_config: SpeculativeConfig | None = None) -> None:
         from minivllm.layers.weights import check_tp_divisibility
         from minivllm.model.loader import require_weights
 
@@ -270,7 +273,7 @@ class TPExecutor:
         # and no window between choosing a free port and binding it).
         self._store = _serve_store(tp, timeout_s)
         self.spec = RankSpec(model_config, str(model_path), scheduler_config, cache_config, config,
-                             "127.0.0.1", self._store.port, timeout_s, fault)
+                             "127.0.0.1", self._store.port, timeout_s, fault, speculative_config)
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
         self.plans = PlanPipes(ctx, tp - 1)
@@ -304,9 +307,9 @@ class TPExecutor:
         """The pool every rank holds (the minimum over ranks)."""
         return self.local.num_kv_blocks()
 
-    def verifies_drafts(self, params: object) -> bool:
-        """None yet under tensor parallelism: a speculative engine decodes one token per step."""
-        return False
+    def verifies_drafts(self, params: SamplingParams) -> bool:
+        """As one rank's executor: every rank scores the same drafts over the gathered logits."""
+        return self.local.verifies_drafts(params)
 
     def submit(self, plan: StepPlan) -> StepHandle:
         """Send the plan to every worker, then run rank 0's shard of it."""

@@ -163,12 +163,6 @@ class DraftRunner:
         batch.input_ids[into_t] = self.drafts.view(-1)[made_t]
 
 
-def draft_block_bytes(model_config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Bytes of one block of the draft's cache, over its layers (K and V)."""
-    c = model_config
-    return c.num_hidden_layers * 2 * block_size * c.num_key_value_heads * c.head_dim * torch.finfo(kv_dtype).bits // 8
-
-
 def check_draft_config(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:
     """A draft model must share the target's vocabulary and reach its context length.
 

@@ -61,6 +61,7 @@ from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers.attention import kv_cache_torch_dtype
 from minivllm.layers.linear import quantize_to_fp8
+from minivllm.layers.weights import check_tp_divisibility
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.hf_config import read_model_config
 from minivllm.model.loader import fill_dummy_weights, load_weights, require_weights
@@ -285,11 +286,11 @@ class ModelExecutor:
         self.draft_config: ModelConfig | None = None
         self.draft_model: DecoderForCausalLM | None = None
         if speculative_config is not None and speculative_config.method == "draft_model":
-            if self.tp_size > 1:
-                raise ValueError("speculative_config: a draft model under tensor parallelism is not supported")
             assert speculative_config.model is not None
             self.draft_config = read_model_config(speculative_config.model)
             check_draft_config(self.draft_config, model_config, self.max_model_len)
+            if self.tp_size > 1:
+                check_tp_divisibility(self.draft_config, self.tp_size)
             self.draft_model = self._load_model(speculative_config.model, self.draft_config)
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
@@ -314,7 +315,7 @@ class ModelExecutor:
             assert self.draft_config is not None and speculative_config is not None
             self._draft_staging = _PinnedRing(self.device)
             self.drafter = DraftRunner(
-                self.draft_model, self.draft_config, self._allocate_kv_cache(num_blocks, self.draft_config),
+                self.draft_model, self.draft_config, self._allocate_kv_cache(num_blocks, draft=True),
                 speculative_config.num_speculative_tokens, self.dtype, self.prev_sampled, self.max_num_seqs,
                 cdiv(self.max_model_len, self.block_size), use_graphs)
         self.graph_runner: CudaGraphRunner | None = None
@@ -370,22 +371,27 @@ class ModelExecutor:
             cdiv(self.max_model_len, self.block_size),
             buckets or default_prefill_buckets(self.max_num_batched_tokens), capture)
 
-    def _allocate_kv_cache(self, num_blocks: int, draft: ModelConfig | None = None) -> torch.Tensor:
-        """The target's KV cache, or with ``draft`` the draft model's (all its heads)."""
-        c = draft or self.model_config
-        heads = c.num_key_value_heads if draft is not None else self.num_kv_heads
+    def _allocate_kv_cache(self, num_blocks: int, draft: bool = False) -> torch.Tensor:
+        """This rank's KV cache of the target, or with ``draft`` of the draft model."""
+        c, heads = self._cache_shape(draft)
         return torch.zeros((c.num_hidden_layers, 2, num_blocks, self.block_size, heads, c.head_dim),
                            dtype=self.kv_dtype, device=self.device)
+
+    def _cache_shape(self, draft: bool) -> tuple[ModelConfig, int]:
+        """The model whose cache it is, and this rank's KV heads of it (all, a shard, or one
+        replicated head)."""
+        if not draft:
+            return self.model_config, self.num_kv_heads
+        assert self.draft_config is not None and self.draft_model is not None
+        return self.draft_config, self.draft_model.model.layers[0].self_attn.num_kv_heads
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers (K and V), the draft model's included."""
-        bits = torch.finfo(self.kv_dtype).bits
-        c = self.model_config
-        size = c.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim * bits // 8
-        if self.draft_config is not None:
-            d = self.draft_config
-            size += d.num_hidden_layers * 2 * self.block_size * d.num_key_value_heads * d.head_dim * bits // 8
+        size = 0
+        for draft in (False, True) if self.draft_config is not None else (False,):
+            c, heads = self._cache_shape(draft)
+            size += c.num_hidden_layers * 2 * self.block_size * heads * c.head_dim * torch.finfo(self.kv_dtype).bits // 8
         return size
 
     def _load_model(self, model_path: str | os.PathLike[str], model_config: ModelConfig) -> DecoderForCausalLM:

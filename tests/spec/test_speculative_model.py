@@ -99,9 +99,6 @@ def test_text_and_stop_strings_with_drafts() -> None:
 def test_a_bad_speculative_config_is_refused(random_model) -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(random_model, device="cpu", skip_tokenizer_init=True, speculative_config={"method": "ngram"})
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        LLM(random_model, device="cpu", skip_tokenizer_init=True, tensor_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="unknown SpeculativeConfig key"):
         LLM(random_model, device="cpu", skip_tokenizer_init=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_tp": 1})

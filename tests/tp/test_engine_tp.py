@@ -337,3 +337,21 @@ def test_cli_tensor_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(args + ["--tensor-parallel-size", "2"]) == 0
     assert capsys.readouterr().out == one
     assert not multiprocessing.active_children()
+
+
+def test_tp2_speculative_decoding_equals_tp1(random_model: str) -> None:
+    """Under tensor parallelism every rank scores the same drafts over the gathered logits:
+    greedy with n-gram drafts, and with the target as its own draft model (its weights and
+    cache sharded as the target's), gives TP=1's tokens without drafts, drafts kept."""
+    ps = [p * 3 for p in prompts(CFG.vocab_size, n=4)]  # repeats, which n-gram lookup finds
+    engine = dict(ENGINE, num_blocks=64, max_model_len=128)
+    with LLM(random_model, **engine) as one:
+        want = [o.token_ids for o in one.generate(ps, GREEDY, use_tqdm=False)]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+                 {"model": random_model, "num_speculative_tokens": 3}):
+        with LLM(random_model, **engine, tensor_parallel_size=2, speculative_config=spec) as two:
+            got = [o.token_ids for o in two.generate(ps, GREEDY, use_tqdm=False)]
+            stats = two.engine.stats
+        assert got == want, spec
+        kept = 0.98 * stats.num_draft_tokens if "model" in spec else 1  # the target drafts what it says
+        assert stats.num_accepted_tokens >= kept > 0, (spec, stats)
