@@ -111,3 +111,34 @@ def test_a_draft_model_that_cannot_serve_is_refused(models, tmp_path) -> None:
     with pytest.raises(ValueError, match="needs the draft model's directory"):
         LLM(target, device="cpu", skip_tokenizer_init=True,
             speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+
+
+def test_masked_rows_beside_rows_drafting_on_the_device() -> None:
+    """A grammar row and a row under token rules take no drafts from the draft model; beside
+    them a plain row and a row asking for logprobs do: every output as without drafts, in
+    both scheduling modes, and the logprobs too."""
+    import numpy as np
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiny-qwen3")
+    prompts = ["1+2+1+2+1+2=", "12+34=", "3+3+3+3=", "50+27="]
+    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "(1\\+2\\+){2}[0-9]{1,3}"}),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, min_tokens=6, bad_words=["9"]),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)]
+    runs = {}
+    for name, spec in (("plain", None), ("drafted", {"model": fixture, "num_speculative_tokens": 3})):
+        with LLM(fixture, device="cpu", dtype="float32", kernels="torch", num_blocks=64,
+                 speculative_config=spec) as llm:
+            for mode in (False, True):
+                llm.engine.set_async_scheduling(mode)
+                runs[name, mode] = llm.generate(prompts, params, use_tqdm=False)
+    want = runs["plain", False]
+    for mode in (False, True):
+        got = runs["drafted", mode]
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert got[0].num_draft_tokens == got[2].num_draft_tokens == 0
+        assert got[1].num_accepted_tokens >= 0.98 * got[1].num_draft_tokens > 0
+        assert got[3].num_draft_tokens > 0
+        for g, w in zip(got[3].logprobs, want[3].logprobs):
+            assert g.keys() == w.keys()
+            np.testing.assert_allclose([g[t] for t in w], list(w.values()), atol=1e-4)
