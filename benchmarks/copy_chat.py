@@ -4,7 +4,7 @@ rename a function in given code, fix a typo and repeat the text). Batch 1, greed
 without drafts and with n-gram lookup, alternating rounds, each row's tokens per drafted
 step (acceptance length) and whether the outputs equal those without drafts.
 
-    PYTHONPATH=. python3 -m benchmarks.copy_chat [--gguf PATH] [--k 4] [--rounds 3] [--smoke]
+    PYTHONPATH=. python3 -m benchmarks.copy_chat [--gguf PATH] [--k 8] [--rounds 3] [--dtype auto] [--smoke]
 
 Summary: ``$OUT/copy_chat.json``.
 """
@@ -59,11 +59,13 @@ def smollm2_gguf() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="float32: drafted output equals the output without drafts "
+                    "(in bf16 the scoring forward may round a near-tie otherwise than decode's)")
     ap.add_argument("--smoke", action="store_true", help="CPU, few tokens: the code paths only")
     args = ap.parse_args()
     from minivllm import LLM, SamplingParams
@@ -76,7 +78,7 @@ def main() -> None:
                              prompt_lookup_max=args.lookup_max)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     rows: dict[str, dict[str, list[float]]] = {}
-    with LLM(args.gguf or smollm2_gguf(), device=device, max_model_len=1024,
+    with LLM(args.gguf or smollm2_gguf(), device=device, dtype=args.dtype, max_model_len=1024,
              speculative_config={"method": "ngram", "num_speculative_tokens": args.k}) as llm:
         llm.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)
         plain_out: dict[int, list[int]] = {}

@@ -100,7 +100,7 @@ def test_a_draft_model_on_the_gpu_at_qwen3_0_6b_shapes(qwen3_0_6b: str) -> None:
         for o in runs[mode][:3]:
             assert o.num_accepted_tokens >= 0.98 * o.num_draft_tokens > 20, o
     assert runs[False][3].token_ids == runs[True][3].token_ids and len(runs[False][3].token_ids) == 32
-    assert replays > 50
+    assert replays > 10
     gc.collect()
     torch.cuda.empty_cache()
 
