@@ -263,7 +263,7 @@ class FakeExecutor:
             start = int(inputs.kv_lens[r]) - 1 - d
             (before,) = self._read(inputs.block_tables[r:r + 1], np.array([start]))
             context = before.tolist() + [int(ids[first])]
-            made[sid] = self.drafter.guesses(context, d, lambda ctx, sid=sid: self._next_token(sid, np.asarray(ctx)))
+            made[sid] = self.drafter.guesses(context, d, lambda ctx, sid=sid: self._draft_truth(sid, ctx))
             ids[first + 1:first + 1 + d] = made[sid]
         return made
 
@@ -315,6 +315,15 @@ class FakeExecutor:
         pos = np.arange(lo, hi)
         table = inputs.block_tables[row]
         self.kv.reshape(-1)[table[pos // self.block_size] * self.block_size + pos % self.block_size] = REJECTED
+
+    def _draft_truth(self, seq_id: int, context: list[int]) -> int:
+        """What the drafter takes as the right token after ``context``: the recorded one while
+        ``context`` is the recording's prefix, else the hash model's (a context a wrong draft
+        led astray; so a recorded hash-model run replays its drafts)."""
+        rec = self.recorded.get(self._names[seq_id]) if self.recorded is not None else None
+        if rec is not None and len(context) < len(rec) and list(rec[:len(context)]) == context:
+            return int(rec[len(context)])
+        return fake_next_token(context, self.vocab_size)
 
     def _next_token(self, seq_id: int, context: np.ndarray) -> int:
         if self.recorded is None:

@@ -85,4 +85,9 @@ def make_proposer(config: Mapping[str, Any] | None, vocab_size: int,
     if config.get("method") == "fake":
         return FakeProposer(int(config["num_speculative_tokens"]), float(config["hit_rate"]), vocab_size, truth,
                             on_device=bool(config.get("on_device", False)))
-    return NgramProposer(SpeculativeConfig.from_dict(config))
+    spec = SpeculativeConfig.from_dict(config)
+    if spec.method != "ngram":
+        raise ValueError(f"a trace's speculative method {spec.method!r} has no stand-in here: its drafts came "
+                         "from a model the simulator does not run (the fake proposer stands for one: "
+                         "'method': 'fake', 'on_device': true)")
+    return NgramProposer(spec)

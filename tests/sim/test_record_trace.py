@@ -63,11 +63,13 @@ def feed_inputs(engine: Any, trace: Trace, step: int) -> None:
             pass
 
 
-def recording_engine(trace: Trace, path: Path, **kwargs: Any) -> LLMEngine:
-    """An engine on the hash model of ``trace`` that records to ``path``."""
-    executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks)
+def recording_engine(trace: Trace, path: Path, proposer: Any = None, **kwargs: Any) -> LLMEngine:
+    """An engine on the hash model of ``trace`` that records to ``path`` (a proposer drafting on
+    the device is the fake executor's draft model too)."""
+    drafter = proposer if proposer is not None and proposer.on_device else None
+    executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks, drafter=drafter)
     return LLMEngine(trace.scheduler, trace.cache, executor, vocab_size=trace.vocab_size,
-                     observer=TraceRecorder(path), **kwargs)
+                     observer=TraceRecorder(path), proposer=proposer, **kwargs)
 
 
 def drive(trace: Trace, path: Path) -> LLMEngine:

@@ -18,7 +18,7 @@ from minivllm.sampling import SamplingParams
 from minivllm.spec.ngram import NgramProposer
 from sim import runner
 from sim.fake_executor import FakeExecutor, fake_next_token
-from sim.fake_proposer import FakeProposer
+from sim.fake_proposer import FakeProposer, make_proposer
 from sim.runner import _Run, run_trace
 from sim.traces import generate_trace
 
@@ -116,6 +116,8 @@ def test_ngram_lookup_takes_the_longest_latest_match() -> None:
     assert p.propose([[5, 5, 5, 5]], [3]) == [[5]]                     # what follows ends at the context's end
     assert SpeculativeConfig(num_speculative_tokens=2).prompt_lookup_min == 5
     assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3).prompt_lookup_min == 3
+    with pytest.raises(ValueError, match="no stand-in"):  # a live trace's draft model: the simulator runs none
+        make_proposer({"model": "/drafts", "num_speculative_tokens": 2}, 50)
     for bad, words in (({}, "num_speculative_tokens"), ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
                        ({"num_speculative_tokens": 2, "method": "eagle"}, "method"),
                        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min")):
