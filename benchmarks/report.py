@@ -364,6 +364,45 @@ def all_reduce_section(runs: Summaries) -> list[str]:
                   for stem, d in runs for r in d.get("rows", [])])
 
 
+def speculative_section(runs: Summaries) -> list[str]:
+    rows = []
+    for stem, d in runs:
+        for r in d.get("curve", []):
+            rows.append([stem, fmt(d.get("shapes")), fmt(r.get("batch")), fmt(r.get("k")),
+                         "no drafts" if r.get("accept") is None else fmt(r.get("accept"), ".1f"),
+                         fmt(r.get("tok_s"), ",.0f"), fmt(r.get("ms_per_token"), ".3f"), fmt(r.get("speedup"), ".2f"),
+                         fmt(r.get("measured_acceptance"), ".2f"), fmt(r.get("tokens_per_step"), ".2f"),
+                         fmt(r.get("identical"), ".2f")])
+        rows.append([stem, "every draft wrong, batch 1, k 4: ms/token x no drafts", "", "", "", "", "",
+                     fmt(d.get("cost_always_wrong_batch1"), ".3f"), "", "", ""])
+        rows.append([stem, "offline n-gram finding nothing: tok/s x off", "", "", "", "", "",
+                     fmt(get(d, "offline_ngram_finding_nothing", "ratio"), ".3f"), "", "", ""])
+    return table(["summary", "shapes", "batch", "k", "acceptance", "tok/s", "ms/token", "x no drafts",
+                  "drafts kept", "tokens a step", "identical share"], rows)
+
+
+def draft_model_section(runs: Summaries) -> list[str]:
+    return table(["summary", "target", "draft", "k", "plain ms/step", "drafted ms/step", "drafts kept (measured)",
+                  "tokens a drafted step", "implied x at acceptance 0.6", "implied x at 0.8"],
+                 [[stem, fmt(d.get("shapes")), fmt(d.get("draft_shapes")), fmt(d.get("k")),
+                   fmt(d.get("plain_ms_per_step"), ".3f"), fmt(d.get("drafted_ms_per_step"), ".3f"),
+                   fmt(d.get("measured_acceptance"), ".3f"), fmt(d.get("tokens_per_drafted_step"), ".2f"),
+                   fmt(d.get("implied_speedup_at_0.6"), ".2f"), fmt(d.get("implied_speedup_at_0.8"), ".2f")]
+                  for stem, d in runs])
+
+
+def copy_chat_section(runs: Summaries) -> list[str]:
+    rows = []
+    for stem, d in runs:
+        for chat, r in sorted((d.get("rows") or {}).items()):
+            rows.append([stem, chat, fmt(d.get("k")), fmt(r.get("tokens")), fmt(r.get("ms_per_token_off"), ".3f"),
+                         fmt(r.get("ms_per_token_ngram"), ".3f"), fmt(r.get("speedup"), ".2f"),
+                         fmt(r.get("tokens_per_drafted_step"), ".2f"), "yes" if r.get("same_as_off") else "no"])
+        rows.append([stem, "geometric mean", "", "", "", "", fmt(d.get("speedup_geomean"), ".2f"), "", ""])
+    return table(["summary", "chat", "k", "tokens", "ms/token, no drafts", "ms/token, n-gram", "speedup",
+                  "tokens a drafted step", "same tokens as no drafts"], rows)
+
+
 # name -> (what it measures, the make target that runs it, its section), in page order
 SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
     "throughput": ("offline throughput and batch-1 decode, against HF transformers", "make bench",
@@ -383,6 +422,12 @@ SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
     "structured_outputs": ("offline-256 under a JSON schema against unconstrained", "make bench",
                            structured_outputs_section),
     "accuracy": ("bf16 against float32, minivllm and HF transformers", "make bench", accuracy_section),
+    "speculative": ("speculative decoding: the cost of trying and the gain by acceptance, replayed drafts",
+                    "make bench", speculative_section),
+    "draft_model": ("a draft model: the cost of a drafted step and the speedup it implies", "make bench",
+                    draft_model_section),
+    "copy_chat": ("n-gram lookup on real text: SmolLM2-135M-Instruct answering copy-heavy chats, batch 1",
+                  "make bench", copy_chat_section),
     "tp_scaling": ("TP=2 against TP=1, Qwen3-8B shapes", "make bench-tp", tp_scaling_section),
     "all_reduce": ("the tensor-parallel all-reduce", "make bench-tp", all_reduce_section),
 }

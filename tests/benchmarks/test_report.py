@@ -64,6 +64,19 @@ SUMMARIES: dict[str, dict[str, Any]] = {
                  "greedy": {"ours": {"mean_leading": 5.69, "top5_hits": 16, "prompts": 16},
                             "hf": {"mean_leading": 7.81, "top5_hits": 16, "prompts": 16}},
                  **meta("python -m benchmarks.accuracy")},
+    "speculative": {"shapes": "qwen3-0.6b", "curve": [
+        {"batch": 1, "k": 0, "accept": None, "tok_s": 950.2, "ms_per_token": 1.0524},
+        {"batch": 1, "k": 4, "accept": 1.0, "tok_s": 1900.4, "ms_per_token": 0.5262, "speedup": 2.0,
+         "measured_acceptance": 1.0, "tokens_per_step": 4.6, "identical": 1.0}],
+        "cost_always_wrong_batch1": 1.274, "offline_ngram_finding_nothing": {"ratio": 0.973},
+        **meta("python -m benchmarks.speculative --load-format dummy")},
+    "draft_model": {"shapes": "qwen3-8b", "draft_shapes": "qwen3-0.6b", "k": 4, "plain_ms_per_step": 5.904,
+                    "drafted_ms_per_step": 13.215, "measured_acceptance": 0.0, "tokens_per_drafted_step": 1.0,
+                    "implied_speedup_at_0.6": 1.03, "implied_speedup_at_0.8": 1.502,
+                    **meta("python -m benchmarks.draft_model --load-format dummy")},
+    "copy_chat": {"k": 8, "rows": {"0": {"tokens": 73, "ms_per_token_off": 0.818, "ms_per_token_ngram": 0.333,
+                                         "speedup": 2.456, "tokens_per_drafted_step": 6.8, "same_as_off": 0.0}},
+                  "speedup_geomean": 1.69, **meta("python -m benchmarks.copy_chat")},
 }
 
 
@@ -123,6 +136,16 @@ def test_tables_hold_the_summaries_numbers(page: str) -> None:
     assert rows_of(page, "tp_scaling") == [
         ["tp_scaling", "1", "10,000", "16,500", "1.650", "4.900", "3.100", "0.633"],
         ["tp_scaling", "median", "", "", "1.650", "", "", "0.633"]]
+    assert rows_of(page, "speculative") == [
+        ["speculative", "qwen3-0.6b", "1", "0", "no drafts", "950", "1.052", "-", "-", "-", "-"],
+        ["speculative", "qwen3-0.6b", "1", "4", "1.0", "1,900", "0.526", "2.00", "1.00", "4.60", "1.00"],
+        ["speculative", "every draft wrong, batch 1, k 4: ms/token x no drafts", "", "", "", "", "", "1.274", "", "",
+         ""],
+        ["speculative", "offline n-gram finding nothing: tok/s x off", "", "", "", "", "", "0.973", "", "", ""]]
+    assert rows_of(page, "draft_model") == [
+        ["draft_model", "qwen3-8b", "qwen3-0.6b", "4", "5.904", "13.215", "0.000", "1.00", "1.03", "1.50"]]
+    assert rows_of(page, "copy_chat") == [["copy_chat", "0", "8", "73", "0.818", "0.333", "2.46", "6.80", "no"],
+                                          ["copy_chat", "geometric mean", "", "", "", "", "1.69", "", ""]]
     assert rows_of(page, "accuracy") == [
         ["accuracy", "minivllm", "0.120", "0.000", "5.30e-02", "5.69", "16 / 16"],
         ["accuracy", "HF transformers", "0.154", "0.003", "6.80e-02", "7.81", "16 / 16"]]
@@ -131,7 +154,7 @@ def test_tables_hold_the_summaries_numbers(page: str) -> None:
 def test_sections_follow_one_order_and_only_for_summaries_present(page: str) -> None:
     headings = [line.split(":")[0] for line in page.splitlines() if line.startswith("## ")]
     assert headings == ["## throughput", "## serving", "## moe", "## decode_attention", "## gemv", "## accuracy",
-                        "## tp_scaling"]
+                        "## speculative", "## draft_model", "## copy_chat", "## tp_scaling"]
 
 
 def test_missing_values_are_dashes(tmp_path: Path) -> None:
