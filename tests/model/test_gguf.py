@@ -51,13 +51,13 @@ ENGINE = dict(device="cpu", dtype="float32", num_blocks=128, max_num_seqs=4, max
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
+def llm(gguf_parsed_once) -> Iterator[LLM]:
     with LLM(GGUF, **ENGINE) as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
-def hf() -> transformers.PreTrainedModel:
+def hf(gguf_parsed_once) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME,
                                                              dtype=torch.float32).eval()
 
@@ -176,6 +176,42 @@ def test_chat_subcommand_answers_a_piped_question(monkeypatch) -> None:
     monkeypatch.setattr("sys.stdout", out)
     assert main(["chat", str(TINY_QWEN3), "--device", "cpu", "--num-blocks", "16", "--max-model-len", "64"]) == 0
     assert out.getvalue() == "68\n" and out.writes[:2] == ["6", "8"]
+
+
+def test_ngram_drafts_on_the_trained_chat_model(llm: LLM) -> None:
+    """SmolLM2 asked to repeat and edit a passage (copy-heavy, as n-gram lookup likes):
+    greedy with drafts is token for token greedy without, with n = 2 and a stop string in
+    both scheduling modes, and drafts are kept."""
+    from minivllm.config import SpeculativeConfig
+    from minivllm.spec.ngram import NgramProposer
+
+    passage = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
+    chats = [[{"role": "user", "content": f"Repeat this sentence exactly: {passage}"}],
+             [{"role": "user", "content": f"Rewrite with 'fox' replaced by 'wolf': {passage}"}]]
+    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=40, n=2),
+              SamplingParams(temperature=0, max_tokens=40, stop=["lazy"])]
+    prompts = chats + [chats[0]]
+    plain = [[c.token_ids for c in o] for o in _chat_all(llm, prompts, params)]
+    before = llm.engine.stats.num_accepted_tokens
+    llm.engine.proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
+                                                          prompt_lookup_max=4))
+    try:
+        for mode in (False, True):
+            llm.engine.set_async_scheduling(mode)
+            assert [[c.token_ids for c in o] for o in _chat_all(llm, prompts, params)] == plain
+    finally:
+        llm.engine.proposer = None
+        llm.engine.set_async_scheduling(False)
+    assert llm.engine.stats.num_accepted_tokens - before > 20
+
+
+def _chat_all(llm: LLM, chats: list, params: list) -> list[list]:
+    """Each chat with its params, completions grouped per request (n of them)."""
+    outs = llm.chat(chats, params, use_tqdm=False)
+    groups: dict[str, list] = {}
+    for o in outs:
+        groups.setdefault(o.request_id, []).append(o)
+    return list(groups.values())
 
 
 # ---- tiny GGUF files --------------------------------------------------------------------------
@@ -408,39 +444,3 @@ def test_openai_server_answers_under_a_json_schema(smollm2_server) -> None:
     assert choice.finish_reason == "stop", choice.message.content
     answer = json.loads(choice.message.content)
     assert set(answer) == {"country", "capital"} and "Paris" in answer["capital"], answer
-
-
-def test_ngram_drafts_on_the_trained_chat_model(llm: LLM) -> None:
-    """SmolLM2 asked to repeat and edit a passage (copy-heavy, as n-gram lookup likes):
-    greedy with drafts is token for token greedy without, with n = 2 and a stop string in
-    both scheduling modes, and drafts are kept."""
-    from minivllm.config import SpeculativeConfig
-    from minivllm.spec.ngram import NgramProposer
-
-    passage = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
-    chats = [[{"role": "user", "content": f"Repeat this sentence exactly: {passage}"}],
-             [{"role": "user", "content": f"Rewrite with 'fox' replaced by 'wolf': {passage}"}]]
-    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=40, n=2),
-              SamplingParams(temperature=0, max_tokens=40, stop=["lazy"])]
-    prompts = chats + [chats[0]]
-    plain = [[c.token_ids for c in o] for o in _chat_all(llm, prompts, params)]
-    before = llm.engine.stats.num_accepted_tokens
-    llm.engine.proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
-                                                          prompt_lookup_max=4))
-    try:
-        for mode in (False, True):
-            llm.engine.set_async_scheduling(mode)
-            assert [[c.token_ids for c in o] for o in _chat_all(llm, prompts, params)] == plain
-    finally:
-        llm.engine.proposer = None
-        llm.engine.set_async_scheduling(False)
-    assert llm.engine.stats.num_accepted_tokens - before > 20
-
-
-def _chat_all(llm: LLM, chats: list, params: list) -> list[list]:
-    """Each chat with its params, completions grouped per request (n of them)."""
-    outs = llm.chat(chats, params, use_tqdm=False)
-    groups: dict[str, list] = {}
-    for o in outs:
-        groups.setdefault(o.request_id, []).append(o)
-    return list(groups.values())

@@ -46,7 +46,7 @@ GREEDY = {"temperature": 0}   # sent as extra_body: the anthropic client's creat
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+def url(gguf_parsed_once) -> Iterator[str]:
     """The server over SmolLM2 with the tool template and the Hermes parser: its base URL."""
     with LLM(GGUF, **ENGINE) as llm:
         config = ServerConfig(MODEL, tool_call_parser="hermes", chat_template=TEMPLATE)

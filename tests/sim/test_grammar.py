@@ -141,6 +141,8 @@ def test_checks_catch_a_misplaced_mask(engine: type[LLMEngine], monkeypatch: pyt
         trace = generate_trace(seed, {"async_scheduling": True})
         if not run_trace(trace).ok:
             found.append(seed)
+            if len(found) == 10:  # caught: the other traces cannot change the verdict
+                break
     assert len(found) >= 10, found
 
 

@@ -193,6 +193,8 @@ def test_checks_catch_a_broken_rule(bug: str, monkeypatch: pytest.MonkeyPatch) -
         trace = generate_trace(seed, {"async_scheduling": i % 2 == 0})
         if not run_trace(trace).ok:
             found.append(seed)
+            if len(found) == 10:  # caught: the other traces cannot change the verdict
+                break
     assert len(found) >= 10, found
 
 
