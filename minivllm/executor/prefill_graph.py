@@ -36,9 +36,9 @@ from minivllm.ops.dispatch import Ops
 from minivllm.ops.metadata import AttentionMetadata
 
 
-def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from 64 below the budget, and the budget itself."""
-    sizes = [1 << k for k in range(6, 32) if (1 << k) < max_num_batched_tokens]
+def default_prefill_buckets(max_num_batched_tokens: int, smallest: int = 64) -> list[int]:
+    """Powers of two from ``smallest`` below the budget, and the budget itself."""
+    sizes = [1 << k for k in range(32) if smallest <= (1 << k) < max_num_batched_tokens]
     return sizes + [max_num_batched_tokens]
 
 
@@ -87,6 +87,7 @@ class PrefillGraphRunner:
         self.hidden = torch.zeros(t, hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
+        self.replays_by_bucket = dict.fromkeys(self.buckets, 0)
         if capture:
             self._capture()
 
@@ -161,4 +162,5 @@ class PrefillGraphRunner:
         else:
             self._step(bucket)
         self.num_replays += 1
+        self.replays_by_bucket[bucket] += 1
         return self.hidden[:t]
