@@ -32,6 +32,9 @@ class InputsOnlyExecutor:
     def num_kv_blocks(self) -> int:
         return 100_000
 
+    def state_pool(self) -> tuple[int, int]:
+        return 0, 0
+
     def execute(self, plan: StepPlan) -> StepResult:
         prepare_inputs(plan)
         return StepResult({s: 7 for s, smp in zip(plan.seq_ids, plan.sample) if smp})

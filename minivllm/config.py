@@ -64,12 +64,17 @@ class CacheConfig:
         kv_cache_dtype: one of ``KV_CACHE_DTYPES``: the model's dtype, or e4m3 values with a
             per-tensor scale per layer, half the bytes of bf16, so twice the blocks in the
             same memory (vLLM's option of the same name).
+        state_snapshot_interval: hybrid models (recurrent state beside the KV cache): the
+            prefix cache keeps the state at every this-many-th full block boundary and at
+            a prompt's last full block, where a later hit may resume (``engine/state_cache.py``;
+            a state weighs much more than a block's K/V: docs/design.md, "Hybrid models").
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    state_snapshot_interval: int = 32
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -78,6 +83,7 @@ class CacheConfig:
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks, 1)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_int("state_snapshot_interval", self.state_snapshot_interval, 1)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

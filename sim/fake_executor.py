@@ -25,6 +25,16 @@ live tokens, the simulator's engine therefore makes the live engine's decisions
 step for step, whatever model, dtype or GPU produced them, without the model.
 The context is still read back through the block table and must be the recorded
 one, so paging bugs are caught as in the hash model.
+
+Hybrid mode (``state_slots`` > 0, a model with recurrent state beside its K/V): the
+executor also holds a state per slot and per snapshot, the running fold of the tokens
+fed (``fold_tokens``), and the model's next token is the hash model's over the context
+followed by that fold (``hybrid_view``). The plan says which slot each row's state is
+in, how it starts (as it is, reset, or copied from a snapshot) and where to copy it out
+(``StepPlan.state_*``); the fold is never recomputed from the context. A slot not
+reset, a stale or swapped slot, a snapshot restored from the wrong block or saved at
+the wrong token: each changes the fold, so the token, so the output the oracle (which
+folds the plain token list) predicts.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import xxhash
 
 from minivllm.engine.grammar import ALL_ALLOWED, allowed_tokens, bitmask_width
 from minivllm.engine.plan import StepPlan, StepResult
+from minivllm.engine.state_cache import STATE_CONTINUE, STATE_RESET
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.sampling import SamplingParams
 from minivllm.spec.base import DRAFT_ON_DEVICE
@@ -52,6 +63,28 @@ class Drafter(Protocol):
 # What a slot holds once the draft token written there was rejected: its K/V is garbage,
 # and a correct engine rewrites the slot before any step reads it.
 REJECTED = -2
+
+# The fake recurrent state: the zero state, and the fold's multiplier (FNV-1's prime) and mask.
+FOLD_EMPTY = 0x2A
+_FOLD_PRIME = 0x100000001B3
+_FOLD_MASK = (1 << 63) - 1
+
+
+def fold_tokens(fold: int, tokens: Sequence[int] | np.ndarray) -> int:
+    """The fake model's recurrent state after ``tokens``, from state ``fold``."""
+    for t in np.asarray(tokens, dtype=np.int64).tolist():
+        fold = ((fold ^ (t + 1)) * _FOLD_PRIME) & _FOLD_MASK
+    return fold
+
+
+def hybrid_view(context: Sequence[int] | np.ndarray, fold: int) -> np.ndarray:
+    """What the hybrid fake model hashes: ``context`` followed by its state ``fold``."""
+    return np.append(np.asarray(context, dtype=np.int64), np.int64(fold))
+
+
+def hybrid_context(context: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The oracle's view of ``context`` under the hybrid model: the fold of the plain list."""
+    return hybrid_view(context, fold_tokens(FOLD_EMPTY, context))
 
 
 def fake_next_token(context: Sequence[int] | np.ndarray, vocab_size: int) -> int:
@@ -147,11 +180,14 @@ class FakeExecutor:
         drafter: the draft model of plans whose drafts are made on the device
             (``StepPlan.drafts_on_device``): it guesses them within the step, from the
             context read back through the block table (``sim/fake_proposer.py``).
+        state_slots, state_snapshots: hybrid mode (module docstring): the states held for
+            running sequences and for prefix-cache snapshots (``state_pool``); 0 slots: none.
     """
 
     def __init__(self, vocab_size: int, block_size: int, num_blocks: int,
                  recorded: Mapping[str, Sequence[int]] | None = None,
-                 name_of: Callable[[int], str] | None = None, drafter: Drafter | None = None) -> None:
+                 name_of: Callable[[int], str] | None = None, drafter: Drafter | None = None,
+                 state_slots: int = 0, state_snapshots: int = 0) -> None:
         if vocab_size < 1 or block_size < 1 or num_blocks < 1:
             raise ValueError(
                 f"vocab_size, block_size and num_blocks must be >= 1, "
@@ -159,6 +195,11 @@ class FakeExecutor:
             )
         if (recorded is None) != (name_of is None):
             raise ValueError("recorded and name_of come together")
+        if state_slots < 0 or state_snapshots < 0 or (state_snapshots and not state_slots):
+            raise ValueError(f"state_slots and state_snapshots must be >= 0, snapshots only with slots; "
+                             f"got {state_slots}, {state_snapshots}")
+        if state_slots and recorded is not None:
+            raise ValueError("the recorded model has no recurrent state: a hybrid trace is hash-model only")
         self.recorded = recorded
         self.name_of = name_of
         self.drafter = drafter
@@ -173,10 +214,20 @@ class FakeExecutor:
         self._queue: list[_FakeStep] = []
         self._last_sampled: dict[int, int] = {}   # the last computed step's samples by sequence
         self._last_submitted: StepPlan | None = None
+        # Hybrid mode: the fold each slot and snapshot holds; garbage (never FOLD_EMPTY)
+        # until a plan resets or fills it.
+        self.slots = [1000 + i for i in range(state_slots)]
+        self.snapshots = [7000 + i for i in range(state_snapshots)]
+        # Per step being computed: row -> the fold after each of its fed tokens (index 0: before).
+        self._folds: dict[int, list[int]] = {}
 
     def num_kv_blocks(self) -> int:
         """The pool size given at construction."""
         return self.num_blocks
+
+    def state_pool(self) -> tuple[int, int]:
+        """The states given at construction: (slots, snapshots)."""
+        return len(self.slots), len(self.snapshots)
 
     def verifies_drafts(self, params: SamplingParams) -> bool:
         """Every row: the fake model is greedy (``_sample_rows``)."""
@@ -197,6 +248,9 @@ class FakeExecutor:
             raise PagingError("a plan asks for drafts made on the device, but this executor has no draft model")
         if not plan.drafts_on_device and (plan.token_ids == DRAFT_ON_DEVICE).any():
             raise PagingError("a plan holds draft placeholders, but does not ask for drafts made on the device")
+        if plan.num_seqs and bool(self.slots) != bool(len(plan.state_slots)):
+            raise PagingError("a plan without state slots for a hybrid model" if self.slots
+                              else "a plan with state slots for a model without recurrent state")
         inputs = prepare_inputs(plan)
         self._check_references(plan)
         for earlier in self._queue:
@@ -247,10 +301,57 @@ class FakeExecutor:
         if (ids == DRAFT_ON_DEVICE).any():
             raise PagingError("a draft placeholder is left where no draft was made")
         self._write(inputs.slot_mapping, ids)
+        if self.slots:
+            self._fold_rows(plan, inputs, ids)
         rows = np.flatnonzero(plan.sample)
         contexts = self._read(inputs.block_tables[rows], inputs.kv_lens[rows])
         result = self._sample_rows(plan, inputs, rows, contexts, bitmask)
+        if self.slots:
+            self._keep_states(plan, result)
         return dataclasses.replace(result, drafts=made) if made else result
+
+    def _fold_rows(self, plan: StepPlan, inputs: BatchInputs, ids: np.ndarray) -> None:
+        """Hybrid mode: start each row's slot as the plan says, fold its fed tokens from it (the
+        folds after each kept for the row's contexts), and save the snapshots it asks for."""
+        if len(set(plan.state_slots.tolist())) != plan.num_seqs:
+            raise PagingError(f"two rows of one step share a state slot: {plan.state_slots.tolist()}")
+        saves = plan.state_saves or ((),) * plan.num_seqs
+        self._folds = {}
+        for r in range(plan.num_seqs):
+            slot, init = int(plan.state_slots[r]), int(plan.state_init[r])
+            if not 0 <= slot < len(self.slots):
+                raise PagingError(f"state slot {slot} outside the pool of {len(self.slots)}")
+            if init == STATE_RESET:
+                self.slots[slot] = FOLD_EMPTY
+            elif 0 <= init < len(self.snapshots):
+                self.slots[slot] = self.snapshots[init]
+            elif init != STATE_CONTINUE:
+                raise PagingError(f"state init {init} is neither continue, reset nor one of "
+                                  f"{len(self.snapshots)} snapshots")
+            folds = [self.slots[slot]]
+            for t in ids[inputs.cu_seqlens_q[r]:inputs.cu_seqlens_q[r + 1]].tolist():
+                folds.append(((folds[-1] ^ (t + 1)) * _FOLD_PRIME) & _FOLD_MASK)  # fold_tokens, one at a time
+            self._folds[r] = folds
+            known = len(folds) - 1 - (int(plan.num_drafts[r]) if len(plan.num_drafts) else 0)
+            for offset, snap in saves[r]:
+                if not 1 <= offset <= known or not 0 <= snap < len(self.snapshots):
+                    raise PagingError(f"a snapshot saved into {snap} after {offset} of a row's {known} "
+                                      f"known fed tokens (snapshots: {len(self.snapshots)})")
+                self.snapshots[snap] = folds[offset]
+
+    def _keep_states(self, plan: StepPlan, result: StepResult) -> None:
+        """Each row's slot keeps the state after its kept tokens: all it fed, but a drafted
+        row's rejected drafts."""
+        for r, sid in enumerate(plan.seq_ids):
+            rejected = (int(plan.num_drafts[r]) if len(plan.num_drafts) else 0) - result.num_accepted.get(sid, 0)
+            self.slots[int(plan.state_slots[r])] = self._folds[r][len(self._folds[r]) - 1 - rejected]
+
+    def _view(self, plan: StepPlan, row: int, context: np.ndarray) -> np.ndarray:
+        """What the model hashes for a row's context: itself, or in hybrid mode followed by the
+        fold after it, from the row's state (never from the context)."""
+        if not self.slots:
+            return context
+        return hybrid_view(context, self._folds[row][len(context) - int(plan.start_positions[row])])
 
     def _make_drafts(self, plan: StepPlan, inputs: BatchInputs, ids: np.ndarray) -> dict[int, list[int]]:
         """The drafter's guesses for each drafted row, written over its placeholders in ``ids``:
@@ -285,10 +386,10 @@ class FakeExecutor:
 
             def pick(j: int, context: np.ndarray) -> int:
                 if not masked:
-                    return self._next_token(sid, context)
+                    return self._next_token(sid, self._view(plan, r, context))
                 assert bitmask is not None  # masked implies it
                 allowed = allowed_tokens(bitmask[offsets[i] + j], self.vocab_size)
-                return fake_masked_next_token(context, allowed, self.vocab_size)
+                return fake_masked_next_token(self._view(plan, r, context), allowed, self.vocab_size)
             first = len(ctx) - d  # ctx[:first + j]: the context that predicts draft j
             ctxs = [ctx[:first + j] for j in range(d + 1)]
             a = 0
@@ -302,7 +403,7 @@ class FakeExecutor:
             sampled[sid] = run[-1]
             k = plan.sampling_params[r].logprobs
             if k is not None:
-                logprobs[sid] = _fake_token_logprobs(ctxs, run, k, self.vocab_size)
+                logprobs[sid] = _fake_token_logprobs([self._view(plan, r, c) for c in ctxs], run, k, self.vocab_size)
         self._last_sampled = sampled
         self.num_steps += 1
         return StepResult(sampled=sampled, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(plan, inputs),
@@ -323,7 +424,7 @@ class FakeExecutor:
         rec = self.recorded.get(self._names[seq_id]) if self.recorded is not None else None
         if rec is not None and len(context) < len(rec) and list(rec[:len(context)]) == context:
             return int(rec[len(context)])
-        return fake_next_token(context, self.vocab_size)
+        return fake_next_token(hybrid_context(context) if self.slots else context, self.vocab_size)
 
     def _next_token(self, seq_id: int, context: np.ndarray) -> int:
         if self.recorded is None:
@@ -339,7 +440,7 @@ class FakeExecutor:
                 continue
             start = int(plan.start_positions[r])
             (full,) = self._read(inputs.block_tables[r:r + 1], inputs.kv_lens[r:r + 1])
-            contexts = [full[:start + i + 1] for i in range(len(targets))]
+            contexts = [self._view(plan, r, full[:start + i + 1]) for i in range(len(targets))]
             k = plan.sampling_params[r].prompt_logprobs
             out[plan.seq_ids[r]] = _fake_token_logprobs(contexts, targets.tolist(), k, self.vocab_size)
         return out

@@ -14,7 +14,9 @@ import numpy as np
 
 from minivllm.engine.grammar import GrammarBackend, allowed_tokens, bitmask_width
 from minivllm.sampling import SamplingParams, eos_token_set
-from sim.fake_executor import fake_logprob, fake_masked_next_token, fake_next_token, fake_top_logprobs
+from sim.fake_executor import (
+    fake_logprob, fake_masked_next_token, fake_next_token, fake_top_logprobs, hybrid_context,
+)
 
 # The fake tokenizer: token t reads as one character, FAKE_ALPHABET[t % 10], so short
 # stop strings over this alphabet end requests often enough to matter.
@@ -60,13 +62,14 @@ def fake_logprobs_dict(context: Sequence[int], token: int, k: int, vocab_size: i
     return d
 
 
-def _with_logprobs(e: Expected, prompt: list[int], params: SamplingParams, vocab_size: int) -> Expected:
+def _with_logprobs(e: Expected, prompt: list[int], params: SamplingParams, vocab_size: int,
+                   view: Callable[[list[int]], Sequence[int]]) -> Expected:
     lp = plp = None
     if params.logprobs is not None:
-        lp = tuple(fake_logprobs_dict(prompt + list(e.token_ids[:i]), t, params.logprobs, vocab_size)
+        lp = tuple(fake_logprobs_dict(view(prompt + list(e.token_ids[:i])), t, params.logprobs, vocab_size)
                    for i, t in enumerate(e.token_ids))
     if params.prompt_logprobs is not None:
-        plp = (None,) + tuple(fake_logprobs_dict(prompt[:j], prompt[j], params.prompt_logprobs, vocab_size)
+        plp = (None,) + tuple(fake_logprobs_dict(view(prompt[:j]), prompt[j], params.prompt_logprobs, vocab_size)
                               for j in range(1, len(prompt)))
     return Expected(e.token_ids, e.finish_reason, e.text, lp, plp)
 
@@ -86,6 +89,7 @@ def oracle_generate(
     vocab_size: int,
     next_token: Callable[[list[int]], int] | None = None,
     grammar_backend: GrammarBackend | None = None,
+    hybrid: bool = False,
 ) -> Expected:
     """Generate the completion the fake model gives an unpaged, unbatched request.
 
@@ -94,7 +98,9 @@ def oracle_generate(
     A request with ``structured_outputs`` samples under its grammar's mask from
     ``grammar_backend`` (``fake_masked_next_token``), position by position; so does
     a position under a token rule (``bad_words_token_ids``: every one; ``min_tokens``:
-    the first ``min_tokens``), over the tokens the rule leaves.
+    the first ``min_tokens``), over the tokens the rule leaves. With ``hybrid`` the model
+    is the hybrid fake model's: every context is seen followed by its fold
+    (``sim.fake_executor.hybrid_context``).
 
     Stops at the first of: eos (unless ``ignore_eos``), a stop token, a stop
     string in the (fake) text (not one that ends within the first ``min_tokens``
@@ -108,19 +114,21 @@ def oracle_generate(
         ValueError: empty prompt, or a prompt already at ``max_model_len`` (no
             room for one completion token).
     """
+    view: Callable[[list[int]], Sequence[int]] = hybrid_context if hybrid else (lambda context: context)
     if next_token is None:
-        next_token = lambda context: fake_next_token(context, vocab_size)  # noqa: E731
+        next_token = lambda context: fake_next_token(view(context), vocab_size)  # noqa: E731
     if params.structured_outputs is not None or params.min_tokens or params.bad_words_token_ids:
         if params.structured_outputs is not None and grammar_backend is None:
             raise ValueError("a request with structured_outputs needs a grammar backend")
         next_token = _masked_model(grammar_backend, params, vocab_size, len(prompt_token_ids),
-                                   eos_token_set(eos_token_id), next_token)
+                                   eos_token_set(eos_token_id), next_token, view)
     e = _generate(list(prompt_token_ids), params, eos_token_id, max_model_len, next_token)
-    return _with_logprobs(e, list(prompt_token_ids), params, vocab_size)
+    return _with_logprobs(e, list(prompt_token_ids), params, vocab_size, view)
 
 
 def _masked_model(backend: GrammarBackend | None, params: SamplingParams, vocab_size: int, num_prompt: int,
-                  eos: frozenset[int], unmasked: Callable[[list[int]], int]) -> Callable[[list[int]], int]:
+                  eos: frozenset[int], unmasked: Callable[[list[int]], int],
+                  view: Callable[[list[int]], Sequence[int]]) -> Callable[[list[int]], int]:
     """The fake model under the request's grammar and token rules: mask, pick, advance the
     matcher; ``unmasked`` at a position neither masks."""
     matcher = backend.matcher(params.structured_outputs) if params.structured_outputs is not None else None
@@ -143,7 +151,7 @@ def _masked_model(backend: GrammarBackend | None, params: SamplingParams, vocab_
             if len(out) >= k and out[len(out) - k:] == list(word[:-1]):
                 banned.add(word[-1])
         left = allowed[~np.isin(allowed, list(banned))]
-        token = fake_masked_next_token(context, left if len(left) else allowed, vocab_size)
+        token = fake_masked_next_token(view(context), left if len(left) else allowed, vocab_size)
         assert matcher is None or matcher.accept_token(token)
         return token
     return next_token

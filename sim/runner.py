@@ -189,7 +189,9 @@ class _Run:
         proposer = make_proposer(trace.speculative, trace.vocab_size, self.true_next)
         executor = FakeExecutor(trace.vocab_size, trace.cache.block_size, trace.executor_num_blocks,
                                 self.live_tokens, self.sequence_name if self.live_tokens is not None else None,
-                                drafter=proposer if proposer is not None and proposer.on_device else None)
+                                drafter=proposer if proposer is not None and proposer.on_device else None,
+                                state_slots=trace.executor_state_slots,
+                                state_snapshots=trace.executor_state_snapshots)
         self.grammars = grammar_backend or FakeGrammarBackend(trace.vocab_size, trace.eos_token_id)
         self.engine = LLMEngine(trace.scheduler, trace.cache, executor, eos_token_id=trace.eos_token_id,
                                 text_streams=FakeTextStream, grammar_backend=self.grammars, proposer=proposer)
@@ -292,7 +294,7 @@ class _Run:
                 next_token = lambda context: recorded_next_token(context, live, t.vocab_size)  # noqa: E731
             self.expected[key] = oracle_generate(ev.prompt_token_ids, ev.sampling, t.eos_token_id,
                                                  t.scheduler.max_model_len, t.vocab_size, next_token,
-                                                 self.grammars)
+                                                 self.grammars, hybrid=t.executor_state_slots > 0)
         return self.expected[key]
 
     def check_stream(self, step: int, out: RequestOutput, seen: set[str]) -> None:

@@ -32,7 +32,7 @@ __all__ = ["AbortEvent", "AddEvent", "ExpectEvent", "InputEvent", "OVERRIDE_KEYS
 
 _CACHE_KEYS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_TOP_KEYS = {"vocab_size", "eos_token_id", "executor_num_blocks", "speculative"}
+_TOP_KEYS = {"vocab_size", "eos_token_id", "executor_num_blocks", "speculative", "hybrid"}
 OVERRIDE_KEYS: frozenset[str] = frozenset(_CACHE_KEYS | _SCHED_KEYS | _TOP_KEYS)
 
 
@@ -143,6 +143,8 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
     c = _draw_config(rng, ov)
     # Its own stream, so a seed draws the same requests in either mode.
     c.setdefault("async_scheduling", random.Random(f"async-{seed}").random() < 0.5)
+    # Hybrid models' snapshots at every 1st..4th block boundary (and a prompt's last full block).
+    c.setdefault("state_snapshot_interval", random.Random(f"interval-{seed}").choice([1, 1, 2, 3, 4]))
     cache = CacheConfig.from_dict({k: c[k] for k in _CACHE_KEYS if k in c})  # the rest: defaults
     sched = SchedulerConfig.from_dict({k: c[k] for k in _SCHED_KEYS})
     num_blocks = cache.num_blocks if cache.num_blocks is not None else c["executor_num_blocks"]
@@ -160,7 +162,22 @@ def generate_trace(seed: int, overrides: Mapping[str, Any] | None = None) -> Tra
         seed=seed, cache=cache, scheduler=sched, executor_num_blocks=c["executor_num_blocks"],
         vocab_size=c["vocab_size"], eos_token_id=c["eos_token_id"], events=tuple(e for _, e in events),
         speculative=_draw_speculative(random.Random(f"speculative-{seed}"), ov),
+        **_draw_state(random.Random(f"state-{seed}"), ov, sched.max_num_seqs),
     )
+
+
+def _draw_state(rng: random.Random, ov: Mapping[str, Any], max_num_seqs: int) -> dict[str, int]:
+    """A hybrid model (recurrent state beside the KV cache) for a quarter of the traces, or
+    for every one with the override ``hybrid: true`` (its own stream: every other draw is as it
+    was): state slots from 1 (admission waits for a slot) to more than seats, snapshots from
+    none (hits never resume) to plenty (eviction binds them to blocks)."""
+    hybrid = ov.get("hybrid")
+    if hybrid is False or hybrid is None and rng.random() >= 0.25:
+        return {}
+    u = rng.random()
+    slots = rng.randint(1, max_num_seqs) if u < 0.3 else max_num_seqs + rng.randint(0, 2)
+    snapshots = rng.choice([0, rng.randint(1, 4), rng.randint(4, 48), rng.randint(4, 48)])
+    return {"executor_state_slots": slots, "executor_state_snapshots": snapshots}
 
 
 def _draw_speculative(rng: random.Random, ov: Mapping[str, Any]) -> dict[str, Any] | None:

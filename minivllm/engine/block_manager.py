@@ -11,6 +11,10 @@ hands it out again (least recently freed first), so a prefix is reused across
 requests, not only between sequences alive at the same time. A block that is
 hit is full and already computed, so a shared block (ref > 1) is never written.
 
+Hybrid models (``state``, ``engine/state_cache.py``): a running sequence also holds a
+state slot, and a hit resumes only from a block whose end has a state snapshot (the
+deepest such one), which is evicted with its block's hash.
+
 No tensor lives here; the executor owns the K/V values, addressed by
 ``slot = block_id * block_size + offset``.
 """
@@ -24,6 +28,7 @@ import xxhash
 
 from minivllm.config import cdiv
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.state_cache import StateCache
 
 
 class InvariantError(AssertionError):
@@ -39,8 +44,10 @@ def chain_hash(parent: int, block_tokens: list[int]) -> int:
 class BlockManager:
     """Allocates blocks to sequences and serves prefix-cache hits."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 state: StateCache | None = None) -> None:
         self.num_blocks = num_blocks
+        self.state = state
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts: list[int] = [0] * num_blocks
@@ -74,11 +81,14 @@ class BlockManager:
         if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         hit: list[int] = []
-        for h in self._full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        hashes = self._full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        for h in hashes:
             block = self.hash_to_block.get(h)
             if block is None:
                 break
             hit.append(block)
+        if self.state is not None:  # a hybrid model resumes only where its state was kept
+            del hit[self.state.deepest(hashes[:len(hit)]):]
         return hit
 
     def register_computed_blocks(self, seq: Sequence, num_done_tokens: int) -> None:
@@ -100,6 +110,8 @@ class BlockManager:
                 self.hash_to_block[hashes[i]] = block
                 self.block_hash[block] = hashes[i]
         seq.num_registered_blocks = num_full
+        if self.state is not None and seq.pending_snapshots:
+            self.state.bind(seq, hashes, num_full)
 
     # ---- allocation ---------------------------------------------------------
 
@@ -109,6 +121,8 @@ class BlockManager:
         if old is not None:  # evict: its contents are about to be overwritten
             del self.hash_to_block[old]
             self.block_hash[block] = None
+            if self.state is not None:
+                self.state.drop(old)
         self.ref_counts[block] = 1
         return block
 
@@ -118,9 +132,16 @@ class BlockManager:
         revived = sum(1 for b in hit if self.ref_counts[b] == 0)
         return fresh + revived
 
+    def has_state_slot(self) -> bool:
+        """Whether a sequence may be admitted as far as state goes (a free slot, or no state)."""
+        return self.state is None or self.state.num_free_slots > 0
+
     def allocate(self, seq: Sequence, hit: list[int], num_new_tokens: int) -> None:
-        """Give a waiting ``seq`` the hit blocks plus fresh ones for ``num_new_tokens``."""
+        """Give a waiting ``seq`` the hit blocks plus fresh ones for ``num_new_tokens`` (and, for
+        a hybrid model, a slot starting from the hit's snapshot or from the zero state)."""
         assert not seq.block_table, "allocate() is for sequences holding no blocks"
+        if self.state is not None:
+            self.state.take_slot(seq, self.state.snapshot_of[seq.block_hashes[len(hit) - 1]] if hit else None)
         for block in hit:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
@@ -165,6 +186,8 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
+        if self.state is not None:
+            self.state.release(seq)
 
     # ---- invariants ---------------------------------------------------------
 
@@ -206,3 +229,9 @@ class BlockManager:
                     raise InvariantError(f"{seq}: partially filled block {block} is shared or hashed")
         if not self.enable_prefix_caching and self.hash_to_block:
             raise InvariantError("blocks carry hashes with prefix caching off")
+        if self.state is not None:
+            errors = self.state.check(live, set(self.hash_to_block))
+            if errors:
+                raise InvariantError("; ".join(errors))
+        elif any(s.state_slot is not None or s.pending_snapshots for s in live):
+            raise InvariantError("a sequence holds a state slot or snapshot, but the model has no state")

@@ -39,6 +39,7 @@ from minivllm.engine.observer import EngineObserver
 from minivllm.engine.plan import StepPlan, StepResult
 from minivllm.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.state_cache import STATE_CONTINUE, StateCache
 from minivllm.engine.token_rules import ban, banned_tokens, masks_position
 from minivllm.executor.base import Executor, StepHandle
 from minivllm.outputs import FinishReason, RequestOutput, StopReason
@@ -183,7 +184,10 @@ class LLMEngine:
         self._eos = eos_token_set(eos_token_id)
         self.text_streams = text_streams
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks)
+        num_slots, num_snapshots = executor.state_pool()
+        state = (StateCache(num_slots, num_snapshots, cache_config.state_snapshot_interval)
+                 if num_slots else None)
+        self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, state)
         self.requests: dict[str, Sequence] = {}   # unfinished sequences by name
         self._members: dict[str, list[str]] = {}  # unfinished request id -> its sequences' names
         self._unspawned: dict[str, Sequence] = {}  # n > 1, the others not created yet: id -> first
@@ -595,6 +599,10 @@ class LLMEngine:
         histories: list[TokenHistory | None] | None = None
         targets: list[np.ndarray | None] | None = None
         drafts: list[int] | None = None
+        state = self.scheduler.block_manager.state
+        slots: list[int] | None = [] if state is not None else None
+        inits: list[int] | None = [] if state is not None else None
+        saves: list[tuple[tuple[int, int], ...]] | None = [] if state is not None else None
         for i, c in enumerate(out.scheduled):
             seq, start, end = c.seq, c.start, c.end
             known = seq.token_ids
@@ -626,6 +634,12 @@ class LLMEngine:
                 # Position j predicts token j + 1: the targets are the prompt tokens after the chunk's positions.
                 targets = targets or [None] * len(out.scheduled)
                 targets[i] = np.array(known[start + 1:min(end + 1, seq.num_prompt_tokens)], dtype=np.int64)
+            if state is not None:
+                assert slots is not None and inits is not None and saves is not None and seq.state_slot is not None
+                slots.append(seq.state_slot)
+                inits.append(seq.state_init)
+                seq.state_init = STATE_CONTINUE
+                saves.append(self._snapshot_saves(state, seq, start, end))
         return StepPlan.build(
             seq_ids=seq_ids,
             token_chunks=chunks,
@@ -640,7 +654,25 @@ class LLMEngine:
             masked=masked,
             num_drafts=drafts,
             drafts_on_device=self.proposer is not None and self.proposer.on_device,
+            state_slots=slots,
+            state_init=inits,
+            state_saves=saves,
         )
+
+    def _snapshot_saves(self, state: StateCache, seq: Sequence, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The (offset, snapshot id) pairs of a hybrid row's chunk over positions [start, end):
+        the block boundaries in it that the rule keeps (``StateCache.boundaries``), while
+        snapshots are free; none without prefix caching. A drafted row's chunk ends after its
+        last known token here (``end``): a boundary among its drafts may hold a rejected one."""
+        if not self.cache_config.enable_prefix_caching:
+            return ()
+        bs = self.cache_config.block_size
+        saves = []
+        for blocks in state.boundaries(seq, start, end, bs):
+            snap = state.reserve(seq, blocks)
+            if snap is not None:
+                saves.append((blocks * bs - start, snap))
+        return tuple(saves)
 
     @staticmethod
     def _check_result(out: SchedulerOutput, result: StepResult) -> None:
@@ -854,7 +886,7 @@ class LLMEngine:
             raise InvariantError(f"queues {sorted(queued)} differ from unfinished {sorted(self.requests)}")
         for s in waiting:
             if (s.status is not SequenceStatus.WAITING or s.block_table or s.num_computed_tokens
-                    or s.num_pending_tokens):
+                    or s.num_pending_tokens or s.state_slot is not None or s.pending_snapshots):
                 raise InvariantError(f"{s}: a waiting (or preempted) sequence is not bare")
         for s in running:
             if s.status is not SequenceStatus.RUNNING or s.num_uncomputed_tokens + len(s.drafts) < 1:

@@ -46,6 +46,17 @@ Layout of a plan with B scheduled sequences and T = sum(query_lens) tokens::
                            draft model, ``spec/base.py``): in ``token_ids`` they are
                            ``DRAFT_ON_DEVICE`` placeholders, and ``StepResult.drafts``
                            returns them
+    state_slots      (B,)  (or () for a model without recurrent state) hybrid models: the
+                           state slot of each row (``engine/state_cache.py``), which holds
+                           the state after the row's first ``start_positions`` tokens and
+                           is left holding the state after its computed ones (a drafted
+                           row: its last token and the accepted drafts)
+    state_init       (B,)  (with state_slots) how the row's slot starts the step:
+                           ``STATE_CONTINUE`` (as it is), ``STATE_RESET`` (the zero
+                           state), or a snapshot id >= 0 to copy in first (a prefix hit)
+    state_saves      B entries (or () when no row saves one): (offset, snapshot id)
+                           pairs: after the row's first ``offset`` fed tokens, copy its
+                           state into that snapshot (a block boundary of the prefix cache)
 """
 
 from __future__ import annotations
@@ -94,6 +105,11 @@ class StepPlan:
     # int32 (B,), or () when no row has any: the draft tokens ending the row's chunk.
     num_drafts: np.ndarray | tuple[()] = ()
     drafts_on_device: bool = False
+    # int32 (B,) each, or () for a model without recurrent state: state slots and their start.
+    state_slots: np.ndarray | tuple[()] = ()
+    state_init: np.ndarray | tuple[()] = ()
+    # Per sequence (or () when none): (offset, snapshot id) pairs to save after.
+    state_saves: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @staticmethod
     def build(
@@ -110,6 +126,9 @@ class StepPlan:
         masked: list[bool] | None = None,
         num_drafts: list[int] | None = None,
         drafts_on_device: bool = False,
+        state_slots: list[int] | None = None,
+        state_init: list[int] | None = None,
+        state_saves: list[tuple[tuple[int, int], ...]] | None = None,
     ) -> "StepPlan":
         """Assemble a plan from per-sequence lists (one concatenation, no per-token loop).
 
@@ -137,6 +156,9 @@ class StepPlan:
             num_drafts=(_frozen(np.asarray(num_drafts, dtype=np.int32)) if num_drafts is not None
                         and any(num_drafts) else ()),
             drafts_on_device=drafts_on_device and num_drafts is not None and any(num_drafts),
+            state_slots=_frozen(np.asarray(state_slots, dtype=np.int32)) if state_slots is not None else (),
+            state_init=_frozen(np.asarray(state_init, dtype=np.int32)) if state_init is not None else (),
+            state_saves=tuple(state_saves) if state_saves is not None and any(state_saves) else (),
         )
 
     @property

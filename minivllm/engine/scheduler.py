@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus, is_decode_chunk
+from minivllm.engine.state_cache import StateCache
 
 
 @dataclass(slots=True)
@@ -87,10 +88,10 @@ class Scheduler:
     """Owns the queues and the block manager; decides each step's batch."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int, state: StateCache | None = None) -> None:
         self.config = scheduler_config
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
-                                          cache_config.enable_prefix_caching)
+                                          cache_config.enable_prefix_caching, state)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -215,7 +216,7 @@ class Scheduler:
             hit = bm.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(hit) * bm.block_size
             n = self._num_new_tokens(remaining, out.budget)
-            if n == 0 or bm.admission_cost(seq, hit, n) > bm.num_free_blocks:
+            if n == 0 or bm.admission_cost(seq, hit, n) > bm.num_free_blocks or not bm.has_state_slot():
                 break
             self.waiting.popleft()
             bm.allocate(seq, hit, n)

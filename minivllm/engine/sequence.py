@@ -114,6 +114,13 @@ class Sequence:
         self.drafts: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Hybrid models (``engine/state_cache.py``): the state slot it holds while running, how
+        # its next chunk starts from it (``STATE_*`` or a snapshot id), and the snapshots
+        # reserved for its block boundaries that a step in flight is writing (full blocks ->
+        # snapshot id).
+        self.state_slot: int | None = None
+        self.state_init = -1  # STATE_CONTINUE
+        self.pending_snapshots: dict[int, int] = {}
 
     @property
     def reads_prefix_cache(self) -> bool:

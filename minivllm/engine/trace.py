@@ -10,7 +10,8 @@ On disk a trace is JSONL (``docs/design.md``, "The simulator")::
 Input events of step k are applied, in file order, just before the k-th call of
 ``LLMEngine.step()`` (counting from 0); an expect line describes that call's
 decisions. ``config`` may also hold ``"executor": {"num_blocks": N}``, the fake
-executor's pool, which the engine adopts when ``cache.num_blocks`` is null.
+executor's pool, which the engine adopts when ``cache.num_blocks`` is null, and for a
+hybrid model ``"state_slots"`` and ``"state_snapshots"``, its recurrent states.
 
 The format belongs to the engine, not to the simulator: ``TraceRecorder`` (an
 ``EngineObserver``, ``minivllm.engine.observer``) writes live traffic in it, and the
@@ -131,6 +132,9 @@ class Trace:
         speculative: the proposer's config (``config.speculative`` in the file), or None:
             a ``SpeculativeConfig`` as a dict, or one the simulator reads itself
             (``sim.fake_proposer``).
+        executor_state_slots, executor_state_snapshots: a hybrid model's recurrent states
+            (``Executor.state_pool``; ``config.executor`` in the file): 0 slots for a model
+            without state.
     """
 
     seed: int
@@ -144,6 +148,8 @@ class Trace:
     description: str | None = None
     fake_model: FakeModel = "hash"
     speculative: Mapping[str, Any] | None = None
+    executor_state_slots: int = 0
+    executor_state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         if self.fake_model not in get_args(FakeModel):
@@ -173,8 +179,13 @@ class Trace:
             "cache": dataclasses.asdict(self.cache),
             "scheduler": dataclasses.asdict(self.scheduler),
         }
+        executor: dict[str, int] = {}
         if self.cache.num_blocks is None or self.executor_num_blocks != self.cache.num_blocks:
-            config["executor"] = {"num_blocks": self.executor_num_blocks}
+            executor["num_blocks"] = self.executor_num_blocks
+        if self.executor_state_slots:
+            executor.update(state_slots=self.executor_state_slots, state_snapshots=self.executor_state_snapshots)
+        if executor:
+            config["executor"] = executor
         if self.speculative is not None:
             config["speculative"] = dict(self.speculative)
         head: dict[str, Any] = {
@@ -276,7 +287,7 @@ def trace_from_lines(lines: list[dict[str, Any]], source: str = "<trace>") -> Tr
     _check_keys(config, {"cache", "scheduler"}, {"executor", "speculative"}, f"{source}:1 config")
     cache = CacheConfig.from_dict(config["cache"])
     executor = config.get("executor", {})
-    _check_keys(executor, set(), {"num_blocks"}, f"{source}:1 config.executor")
+    _check_keys(executor, set(), {"num_blocks", "state_slots", "state_snapshots"}, f"{source}:1 config.executor")
     exec_blocks = executor.get("num_blocks", cache.num_blocks)
     if exec_blocks is None:
         raise ValueError(f"{source}:1: cache.num_blocks is null and config.executor.num_blocks is missing")
@@ -290,7 +301,8 @@ def trace_from_lines(lines: list[dict[str, Any]], source: str = "<trace>") -> Tr
         executor_num_blocks=int(exec_blocks), vocab_size=int(head["vocab_size"]),
         eos_token_id=head["eos_token_id"], events=tuple(events), expects=tuple(expects),
         description=head.get("description"), fake_model=head.get("fake_model", "hash"),
-        speculative=config.get("speculative"),
+        speculative=config.get("speculative"), executor_state_slots=int(executor.get("state_slots", 0)),
+        executor_state_snapshots=int(executor.get("state_snapshots", 0)),
     )
 
 
@@ -369,10 +381,13 @@ class TraceRecorder:
     def _header(self, engine: LLMEngine) -> dict[str, Any]:
         assert engine.vocab_size is not None
         cache = dataclasses.replace(engine.cache_config, num_blocks=engine.num_blocks)
+        state = engine.scheduler.block_manager.state
+        slots, snapshots = (state.num_slots, state.num_snapshots) if state is not None else (0, 0)
         return Trace(seed=self._seed, cache=cache, scheduler=engine.scheduler_config,
                      executor_num_blocks=engine.num_blocks, vocab_size=engine.vocab_size,
                      eos_token_id=engine.eos_token_id, events=(), fake_model="recorded",
-                     speculative=engine.proposer.config() if engine.proposer is not None else None).header()
+                     speculative=engine.proposer.config() if engine.proposer is not None else None,
+                     executor_state_slots=slots, executor_state_snapshots=snapshots).header()
 
     def on_add_request(self, engine: LLMEngine, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> None:

@@ -47,6 +47,11 @@ class Executor(Protocol):
         """How many KV blocks of the engine's block size the executor holds."""
         ...
 
+    def state_pool(self) -> tuple[int, int]:
+        """How many recurrent states the executor holds for running sequences and for prefix-cache
+        snapshots (hybrid models, ``engine/state_cache.py``); (0, 0) for a model without state."""
+        ...
+
     def submit(self, plan: StepPlan) -> StepHandle:
         """Start the step (write the plan's K/V, run the model, sample) without waiting for it."""
         ...

@@ -307,6 +307,10 @@ class TPExecutor:
         """The pool every rank holds (the minimum over ranks)."""
         return self.local.num_kv_blocks()
 
+    def state_pool(self) -> tuple[int, int]:
+        """The recurrent states every rank holds (rank 0's: the ranks size them alike)."""
+        return self.local.state_pool()
+
     def verifies_drafts(self, params: SamplingParams) -> bool:
         """As one rank's executor: every rank scores the same drafts over the gathered logits."""
         return self.local.verifies_drafts(params)

@@ -511,6 +511,10 @@ class ModelExecutor:
         """The size of the block pool."""
         return self.num_blocks
 
+    def state_pool(self) -> tuple[int, int]:
+        """No recurrent state: the models served here are attention-only."""
+        return 0, 0
+
     def execute(self, plan: StepPlan) -> StepResult:
         """``submit(plan).result()``."""
         return self.submit(plan).result()

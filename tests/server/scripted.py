@@ -74,6 +74,9 @@ class ScriptedExecutor:
     def num_kv_blocks(self) -> int:
         return self.num_blocks
 
+    def state_pool(self) -> tuple[int, int]:
+        return 0, 0
+
     def run(self, plan: StepPlan, bitmask: np.ndarray | None) -> StepResult:
         sampled, offset, sampling_row = {}, 0, 0
         for row, seq_id in enumerate(plan.seq_ids):

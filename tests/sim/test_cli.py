@@ -62,7 +62,7 @@ def test_cli_run_ok(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_run_saves_failing_trace_and_exits_1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    def wrong_oracle(*args: object) -> Expected:
+    def wrong_oracle(*args: object, **kwargs: object) -> Expected:
         return Expected((), "stop")
 
     monkeypatch.setattr(sim.runner, "oracle_generate", wrong_oracle)
