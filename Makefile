@@ -58,8 +58,11 @@ test: $(VENV)/.full
 	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --skip-covered --fail-under=90
 	$(BIN)/python -m pytest -n 3 --dist worksteal -q tests $(addprefix --ignore=,$(ENGINE_TESTS))
 
+# 10,000 random traces (a quarter of them hybrid models, 40% with drafts), then 10,000
+# traces of hybrid models (recurrent state slots and snapshots beside the KV cache).
 sim: $(VENV)/.core
 	$(BIN)/python -m sim run --traces 10000 --seed 0
+	$(BIN)/python -m sim run --traces 10000 --seed 1 --config hybrid=true
 
 demo: $(VENV)/.full
 	$(BIN)/python -m minivllm generate --model fixtures/tiny-qwen3 --temperature 0 --max-tokens 8 \
