@@ -283,13 +283,32 @@ def cdiv(a: int, b: int) -> int:
 
 # The model classes there are (``minivllm/model/registry.py`` maps each name to its class).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM",
-                                             "LlamaForCausalLM")
+                                             "LlamaForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                                             "Qwen3_5ForConditionalGeneration",
+                                             "Qwen3_5MoeForConditionalGeneration")
+# Hybrid architectures: Gated DeltaNet (linear attention) layers beside gated full attention.
+HYBRID_ARCHITECTURES: tuple[str, ...] = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                                          "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+# Architectures with a sparse MLP (the routed experts of ``layers/moe.py``).
+MOE_ARCHITECTURES: tuple[str, ...] = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
+                                       "Qwen3_5MoeForConditionalGeneration")
+# The vision-language checkpoints whose config.json keeps the text model under ``text_config``.
+NESTED_TEXT_ARCHITECTURES: tuple[str, ...] = ("Qwen3_5ForConditionalGeneration",
+                                               "Qwen3_5MoeForConditionalGeneration")
+# ``layer_types`` values: what mixes the tokens of a layer.
+LayerKind = Literal["full_attention", "linear_attention"]
+LAYER_KINDS: tuple[str, ...] = ("full_attention", "linear_attention")
 # RoPE types we implement (``rope_type`` in config.json; "default" is plain RoPE).
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 # Hugging Face's theta when config.json names none.
 HF_DEFAULT_ROPE_THETA = 10_000.0
 # Keys a RoPE dict may hold (both spellings); the scaling ones only with a scaled type.
 _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+# The multimodal RoPE's keys (Qwen3.5): a text token has one position in all three sections, so
+# the sections select the same frequencies and the rotation is plain RoPE of that position.
+_MROPE_KEYS = frozenset({"mrope_section", "mrope_interleaved"})
+# Qwen3.5's partial_rotary_factor when config.json gives none (transformers' default for it).
+QWEN3_5_PARTIAL_ROTARY_FACTOR = 0.25
 _LLAMA3_KEYS = frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
 
 
@@ -353,6 +372,20 @@ class ModelConfig:
             (``is_sparse_layer``); the others have the dense MLP of ``intermediate_size``.
         quantization: the checkpoint's FP8 format (``quantization_config``, Qwen3-FP8's
             128x128 block scales), or None: 16-bit weights.
+        layer_types: hybrid models: each layer's token mixer, ``"full_attention"`` or
+            ``"linear_attention"`` (Gated DeltaNet); ``()``: every layer full attention.
+        linear_conv_kernel_dim: the DeltaNet's causal depthwise conv width K (its conv state
+            keeps the last K - 1 inputs).
+        linear_key_head_dim, linear_value_head_dim: DeltaNet q/k and v head sizes.
+        linear_num_key_heads, linear_num_value_heads: DeltaNet q/k heads and v heads; each q/k
+            head serves ``linear_num_value_heads // linear_num_key_heads`` consecutive v heads.
+        partial_rotary_factor: the share of ``head_dim`` that RoPE rotates (the leading dims).
+        attn_output_gate: q_proj also yields a per-head gate; sigmoid(gate) scales the
+            attention output before o_proj (Qwen3.5).
+        shared_expert_intermediate_size: a sparse layer's shared expert (always on, scaled by a
+            per-token sigmoid gate); 0: none.
+        mtp_num_hidden_layers, mtp_use_dedicated_embeddings: the multi-token-prediction head's
+            shape, read and kept; the engine does not run it yet (its weights are skipped).
     """
 
     vocab_size: int
@@ -381,6 +414,17 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     quantization: Fp8Config | None = None
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    shared_expert_intermediate_size: int = 0
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -409,13 +453,20 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
             )
         self._check_experts()
+        self._check_hybrid()
 
     def _check_experts(self) -> None:
         _check_int("num_experts", self.num_experts, 0)
+        _check_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, 0)
+        if self.shared_expert_intermediate_size and self.architecture not in HYBRID_ARCHITECTURES:
+            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}: "
+                             f"{self.architecture} has no shared expert")
         if self.num_experts == 0:
+            if self.shared_expert_intermediate_size:
+                raise ValueError("shared_expert_intermediate_size is set without experts (num_experts=0)")
             return
-        if self.architecture != "Qwen3MoeForCausalLM":
-            raise ValueError(f"num_experts={self.num_experts}: only Qwen3MoeForCausalLM has experts")
+        if self.architecture not in MOE_ARCHITECTURES:
+            raise ValueError(f"num_experts={self.num_experts}: only {MOE_ARCHITECTURES} have experts")
         _check_int("num_experts_per_tok", self.num_experts_per_tok, 1)
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
@@ -428,6 +479,86 @@ class ModelConfig:
                 for i in self.mlp_only_layers):
             raise ValueError(f"mlp_only_layers must be a tuple of layer indices in [0, {self.num_hidden_layers}), "
                              f"got {self.mlp_only_layers!r}")
+
+    def _check_hybrid(self) -> None:
+        """The hybrid fields: layer kinds, the DeltaNet shapes, partial RoPE, the output gate."""
+        hybrid = self.architecture in HYBRID_ARCHITECTURES
+        if not isinstance(self.layer_types, tuple) or len(self.layer_types) not in (0, self.num_hidden_layers):
+            raise ValueError(f"layer_types must be a tuple of {self.num_hidden_layers} layer kinds (or empty), "
+                             f"got {self.layer_types!r}")
+        unknown = sorted({k for k in self.layer_types if k not in LAYER_KINDS}, key=str)
+        if unknown:
+            raise ValueError(f"layer_types has unsupported kind(s) {unknown}; supported: {LAYER_KINDS}")
+        if self.num_linear_layers and not hybrid:
+            raise ValueError(f"layer_types: {self.architecture} has no linear_attention layers")
+        if self.num_linear_layers:
+            for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                         "linear_num_key_heads", "linear_num_value_heads"):
+                _check_int(name, getattr(self, name), 2 if name == "linear_conv_kernel_dim" else 1)
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                                 f"linear_num_key_heads ({self.linear_num_key_heads})")
+        _check_real("partial_rotary_factor", self.partial_rotary_factor)
+        if self.partial_rotary_factor != 1.0 and not hybrid:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor}: {self.architecture} rotates "
+                             "the whole head")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even rotary dim "
+                             f"in (0, head_dim={self.head_dim}], got {rotary}")
+        _check_bool("attn_output_gate", self.attn_output_gate)
+        if hybrid and self.quantization is not None:
+            raise ValueError(f"quantization_config: FP8 checkpoints of {self.architecture} are not served yet")
+        if self.attn_output_gate and not hybrid:
+            raise ValueError(f"attn_output_gate: {self.architecture} has no attention output gate")
+        _check_int("mtp_num_hidden_layers", self.mtp_num_hidden_layers, 0)
+        _check_bool("mtp_use_dedicated_embeddings", self.mtp_use_dedicated_embeddings)
+
+    def layer_kind(self, layer_idx: int) -> LayerKind:
+        """Layer ``layer_idx``'s token mixer (full attention unless ``layer_types`` says otherwise)."""
+        return self.layer_types[layer_idx] if self.layer_types else "full_attention"  # type: ignore[return-value]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer is linear attention (a state slot per sequence beside its KV blocks)."""
+        return self.num_linear_layers > 0
+
+    @property
+    def num_linear_layers(self) -> int:
+        """Linear-attention layers: the first dimension of the state tensors."""
+        return sum(k == "linear_attention" for k in self.layer_types)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Full-attention layers: how many layers the KV cache needs."""
+        return self.num_hidden_layers - self.num_linear_layers
+
+    def kind_index(self, layer_idx: int) -> int:
+        """Layer ``layer_idx``'s index among the layers of its kind: its row of the KV cache (full
+        attention) or of the state tensors (linear attention)."""
+        kind = self.layer_kind(layer_idx)
+        return sum(self.layer_kind(i) == kind for i in range(layer_idx))
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet conv: q, k and v concatenated."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def conv_state_shape(self, num_slots: int) -> tuple[int, int, int, int]:
+        """(num_linear_layers, num_slots, conv_dim, kernel - 1): every slot's last conv inputs, model dtype."""
+        return (self.num_linear_layers, num_slots, self.linear_conv_dim, self.linear_conv_kernel_dim - 1)
+
+    def recurrent_state_shape(self, num_slots: int) -> tuple[int, int, int, int, int]:
+        """(num_linear_layers, num_slots, v_heads, head_k_dim, head_v_dim): every slot's delta-rule
+        state, float32."""
+        return (self.num_linear_layers, num_slots, self.linear_num_value_heads, self.linear_key_head_dim,
+                self.linear_value_head_dim)
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` routes to experts (transformers' rule for Qwen3-MoE)."""
@@ -466,19 +597,26 @@ class ModelConfig:
             raise ValueError(
                 f"{path}: unsupported architectures {archs}; supported: {SUPPORTED_ARCHITECTURES}"
             )
+        if archs[0] in NESTED_TEXT_ARCHITECTURES:
+            hf = _text_config(hf, path)
+        # Qwen3.5-MoE has no dense MLP, hence no intermediate_size: no layer reads it then.
+        if archs[0] in MOE_ARCHITECTURES and archs[0] in HYBRID_ARCHITECTURES and "intermediate_size" not in hf:
+            hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size")}
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
-        missing = [k for k in required if k not in hf]
+        missing = [k for k in required if hf.get(k) is None]
         if missing:
             raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
-        _refuse_unsupported(hf, path)
+        _refuse_unsupported(hf, archs[0], path)
         heads = hf["num_attention_heads"]
         # HF's rule: absent or null means one KV head per query head; a 0 stays 0 and
         # is refused by validation rather than read as the default.
         kv_heads = hf.get("num_key_value_heads")
         max_positions = hf.get("max_position_embeddings", 40960)
-        rope_theta, rope_scaling = _read_rope(hf, max_positions, path)
+        rope_theta, rope_scaling, partial_rotary = _read_rope(hf, max_positions, path,
+                                                              hybrid=archs[0] in HYBRID_ARCHITECTURES)
         eos = _read_eos(hf, os.path.dirname(path), path)
+        arch = archs[0]
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -494,12 +632,72 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             eos_token_id=eos,
             bos_token_id=hf.get("bos_token_id"),
-            architecture=archs[0],
+            architecture=arch,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             rope_scaling=rope_scaling,
             quantization=_read_quantization(hf, path),
-            **_read_experts(hf, archs[0], path),
+            partial_rotary_factor=partial_rotary,
+            **_read_experts(hf, arch, path),
+            **_read_hybrid(hf, arch, path),
         )
+
+
+# Keys of a vision-language config.json's top level that describe the text model too: the top
+# level's value wins (as transformers reads them), and a differing tie_word_embeddings is refused.
+_TOP_LEVEL_TEXT_KEYS = ("tie_word_embeddings", "quantization_config", "torch_dtype", "dtype")
+
+
+def _text_config(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``*ForConditionalGeneration`` config.json's text model as one flat dict: its
+    ``text_config``, with the top level's architecture and the keys of ``_TOP_LEVEL_TEXT_KEYS``.
+    ``vision_config`` is dropped: the engine serves text only (the loader skips the vision tower).
+
+    Raises:
+        ValueError: no ``text_config`` dict, or ``tie_word_embeddings`` given differently at the
+            two levels.
+    """
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"{path}: {hf['architectures'][0]} needs a text_config dict, got {text!r}")
+    flat = {**text, "architectures": hf["architectures"], **{k: hf[k] for k in _TOP_LEVEL_TEXT_KEYS if k in hf}}
+    tied = "tie_word_embeddings"
+    if tied in hf and text.get(tied, hf[tied]) != hf[tied]:
+        raise ValueError(f"{path}: {tied} is {hf[tied]!r} at the top level but {text[tied]!r} in text_config")
+    return flat
+
+
+def _read_hybrid(hf: Mapping[str, Any], architecture: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Qwen3.5's hybrid fields (none for another architecture): ``layer_types`` (or, without
+    it, every ``full_attention_interval``-th layer full attention, transformers' rule), the
+    DeltaNet shapes, the attention output gate (always on in transformers' Qwen3.5) and the
+    MTP head's shape.
+
+    Raises:
+        ValueError: ``layer_types`` and ``full_attention_interval`` disagree, or a state dtype
+            other than float32 (``mamba_ssm_dtype``: the recurrent state is float32).
+    """
+    if architecture not in HYBRID_ARCHITECTURES:
+        return {}
+    layers = hf["num_hidden_layers"]
+    interval = hf.get("full_attention_interval", 4)
+    _check_int("full_attention_interval", interval, 1)
+    derived = tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers))
+    kinds = hf.get("layer_types")
+    kinds = derived if kinds is None else tuple(kinds)
+    if "full_attention_interval" in hf and kinds != derived:
+        raise ValueError(f"{path}: layer_types {list(kinds)} disagree with full_attention_interval {interval}")
+    ssm_dtype = hf.get("mamba_ssm_dtype", "float32")
+    if ssm_dtype != "float32":
+        raise ValueError(f"{path}: mamba_ssm_dtype {ssm_dtype!r} is not served (the recurrent state is float32)")
+    names = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+             "linear_num_value_heads")
+    missing = [k for k in names if hf.get(k) is None]
+    if missing:
+        raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
+    return dict(layer_types=kinds, attn_output_gate=hf.get("attn_output_gate", True),
+                mtp_num_hidden_layers=hf.get("mtp_num_hidden_layers", 0),
+                mtp_use_dedicated_embeddings=hf.get("mtp_use_dedicated_embeddings", False),
+                **{k: hf[k] for k in names})
 
 
 # Linear layers of the decoder that an FP8 checkpoint stores in e4m3 (the names they have
@@ -542,15 +740,24 @@ def _read_experts(hf: Mapping[str, Any], architecture: str, path: str | os.PathL
     Raises:
         ValueError: a missing field, or a shared expert (Qwen2-MoE's), which the layers lack.
     """
-    if architecture != "Qwen3MoeForCausalLM":
+    if architecture not in MOE_ARCHITECTURES:
         return {}
-    if hf.get("shared_expert_intermediate_size"):
+    hybrid = architecture in HYBRID_ARCHITECTURES
+    if hf.get("shared_expert_intermediate_size") and not hybrid:
         raise ValueError(f"{path}: shared_expert_intermediate_size is set; shared experts are not supported")
     experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the second name
     missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
                               ("moe_intermediate_size", hf.get("moe_intermediate_size"))) if v is None]
     if missing:
         raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
+    if hybrid:
+        # Qwen3.5-MoE: every layer sparse, the top-k weights always renormalised, one shared expert.
+        for key, served in (("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", [])):
+            if hf.get(key, served) != served:
+                raise ValueError(f"{path}: {key} {hf[key]!r} is not served for {architecture} (only {served!r})")
+        return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=True,
+                    shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0))
     return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
                 moe_intermediate_size=hf["moe_intermediate_size"],
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
@@ -582,12 +789,16 @@ def _read_eos(hf: dict[str, Any], directory: str, path: str) -> int | tuple[int,
     return None if not found else found[0] if len(found) == 1 else tuple(found)
 
 
-def _refuse_unsupported(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+def _refuse_unsupported(hf: Mapping[str, Any], architecture: str, path: str | os.PathLike[str]) -> None:
     """Raise ``ValueError`` for a config.json feature our layers do not implement."""
     if hf.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window is true; sliding-window attention is not supported")
+    if architecture in HYBRID_ARCHITECTURES:
+        other = [i for i, kind in enumerate(hf.get("layer_types") or []) if kind not in LAYER_KINDS]
+        if other:
+            raise ValueError(f"{path}: layer_types has layers {other} of kinds other than {LAYER_KINDS}")
     sliding = [i for i, kind in enumerate(hf.get("layer_types") or []) if kind != "full_attention"]
-    if sliding:
+    if sliding and architecture not in HYBRID_ARCHITECTURES:
         raise ValueError(f"{path}: layer_types has non-full-attention layers {sliding}; "
                          "only full attention is supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -596,9 +807,9 @@ def _refuse_unsupported(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> 
         raise ValueError(f"{path}: mlp_bias is true; MLP biases are not supported")
 
 
-def _read_rope(hf: Mapping[str, Any], max_positions: int,
-               path: str | os.PathLike[str]) -> tuple[float, Llama3RopeScaling | None]:
-    """``(rope_theta, scaling)`` from config.json, written either way::
+def _read_rope(hf: Mapping[str, Any], max_positions: int, path: str | os.PathLike[str],
+               hybrid: bool = False) -> tuple[float, Llama3RopeScaling | None, float]:
+    """``(rope_theta, scaling, partial_rotary_factor)`` from config.json, written either way::
 
         published (transformers < 5):  "rope_theta": 500000.0,
                                        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, ...} | null
@@ -607,14 +818,18 @@ def _read_rope(hf: Mapping[str, Any], max_positions: int,
 
     Both may appear in one file; a key given twice must agree. ``"type"`` is the
     older name of ``"rope_type"``. Without a theta, Hugging Face's default (10000).
+    ``hybrid`` (Qwen3.5): partial rotary (``partial_rotary_factor`` in the RoPE dict or at the
+    top level; 0.25 when neither says) and the multimodal keys (``_MROPE_KEYS``) are read.
 
     Raises:
         ValueError: conflicting or unknown keys, per-layer RoPE dicts, a RoPE type
-            we do not implement, partial rotary, or an invalid number.
+            we do not implement, partial rotary outside Qwen3.5, or an invalid number.
     """
     rope: dict[str, Any] = {}
+    top_partial = hf.get("partial_rotary_factor") if hybrid else None
     sources = (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", hf.get("rope_parameters")),
-               ("rope_theta", {"rope_theta": hf["rope_theta"]} if hf.get("rope_theta") is not None else None))
+               ("rope_theta", {"rope_theta": hf["rope_theta"]} if hf.get("rope_theta") is not None else None),
+               ("partial_rotary_factor", None if top_partial is None else {"partial_rotary_factor": top_partial}))
     for where, source in sources:
         if source is None:
             continue
@@ -630,16 +845,19 @@ def _read_rope(hf: Mapping[str, Any], max_positions: int,
         raise ValueError(f"{path}: rope type given twice and differently: {rope['type']!r} and {kind!r}")
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{path}: rope type {kind!r} is not implemented; supported: {SUPPORTED_ROPE_TYPES}")
-    allowed = _ROPE_KEYS | (_LLAMA3_KEYS if kind == "llama3" else frozenset())
+    allowed = (_ROPE_KEYS | (_LLAMA3_KEYS if kind == "llama3" else frozenset())
+               | (_MROPE_KEYS if hybrid else frozenset()))
     unknown = sorted(set(rope) - allowed)
     if unknown:
         raise ValueError(f"{path}: unsupported RoPE setting(s) {unknown} for rope type {kind!r}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    partial = rope.get("partial_rotary_factor", QWEN3_5_PARTIAL_ROTARY_FACTOR if hybrid else 1.0)
+    if partial != 1.0 and not hybrid:
         raise ValueError(f"{path}: partial_rotary_factor {rope['partial_rotary_factor']!r} is not supported")
+    _check_real("partial_rotary_factor", partial)
     theta = rope.get("rope_theta", HF_DEFAULT_ROPE_THETA)
     _check_real("rope_theta", theta)
     if kind == "default":
-        return float(theta), None
+        return float(theta), None, float(partial)
     try:
         scaling = Llama3RopeScaling(
             factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
@@ -647,7 +865,7 @@ def _read_rope(hf: Mapping[str, Any], max_positions: int,
             original_max_position_embeddings=rope.get("original_max_position_embeddings", max_positions))
     except KeyError as e:
         raise ValueError(f"{path}: rope type 'llama3' lacks {e.args[0]!r}") from None
-    return float(theta), scaling
+    return float(theta), scaling, float(partial)
 
 
 @dataclass(frozen=True)

@@ -320,3 +320,64 @@ def moe_reference(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, 
         y = F.linear(act, down[e]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+# ---- Qwen3.5 (hybrid) ops: norms with a unit offset, gates, partial RoPE --------------------
+
+def rms_norm_1p_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The zero-centred RMSNorm: ``(1 + weight) * x / rms(x)``, all in float32 and rounded once
+    to x's dtype (transformers' Qwen3_5RMSNorm; a weight of 0 is the identity scale)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_1p_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm_1p(x + residual), x + residual)``, the sum in the model dtype."""
+    residual = x + residual
+    return rms_norm_1p_ref(residual, weight, eps), residual
+
+
+def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The DeltaNet output norm: ``weight * rms_norm(x) * silu(gate)`` over the last dim of x
+    (..., V); the norm as :func:`rms_norm_ref` rounds it, the gate product in float32, rounded
+    once to x's dtype (transformers' Qwen3_5RMSNormGated)."""
+    return (rms_norm_ref(x, weight, eps) * F.silu(gate.float())).to(x.dtype)
+
+
+def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` in x's dtype (gate broadcast: (T, N) or (T, 1)), as transformers'
+    attention output gate and shared-expert gate."""
+    return x * torch.sigmoid(gate)
+
+
+def partial_rope_ref(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half layout) of the first R dims of every head of x (T, H, D), R the width of
+    ``cos_sin_cache`` (P, R); the other D - R dims pass through. float32, rounded once."""
+    rotary = cos_sin_cache.shape[1]
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, R/2) each
+    return torch.cat([_rotate(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
+
+
+def qk_norm_1p_rope_store_reference(
+    q: torch.Tensor,              # (T, H, D)
+    k: torch.Tensor,              # (T, Hkv, D)
+    v: torch.Tensor,              # (T, Hkv, D)
+    positions: torch.Tensor,      # (T,) int
+    q_weight: torch.Tensor,       # (D,) zero-centred
+    k_weight: torch.Tensor,       # (D,)
+    eps: float,
+    cos_sin_cache: torch.Tensor,  # (P, R) float32 [cos | sin], R <= D the rotated dims
+    k_cache: torch.Tensor,        # (N, bs, Hkv, D)
+    v_cache: torch.Tensor,        # (N, bs, Hkv, D)
+    slot_mapping: torch.Tensor,   # (T,) int, -1 = write nothing
+    k_scale: torch.Tensor | None = None,  # FP8 cache: (1,) float32
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Qwen3.5's attention input: zero-centred RMSNorm per head of q and k, RoPE of their first
+    R dims, K/V stored (``store_kv_reference``); returns q (T, H, D)."""
+    q, k = rms_norm_1p_ref(q, q_weight, eps), rms_norm_1p_ref(k, k_weight, eps)
+    q, k = partial_rope_ref(positions, q, cos_sin_cache), partial_rope_ref(positions, k, cos_sin_cache)
+    store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q

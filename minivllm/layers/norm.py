@@ -21,3 +21,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         set_weight_loader(self.weight, default_weight_loader)
+
+
+class RMSNorm1p(nn.Module):
+    """The zero-centred RMSNorm ``(1 + weight) * x / sqrt(mean(x^2) + eps)`` (Qwen3.5's layer,
+    final and q/k norms): the weight holder for ``Ops.rms_norm_1p`` / ``Ops.add_rms_norm_1p``.
+
+    Kept apart from ``RMSNorm`` rather than folded into its weight as ``1 + w`` at load: the
+    sum is taken in float32 at every call, as transformers does; a 16-bit ``1 + w`` would
+    round it away. A weight of 0 is the unit scale (its dummy fill, ``fill_value``).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.fill_value = 0.0  # type: ignore[attr-defined]  # load_format="dummy": the unit scale
+        set_weight_loader(self.weight, default_weight_loader)

@@ -224,7 +224,8 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
     - ``intermediate_size % tp_size == 0`` (gate/up and down_proj), and
       ``moe_intermediate_size % tp_size == 0`` (every expert's, split the same way);
     - with an FP8 checkpoint (128 x 128 block scales), each rank's query rows, key/value
-      rows and intermediate sizes a multiple of 128, so no scale block spans two parts.
+      rows and intermediate sizes a multiple of 128, so no scale block spans two parts;
+    - a hybrid model (linear-attention layers) on one rank: their sharding is not served yet.
 
     Nothing of the vocabulary: ``VocabParallelEmbedding`` gives every rank
     ``ceil(vocab / tp_size)`` rows and zero-pads the last shard(s), and the LM head
@@ -233,6 +234,9 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     c = model_config
+    if tp_size > 1 and c.is_hybrid:
+        raise ValueError(f"tensor_parallel_size {tp_size}: {c.architecture} runs on one rank only for now "
+                         "(its linear-attention layers are not sharded yet)")
     heads = divide(c.num_attention_heads, tp_size, "num_attention_heads")
     kv_heads = kv_heads_per_rank(c.num_key_value_heads, tp_size)
     parts = {"query heads": heads * c.head_dim, "key/value heads": kv_heads * c.head_dim,

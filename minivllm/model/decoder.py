@@ -111,11 +111,12 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``'s weights, gate and up packed in one matrix."""
+    """``down(silu(gate(x)) * up(x))``'s weights, gate and up packed in one matrix; of
+    ``config.intermediate_size`` unless ``intermediate_size`` says otherwise (a shared expert)."""
 
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, intermediate_size: int | None = None) -> None:
         super().__init__()
-        i = config.intermediate_size
+        i = config.intermediate_size if intermediate_size is None else intermediate_size
         fp8 = config.quantization is not None
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], tp_rank=tp_rank, tp_size=tp_size,
                                                        fp8_block=fp8)
@@ -262,7 +263,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.ops = ops
         self.tie_word_embeddings = config.tie_word_embeddings
-        self.model = DecoderModel(config, self.attention_spec(config), ops, tp_rank, tp_size)
+        self.model = self.build_decoder(config, ops, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -271,6 +272,21 @@ class DecoderForCausalLM(nn.Module):
     def attention_spec(cls, config: ModelConfig) -> AttentionSpec:
         """What this family's attention block has (each family states it)."""
         raise NotImplementedError(f"{cls.__name__} states no attention_spec")
+
+    @classmethod
+    def build_decoder(cls, config: ModelConfig, ops: Ops, tp_rank: int, tp_size: int) -> nn.Module:
+        """The ``model.*`` part: the shared decoder with this family's attention block (a family
+        whose layers differ in more than ``AttentionSpec`` builds its own)."""
+        return DecoderModel(config, cls.attention_spec(config), ops, tp_rank, tp_size)
+
+    def skip_reason(self, name: str) -> str | None:
+        """Why the loader leaves the checkpoint tensor ``name`` unread, or None: it loads it
+        (the shared decoder serves every tensor of its checkpoints)."""
+        return None
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint tensor ``name`` as our modules spell it, before the packing rules."""
+        return name
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -18,7 +18,15 @@ of the whole checkpoint. ``load_weights`` returns how much it read.
 
 One deliberate exception, stated here so nothing is skipped silently: with
 tied embeddings the head *is* the embedding, so an ``lm_head.weight`` stored
-anyway (some exporters write the copy) is not loaded a second time.
+anyway (some exporters write the copy) is not loaded a second time. A model may
+also name tensors it does not serve (``skip_reason``: Qwen3.5's vision tower and
+MTP head); they are skipped by name and logged once per reason, with their count.
+
+Names: a model may rename a checkpoint's names before the packing rules apply
+(``checkpoint_name``: Qwen3.5's ``model.language_model.`` prefix). Experts stored
+stacked (``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj`` (E, H, I),
+as Qwen3.5-MoE checkpoints keep them) are read whole and loaded as the per-expert
+tensors they stack.
 
 ``fill_dummy_weights`` is the checkpoint-free alternative (``load_format="dummy"``):
 random values of a trained model's scale, drawn on the device.
@@ -29,7 +37,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
@@ -41,12 +51,18 @@ from minivllm.config import FP8_WEIGHT_BLOCK
 from minivllm.layers.embedding import VocabParallelEmbedding
 from minivllm.layers.moe import expert_shard
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.weights import ShardId, check_narrow, get_shard_ids, get_weight_loader
+from minivllm.layers.weights import Loaded, ShardId, check_narrow, get_shard_ids, get_weight_loader
 from minivllm.model.gguf import GGUFTensor, is_gguf_file, iter_gguf
 from minivllm.ops.dispatch import FP8_DTYPE, quantize_fp8_block
 
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
+# Stacked experts' tensor names (the name's last two parts) -> the projections they stack, in
+# the order of their rows.
+STACKED_EXPERTS: Mapping[str, tuple[str, ...]] = {
+    "experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
+
+logger = logging.getLogger(__name__)
 
 # safetensors dtype names -> torch dtypes (the ones Qwen3 checkpoints use, and a few more).
 _DTYPES: Mapping[str, torch.dtype] = {
@@ -63,6 +79,14 @@ class LoadableModel(Protocol):
     tie_word_embeddings: bool
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def skip_reason(self, name: str) -> str | None:
+        """Why the checkpoint tensor ``name`` is not loaded, or None: it is."""
+        ...
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint tensor ``name`` as the model's modules spell it (before packing)."""
+        ...
 
 
 def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
@@ -220,6 +244,7 @@ def load_weights(model: LoadableModel, path: str | os.PathLike[str], *,
     loaded: dict[str, set[ShardId]] = {name: set() for name in params}
     unexpected: list[str] = []
     bad: list[str] = []
+    skipped: Counter[str] = Counter()
     num_tensors = numel_total = numel_read = 0
     for tensor in iter_checkpoint(path):
         ckpt_name = tensor.name
@@ -227,25 +252,50 @@ def load_weights(model: LoadableModel, path: str | os.PathLike[str], *,
         numel_total += tensor.shape.numel()
         if model.tie_word_embeddings and ckpt_name == TIED_HEAD:
             continue  # the head shares the embedding (see the module docstring)
-        name, shard_id = map_name(ckpt_name, model.packed_modules_mapping)
-        if name not in params:
-            unexpected.append(ckpt_name)
+        reason = model.skip_reason(ckpt_name)
+        if reason is not None:
+            skipped[reason] += 1
             continue
-        if shard_id in loaded[name]:
-            bad.append(f"{ckpt_name}: appears more than once")
-            continue
-        try:
-            get_weight_loader(params[name])(params[name], tensor, shard_id)
-        except ValueError as e:
-            bad.append(f"{ckpt_name} -> {name}: {e}")
-            continue
-        finally:
-            numel_read += tensor.numel_read
-        loaded[name].add(shard_id)
+        for name_in, part in _unstacked(model.checkpoint_name(ckpt_name), tensor):
+            name, shard_id = map_name(name_in, model.packed_modules_mapping)
+            if name not in params:
+                unexpected.append(ckpt_name)
+                continue
+            if shard_id in loaded[name]:
+                bad.append(f"{ckpt_name}: appears more than once")
+                continue
+            try:
+                get_weight_loader(params[name])(params[name], part, shard_id)
+            except ValueError as e:
+                bad.append(f"{ckpt_name} -> {name}: {e}")
+                continue
+            loaded[name].add(shard_id)
+        numel_read += tensor.numel_read
+    for reason, count in skipped.items():
+        logger.info("skipped %d checkpoint tensor(s) of %s: %s", count, os.fspath(path), reason)
     missing = _missing_shards(params, loaded, model.packed_modules_mapping)
     rank, size = _tp_of(model) if tp_rank is None or tp_size is None else (tp_rank, tp_size)
     _raise_if_any(path, missing, unexpected, bad, rank, size)
     return LoadReport(num_tensors, numel_total, numel_read)
+
+
+def _unstacked(name: str, tensor: LazyTensor | GGUFTensor) -> Iterator[tuple[str, Loaded]]:
+    """``(name, tensor)``, or for stacked experts (``STACKED_EXPERTS``) the per-expert tensors
+    they stack, under the names a per-expert checkpoint gives them (the whole tensor read once)::
+
+        model.layers.0.mlp.experts.gate_up_proj (E, 2I, H) -> model.layers.0.mlp.experts.{e}.gate_proj.weight
+                                                              (rows [0, I)), ...up_proj.weight (rows [I, 2I))
+    """
+    parts = name.split(".")
+    projections = STACKED_EXPERTS.get(".".join(parts[-2:]))
+    if projections is None or len(tensor.shape) != 3:
+        yield name, tensor
+        return
+    whole = tensor.read()
+    rows = whole.shape[1] // len(projections)
+    for e in range(whole.shape[0]):
+        for i, projection in enumerate(projections):
+            yield ".".join(parts[:-1] + [str(e), projection, "weight"]), whole[e, i * rows:(i + 1) * rows]
 
 
 def _tp_of(model: LoadableModel) -> tuple[int, int]:

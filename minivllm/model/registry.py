@@ -14,11 +14,15 @@ from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.qwen2 import Qwen2ForCausalLM
 from minivllm.model.qwen3 import Qwen3ForCausalLM
+from minivllm.model.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
+                                    Qwen3_5MoeForConditionalGeneration)
 from minivllm.model.qwen3_moe import Qwen3MoeForCausalLM
 from minivllm.ops.dispatch import Ops
 
 MODEL_CLASSES: Mapping[str, type[DecoderForCausalLM]] = MappingProxyType({
-    cls.architecture: cls for cls in (Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)
+    cls.architecture: cls for cls in (Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM,
+                                      Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
+                                      Qwen3_5MoeForConditionalGeneration)
 })
 
 

@@ -31,12 +31,13 @@ import torch.nn.functional as F
 
 from minivllm.config import KERNEL_CHOICES
 from minivllm.envs import triton_interpreted
+from minivllm.kernels import linear_attention_reference as linref
 from minivllm.kernels import reference as ref
 from minivllm.kernels.fp8 import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_channel
 from minivllm.kernels.gemv import MAX_ROWS
 from minivllm.kernels.gumbel_sample import gumbel_best_reference, gumbel_sample_reference, hashed_uniform, row_keys
 from minivllm.ops.communicator import Communicator
-from minivllm.ops.metadata import AttentionMetadata
+from minivllm.ops.metadata import AttentionMetadata, StateMetadata
 
 # Besides Ops, what the rooms above take from the kernels' side, all plain torch: the weight
 # formats the layers and the loader build at load time (e4m3 and its two quantizers, per
@@ -302,6 +303,62 @@ class Ops:
         sequences of ``q_lens`` tokens (``kernels/prefill_attention.py``: ``build_tile_map``)."""
         from minivllm.kernels.prefill_attention import build_tile_map
         return build_tile_map(q_lens, block_q, capacity)
+
+    # ---- hybrid models (Qwen3.5): gated attention and the Gated DeltaNet -----------------------
+    # No Triton kernels for these yet: both implementations run the torch references
+    # (``kernels/reference.py``, ``kernels/linear_attention_reference.py``) until kernels, tested
+    # against them, take their place here.
+
+    def rms_norm_1p(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Zero-centred RMSNorm ``(1 + weight) * x / rms(x)`` of each row of ``x`` (..., N)."""
+        return ref.rms_norm_1p_ref(x, weight, eps)
+
+    def add_rms_norm_1p(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`add_rms_norm` with the zero-centred norm: ``(rms_norm_1p(s), s)``, ``s`` the
+        ranks' partial sums plus the residual."""
+        if self.comm is not None:
+            partial = self.comm.all_reduce(partial)
+        return ref.add_rms_norm_1p_ref(partial, residual, weight, eps)
+
+    def rms_norm_gated(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * rms_norm(x) * silu(gate)`` over the last dim (the DeltaNet's output norm)."""
+        return ref.rms_norm_gated_ref(x, gate, weight, eps)
+
+    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``x * sigmoid(gate)``, gate broadcast over x (an output gate)."""
+        return ref.sigmoid_mul_ref(x, gate)
+
+    def qk_norm_1p_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                              q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                              cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+                              v_scale: torch.Tensor) -> torch.Tensor:
+        """Zero-centred q/k norm per head, RoPE of the first ``cos_sin_cache.shape[1]`` dims,
+        k and v stored at ``slot_mapping``; returns q (T, H, D)."""
+        return ref.qk_norm_1p_rope_store_reference(q, k, v, positions, q_weight, k_weight, eps, cos_sin_cache,
+                                                   k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                      cu_seqlens: torch.Tensor, state: StateMetadata) -> torch.Tensor:
+        """SiLU of the causal depthwise conv of ``x`` (T, C) per sequence, continuing from and
+        updating each sequence's slot of ``conv_state`` (num_slots, C, K - 1)."""
+        return linref.causal_conv1d_reference(x, weight, conv_state, cu_seqlens, state.slots,
+                                              state.has_initial_state)
+
+    def gdn_gating(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, beta)`` (T, H): the delta rule's float32 log decay and its write strength."""
+        return linref.gdn_gating_reference(a, b, a_log, dt_bias)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, recurrent_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                         state: StateMetadata, decode: bool) -> torch.Tensor:
+        """The gated delta rule over every sequence's rows from its slot of ``recurrent_state``
+        (num_slots, H, K, V), which it updates: (T, H, V). ``decode`` (every sequence feeds one
+        token): the one-step recurrence, else the chunked form (equal to float32 rounding)."""
+        rule = linref.gated_delta_rule_recurrent_reference if decode else linref.gated_delta_rule_chunked_reference
+        return rule(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state)
 
     # ---- sampling ------------------------------------------------------------------
 
