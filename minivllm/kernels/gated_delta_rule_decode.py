@@ -31,12 +31,12 @@ MAX_K = 256
 @triton.jit
 def _gated_delta_rule_decode_kernel(
     q_ptr, k_ptr,                 # (B, Hk, K) rows strided by stride_qk_row
-    v_ptr,                        # (B, H, V) contiguous
+    v_ptr,                        # (B, H, V) rows strided by stride_v_row, heads contiguous
     g_ptr, beta_ptr,              # (B, H) float32 / any float
     state_ptr,                    # (num_entries, H, K, V) float32, contiguous
     slots_ptr, fresh_ptr,         # (B,) int64 slot; (B,) int8: 1 = start from zero state
     out_ptr,                      # (B, H, V) in v's dtype
-    stride_qk_row, scale, eps,
+    stride_qk_row, stride_v_row, scale, eps,
     H: tl.constexpr, GROUPS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -52,7 +52,7 @@ def _gated_delta_rule_decode_kernel(
     k = tl.load(k_ptr + b * stride_qk_row + hk * K + offs_k, mask=mk, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q) + eps) * scale
     k = k / tl.sqrt(tl.sum(k * k) + eps)
-    v = tl.load(v_ptr + (b * H + h) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b * stride_v_row + h * V + offs_v, mask=mv, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * H + h).to(tl.float32)
     beta = tl.load(beta_ptr + b * H + h).to(tl.float32)
 
@@ -77,7 +77,8 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     Args:
         q, k: (B, Hk, K), unnormalised (normalised and q scaled here); each row's heads contiguous.
-        v: (B, H, V) contiguous, H a multiple of Hk (q/k head j serves value heads
+        v: (B, H, V) with contiguous heads (rows may be strided, as views of a packed
+            projection are), H a multiple of Hk (q/k head j serves value heads
             j * H / Hk .. (j + 1) * H / Hk - 1).
         g: (B, H) log decay (<= 0); beta: (B, H).
         state: (num_entries, H, K, V) float32, contiguous.
@@ -89,8 +90,8 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     Raises:
         TypeError: a state that is not float32, or non-float q/k/v.
-        ValueError: shapes that disagree, K above ``MAX_K``, non-contiguous v or state, or
-            tensors on different devices.
+        ValueError: shapes that disagree, K above ``MAX_K``, strided heads, a non-contiguous
+            state, or tensors on different devices.
     """
     b, hk, kd = q.shape
     _, h, vd = v.shape
@@ -110,16 +111,16 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         check_dtype(name, t, (torch.bfloat16, torch.float16, torch.float32))
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, slots=slots,
                       has_initial_state=has_initial_state)
-    if q.stride(2) != 1 or q.stride(1) != kd or k.stride() != q.stride() or not v.is_contiguous():
-        raise ValueError("q and k need contiguous heads of one row stride, v contiguous")
-    out = torch.empty_like(v)
+    if q.stride(2) != 1 or q.stride(1) != kd or k.stride() != q.stride() or v.stride()[1:] != (vd, 1):
+        raise ValueError("q, k and v need contiguous heads (q and k of one row stride)")
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if b == 0:
         return out
     block_v = min(64, next_pow2(vd))
     grid = (b, h, triton.cdiv(vd, block_v))
     _gated_delta_rule_decode_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, slots.to(torch.int64),
-        (~has_initial_state).to(torch.int8), out, q.stride(0), kd ** -0.5, L2_NORM_EPS,
+        (~has_initial_state).to(torch.int8), out, q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
         H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=next_pow2(kd), BLOCK_V=block_v,
     )
     return out

@@ -37,6 +37,21 @@ def test_decode_kernel_is_the_recurrence(b: int, hk: int, h: int, kd: int, vd: i
     assert torch.equal(got_state[untouched], state[untouched])
 
 
+def test_views_of_a_packed_projection() -> None:
+    """q, k and v as the layer has them: views into one (B, 2 Hk K + H V) row each."""
+    b, hk, h, kd, vd = 3, 2, 4, 16, 8
+    q, k, v, g, beta, state = _inputs(b, hk, h, kd, vd, entries=4, dtype=torch.float32)
+    packed = torch.cat([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], dim=1)
+    qv, kv, vv = packed.split([hk * kd, hk * kd, h * vd], dim=1)
+    slots, init = torch.tensor([3, 1, 0]), torch.tensor([True, False, True])
+    want_state, got_state = state.clone(), state.clone()
+    want = gated_delta_rule_decode(q, k, v, g, beta, want_state, slots, init)
+    got = gated_delta_rule_decode(qv.reshape(b, hk, kd), kv.reshape(b, hk, kd), vv.reshape(b, h, vd), g, beta,
+                                  got_state, slots, init)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_state, want_state)
+
+
 def test_a_fresh_start_ignores_the_slot_and_a_continued_one_reads_it() -> None:
     q, k, v, g, beta, state = _inputs(1, 1, 1, 16, 16, entries=1, dtype=torch.float32)
     zero = torch.zeros_like(state)
