@@ -164,11 +164,15 @@ class DraftRunner:
 
 
 def check_draft_config(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:
-    """A draft model must share the target's vocabulary and reach its context length.
+    """A draft model must share the target's vocabulary, reach its context length and be
+    attention-only.
 
     Raises:
         ValueError: naming the field that does not match.
     """
+    if draft.is_hybrid:
+        raise ValueError(f"speculative_config.model: the draft model {draft.architecture} has linear-attention "
+                         "layers (recurrent state), which a draft model does not keep")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model: the draft model's vocab_size {draft.vocab_size} is not "
                          f"the target's {target.vocab_size} (a draft model needs the target's vocabulary)")

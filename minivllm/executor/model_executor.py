@@ -22,6 +22,12 @@ view, token slot s living at [s // block_size, s % block_size]. Its dtype is the
 or e4m3 with ``kv_cache_dtype="fp8"`` (``layers/attention.py``), which halves
 ``block_bytes`` and so doubles the blocks the same memory holds.
 
+A hybrid model (Qwen3.5: ``ModelConfig.is_hybrid``) keeps K/V only for its full-attention
+layers (``ModelConfig.num_attention_layers`` rows, each layer at its ``kind_index``) and,
+beside them, its linear-attention layers' recurrent states: slots, prefix-cache snapshots and
+a drafted row's per-position states in one tensor pair (``executor/linear_state.py``), which
+each step's plan indexes (``StepPlan.state_*``). Hybrid models run eagerly (no CUDA graphs).
+
 The executor builds the model's ``Ops`` once (``ops/dispatch.py``: Triton kernels or torch
 references, PDL, the tensor-parallel communicator) and hands it to the model.
 
@@ -43,6 +49,7 @@ copy per step of the sampled ids, with any logprobs packed behind them
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from operator import attrgetter
@@ -58,8 +65,11 @@ from minivllm.executor.cuda_graph import CudaGraphRunner, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, referenced_tokens, resolve_input_ids
 from minivllm.executor.draft import DraftRunner, check_draft_config
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
+from minivllm.executor.linear_state import (SNAPSHOT_MEMORY_SHARE, SNAPSHOTS_PER_SEQ, LinearStates, StateInputs,
+                                            StateLayout, check_no_state_fields, state_bytes)
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers.attention import kv_cache_torch_dtype
+from minivllm.layers.linear_attention import allocate_linear_state
 from minivllm.layers.linear import quantize_to_fp8
 from minivllm.layers.weights import check_tp_divisibility
 from minivllm.model.decoder import DecoderForCausalLM
@@ -68,7 +78,7 @@ from minivllm.model.loader import fill_dummy_weights, load_weights, require_weig
 from minivllm.model.registry import build_model
 from minivllm.ops.communicator import Communicator, build_communicator
 from minivllm.ops.dispatch import Ops, hashed_uniform, row_keys
-from minivllm.ops.metadata import AttentionMetadata
+from minivllm.ops.metadata import AttentionMetadata, StateMetadata
 from minivllm.sampler import rejection
 from minivllm.sampler.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors, sliced_logprobs
 from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors
@@ -234,7 +244,8 @@ class ModelExecutor:
         cache_config: block size and pool size (None: sized from free device
             memory on CUDA; every sequence at full length elsewhere).
         config: device, dtype, kernels, seed, graphs, memory share,
-            tensor-parallel size.
+            tensor-parallel size. A hybrid model runs eagerly whatever ``enforce_eager``
+            says: its state slots are not captured into CUDA graphs yet.
         tp_rank: this process's rank when ``config.tensor_parallel_size > 1``
             (``executor/distributed.py`` builds one executor per rank, inside a
             process group).
@@ -268,7 +279,8 @@ class ModelExecutor:
         self.dtype = _resolve_dtype(config.dtype, self.device)
         comm, self.all_reduce_path = self._communicator(config)
         self.ops = Ops.build(config.kernels, self.device, self.dtype, comm)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # Hybrid models run eagerly: their state slots are not captured into graphs yet.
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and not model_config.is_hybrid
         if use_graphs and not self.ops.triton:
             raise ValueError("CUDA graphs need kernels='triton' (the torch references sync the host); "
                              "pass enforce_eager=True to run them eagerly")
@@ -297,14 +309,23 @@ class ModelExecutor:
                 check_tp_divisibility(self.draft_config, self.tp_size)
             self.draft_model = self._load_model(speculative_config.model, self.draft_config)
         # This rank's KV heads (all of them, a shard, or one replicated head).
-        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        self.num_kv_heads = _first_attention(self.model).num_kv_heads
+        max_drafts = speculative_config.num_speculative_tokens if speculative_config is not None else 0
+        self.state_layout: StateLayout | None = (
+            StateLayout(self.max_num_seqs, SNAPSHOTS_PER_SEQ * self.max_num_seqs, max_drafts)
+            if model_config.is_hybrid else None)
         num_blocks = cache_config.num_blocks
         if num_blocks is None:
-            num_blocks = self.size_kv_pool_from_free_memory(config.gpu_memory_utilization)
+            num_blocks, num_snapshots = self.size_kv_pool_from_free_memory(config.gpu_memory_utilization)
+            if self.state_layout is not None:
+                self.state_layout = dataclasses.replace(self.state_layout, num_snapshots=num_snapshots)
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         self.num_blocks = num_blocks
         self.kv_cache = self._allocate_kv_cache(num_blocks)
+        self.states = (LinearStates(model_config, self.state_layout, self.dtype, self.device)
+                       if self.state_layout is not None else None)
+        self._keep_staging = _PinnedRing(self.device)  # a drafted hybrid step's kept-state indices
         # The last step's sampled ids, by sampling row (``prev_sample_row`` maps sequences to rows).
         self.prev_sampled = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         self.prev_sample_row: dict[int, int] = {}
@@ -353,6 +374,7 @@ class ModelExecutor:
             self.ops.comm.close()
         self.model = None  # type: ignore[assignment]
         self.kv_cache = None  # type: ignore[assignment]
+        self.states = None
         self.prev_sampled = None  # type: ignore[assignment]
         self._staging = self._extras_staging = self._outputs = self._mask_staging = None  # type: ignore[assignment]
         self._awaiting_bitmask = None
@@ -368,7 +390,7 @@ class ModelExecutor:
     def make_prefill_graph_runner(self, capture: bool, buckets: list[int] | None = None) -> PrefillGraphRunner:
         """A runner of prefill and mixed steps in token buckets (default: powers of two from 64, or
         with speculation from ``DRAFTED_STEP_SMALLEST_BUCKET``, and the token budget); ``capture=False`` runs the padded forward eagerly (the CPU, tests)."""
-        attn = self.model.model.layers[0].self_attn
+        attn = _first_attention(self.model)
         return PrefillGraphRunner(
             self.model.forward, self.kv_cache, self.prev_sampled, self.model_config.hidden_size, self.dtype,
             attn.num_heads, self.num_kv_heads, self.model_config.head_dim, self.max_num_seqs,
@@ -378,7 +400,7 @@ class ModelExecutor:
     def _allocate_kv_cache(self, num_blocks: int, draft: bool = False) -> torch.Tensor:
         """This rank's KV cache of the target, or with ``draft`` of the draft model."""
         c, heads = self._cache_shape(draft)
-        return torch.zeros((c.num_hidden_layers, 2, num_blocks, self.block_size, heads, c.head_dim),
+        return torch.zeros((c.num_attention_layers, 2, num_blocks, self.block_size, heads, c.head_dim),
                            dtype=self.kv_dtype, device=self.device)
 
     def _cache_shape(self, draft: bool) -> tuple[ModelConfig, int]:
@@ -387,15 +409,16 @@ class ModelExecutor:
         if not draft:
             return self.model_config, self.num_kv_heads
         assert self.draft_config is not None and self.draft_model is not None
-        return self.draft_config, self.draft_model.model.layers[0].self_attn.num_kv_heads
+        return self.draft_config, _first_attention(self.draft_model).num_kv_heads
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers (K and V), the draft model's included."""
+        """Bytes of one KV block over all layers with K/V (a hybrid model's full-attention
+        layers), the draft model's included."""
         size = 0
         for draft in (False, True) if self.draft_config is not None else (False,):
             c, heads = self._cache_shape(draft)
-            size += c.num_hidden_layers * 2 * self.block_size * heads * c.head_dim * torch.finfo(self.kv_dtype).bits // 8
+            size += c.num_attention_layers * 2 * self.block_size * heads * c.head_dim * torch.finfo(self.kv_dtype).bits // 8
         return size
 
     def _load_model(self, model_path: str | os.PathLike[str], model_config: ModelConfig) -> DecoderForCausalLM:
@@ -415,21 +438,28 @@ class ModelExecutor:
             quantize_to_fp8(model)  # a 16-bit checkpoint's layers; an FP8 one's are already
         return model.eval()
 
-    def size_kv_pool_from_free_memory(self, gpu_memory_utilization: float) -> int:
-        """How many KV blocks fit in ``gpu_memory_utilization`` of the device.
+    def size_kv_pool_from_free_memory(self, gpu_memory_utilization: float) -> tuple[int, int]:
+        """How many KV blocks, and for a hybrid model state snapshots, fit in
+        ``gpu_memory_utilization`` of the device: ``(num_blocks, num_snapshots)``.
 
         Runs a warm-up step at the largest batch (``max_num_batched_tokens``
         tokens, logits and sampling for ``max_num_seqs`` rows) against a
         one-block dummy cache, and counts its peak (weights + activations) as used.
+        A hybrid model's states come off the rest first: its slots (and draft states), then
+        its snapshots, ``SNAPSHOTS_PER_SEQ`` per sequence but at most
+        ``SNAPSHOT_MEMORY_SHARE`` of what the slots leave (a state can weigh as much as
+        hundreds of blocks: docs/design.md, "Hybrid models"); the KV blocks take the remainder.
 
         Raises:
             ValueError: no block fits.
 
         Off CUDA there is no free-memory figure to go by: the pool holds every
-        sequence at full length, at most ``CPU_KV_CACHE_BYTES``.
+        sequence at full length, at most ``CPU_KV_CACHE_BYTES``, and a hybrid model keeps
+        ``SNAPSHOTS_PER_SEQ`` snapshots per sequence.
         """
+        layout = self.state_layout
         if self.device.type != "cuda":
-            return self._default_cpu_pool()
+            return self._default_cpu_pool(), layout.num_snapshots if layout is not None else 0
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -439,16 +469,24 @@ class ModelExecutor:
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)  # other processes, context
         budget = total * gpu_memory_utilization - others - peak
+        num_snapshots, states = 0, ""
+        if layout is not None:
+            entry = state_bytes(self.model_config, self.dtype)
+            budget -= (layout.num_entries - layout.num_snapshots) * entry     # slots and draft states
+            num_snapshots = max(0, min(layout.num_snapshots, int(budget * SNAPSHOT_MEMORY_SHARE // entry)))
+            budget -= num_snapshots * entry
+            states = (f", recurrent states {layout.num_slots} slots + {num_snapshots} snapshots: "
+                      f"{(layout.num_entries - layout.num_snapshots + num_snapshots) * entry / 2**30:.2f} GiB")
         num_blocks = int(budget // self.block_bytes)
         if num_blocks < 1:
             raise ValueError(f"no KV block fits: {budget / 2**30:.2f} GiB left of "
                              f"{gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB after a "
-                             f"warm-up peak of {peak / 2**30:.2f} GiB")
+                             f"warm-up peak of {peak / 2**30:.2f} GiB{states}")
         print(f"[minivllm] KV cache ({str(self.kv_dtype).removeprefix('torch.')}): {num_blocks} blocks x "
               f"{self.block_size} = {num_blocks * self.block_size:,} tokens, "
               f"{num_blocks * self.block_bytes / 2**30:.2f} GiB "
-              f"(peak of the warm-up {peak / 2**30:.2f} GiB)")
-        return num_blocks
+              f"(peak of the warm-up {peak / 2**30:.2f} GiB){states}")
+        return num_blocks, num_snapshots
 
     def _default_cpu_pool(self) -> int:
         """Off CUDA: room for every sequence at full length, capped at CPU_KV_CACHE_BYTES."""
@@ -470,7 +508,7 @@ class ModelExecutor:
             cu_seqlens_q=cu, kv_lens=torch.tensor(q_lens, dtype=torch.int32, device=self.device),
             block_tables=torch.zeros(num_seqs, cdiv(seq_len, self.block_size), dtype=torch.int32,
                                      device=self.device),
-            max_q_len=max(q_lens), is_decode=False, kv_cache=dummy)
+            max_q_len=max(q_lens), is_decode=False, kv_cache=dummy, state=self._dummy_state(num_seqs))
         ids = torch.zeros(t, dtype=torch.int64, device=self.device)
         pos = torch.arange(t, device=self.device) % seq_len
         hidden = self.model(ids, pos, meta)
@@ -492,6 +530,15 @@ class ModelExecutor:
         self._warm_up_extras(hidden, logits)
         del hidden, logits, dummy
 
+    def _dummy_state(self, num_seqs: int) -> StateMetadata | None:
+        """A hybrid model's warm-up: zeroed states of its own for ``num_seqs`` fresh rows (None otherwise)."""
+        if self.state_layout is None:
+            return None
+        conv, recurrent = allocate_linear_state(self.model_config, num_seqs, self.dtype, self.device)
+        fresh = torch.zeros(num_seqs, dtype=torch.bool, device=self.device)
+        return StateMetadata(slots=torch.arange(num_seqs, device=self.device), has_initial_state=fresh,
+                             conv_state=conv, recurrent_state=recurrent)
+
     def _warm_up_extras(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """Penalties on every row under a full sort (a float32 copy of the logits beside the
         sort: the sampler's largest peak), logprobs at the largest K, one slice of prompt logprobs."""
@@ -512,8 +559,11 @@ class ModelExecutor:
         return self.num_blocks
 
     def state_pool(self) -> tuple[int, int]:
-        """No recurrent state: the models served here are attention-only."""
-        return 0, 0
+        """A hybrid model's (state slots, snapshots) (``executor/linear_state.py``); (0, 0) for
+        a model without recurrent state."""
+        if self.state_layout is None:
+            return 0, 0
+        return self.state_layout.num_slots, self.state_layout.num_snapshots
 
     def execute(self, plan: StepPlan) -> StepResult:
         """``submit(plan).result()``."""
@@ -573,6 +623,9 @@ class ModelExecutor:
                                                 with_logprobs=not drafted)
             if drafted:
                 tokens, accepted = self._verify_drafts(plan, inputs, batch, hidden, tokens, scored)
+                if self.states is not None:  # slots back to the state after the kept tokens
+                    self.states.keep_accepted(plan, accepted,
+                                              lambda *a: self._upload_all(*a, ring=self._keep_staging))
                 if extras.logprobs is not None:
                     logprobs = self._drafted_logprobs(plan, inputs, batch, hidden, tokens, accepted, extras, scored)
             self.prev_sampled[:len(seq_ids)].copy_(tokens)
@@ -854,12 +907,16 @@ class ModelExecutor:
         return self.model(ids, batch.positions, batch.attn_metadata)
 
     def prepare(self, plan: StepPlan) -> tuple[DeviceBatch, BatchInputs]:
-        """Compute the plan's index arrays on the host and move them to the device.
+        """Compute the plan's index arrays on the host and move them to the device; for a
+        hybrid model also copy the snapshots the plan restores into their slots (the
+        forward that follows reads them).
 
         Raises:
             ValueError: the plan exceeds the batch limits, has another block
-                size, names a block outside the pool, or feeds a sequence a
-                previous-step token that the previous step did not sample.
+                size, names a block outside the pool, feeds a sequence a
+                previous-step token that the previous step did not sample, or its
+                state fields do not fit the model (``StateInputs.from_plan``,
+                ``check_no_state_fields``).
         """
         self._check_plan(plan)
         inputs = prepare_inputs(plan)
@@ -873,12 +930,19 @@ class ModelExecutor:
             plan.num_tokens, plan.num_seqs, inputs.block_tables.shape[1], plan.one_token_per_seq)
         if bucket is not None:  # runner is not None
             arrays.append(runner.tile_map_for(inputs.cu_seqlens_q, bucket))  # type: ignore[union-attr]
-        ids, prev_rows, pos, slots, sample, cu_q, kv_lens, tables, *tile_map = self._upload_all(*arrays)
+        num_step_arrays = len(arrays)
+        if self.state_layout is not None:
+            arrays += StateInputs.from_plan(plan, self.state_layout).arrays()
+        else:
+            check_no_state_fields(plan)
+        uploaded = self._upload_all(*arrays)
+        ids, prev_rows, pos, slots, sample, cu_q, kv_lens, tables, *tile_map = uploaded[:num_step_arrays]
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu_q.to(torch.int32), kv_lens=kv_lens.to(torch.int32),
             block_tables=tables.to(torch.int32), max_q_len=inputs.max_q_len,
             is_decode=plan.one_token_per_seq, kv_cache=self.kv_cache,
-            tile_map=tile_map[0].to(torch.int32) if tile_map else None)
+            tile_map=tile_map[0].to(torch.int32) if tile_map else None,
+            state=self.states.metadata(uploaded[num_step_arrays:]) if self.states is not None else None)
         batch = DeviceBatch(input_ids=ids, prev_rows=prev_rows, positions=pos, sample_indices=sample,
                             attn_metadata=meta, num_seqs=plan.num_seqs,
                             table_width=inputs.block_tables.shape[1])
@@ -936,6 +1000,16 @@ class ModelExecutor:
         if plan.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"plan has {plan.num_tokens} tokens > max_num_batched_tokens "
                              f"{self.max_num_batched_tokens}")
+
+
+def _first_attention(model: DecoderForCausalLM) -> torch.nn.Module:
+    """The first full-attention layer's attention (a hybrid model's first ``self_attn``): the
+    KV cache's heads per rank."""
+    for layer in model.model.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            return attn
+    raise ValueError(f"{model.config.architecture}: no full-attention layer to hold a KV cache for")
 
 
 class _PinnedRing:

@@ -14,6 +14,12 @@ A sequence with ``has_initial_state[b]`` False starts from zero state (whatever 
 holds is ignored); after its last row, its slot holds the state that row left. Slots are
 distinct within a step.
 
+Save points (prefix-cache snapshots, a drafted row's per-position states): entry ``i`` of
+``save_rows`` / ``save_offsets`` / ``save_slots`` asks for sequence ``save_rows[i]``'s state
+after its first ``save_offsets[i]`` rows (1 <= offset <= its rows) to be written into entry
+``save_slots[i]`` of the same state tensor, an entry no sequence of the step owns. A save
+at a sequence's last row is its final state.
+
 The delta rule per value head h, with S a (K, V) state, k and q L2-normalised, q scaled by
 K ** -0.5, every token t in order::
 
@@ -40,28 +46,51 @@ def _sequences(cu_seqlens: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(b, cu[b], cu[b + 1]) for b in range(len(cu) - 1) if cu[b + 1] > cu[b]]
 
 
+SavePoints = dict[int, list[tuple[int, int]]]
+
+
+def save_points(save_rows: torch.Tensor | None, save_offsets: torch.Tensor | None,
+                save_slots: torch.Tensor | None) -> SavePoints:
+    """Sequence -> its (offset, entry) save points (module doc), from the three (N,) int64
+    tensors (None or empty: no save)."""
+    if save_rows is None or save_offsets is None or save_slots is None or save_rows.numel() == 0:
+        return {}
+    points: SavePoints = {}
+    for b, offset, entry in zip(save_rows.tolist(), save_offsets.tolist(), save_slots.tolist()):
+        points.setdefault(b, []).append((offset, entry))
+    return points
+
+
 def causal_conv1d_reference(
     x: torch.Tensor,                  # (T, C) the conv's inputs (q, k, v channels)
     weight: torch.Tensor,             # (C, K) one filter per channel
-    conv_state: torch.Tensor,         # (num_slots, C, K - 1) this layer's states, updated in place
+    conv_state: torch.Tensor,         # (num_entries, C, K - 1) this layer's states, updated in place
     cu_seqlens: torch.Tensor,         # (B + 1,) int
     slots: torch.Tensor,              # (B,) int64
     has_initial_state: torch.Tensor,  # (B,) bool
+    saves: SavePoints | None = None,  # sequence -> (offset, entry) save points (``save_points``)
 ) -> torch.Tensor:                    # (T, C) in x's dtype
     """SiLU of each channel's causal conv over its sequence, the K - 1 inputs before a
     sequence's first row taken from its conv state (zeros for a fresh start); the state then
-    keeps the sequence's last K - 1 inputs (older state included when fewer rows came).
+    keeps the sequence's last K - 1 inputs (older state included when fewer rows came), and
+    a save after ``offset`` rows the K - 1 inputs before row ``offset``, the same way.
     Computed in the weight's dtype, as transformers' conv; returned in x's dtype."""
     out = torch.empty_like(x)
-    width = weight.shape[1]
+    keep = weight.shape[1] - 1
     fresh = ~has_initial_state.cpu()
+    saves = saves or {}
     for b, start, end in _sequences(cu_seqlens):
         slot = int(slots[b])
         past = torch.zeros_like(conv_state[slot]) if fresh[b] else conv_state[slot]     # (C, K-1)
         window = torch.cat([past.to(weight.dtype), x[start:end].t().to(weight.dtype)], dim=1)  # (C, K-1+L)
         y = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]        # (C, L)
         out[start:end] = F.silu(y).t().to(x.dtype)
-        conv_state[slot] = window[:, window.shape[1] - (width - 1):].to(conv_state.dtype)
+        # Column j of the window is the input before row j - (K - 1): after o rows, the
+        # K - 1 inputs before row o are columns o .. o + K - 2.
+        for offset, entry in saves.get(b, []):
+            assert 1 <= offset <= end - start, "a save point lies within its sequence's rows"
+            conv_state[entry] = window[:, offset:offset + keep].to(conv_state.dtype)
+        conv_state[slot] = window[:, window.shape[1] - keep:].to(conv_state.dtype)
     return out
 
 
@@ -96,26 +125,41 @@ def gated_delta_rule_recurrent_reference(
     v: torch.Tensor,                  # (T, H, V), H a multiple of Hk
     g: torch.Tensor,                  # (T, H) log decay, <= 0
     beta: torch.Tensor,               # (T, H)
-    state: torch.Tensor,              # (num_slots, H, K, V) float32, updated in place
+    state: torch.Tensor,              # (num_entries, H, K, V) float32, updated in place
     cu_seqlens: torch.Tensor,         # (B + 1,) int
     slots: torch.Tensor,              # (B,) int64
     has_initial_state: torch.Tensor,  # (B,) bool
+    saves: SavePoints | None = None,  # sequence -> (offset, entry) save points (``save_points``)
 ) -> torch.Tensor:                    # (T, H, V) in v's dtype
-    """The delta rule token by token (module doc), every sequence from its slot's state; the
-    decode path, and the definition the chunked form is tested against."""
+    """The delta rule token by token (module doc), every sequence from its slot's state, its
+    save points written as the tokens pass them; the decode path, and the definition the
+    chunked form is tested against."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     fresh = ~has_initial_state.cpu()
+    saves = saves or {}
     for b, start, end in _sequences(cu_seqlens):
         slot = int(slots[b])
+        at = _saves_at(saves.get(b, []), end - start)
         s = _initial_state(state, slot, bool(fresh[b]))                            # (H, K, V)
         for t in range(start, end):
             s = s * gf[t].exp()[:, None, None]
             u = bf[t, :, None] * (vf[t] - torch.einsum("hkv,hk->hv", s, kf[t]))      # (H, V)
             s = s + kf[t, :, :, None] * u[:, None, :]
             out[t] = torch.einsum("hkv,hk->hv", s, qf[t])
+            for entry in at.get(t + 1 - start, ()):
+                state[entry] = s.to(state.dtype)
         state[slot] = s.to(state.dtype)
     return out.to(v.dtype)
+
+
+def _saves_at(points: list[tuple[int, int]], length: int) -> dict[int, list[int]]:
+    """A sequence's save points as offset -> entries (offsets within 1 .. ``length``)."""
+    at: dict[int, list[int]] = {}
+    for offset, entry in points:
+        assert 1 <= offset <= length, "a save point lies within its sequence's rows"
+        at.setdefault(offset, []).append(entry)
+    return at
 
 
 def gated_delta_rule_chunked_reference(
@@ -124,25 +168,32 @@ def gated_delta_rule_chunked_reference(
     v: torch.Tensor,                  # (T, H, V), H a multiple of Hk
     g: torch.Tensor,                  # (T, H) log decay, <= 0
     beta: torch.Tensor,               # (T, H)
-    state: torch.Tensor,              # (num_slots, H, K, V) float32, updated in place
+    state: torch.Tensor,              # (num_entries, H, K, V) float32, updated in place
     cu_seqlens: torch.Tensor,         # (B + 1,) int
     slots: torch.Tensor,              # (B,) int64
     has_initial_state: torch.Tensor,  # (B,) bool
+    saves: SavePoints | None = None,  # sequence -> (offset, entry) save points (``save_points``)
     chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:                    # (T, H, V) in v's dtype
     """The same results as :func:`gated_delta_rule_recurrent_reference` (to float32 rounding),
     ``chunk_size`` tokens at a time: within a chunk the recurrence is solved as one triangular
     system (:func:`_delta_chunk`), so the state is read and written once per chunk, not per
-    token. Chunks start at each sequence's first row; the last one may be short."""
+    token. Chunks start at each sequence's first row; the last one may be short. A save point
+    inside a chunk splits it there (the state exists only between chunks)."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     fresh = ~has_initial_state.cpu()
+    saves = saves or {}
     for b, start, end in _sequences(cu_seqlens):
         slot = int(slots[b])
+        at = _saves_at(saves.get(b, []), end - start)
+        cuts = sorted({*range(start, end, chunk_size), *(start + o for o in at if o < end - start)}) + [end]
         s = _initial_state(state, slot, bool(fresh[b]))                            # (H, K, V)
-        for c in range(start, end, chunk_size):
-            rows = slice(c, min(c + chunk_size, end))
+        for c, c_end in zip(cuts, cuts[1:]):
+            rows = slice(c, c_end)
             out[rows], s = _delta_chunk(*(x[rows].transpose(0, 1) for x in (qf, kf, vf, gf, bf)), s)
+            for entry in at.get(c_end - start, ()):
+                state[entry] = s.to(state.dtype)
         state[slot] = s.to(state.dtype)
     return out.to(v.dtype)
 

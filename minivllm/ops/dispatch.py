@@ -342,9 +342,10 @@ class Ops:
     def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       cu_seqlens: torch.Tensor, state: StateMetadata) -> torch.Tensor:
         """SiLU of the causal depthwise conv of ``x`` (T, C) per sequence, continuing from and
-        updating each sequence's slot of ``conv_state`` (num_slots, C, K - 1)."""
+        updating each sequence's slot of ``conv_state`` (num_entries, C, K - 1), and writing
+        the state at ``state``'s save points."""
         return linref.causal_conv1d_reference(x, weight, conv_state, cu_seqlens, state.slots,
-                                              state.has_initial_state)
+                                              state.has_initial_state, _save_points(state))
 
     def gdn_gating(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,10 +356,12 @@ class Ops:
                          beta: torch.Tensor, recurrent_state: torch.Tensor, cu_seqlens: torch.Tensor,
                          state: StateMetadata, decode: bool) -> torch.Tensor:
         """The gated delta rule over every sequence's rows from its slot of ``recurrent_state``
-        (num_slots, H, K, V), which it updates: (T, H, V). ``decode`` (every sequence feeds one
-        token): the one-step recurrence, else the chunked form (equal to float32 rounding)."""
+        (num_entries, H, K, V), which it updates, and writes the state at ``state``'s save points:
+        (T, H, V). ``decode`` (every sequence feeds one token): the one-step recurrence, else the
+        chunked form (equal to float32 rounding)."""
         rule = linref.gated_delta_rule_recurrent_reference if decode else linref.gated_delta_rule_chunked_reference
-        return rule(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state)
+        return rule(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state,
+                    _save_points(state))
 
     # ---- sampling ------------------------------------------------------------------
 
@@ -407,6 +410,11 @@ class Ops:
         if self.triton:
             from minivllm.kernels.vocab_embedding import vocab_shard_embedding as lookup
         return self.comm.all_reduce(lookup(ids, weight, vocab_start, vocab_end))
+
+
+def _save_points(state: StateMetadata) -> linref.SavePoints:
+    """The step's save points by sequence, as the references take them."""
+    return linref.save_points(state.save_rows, state.save_offsets, state.save_slots)
 
 
 def fp8_mode(scale: torch.Tensor | None, weight: torch.Tensor) -> str:

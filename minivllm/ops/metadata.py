@@ -3,9 +3,13 @@ as an explicit argument (no forward context)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+def _no_saves() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -14,12 +18,15 @@ class StateMetadata:
 
     A Gated DeltaNet layer reads each sequence's conv and recurrent state at its slot (zeros
     where ``has_initial_state`` is False) and writes back, in place, the state after the
-    sequence's last token fed this step. Layer ``l`` of the state tensors is the model's
-    ``l``-th linear-attention layer (``ModelConfig.kind_index``); their shapes are
-    ``ModelConfig.conv_state_shape`` / ``recurrent_state_shape``.
+    sequence's last token fed this step; at each save point it also writes the state after a
+    sequence's first ``offset`` tokens into another entry (a prefix-cache snapshot, or a
+    drafted row's per-position scratch: ``executor/model_executor.py``). Layer ``l`` of the
+    state tensors is the model's ``l``-th linear-attention layer (``ModelConfig.kind_index``);
+    their shapes are ``ModelConfig.conv_state_shape`` / ``recurrent_state_shape`` of all
+    entries (the executor's slots first, then its snapshots and scratch).
     """
 
-    # int64 (B,): the state slot of each of the step's B sequences (distinct, in [0, num_slots)).
+    # int64 (B,): the state entry of each of the step's B sequences (distinct).
     slots: torch.Tensor
     # bool (B,): False: the sequence starts from zero state (its first chunk: whatever the slot
     # holds is ignored); True: it continues from the state in its slot.
@@ -30,6 +37,12 @@ class StateMetadata:
     # float32 (num_linear_layers, num_slots, num_v_heads, head_k_dim, head_v_dim): each slot's
     # delta-rule state per value head.
     recurrent_state: torch.Tensor
+    # int64 (N,) each, empty when none: save point i writes sequence save_rows[i]'s state after
+    # its first save_offsets[i] fed tokens (1 .. its tokens) into entry save_slots[i] (no
+    # sequence of the step owns it).
+    save_rows: torch.Tensor = field(default_factory=_no_saves)
+    save_offsets: torch.Tensor = field(default_factory=_no_saves)
+    save_slots: torch.Tensor = field(default_factory=_no_saves)
 
     def __post_init__(self) -> None:
         """Shapes and dtypes (host-side metadata only: nothing here syncs a device).
@@ -42,6 +55,11 @@ class StateMetadata:
         if self.has_initial_state.dtype != torch.bool or self.has_initial_state.shape != self.slots.shape:
             raise ValueError(f"has_initial_state must be bool {tuple(self.slots.shape)}, got "
                              f"{self.has_initial_state.dtype} {tuple(self.has_initial_state.shape)}")
+        for name in ("save_rows", "save_offsets", "save_slots"):
+            t = getattr(self, name)
+            if t.dtype != torch.int64 or t.dim() != 1 or t.shape != self.save_rows.shape:
+                raise ValueError(f"{name} must be int64 (N,) like save_rows {tuple(self.save_rows.shape)}, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
         if self.conv_state.dim() != 4:
             raise ValueError(f"conv_state must be (layers, slots, conv_dim, kernel - 1), "
                              f"got {tuple(self.conv_state.shape)}")
