@@ -343,7 +343,11 @@ class Ops:
                       cu_seqlens: torch.Tensor, state: StateMetadata) -> torch.Tensor:
         """SiLU of the causal depthwise conv of ``x`` (T, C) per sequence, continuing from and
         updating each sequence's slot of ``conv_state`` (num_entries, C, K - 1), and writing
-        the state at ``state``'s save points."""
+        the state at ``state``'s save points (Triton: ``kernels/causal_conv1d.py``)."""
+        if self.triton:
+            from minivllm.kernels.causal_conv1d import causal_conv1d
+            return causal_conv1d(x, weight, conv_state, cu_seqlens, state.slots, state.has_initial_state,
+                                 state.save_rows, state.save_offsets, state.save_slots)
         return linref.causal_conv1d_reference(x, weight, conv_state, cu_seqlens, state.slots,
                                               state.has_initial_state, _save_points(state))
 
@@ -357,8 +361,16 @@ class Ops:
                          state: StateMetadata, decode: bool) -> torch.Tensor:
         """The gated delta rule over every sequence's rows from its slot of ``recurrent_state``
         (num_entries, H, K, V), which it updates, and writes the state at ``state``'s save points:
-        (T, H, V). ``decode`` (every sequence feeds one token): the one-step recurrence, else the
-        chunked form (equal to float32 rounding)."""
+        (T, H, V). Triton: token by token in one kernel for every step
+        (``kernels/gated_delta_rule_recurrent.py``: no host sync, so CUDA graphs may hold it; a
+        chunked kernel for long prefills is still to come). The references: ``decode`` (every
+        sequence feeds one token) the one-step recurrence, else the chunked form (equal to
+        float32 rounding)."""
+        if self.triton:
+            from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent
+            return gated_delta_rule_recurrent(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots,
+                                              state.has_initial_state, state.save_rows, state.save_offsets,
+                                              state.save_slots)
         rule = linref.gated_delta_rule_recurrent_reference if decode else linref.gated_delta_rule_chunked_reference
         return rule(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state,
                     _save_points(state))

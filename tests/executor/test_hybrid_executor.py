@@ -125,6 +125,21 @@ def test_chunked_prefill_under_preemption(setup) -> None:
         assert llm.engine.stats.num_preemptions > before
 
 
+def test_triton_kernels_give_transformers_tokens(setup) -> None:
+    """The same through the Triton kernels (the interpreter: the conv and the delta rule token
+    by token, with save points): chunked prefill under preemption, and prefix hits resuming
+    from snapshots saved mid-chunk."""
+    name, path, prompts, refs = setup
+    if name != "dense-lin-first":
+        pytest.skip("the kernels are the same for the MoE model; the interpreter is slow")
+    llm = make_llm(path, kernels="triton", max_num_batched_tokens=13, num_blocks=16, state_snapshot_interval=1)
+    assert tokens(llm, prompts["plain"][1:3]) == refs["plain"][1:3]
+    assert llm.engine.stats.num_preemptions > 0
+    assert tokens(llm, prompts["cold"][:1]) == refs["cold"][:1]
+    warm = llm.generate(prompts["warm"][:1], GREEDY, use_tqdm=False)
+    assert [list(o.token_ids) for o in warm] == refs["warm"][:1] and warm[0].num_cached_tokens == 24
+
+
 def test_n_completions(setup) -> None:
     """n = 3 greedy: the other two completions read the prompt from the prefix cache and resume
     from the snapshot at its last full block; all three are transformers' tokens."""
