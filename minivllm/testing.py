@@ -23,7 +23,6 @@ from minivllm.engine.plan import StepPlan
 from minivllm.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from minivllm.config import SpeculativeConfig
     from minivllm.executor.model_executor import ModelExecutor
 
 
@@ -150,8 +149,7 @@ def random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int
 
 def make_model_executor(path: str, *, block_size: int, num_blocks: int | None, max_num_seqs: int,
                         max_num_batched_tokens: int, max_model_len: int | None = None,
-                        kv_cache_dtype: str = "auto", speculative_config: "SpeculativeConfig | None" = None,
-                        **executor: object) -> "ModelExecutor":
+                        kv_cache_dtype: str = "auto", **executor: object) -> "ModelExecutor":
     """A ``ModelExecutor`` over ``path`` from the few settings tests vary (configs built here)."""
     from minivllm.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
     from minivllm.executor.model_executor import ModelExecutor
@@ -160,8 +158,7 @@ def make_model_executor(path: str, *, block_size: int, num_blocks: int | None, m
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len or model_config.max_position_embeddings)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
-    return ModelExecutor(model_config, path, sched, cache, ExecutorConfig(**executor),  # type: ignore[arg-type]
-                         speculative_config=speculative_config)
+    return ModelExecutor(model_config, path, sched, cache, ExecutorConfig(**executor))  # type: ignore[arg-type]
 
 
 def hf_generate(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:

@@ -95,9 +95,6 @@ DTYPES: dict[str, torch.dtype] = {
 CPU_KV_CACHE_BYTES = 4 << 30
 _LOGPROBS = attrgetter("logprobs")
 _SHAPES_LOGITS = attrgetter("shapes_logits")
-# With speculation, drafted steps (1 + k tokens a row) also replay buckets of 8, 16 and 32
-# tokens, whose GEMMs take cuBLAS's small-row kernels (docs/tuning.md, "Speculative decoding").
-DRAFTED_STEP_SMALLEST_BUCKET = 8
 _ACCEPT_SALT = 0x2545F491  # keys of the acceptance tests, apart from the draws' (same seed, position)
 
 
@@ -298,7 +295,6 @@ class ModelExecutor:
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.ops, self.generator)
         self.model = self._load_model(model_path, model_config)
-        self._smallest_prefill_bucket = 64 if speculative_config is None else DRAFTED_STEP_SMALLEST_BUCKET
         self.draft_config: ModelConfig | None = None
         self.draft_model: DecoderForCausalLM | None = None
         if speculative_config is not None and speculative_config.method == "draft_model":
@@ -388,14 +384,14 @@ class ModelExecutor:
         return self.prefill_graph_runner is not None
 
     def make_prefill_graph_runner(self, capture: bool, buckets: list[int] | None = None) -> PrefillGraphRunner:
-        """A runner of prefill and mixed steps in token buckets (default: powers of two from 64, or
-        with speculation from ``DRAFTED_STEP_SMALLEST_BUCKET``, and the token budget); ``capture=False`` runs the padded forward eagerly (the CPU, tests)."""
+        """A runner of prefill and mixed steps in token buckets (default: powers of two from 64 and
+        the token budget; drafted steps too: docs/tuning.md, "Speculative decoding"); ``capture=False`` runs the padded forward eagerly (the CPU, tests)."""
         attn = _first_attention(self.model)
         return PrefillGraphRunner(
             self.model.forward, self.kv_cache, self.prev_sampled, self.model_config.hidden_size, self.dtype,
             attn.num_heads, self.num_kv_heads, self.model_config.head_dim, self.max_num_seqs,
             cdiv(self.max_model_len, self.block_size),
-            buckets or default_prefill_buckets(self.max_num_batched_tokens, self._smallest_prefill_bucket), capture)
+            buckets or default_prefill_buckets(self.max_num_batched_tokens), capture)
 
     def _allocate_kv_cache(self, num_blocks: int, draft: bool = False) -> torch.Tensor:
         """This rank's KV cache of the target, or with ``draft`` of the draft model."""

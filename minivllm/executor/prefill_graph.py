@@ -36,9 +36,10 @@ from minivllm.ops.dispatch import Ops
 from minivllm.ops.metadata import AttentionMetadata
 
 
-def default_prefill_buckets(max_num_batched_tokens: int, smallest: int = 64) -> list[int]:
-    """Powers of two from ``smallest`` below the budget, and the budget itself."""
-    sizes = [1 << k for k in range(32) if smallest <= (1 << k) < max_num_batched_tokens]
+def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from 64 below the budget, and the budget itself (drafted steps too: smaller
+    buckets made them slower, docs/tuning.md, "Speculative decoding")."""
+    sizes = [1 << k for k in range(6, 32) if (1 << k) < max_num_batched_tokens]
     return sizes + [max_num_batched_tokens]
 
 

@@ -66,24 +66,9 @@ def test_padded_buckets_with_an_fp8_cache_keep_the_model_dtype(path: str) -> Non
     assert padded.prefill_graph_runner.num_replays == 1
 
 
-def test_speculation_adds_buckets_for_drafted_steps(path: str) -> None:
-    """With speculation a drafted step (1 + k tokens a row) replays a bucket of 8, 16 or 32
-    tokens, not 64; without it the buckets start at 64."""
-    from minivllm.config import SpeculativeConfig
-
-    made = {spec: make_model_executor(path, device="cpu", kernels="triton", block_size=BS, num_blocks=24,
-                                      max_num_seqs=4, max_num_batched_tokens=128,
-                                      speculative_config=SpeculativeConfig(num_speculative_tokens=4) if spec else None)
-            for spec in (False, True)}
-    assert made[False].make_prefill_graph_runner(capture=False).buckets == [64, 128]
-    assert made[True].make_prefill_graph_runner(capture=False).buckets == [8, 16, 32, 64, 128]
-
-
 def test_buckets_and_tile_maps() -> None:
     assert default_prefill_buckets(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
     assert default_prefill_buckets(100) == [64, 100]
-    assert default_prefill_buckets(100, smallest=8) == [8, 16, 32, 64, 100]
-    assert default_prefill_buckets(16, smallest=8) == [8, 16]
     runner = PrefillGraphRunner(lambda *a: None, torch.zeros(1, 2, 4, BS, 2, 16), torch.zeros(4, dtype=torch.int64),
                                 32, torch.float32, 4, 2, 16, max_num_seqs=4, max_blocks_per_seq=8, buckets=[16, 64],
                                 capture=False)
