@@ -23,7 +23,7 @@ from sim.fake_executor import FOLD_EMPTY, FakeExecutor, PagingError, fold_tokens
 from sim.runner import _Run
 from sim.traces import generate_trace
 
-# Hybrid traces in test_random_hybrid_traces: CHUNKS x TRACES_PER_CHUNK, half with one step
+# Hybrid traces in test_random_traces_of_hybrid_models: CHUNKS x TRACES_PER_CHUNK, half with one step
 # in flight; a quarter of make sim's random traces are hybrid too.
 CHUNKS, TRACES_PER_CHUNK = 8, 250
 
@@ -33,7 +33,7 @@ def _trace(seed: int, **overrides):
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
-def test_random_hybrid_traces(chunk: int) -> None:
+def test_random_traces_of_hybrid_models(chunk: int) -> None:
     """Every output equals the oracle's and every invariant holds after every step; over the
     chunk, prefix hits resumed from snapshots and sequences were preempted."""
     resumed = preempted = 0
