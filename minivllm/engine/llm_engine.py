@@ -50,8 +50,10 @@ from minivllm.step_types import TokenHistory
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "InvariantError"]
 
 # Most steps an engine waits before asking its proposer again after rounds that found no
-# draft or kept none (``LLMEngine._spec_outcome``): those steps keep one step in flight.
-MAX_SPEC_BACKOFF = 16
+# draft or kept none (``LLMEngine._spec_outcome``): those steps keep one step in flight
+# (docs/tuning.md, "Speculative decoding": 32 keeps drafts that are always wrong within
+# 1.10x of no drafts at batch 1, and copy-heavy chats gain as much as with 16).
+MAX_SPEC_BACKOFF = 32
 
 # Finished request ids remembered (to tell "already finished" from "unknown"
 # on abort, and to refuse a reused id); older ones are forgotten.
@@ -202,11 +204,9 @@ class LLMEngine:
         self._last_out: SchedulerOutput | None = None
         self.vocab_size = vocab_size
         self.grammar_backend = grammar_backend
-        self.proposer = proposer
         # Proposal rounds that found nothing, or kept nothing, back off (1, 2, 4 .. MAX_SPEC_BACKOFF
         # steps without asking), so that those steps keep one step in flight: ``_spec_outcome``.
-        self._spec_backoff = 0
-        self._spec_wait = 0
+        self.proposer = proposer
         self.observer = observer
         if observer is not None:
             observer.attach(self)
@@ -214,6 +214,18 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """Who drafts tokens (speculative decoding), or None."""
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        """A new proposer (or none) starts without backing off: the last one's misses say
+        nothing about it."""
+        self._proposer = proposer
+        self._spec_backoff = self._spec_wait = 0
 
     @property
     def async_scheduling(self) -> bool:

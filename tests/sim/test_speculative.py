@@ -251,6 +251,24 @@ def test_rounds_that_find_nothing_back_off_and_keep_a_step_in_flight() -> None:
     assert silent.calls <= 6 + steps // MAX_SPEC_BACKOFF and in_flight > 0.9 * steps, (silent.calls, in_flight, steps)
 
 
+def test_a_new_proposer_is_asked_at_once() -> None:
+    """After misses have backed the engine off, setting a proposer (a new one, or the same
+    again) asks it at the next step: the last one's misses say nothing about it."""
+    silent = _Silent()
+    engine = LLMEngine(SchedulerConfig(max_model_len=256), CacheConfig(block_size=4, num_blocks=128),
+                       FakeExecutor(50, 4, 128), proposer=silent)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True))
+    for _ in range(25):  # asked at steps 1, 3, 6, 11, 20 (waits 1, 2, 4, 8), next at 37
+        engine.step()
+    calls = silent.calls
+    engine.step()
+    assert silent.calls == calls == 5  # backing off
+    fresh = _Silent()
+    engine.proposer = fresh
+    engine.step()
+    assert fresh.calls == 1
+
+
 @pytest.mark.parametrize("lo, hi", [(1, 3), (2, 4), (5, 5), (1, 1)])
 def test_ngram_lookup_equals_a_brute_force_search(lo: int, hi: int) -> None:
     """Against every window compared in full, on small alphabets where matches abound."""
