@@ -123,6 +123,8 @@ bench: serve-deps-offline
 	run $(BENCH_LIMIT) benchmarks.structured_outputs $(if $(BENCH_QUICK),--rounds 1); \
 	run $(BENCH_LIMIT) benchmarks.accuracy $(if $(BENCH_QUICK),--prompts 8); \
 	run $(BENCH_LIMIT) benchmarks.speculative --load-format dummy $(if $(BENCH_QUICK),--ks 4 --accepts 1.0 --offline 64); \
+	run $(BENCH_LIMIT) benchmarks.speculative --load-format dummy --shapes qwen3-8b --batches 1 --ks 4 --accepts 1.0 \
+		--settle 40 --new-tokens 64 --offline 0 --max-backoff 0; \
 	run $(BENCH_LIMIT) benchmarks.draft_model --load-format dummy; \
 	run $(BENCH_LIMIT) benchmarks.copy_chat $(if $(SMOLLM2_GGUF_FILE),--gguf $(SMOLLM2_GGUF_FILE)); \
 	$(BENCH_REPORT)

@@ -3,7 +3,7 @@ numbers without drafts.
 
     PYTHONPATH=. python3 -m benchmarks.speculative [--shapes qwen3-0.6b] [--load-format dummy]
         [--batches 1,16] [--ks 1,2,4,8] [--accepts 0.5,0.7,0.9,1.0] [--new-tokens 128]
-        [--offline 256] [--smoke]
+        [--offline 256] [--max-backoff N] [--smoke]
 
 - **The gain, as a curve.** Each batch runs greedy once without drafts (its recorded
   continuations are the truth), then once per (k, acceptance) with a benchmark-only
@@ -124,6 +124,9 @@ def main() -> None:
     ap.add_argument("--offline-rounds", type=int, default=2)
     ap.add_argument("--settle", type=int, default=3,
                     help="replays of the drafted run's own output that settle the truth (bf16)")
+    ap.add_argument("--max-backoff", type=int, default=None,
+                    help="most steps between proposal rounds after misses (default the engine's; 0: draft "
+                         "every step, so a bf16 truth settles where rejected drafts would reshape the steps)")
     ap.add_argument("--dtype", default="auto",
                     help="float32: the scoring forward gives the decode forward's tokens (in bf16 random "
                          "weights' near-ties may round otherwise, and the replayed truth drifts)")
@@ -146,9 +149,12 @@ def main() -> None:
               max_model_len=64 if args.smoke else 4096, **smoke,
               speculative_config={"method": "ngram", "num_speculative_tokens": max(args.ks)})
     print(f"start-up {time.perf_counter() - t0:.1f}s", flush=True)
+    if args.max_backoff is not None:
+        llm.engine.max_spec_backoff = args.max_backoff
     vocab = llm.model_config.vocab_size
     rows = curve(llm, args, device, vocab)
-    summary: dict[str, Any] = dict(shapes=args.shapes, dtype=args.dtype, new_tokens=args.new_tokens, curve=rows)
+    summary: dict[str, Any] = dict(shapes=args.shapes, dtype=args.dtype, new_tokens=args.new_tokens,
+                                   max_backoff=llm.engine.max_spec_backoff, curve=rows)
     b1 = {r["accept"]: r for r in rows if r["batch"] == 1 and r["k"] in (0, 4)}
     if 0.0 in b1 and None in b1:
         summary["cost_always_wrong_batch1"] = b1[0.0]["ms_per_token"] / b1[None]["ms_per_token"]

@@ -204,8 +204,10 @@ class LLMEngine:
         self._last_out: SchedulerOutput | None = None
         self.vocab_size = vocab_size
         self.grammar_backend = grammar_backend
-        # Proposal rounds that found nothing, or kept nothing, back off (1, 2, 4 .. MAX_SPEC_BACKOFF
+        # Proposal rounds that found nothing, or kept nothing, back off (1, 2, 4 .. max_spec_backoff
         # steps without asking), so that those steps keep one step in flight: ``_spec_outcome``.
+        # A benchmark that wants every step drafted sets it to 0.
+        self.max_spec_backoff = MAX_SPEC_BACKOFF
         self.proposer = proposer
         self.observer = observer
         if observer is not None:
@@ -483,12 +485,12 @@ class LLMEngine:
 
     def _spec_outcome(self, useful: bool) -> None:
         """After a miss (no draft found, or a drafted step that kept none), wait twice as long
-        as last time (1, 2, 4 .. MAX_SPEC_BACKOFF steps) before asking again; after a step that
+        as last time (1, 2, 4 .. ``max_spec_backoff`` steps) before asking again; after a step that
         kept a draft, ask at once."""
         if useful:
             self._spec_backoff = self._spec_wait = 0
         else:
-            self._spec_backoff = min(max(1, 2 * self._spec_backoff), MAX_SPEC_BACKOFF)
+            self._spec_backoff = min(max(1, 2 * self._spec_backoff), self.max_spec_backoff)
             self._spec_wait = self._spec_backoff
 
     def _propose(self) -> list[Sequence]:
