@@ -550,15 +550,43 @@ class ModelConfig:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
 
-    def conv_state_shape(self, num_slots: int) -> tuple[int, int, int, int]:
-        """(num_linear_layers, num_slots, conv_dim, kernel - 1): every slot's last conv inputs, model dtype."""
-        return (self.num_linear_layers, num_slots, self.linear_conv_dim, self.linear_conv_kernel_dim - 1)
+    def conv_state_shape(self, num_slots: int, tp_size: int = 1) -> tuple[int, int, int, int]:
+        """(num_linear_layers, num_slots, conv_dim / tp_size, kernel - 1): every slot's last conv
+        inputs on one of ``tp_size`` ranks (its q, k and v heads' channels), model dtype.
 
-    def recurrent_state_shape(self, num_slots: int) -> tuple[int, int, int, int, int]:
-        """(num_linear_layers, num_slots, v_heads, head_k_dim, head_v_dim): every slot's delta-rule
-        state, float32."""
-        return (self.num_linear_layers, num_slots, self.linear_num_value_heads, self.linear_key_head_dim,
+        Raises:
+            ValueError: the DeltaNet heads do not split over ``tp_size`` (``linear_heads_per_rank``).
+        """
+        key_heads, value_heads = self.linear_heads_per_rank(tp_size)
+        channels = 2 * key_heads * self.linear_key_head_dim + value_heads * self.linear_value_head_dim
+        return (self.num_linear_layers, num_slots, channels, self.linear_conv_kernel_dim - 1)
+
+    def recurrent_state_shape(self, num_slots: int, tp_size: int = 1) -> tuple[int, int, int, int, int]:
+        """(num_linear_layers, num_slots, v_heads / tp_size, head_k_dim, head_v_dim): every slot's
+        delta-rule state on one of ``tp_size`` ranks (its value heads), float32.
+
+        Raises:
+            ValueError: the DeltaNet heads do not split over ``tp_size`` (``linear_heads_per_rank``).
+        """
+        _, value_heads = self.linear_heads_per_rank(tp_size)
+        return (self.num_linear_layers, num_slots, value_heads, self.linear_key_head_dim,
                 self.linear_value_head_dim)
+
+    def linear_heads_per_rank(self, tp_size: int) -> tuple[int, int]:
+        """(q/k heads, value heads) of the DeltaNet on each of ``tp_size`` ranks: both counts split
+        evenly, so each rank's value heads are those of its own q/k heads (a value head reads
+        q/k head ``v // (linear_num_value_heads // linear_num_key_heads)``).
+
+        Raises:
+            ValueError: naming ``linear_num_key_heads`` or ``linear_num_value_heads`` when it
+                does not divide by ``tp_size``.
+        """
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(self, name) % tp_size:
+                raise ValueError(f"{name} ({getattr(self, name)}) is not divisible by tp_size ({tp_size})")
+        return self.linear_num_key_heads // tp_size, self.linear_num_value_heads // tp_size
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` routes to experts (transformers' rule for Qwen3-MoE)."""

@@ -8,8 +8,9 @@ entries (``layers/linear_attention.py: allocate_linear_state``)::
     conv_state       (num_linear_layers, entries, conv_dim, kernel - 1)   the model's dtype
     recurrent_state  (num_linear_layers, entries, H, K, V)                 float32
 
-so snapshot id i is entry ``S + i``: restoring one into a slot, or saving a row's state into
-one, is an index copy within the same tensors, every layer at once.
+(with tensor parallelism, conv_dim and H are the rank's share: its heads), so snapshot id i
+is entry ``S + i``: restoring one into a slot, or saving a row's state into one, is an index
+copy within the same tensors, every layer at once.
 
 Per step (``StateInputs.from_plan``, host numpy, uploaded with the step's other indices):
 
@@ -46,10 +47,11 @@ SNAPSHOTS_PER_SEQ = 4
 SNAPSHOT_MEMORY_SHARE = 0.25
 
 
-def state_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one state entry over every linear-attention layer (conv in ``dtype``, recurrent float32)."""
-    conv = int(np.prod(config.conv_state_shape(1))) * torch.finfo(dtype).bits // 8
-    return conv + int(np.prod(config.recurrent_state_shape(1))) * 4
+def state_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one state entry over every linear-attention layer on one of ``tp_size`` ranks
+    (its heads; conv in ``dtype``, recurrent float32)."""
+    conv = int(np.prod(config.conv_state_shape(1, tp_size))) * torch.finfo(dtype).bits // 8
+    return conv + int(np.prod(config.recurrent_state_shape(1, tp_size))) * 4
 
 
 @dataclass(frozen=True)
@@ -169,12 +171,14 @@ class LinearStates:
         layout: how many slots, snapshots and draft entries.
         dtype: the conv state's dtype (the model's); the recurrent state is float32.
         device: where they live.
+        tp_size: the ranks the heads are split over; the tensors hold one rank's heads.
     """
 
     def __init__(self, config: ModelConfig, layout: StateLayout, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp_size: int = 1) -> None:
         self.layout = layout
-        self.conv_state, self.recurrent_state = allocate_linear_state(config, layout.num_entries, dtype, device)
+        self.conv_state, self.recurrent_state = allocate_linear_state(config, layout.num_entries, dtype, device,
+                                                                      tp_size)
 
     def metadata(self, uploaded: list[torch.Tensor]) -> StateMetadata:
         """The step's ``StateMetadata`` from ``StateInputs.arrays()`` on the device (same order),

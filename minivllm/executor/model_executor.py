@@ -246,8 +246,8 @@ class ModelExecutor:
         tp_rank: this process's rank when ``config.tensor_parallel_size > 1``
             (``executor/distributed.py`` builds one executor per rank, inside a
             process group).
-        agree_num_blocks: with several ranks, maps this rank's pool size to the
-            one all ranks use (the minimum over ranks).
+        agree_num_blocks: with several ranks, maps this rank's pool size (and a hybrid
+            model's snapshot count) to the one all ranks use (the minimum over ranks).
         speculative_config: with method ``draft_model``, the draft model (its directory
             resolved) runs in this executor (``executor/draft.py``); other methods need
             nothing here.
@@ -317,9 +317,12 @@ class ModelExecutor:
                 self.state_layout = dataclasses.replace(self.state_layout, num_snapshots=num_snapshots)
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
+            if self.state_layout is not None:  # the engine indexes every rank's snapshots alike
+                self.state_layout = dataclasses.replace(
+                    self.state_layout, num_snapshots=agree_num_blocks(self.state_layout.num_snapshots))
         self.num_blocks = num_blocks
         self.kv_cache = self._allocate_kv_cache(num_blocks)
-        self.states = (LinearStates(model_config, self.state_layout, self.dtype, self.device)
+        self.states = (LinearStates(model_config, self.state_layout, self.dtype, self.device, self.tp_size)
                        if self.state_layout is not None else None)
         self._keep_staging = _PinnedRing(self.device)  # a drafted hybrid step's kept-state indices
         # The last step's sampled ids, by sampling row (``prev_sample_row`` maps sequences to rows).
@@ -467,7 +470,7 @@ class ModelExecutor:
         budget = total * gpu_memory_utilization - others - peak
         num_snapshots, states = 0, ""
         if layout is not None:
-            entry = state_bytes(self.model_config, self.dtype)
+            entry = state_bytes(self.model_config, self.dtype, self.tp_size)
             budget -= (layout.num_entries - layout.num_snapshots) * entry     # slots and draft states
             num_snapshots = max(0, min(layout.num_snapshots, int(budget * SNAPSHOT_MEMORY_SHARE // entry)))
             budget -= num_snapshots * entry
@@ -530,7 +533,7 @@ class ModelExecutor:
         """A hybrid model's warm-up: zeroed states of its own for ``num_seqs`` fresh rows (None otherwise)."""
         if self.state_layout is None:
             return None
-        conv, recurrent = allocate_linear_state(self.model_config, num_seqs, self.dtype, self.device)
+        conv, recurrent = allocate_linear_state(self.model_config, num_seqs, self.dtype, self.device, self.tp_size)
         fresh = torch.zeros(num_seqs, dtype=torch.bool, device=self.device)
         return StateMetadata(slots=torch.arange(num_seqs, device=self.device), has_initial_state=fresh,
                              conv_state=conv, recurrent_state=recurrent)

@@ -10,9 +10,17 @@ Per token, with the checkpoint's names (every op through ``Ops``)::
     o = gated delta rule(l2norm(q), l2norm(k), v, g, beta)   state (H, K, V) per slot, float32
     out = out_proj(rms_norm(o) * weight * silu(z))           per value head
 
-Tensor parallelism is not served yet (the model refuses tp_size > 1): the projections are the
-parallel linear classes so that it can follow, but the packed ``in_proj`` would need its qkv
-part split by q, k and v heads (not contiguously), and the conv channels with it.
+Tensor parallelism shards by heads: each of N ranks holds ``Hk / N`` q/k heads and the
+``H / N`` value heads that read them, so the conv, the gating and the delta rule run on the
+rank's heads alone and only ``out_proj`` (row-parallel) leaves a partial sum. The checkpoint's
+``in_proj_qkv`` rows and conv channels are q (all heads), k (all), v (all), so a rank's part
+of either is three slices (``qkv_segments``)::
+
+    checkpoint rows   [ q0 q1 | k0 k1 | v0 v1 v2 v3 ]          (Hk = 2, H = 4)
+    rank 0 (N = 2)    [ q0 | k0 | v0 v1 ]    rank 1: [ q1 | k1 | v2 v3 ]
+
+z, b, a, ``A_log`` and ``dt_bias`` split by value head; the norm weight (one head's) is
+replicated; the state tensors hold the rank's heads (``ModelConfig.conv_state_shape``).
 """
 
 from __future__ import annotations
@@ -21,37 +29,121 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from minivllm.layers.linear import LinearBase, RowParallelLinear
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.weights import default_weight_loader, set_weight_loader
+from minivllm.layers.weights import Loaded, ShardId, check_tp, load_segments, set_weight_loader
 from minivllm.ops.dispatch import Ops
 from minivllm.ops.metadata import AttentionMetadata
 
 
 def allocate_linear_state(config: ModelConfig, num_slots: int, dtype: torch.dtype,
-                          device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+                          device: torch.device | str, tp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed ``(conv_state, recurrent_state)`` of ``num_slots`` slots for every linear-attention
-    layer: ``ModelConfig.conv_state_shape`` in ``dtype`` (the model's) and
-    ``recurrent_state_shape`` in float32 (the recurrence accumulates over the whole sequence)."""
-    conv = torch.zeros(config.conv_state_shape(num_slots), dtype=dtype, device=device)
-    recurrent = torch.zeros(config.recurrent_state_shape(num_slots), dtype=torch.float32, device=device)
+    layer, one rank's heads of ``tp_size``: ``ModelConfig.conv_state_shape`` in ``dtype`` (the
+    model's) and ``recurrent_state_shape`` in float32 (the recurrence accumulates over the whole
+    sequence)."""
+    conv = torch.zeros(config.conv_state_shape(num_slots, tp_size), dtype=dtype, device=device)
+    recurrent = torch.zeros(config.recurrent_state_shape(num_slots, tp_size), dtype=torch.float32, device=device)
     return conv, recurrent
 
 
-def _vector(size: int, fill: float) -> nn.Parameter:
-    """A replicated (size,) parameter loaded whole; ``fill`` its dummy value."""
-    param = nn.Parameter(torch.empty(size), requires_grad=False)
+Segment = tuple[int, int, int]  # (offset in the rank's rows, start in the checkpoint's rows, rows)
+
+
+def qkv_segments(config: ModelConfig, tp_rank: int, tp_size: int) -> tuple[Segment, ...]:
+    """Where rank ``tp_rank``'s q, k and v rows (of ``in_proj_qkv``, or channels of the conv)
+    come from: its slice of each of the checkpoint's three parts, packed in that order.
+
+    Raises:
+        ValueError: the DeltaNet heads do not split over ``tp_size``.
+    """
+    key_heads, value_heads = config.linear_heads_per_rank(tp_size)
+    key, value = key_heads * config.linear_key_head_dim, value_heads * config.linear_value_head_dim
+    full_key = config.linear_num_key_heads * config.linear_key_head_dim
+    return ((0, tp_rank * key, key), (key, full_key + tp_rank * key, key),
+            (2 * key, 2 * full_key + tp_rank * value, value))
+
+
+def _vector(size: int, fill: float, tp_rank: int, tp_size: int) -> nn.Parameter:
+    """A (size / tp_size,) per-value-head parameter, rank ``tp_rank``'s slice of the checkpoint's
+    (size,) vector; ``fill`` its dummy value."""
+    local = size // tp_size
+    param = nn.Parameter(torch.empty(local), requires_grad=False)
     param.fill_value = fill  # type: ignore[attr-defined]
-    return set_weight_loader(param, default_weight_loader)
+
+    def load(p: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"a per-head vector is not packed; got shard id {shard_id!r}")
+        load_segments(p.data, loaded, 0, size, [(0, tp_rank * local, local)], "per-head vector")
+
+    return set_weight_loader(param, load)
 
 
 class DepthwiseConv(nn.Module):
-    """The conv's filters, (channels, 1, K) as checkpoints store them (``conv1d.weight``)."""
+    """The conv's filters, (channels, 1, K) as checkpoints store them (``conv1d.weight``); on
+    a rank, its q, k and v channels (``qkv_segments``)."""
 
-    def __init__(self, channels: int, kernel_size: int) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size), requires_grad=False)
-        set_weight_loader(self.weight, default_weight_loader)
+        self.segments = qkv_segments(config, tp_rank, tp_size)
+        channels = sum(rows for _, _, rows in self.segments)
+        self.full_channels = config.linear_conv_dim
+        self.weight = nn.Parameter(torch.empty(channels, 1, config.linear_conv_kernel_dim), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+        """Copy this rank's q, k and v channels of the full (conv_dim, 1, K) filters.
+
+        Raises:
+            ValueError: a shard id was given, or the checkpoint shape is wrong.
+        """
+        if shard_id is not None:
+            raise ValueError(f"DepthwiseConv is not packed; got shard id {shard_id!r}")
+        load_segments(param.data, loaded, 0, self.full_channels, self.segments, "DepthwiseConv")
+
+
+class DeltaNetInProj(LinearBase):
+    """The DeltaNet's four input projections in one column-parallel matmul, rank ``tp_rank``'s
+    rows packed as ``[q | k | v | z | b | a]`` of its heads (module doc). Shard ids: 0
+    ``in_proj_qkv`` (three slices, ``qkv_segments``), 1 ``in_proj_z``, 2 ``in_proj_b``, 3
+    ``in_proj_a`` (each this rank's value heads' rows).
+
+    Attributes:
+        local_sizes: the rank's (qkv, z, b, a) rows, the split of the matmul's output.
+
+    Raises:
+        ValueError: the DeltaNet heads do not split over ``tp_size``.
+    """
+
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        check_tp(tp_rank, tp_size)
+        qkv = qkv_segments(config, tp_rank, tp_size)
+        _, heads = config.linear_heads_per_rank(tp_size)
+        z = heads * config.linear_value_head_dim
+        local_sizes = (sum(rows for _, _, rows in qkv), z, heads, heads)
+        super().__init__(config.hidden_size, sum(local_sizes), False, tp_rank, tp_size)
+        self.local_sizes = local_sizes
+        value_rows = config.linear_num_value_heads * config.linear_value_head_dim
+        # shard id -> (checkpoint rows, segments of the rank's rows within the packed weight)
+        base = [sum(self.local_sizes[:i]) for i in range(4)]
+        self._layout: dict[int, tuple[int, tuple[Segment, ...]]] = {
+            0: (config.linear_conv_dim, qkv),
+            1: (value_rows, ((base[1], tp_rank * z, z),)),
+            2: (config.linear_num_value_heads, ((base[2], tp_rank * heads, heads),)),
+            3: (config.linear_num_value_heads, ((base[3], tp_rank * heads, heads),)),
+        }
+        set_weight_loader(self.weight, self.weight_loader, (0, 1, 2, 3))
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+        """Copy this rank's rows of part ``shard_id`` into their places in the packed weight.
+
+        Raises:
+            ValueError: an unknown shard id, or the checkpoint shape is wrong.
+        """
+        if shard_id not in self._layout:
+            raise ValueError(f"DeltaNetInProj: shard id must be in 0..3, got {shard_id!r}")
+        full, segments = self._layout[shard_id]  # type: ignore[index]
+        load_segments(param.data, loaded, 0, full, segments, f"DeltaNetInProj shard {shard_id}")
 
 
 class GatedDeltaNet(nn.Module):
@@ -61,23 +153,26 @@ class GatedDeltaNet(nn.Module):
         config: a hybrid model's shapes.
         layer_idx: the decoder layer; its index among the linear-attention layers picks its
             row of the state tensors (``ModelConfig.kind_index``).
+        tp_rank, tp_size: this rank of the ranks the heads are split over (module doc).
+
+    Raises:
+        ValueError: the DeltaNet heads do not split over ``tp_size``.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.num_k_heads, self.num_v_heads = config.linear_heads_per_rank(tp_size)  # this rank's
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.state_index = config.kind_index(layer_idx)
         key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         self.split_sizes = (key_dim, key_dim, value_dim)
-        self.in_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.linear_conv_dim, value_dim, self.num_v_heads, self.num_v_heads],
-            tp_rank=tp_rank, tp_size=tp_size)
-        self.conv1d = DepthwiseConv(config.linear_conv_dim, config.linear_conv_kernel_dim)
-        self.A_log = _vector(self.num_v_heads, 0.0)
-        self.dt_bias = _vector(self.num_v_heads, 1.0)
+        self.in_proj = DeltaNetInProj(config, tp_rank, tp_size)
+        self.conv1d = DepthwiseConv(config, tp_rank, tp_size)
+        self.A_log = _vector(config.linear_num_value_heads, 0.0, tp_rank, tp_size)
+        self.dt_bias = _vector(config.linear_num_value_heads, 1.0, tp_rank, tp_size)
         self.norm = RMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(value_dim, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.out_proj = RowParallelLinear(config.linear_num_value_heads * self.head_v_dim, config.hidden_size,
+                                          tp_rank=tp_rank, tp_size=tp_size)
 
     def forward(self, ops: Ops, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T, hidden) normed input -> (T, hidden) this rank's partial sum of out_proj; the

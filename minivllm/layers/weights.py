@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -133,6 +133,26 @@ def load_slice(
         dest.copy_(loaded.narrow(dim, start, dest.shape[dim]))
 
 
+def load_segments(dest: torch.Tensor, loaded: Loaded, dim: int, full: int,
+                  segments: Sequence[tuple[int, int, int]], what: str) -> None:
+    """Copy several slices of ``loaded`` along ``dim`` into ``dest``: for each
+    ``(offset, start, length)``, ``loaded[start:start + length]`` into ``dest[offset:offset + length]``
+    (a rank's share of a tensor whose parts are each split over the ranks, e.g. the DeltaNet's
+    q, k and v rows). Only those slices of a ``CheckpointTensor`` are read.
+
+    Raises:
+        ValueError: ``loaded`` is not ``dest``'s shape with ``full`` along ``dim``.
+    """
+    expected = list(dest.shape)
+    expected[dim] = full
+    if list(loaded.shape) != expected:
+        raise ValueError(f"{what}: expected checkpoint shape {tuple(expected)}, got {tuple(loaded.shape)}")
+    check_fp8_pairing(dest, loaded, what)
+    with torch.no_grad():
+        for offset, start, length in segments:
+            dest.narrow(dim, offset, length).copy_(loaded.narrow(dim, start, length))
+
+
 def check_fp8_pairing(dest: torch.Tensor, loaded: Loaded, what: str) -> None:
     """A checkpoint's e4m3 values go only into an e4m3 parameter and back: a cast either way
     would drop the scale that gives them their meaning.
@@ -225,7 +245,10 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
       ``moe_intermediate_size % tp_size == 0`` (every expert's, split the same way);
     - with an FP8 checkpoint (128 x 128 block scales), each rank's query rows, key/value
       rows and intermediate sizes a multiple of 128, so no scale block spans two parts;
-    - a hybrid model (linear-attention layers) on one rank: their sharding is not served yet.
+    - a hybrid model's ``linear_num_key_heads`` and ``linear_num_value_heads`` each
+      divisible by ``tp_size`` (``ModelConfig.linear_heads_per_rank``: the DeltaNet shards by
+      heads, each rank the value heads of its own q/k heads), and
+      ``shared_expert_intermediate_size`` (split as the dense MLP's).
 
     Nothing of the vocabulary: ``VocabParallelEmbedding`` gives every rank
     ``ceil(vocab / tp_size)`` rows and zero-pads the last shard(s), and the LM head
@@ -234,15 +257,17 @@ def check_tp_divisibility(model_config: ModelConfig, tp_size: int) -> None:
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     c = model_config
-    if tp_size > 1 and c.is_hybrid:
-        raise ValueError(f"tensor_parallel_size {tp_size}: {c.architecture} runs on one rank only for now "
-                         "(its linear-attention layers are not sharded yet)")
+    if c.is_hybrid:
+        c.linear_heads_per_rank(tp_size)
     heads = divide(c.num_attention_heads, tp_size, "num_attention_heads")
     kv_heads = kv_heads_per_rank(c.num_key_value_heads, tp_size)
     parts = {"query heads": heads * c.head_dim, "key/value heads": kv_heads * c.head_dim,
              "intermediate_size": divide(c.intermediate_size, tp_size, "intermediate_size")}
     if c.num_experts:
         parts["moe_intermediate_size"] = divide(c.moe_intermediate_size, tp_size, "moe_intermediate_size")
+    if c.shared_expert_intermediate_size:
+        parts["shared_expert_intermediate_size"] = divide(c.shared_expert_intermediate_size, tp_size,
+                                                          "shared_expert_intermediate_size")
     if c.quantization is not None:  # block scales: every packed part of a rank on a 128 edge
         bad = {name: rows for name, rows in parts.items() if rows % FP8_BLOCK_SIDE}
         if bad:

@@ -215,9 +215,13 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     """Qwen3.5 dense (``Qwen3_5ForCausalLM`` checkpoints); see ``DecoderForCausalLM`` for the
     arguments. Every op runs on the general path (no small-batch GEMV forward yet).
 
+    Tensor parallelism shards the DeltaNet by heads (``layers/linear_attention.py``), the gated
+    attention by (query, gate) head pairs, and the MLPs and the shared expert as the shared
+    decoder's; the shared expert's (1, hidden) gate is replicated.
+
     Raises:
-        ValueError: ``tp_size > 1`` (sharding the DeltaNet is not served yet), or what
-            ``DecoderForCausalLM`` raises.
+        ValueError: shapes that do not split over ``tp_size`` (``check_tp_divisibility``), or
+            what ``DecoderForCausalLM`` raises.
     """
 
     architecture = "Qwen3_5ForCausalLM"
