@@ -132,6 +132,12 @@ class BlockManager:
         revived = sum(1 for b in hit if self.ref_counts[b] == 0)
         return fresh + revived
 
+    def reserve_snapshot(self, seq: Sequence, blocks: int) -> int | None:
+        """``StateCache.reserve`` for ``seq``'s first ``blocks`` full blocks; a snapshot whose
+        block no sequence holds may make way for it."""
+        assert self.state is not None
+        return self.state.reserve(seq, blocks, lambda h: self.ref_counts[self.hash_to_block[h]] == 0)
+
     def has_state_slot(self) -> bool:
         """Whether a sequence may be admitted as far as state goes (a free slot, or no state)."""
         return self.state is None or self.state.num_free_slots > 0

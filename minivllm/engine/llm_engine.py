@@ -682,8 +682,9 @@ class LLMEngine:
             return ()
         bs = self.cache_config.block_size
         saves = []
+        bm = self.scheduler.block_manager
         for blocks in state.boundaries(seq, start, end, bs):
-            snap = state.reserve(seq, blocks)
+            snap = bm.reserve_snapshot(seq, blocks)
             if snap is not None:
                 saves.append((blocks * bs - start, snap))
         return tuple(saves)

@@ -13,12 +13,15 @@ executor holds two pools of such states; this module decides who uses which entr
   request whose prefix hits that block resumes from the snapshot instead of recomputing
   its whole prefix. A snapshot is reserved when a step is planned (the executor writes
   it during the step), bound to its hash when the step completes, and dropped when the
-  hash is evicted with its block.
+  hash is evicted with its block, or (the oldest first) when a new boundary needs one and all
+  are taken, if no running sequence holds its block.
 
 No tensor lives here; slot and snapshot ids index the executor's pools.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from minivllm.engine.sequence import Sequence
 
@@ -79,13 +82,21 @@ class StateCache:
         first, last = start // block_size + 1, end // block_size
         return [j for j in range(first, last + 1) if j % self.snapshot_interval == 0 or j == last_prompt_block]
 
-    def reserve(self, seq: Sequence, blocks: int) -> int | None:
-        """A snapshot id for the state after ``seq``'s first ``blocks`` full blocks, or None
-        (no snapshot free, or the hash of that block has one already)."""
-        if not self.free_snapshots or blocks in seq.pending_snapshots:
+    def reserve(self, seq: Sequence, blocks: int, evictable: Callable[[int], bool]) -> int | None:
+        """A snapshot id for the state after ``seq``'s first ``blocks`` full blocks, or None (the
+        hash of that block has one already, or every snapshot is reserved or tied to a block
+        in use). With none free, the oldest snapshot whose hash ``evictable`` says no sequence
+        holds is given up for it: else a full pool would stop every later snapshot, and hits
+        on new prefixes would never resume."""
+        if blocks in seq.pending_snapshots:
             return None
         if len(seq.block_hashes) >= blocks and seq.block_hashes[blocks - 1] in self.snapshot_of:
             return None
+        if not self.free_snapshots:
+            old = next((h for h in self.snapshot_of if evictable(h)), None)
+            if old is None:
+                return None
+            self.drop(old)
         snap = self.free_snapshots.pop()
         seq.pending_snapshots[blocks] = snap
         return snap

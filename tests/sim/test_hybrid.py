@@ -140,8 +140,8 @@ def test_reserved_snapshots_bind_to_hashes_or_go_back_and_are_evicted_with_them(
     a, b = _seq(0), _seq(1)
     state.take_slot(a, None)
     state.take_slot(b, None)
-    sa, sb = state.reserve(a, 1), state.reserve(b, 1)
-    assert {sa, sb} == {0, 1} and state.reserve(a, 2) is None  # the pool is empty
+    sa, sb = state.reserve(a, 1, _never), state.reserve(b, 1, _never)
+    assert {sa, sb} == {0, 1} and state.reserve(a, 2, _never) is None  # the pool is empty
     state.bind(a, [111, 222], 2)
     state.bind(b, [111], 1)  # an equal prefix has its snapshot: b's goes back
     assert state.snapshot_of == {111: sa} and state.free_snapshots == [sb] and not b.pending_snapshots
@@ -151,6 +151,48 @@ def test_reserved_snapshots_bind_to_hashes_or_go_back_and_are_evicted_with_them(
     state.release(a)
     state.release(b)
     assert sorted(state.free_slots) == [0, 1] and a.state_slot is None and not state.check([], set())
+
+
+def _never(block_hash: int) -> bool:
+    return False
+
+
+def test_a_full_pool_gives_up_its_oldest_snapshot_of_a_block_nobody_holds() -> None:
+    state = StateCache(1, 2, snapshot_interval=1)
+    a = _seq(0)
+    state.take_slot(a, None)
+    for blocks, h in ((1, 11), (2, 22)):
+        state.reserve(a, blocks, _never)
+        state.bind(a, [11, 22], blocks)
+    assert state.snapshot_of == {11: 0, 22: 1} or state.snapshot_of == {11: 1, 22: 0}
+    assert state.reserve(a, 3, _never) is None                 # both blocks in use: nothing to give up
+    snap = state.reserve(a, 3, lambda h: h == 22)              # only 22's block is free
+    assert snap is not None and 22 not in state.snapshot_of and 11 in state.snapshot_of
+    assert a.pending_snapshots == {3: snap}
+
+
+def test_hits_resume_after_the_snapshot_pool_filled() -> None:
+    """Two snapshots and prompts of new prefixes one after another: each new prompt's
+    boundaries take snapshots from finished ones, so a prompt sharing the latest prefix still
+    resumes from one (a pool that only filled would make every later hit recompute all)."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+
+    engine = LLMEngine(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+                       CacheConfig(block_size=4, num_blocks=64, state_snapshot_interval=2),
+                       FakeExecutor(50, 4, 64, state_slots=2, state_snapshots=2))
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def run(rid: str, prompt: list[int]) -> int:
+        engine.add_request(rid, prompt, greedy)
+        cached = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                cached = max(cached, out.num_cached_tokens)
+            engine.check_invariants()
+        return cached
+    for i in range(4):
+        assert run(f"p{i}", [10 + i] * 12) == 0
+    assert run("again", [13] * 12 + [1, 2]) == 12  # the snapshot at the newest prompt's last full block
 
 
 def test_invariants_catch_a_slot_held_twice_and_a_stale_snapshot() -> None:
