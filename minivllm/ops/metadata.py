@@ -22,7 +22,8 @@ class StateMetadata:
     sequence's first ``offset`` tokens into another entry (a prefix-cache snapshot, or a
     drafted row's per-position scratch: ``executor/model_executor.py``). Layer ``l`` of the
     state tensors is the model's ``l``-th linear-attention layer (``ModelConfig.kind_index``);
-    their shapes are ``ModelConfig.conv_state_shape`` / ``recurrent_state_shape`` of all
+    their shapes are ``ModelConfig.conv_state_shape`` / ``recurrent_state_shape`` (this rank's
+    heads under tensor parallelism) of all
     entries (the executor's slots first, then its snapshots and scratch).
     """
 
