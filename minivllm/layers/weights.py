@@ -106,6 +106,15 @@ def get_shard_ids(param: nn.Parameter) -> tuple[ShardId, ...]:
     return getattr(param, "shard_ids", (None,))
 
 
+def _check_full_shape(dest: torch.Tensor, loaded: Loaded, dim: int, full: int, what: str) -> None:
+    """``loaded`` must be ``dest``'s shape with ``full`` along ``dim`` (and FP8 paired as dest)."""
+    expected = list(dest.shape)
+    expected[dim] = full
+    if list(loaded.shape) != expected:
+        raise ValueError(f"{what}: expected checkpoint shape {tuple(expected)}, got {tuple(loaded.shape)}")
+    check_fp8_pairing(dest, loaded, what)
+
+
 def load_slice(
     dest: torch.Tensor, loaded: Loaded, dim: int, start: int, full: int, what: str
 ) -> None:
@@ -124,11 +133,7 @@ def load_slice(
     Raises:
         ValueError: ``loaded`` does not have the expected full shape.
     """
-    expected = list(dest.shape)
-    expected[dim] = full
-    if list(loaded.shape) != expected:
-        raise ValueError(f"{what}: expected checkpoint shape {tuple(expected)}, got {tuple(loaded.shape)}")
-    check_fp8_pairing(dest, loaded, what)
+    _check_full_shape(dest, loaded, dim, full, what)
     with torch.no_grad():
         dest.copy_(loaded.narrow(dim, start, dest.shape[dim]))
 
@@ -143,11 +148,7 @@ def load_segments(dest: torch.Tensor, loaded: Loaded, dim: int, full: int,
     Raises:
         ValueError: ``loaded`` is not ``dest``'s shape with ``full`` along ``dim``.
     """
-    expected = list(dest.shape)
-    expected[dim] = full
-    if list(loaded.shape) != expected:
-        raise ValueError(f"{what}: expected checkpoint shape {tuple(expected)}, got {tuple(loaded.shape)}")
-    check_fp8_pairing(dest, loaded, what)
+    _check_full_shape(dest, loaded, dim, full, what)
     with torch.no_grad():
         for offset, start, length in segments:
             dest.narrow(dim, offset, length).copy_(loaded.narrow(dim, start, length))

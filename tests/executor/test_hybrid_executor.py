@@ -28,7 +28,7 @@ from minivllm.kernels.linear_attention_reference import (
     SavePoints, causal_conv1d_reference, gated_delta_rule_chunked_reference, gated_delta_rule_recurrent_reference,
     save_points)
 from minivllm.testing import hf_generate, make_plan
-from tests.model.test_qwen3_5 import MODELS, make_hf
+from tests.model.test_qwen3_5 import saved_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 
@@ -58,13 +58,10 @@ def _prompts(vocab: int) -> dict[str, list[list[int]]]:
 def setup(request, tmp_path_factory):
     """(name, checkpoint path, prompts by kind, transformers' greedy tokens by kind)."""
     name = request.param
-    arch, settings = MODELS[name]
-    hf = make_hf(arch, settings, seed=list(MODELS).index(name))
-    path = tmp_path_factory.mktemp(name)
-    hf.save_pretrained(path)
+    hf, path = saved_model(name, tmp_path_factory)
     prompts = _prompts(hf.config.vocab_size)
     refs = {kind: [hf_generate(hf, p, NEW) for p in ps] for kind, ps in prompts.items()}
-    return name, str(path), prompts, refs
+    return name, path, prompts, refs
 
 
 def make_llm(path: str, **options: object) -> LLM:

@@ -83,14 +83,19 @@ def make_hf(arch: str, settings: dict, seed: int) -> transformers.PreTrainedMode
     return model
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def setup(request, tmp_path_factory):
-    name = request.param
+def saved_model(name: str, tmp_path_factory) -> tuple[transformers.PreTrainedModel, str]:
+    """``MODELS[name]``'s transformers model (its own seed) and the directory it is saved in."""
     arch, settings = MODELS[name]
     hf = make_hf(arch, settings, seed=list(MODELS).index(name))
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
-    return name, hf, str(path)
+    return hf, str(path)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def setup(request, tmp_path_factory):
+    hf, path = saved_model(request.param, tmp_path_factory)
+    return request.param, hf, path
 
 
 def load(path: str) -> torch.nn.Module:
