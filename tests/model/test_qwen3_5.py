@@ -385,3 +385,21 @@ def test_causal_conv_continues_from_its_state() -> None:
     torch.testing.assert_close(torch.cat(parts), whole, atol=1e-6, rtol=0)
     torch.testing.assert_close(parts_state, whole_state, atol=0, rtol=0)
     torch.testing.assert_close(whole_state[2], x[-(width - 1):].t(), atol=0, rtol=0)
+
+
+def test_cli_and_server_run_a_hybrid_checkpoint(tmp_path: Path, capsys) -> None:
+    """The tiny fixture's tokenizer beside a Qwen3.5 checkpoint of its vocabulary: the CLI and
+    the OpenAI server answer what the offline ``LLM`` answers."""
+    from minivllm import LLM
+    from minivllm.__main__ import main as cli_main
+    from tests.server.utils import add_fixture_tokenizer, assert_server_completes_as_llm
+
+    arch, settings = MODELS["dense-lin-first"]
+    make_hf(arch, {**settings, "vocab_size": 100}, seed=11).save_pretrained(tmp_path)
+    path = add_fixture_tokenizer(tmp_path)
+    with LLM(path, device="cpu", dtype="float32", block_size=BS, num_blocks=16, max_model_len=64) as llm:
+        want = assert_server_completes_as_llm(llm, "12+34=")
+    assert cli_main(["generate", "--model", path, "--device", "cpu", "--dtype", "float32", "--block-size", "4",
+                     "--num-blocks", "16", "--max-model-len", "64", "--max-tokens", "4", "--ignore-eos",
+                     "12+34="]) == 0
+    assert want and want in capsys.readouterr().out
