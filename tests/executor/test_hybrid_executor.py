@@ -54,14 +54,24 @@ def _prompts(vocab: int) -> dict[str, list[list[int]]]:
     }
 
 
-@pytest.fixture(scope="module", params=["dense-lin-first", "moe-shared-full-first"])
-def setup(request, tmp_path_factory):
+def _setup(name: str, tmp_path_factory) -> tuple[str, str, dict, dict]:
     """(name, checkpoint path, prompts by kind, transformers' greedy tokens by kind)."""
-    name = request.param
     hf, path = saved_model(name, tmp_path_factory)
     prompts = _prompts(hf.config.vocab_size)
     refs = {kind: [hf_generate(hf, p, NEW) for p in ps] for kind, ps in prompts.items()}
     return name, path, prompts, refs
+
+
+@pytest.fixture(scope="module", params=["dense-lin-first", "moe-shared-full-first"])
+def setup(request, tmp_path_factory):
+    return _setup(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """``setup`` of the dense model only (the Triton test: the kernels are the MoE model's too,
+    and the interpreter is slow)."""
+    return _setup("dense-lin-first", tmp_path_factory)
 
 
 def make_llm(path: str, **options: object) -> LLM:
@@ -122,13 +132,11 @@ def test_chunked_prefill_under_preemption(setup) -> None:
         assert llm.engine.stats.num_preemptions > before
 
 
-def test_triton_kernels_give_transformers_tokens(setup) -> None:
+def test_triton_kernels_give_transformers_tokens(dense) -> None:
     """The same through the Triton kernels (the interpreter: the conv and the delta rule token
     by token, with save points): chunked prefill under preemption, and prefix hits resuming
     from snapshots saved mid-chunk."""
-    name, path, prompts, refs = setup
-    if name != "dense-lin-first":
-        pytest.skip("the kernels are the same for the MoE model; the interpreter is slow")
+    _, path, prompts, refs = dense
     llm = make_llm(path, kernels="triton", max_num_batched_tokens=13, num_blocks=16, state_snapshot_interval=1)
     assert tokens(llm, prompts["plain"][1:3]) == refs["plain"][1:3]
     assert llm.engine.stats.num_preemptions > 0
