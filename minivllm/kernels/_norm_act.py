@@ -18,6 +18,15 @@ def weighted_rms_norm_row(x, w, eps, N: tl.constexpr):
 
 
 @triton.jit
+def unit_offset_rms_norm_row(x, w, eps, N: tl.constexpr):
+    """``(1 + w) * (x / sqrt(mean(x^2) + eps))`` of one row ``x`` (zero padded past N), ``w``
+    in fp32: the zero-centred norm of Qwen3.5, all in fp32 with no rounding between (the
+    caller casts once), as transformers' Qwen3_5RMSNorm."""
+    x32 = x.to(tl.float32)
+    return (x32 * tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)) * (1.0 + w)
+
+
+@triton.jit
 def normalise(x, w, rstd):
     """``w * (x * rstd)`` for x in its own dtype, w and rstd in fp32: the normalised value
     rounded to x's dtype before the weight multiply (the rounding of Hugging Face's

@@ -64,6 +64,10 @@ def _causal_conv1d_kernel(
     end = tl.load(cu_ptr + b + 1)
     slot = tl.load(slots_ptr + b)
     fresh = tl.load(fresh_ptr + b)
+    # slot -1: a graph's padding row, run from zeros (reads entry 0, unused), writing no state
+    mc_state = mc & (offs_c * 0 + slot >= 0)
+    fresh = tl.where(slot >= 0, fresh, 1)
+    slot = tl.maximum(slot, 0)
     w = tl.load(weight_ptr + offs_c[:, None] * K + offs_j[None, :], mask=mc[:, None] & (offs_j[None, :] < K),
                 other=0.0).to(tl.float32)                                            # (BLOCK_C, BLOCK_K)
     for t in range(start, end):
@@ -73,7 +77,7 @@ def _causal_conv1d_kernel(
         y = tl.sum(w * window, axis=1)
         y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + t * C + offs_c, y.to(out_ptr.dtype.element_ty), mask=mc)
-    keep = mc[:, None] & (offs_j[None, :] < K - 1)
+    keep = mc_state[:, None] & (offs_j[None, :] < K - 1)
     for i in range(num_saves):
         if tl.load(save_rows_ptr + i) == b:
             saved = _inputs_before(x_ptr, state_ptr, start, start + tl.load(save_offsets_ptr + i), slot, fresh,
@@ -97,7 +101,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         weight: (C, K) contiguous, 2 <= K <= ``MAX_KERNEL``.
         conv_state: (num_entries, C, K - 1) contiguous.
         cu_seqlens: (B + 1,) row offsets of the B sequences.
-        slots: (B,) entries of ``conv_state``, distinct.
+        slots: (B,) entries of ``conv_state``, distinct; -1: a padding row (of a CUDA graph),
+            run from zeros, its state written nowhere.
         has_initial_state: (B,) bool; False starts that sequence from zeros.
         save_rows, save_offsets, save_slots: (N,) each, or None: save point i writes sequence
             save_rows[i]'s state after its first save_offsets[i] tokens into entry save_slots[i],

@@ -262,6 +262,19 @@ def round_to_e4m3(y):
 # (1,) float32 tensors on the device: kernels load them, so nothing is read on the host and a
 # CUDA graph keeps reading the current value.
 
+@triton.jit
+def store_kv(ptr, x, mask, scale_ptr, KV_FP8: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """A 2-D tile ``x`` of K or V (model dtype) into the cache at ``ptr``: cast to the cache's
+    dtype, or (KV_FP8) quantized by the layer's (1,) scale at ``scale_ptr``, times 1 / scale
+    correctly rounded, as the reference (``quantize_kv_reference``) takes it."""
+    if KV_FP8:
+        scale = tl.load(scale_ptr + tl.arange(0, 1))                        # (1,)
+        inv = tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale)[None, :]
+        tl.store(ptr, quantize_e4m3(x, inv, EXACT_CAST), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
 def is_fp8_cache(cache: torch.Tensor) -> bool:
     """Whether ``cache`` holds FP8 values."""
     return cache.dtype == FP8_DTYPE

@@ -79,6 +79,7 @@ def _gated_delta_rule_recurrent_kernel(
     end = tl.load(cu_ptr + b + 1)
     slot = tl.load(slots_ptr + b)
     fresh = tl.load(fresh_ptr + b)
+    mask = mask & (offs_v[None, :] * 0 + slot >= 0)  # slot -1: a graph's padding row, from zeros, no state written
     in_head = offs_k[:, None] * V + offs_v[None, :]                                  # (BLOCK_K, BLOCK_V)
     s = tl.load(state_ptr + (slot * H + h) * K * V + in_head, mask=mask, other=0.0)
     s = tl.where(fresh != 0, 0.0, s)     # a fresh start: the zero state, whatever the slot held (NaN too)
@@ -112,7 +113,8 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         g: (T, H) log decay (<= 0); beta: (T, H).
         state: (num_entries, H, K, V) float32, contiguous.
         cu_seqlens: (B + 1,) row offsets of the B sequences.
-        slots: (B,) entries of ``state``, distinct.
+        slots: (B,) entries of ``state``, distinct; -1: a padding row (of a CUDA graph), run
+            from the zero state, its state written nowhere.
         has_initial_state: (B,) bool; False starts that sequence from the zero state.
         save_rows, save_offsets, save_slots: (N,) each, or None: save point i writes sequence
             save_rows[i]'s state after its first save_offsets[i] tokens (1 .. its tokens) into
@@ -126,6 +128,30 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ValueError: shapes that disagree, K above ``MAX_K``, strided heads, a non-contiguous
             state, or tensors on different devices.
     """
+    check_gated_delta_rule_args(q, k, v, g, beta, state, cu_seqlens, slots, has_initial_state)
+    t, hk, kd = q.shape
+    h, vd = v.shape[1:]
+    nseq = slots.shape[0]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if nseq == 0 or t == 0:
+        return out
+    rows, offsets, entries = ordered_saves(save_rows, save_offsets, save_slots, q.device)
+    block_v = min(64, next_pow2(vd))
+    grid = (nseq, h, triton.cdiv(vd, block_v))
+    _gated_delta_rule_recurrent_kernel[grid](
+        q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens.to(torch.int64), slots.to(torch.int64),
+        (~has_initial_state).to(torch.int8), rows, offsets, entries, rows.shape[0], out,
+        q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
+        H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=next_pow2(kd), BLOCK_V=block_v,
+    )
+    return out
+
+
+def check_gated_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
+                                slots: torch.Tensor, has_initial_state: torch.Tensor) -> None:
+    """The checks every gated-delta-rule launcher makes (the Raises of
+    :func:`gated_delta_rule_recurrent`)."""
     t, hk, kd = q.shape
     h, vd = v.shape[1:]
     nseq = slots.shape[0]
@@ -147,23 +173,10 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                       has_initial_state=has_initial_state)
     if q.stride(2) != 1 or q.stride(1) != kd or k.stride() != q.stride() or v.stride()[1:] != (vd, 1):
         raise ValueError("q, k and v need contiguous heads (q and k of one row stride)")
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if nseq == 0 or t == 0:
-        return out
-    rows, offsets, entries = _ordered_saves(save_rows, save_offsets, save_slots, q.device)
-    block_v = min(64, next_pow2(vd))
-    grid = (nseq, h, triton.cdiv(vd, block_v))
-    _gated_delta_rule_recurrent_kernel[grid](
-        q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens.to(torch.int64), slots.to(torch.int64),
-        (~has_initial_state).to(torch.int8), rows, offsets, entries, rows.shape[0], out,
-        q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
-        H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=next_pow2(kd), BLOCK_V=block_v,
-    )
-    return out
 
 
-def _ordered_saves(rows: torch.Tensor | None, offsets: torch.Tensor | None, entries: torch.Tensor | None,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ordered_saves(rows: torch.Tensor | None, offsets: torch.Tensor | None, entries: torch.Tensor | None,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The save points as int64 (N,) tensors ordered by (row, offset), on the device (a sort
     there: no host sync); three empty ones when there are none."""
     if rows is None or offsets is None or entries is None or rows.numel() == 0:

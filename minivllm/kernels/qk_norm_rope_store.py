@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.fp8 import FP8_DTYPE, check_kv_scales, exact_cast, is_fp8_cache, quantize_e4m3
+from minivllm.kernels.fp8 import FP8_DTYPE, check_kv_scales, exact_cast, is_fp8_cache, store_kv
 from minivllm.kernels._launch import (
     check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2,
 )
@@ -153,17 +153,9 @@ def _qk_norm_rope_store_kernel(
 @triton.jit
 def _store_pair(ptr, x1, x2, HALF: tl.constexpr, mask, scale_ptr, KV_FP8: tl.constexpr,
                 EXACT_CAST: tl.constexpr):
-    """Both halves of a tile of heads into the cache at ``ptr``: cast to the cache dtype, or
-    KV_FP8: quantized by the layer's scale (``fp8.quantize_e4m3``, times 1 / scale correctly
-    rounded, as the reference takes it)."""
-    if KV_FP8:
-        scale = tl.load(scale_ptr + tl.arange(0, 1))                        # (1,)
-        inv = tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale)[None, :]
-        tl.store(ptr, quantize_e4m3(x1, inv, EXACT_CAST), mask=mask)
-        tl.store(ptr + HALF, quantize_e4m3(x2, inv, EXACT_CAST), mask=mask)
-    else:
-        tl.store(ptr, x1.to(ptr.dtype.element_ty), mask=mask)
-        tl.store(ptr + HALF, x2.to(ptr.dtype.element_ty), mask=mask)
+    """Both halves of a tile of heads into the cache at ``ptr`` (``fp8.store_kv``)."""
+    store_kv(ptr, x1, mask, scale_ptr, KV_FP8, EXACT_CAST)
+    store_kv(ptr + HALF, x2, mask, scale_ptr, KV_FP8, EXACT_CAST)
 
 
 def qk_norm_rope_store(

@@ -305,12 +305,15 @@ class Ops:
         return build_tile_map(q_lens, block_q, capacity)
 
     # ---- hybrid models (Qwen3.5): gated attention and the Gated DeltaNet -----------------------
-    # No Triton kernels for these yet: both implementations run the torch references
-    # (``kernels/reference.py``, ``kernels/linear_attention_reference.py``) until kernels, tested
-    # against them, take their place here.
+    # Triton kernels where ``triton`` is set, tested against the torch references
+    # (``kernels/reference.py``, ``kernels/linear_attention_reference.py``); an op that has
+    # none runs its reference on both paths.
 
     def rms_norm_1p(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm ``(1 + weight) * x / rms(x)`` of each row of ``x`` (..., N)."""
+        if self.triton:
+            from minivllm.kernels.rms_norm import rms_norm_1p
+            return rms_norm_1p(x, weight, eps, pdl=self.pdl)  # type: ignore[return-value]
         return ref.rms_norm_1p_ref(x, weight, eps)
 
     def add_rms_norm_1p(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -319,14 +322,21 @@ class Ops:
         ranks' partial sums plus the residual."""
         if self.comm is not None:
             partial = self.comm.all_reduce(partial)
+        if self.triton:
+            from minivllm.kernels.rms_norm import rms_norm_1p
+            return rms_norm_1p(partial, weight, eps, residual=residual, pdl=self.pdl)  # type: ignore[return-value]
         return ref.add_rms_norm_1p_ref(partial, residual, weight, eps)
 
     def rms_norm_gated(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * rms_norm(x) * silu(gate)`` over the last dim (the DeltaNet's output norm)."""
+        if self.triton:
+            from minivllm.kernels.rms_norm_gated import rms_norm_gated
+            return rms_norm_gated(x, gate, weight, eps)
         return ref.rms_norm_gated_ref(x, gate, weight, eps)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``x * sigmoid(gate)``, gate broadcast over x (an output gate)."""
+        """``x * sigmoid(gate)``, gate broadcast over x (an output gate). No kernel: two eager
+        elementwise ops, which a CUDA graph captures as they are."""
         return ref.sigmoid_mul_ref(x, gate)
 
     def qk_norm_1p_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -335,9 +345,13 @@ class Ops:
                               slot_mapping: torch.Tensor, k_scale: torch.Tensor,
                               v_scale: torch.Tensor) -> torch.Tensor:
         """Zero-centred q/k norm per head, RoPE of the first ``cos_sin_cache.shape[1]`` dims,
-        k and v stored at ``slot_mapping``; returns q (T, H, D)."""
-        return ref.qk_norm_1p_rope_store_reference(q, k, v, positions, q_weight, k_weight, eps, cos_sin_cache,
-                                                   k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        k and v stored at ``slot_mapping``; returns q (T, H, D). Triton: one kernel, no host sync
+        (the reference's filtering of -1 slots syncs)."""
+        fn = ref.qk_norm_1p_rope_store_reference
+        if self.triton:
+            from minivllm.kernels.qk_norm_1p_rope_store import qk_norm_1p_rope_store as fn
+        return fn(q, k, v, positions, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                  k_scale, v_scale)
 
     def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       cu_seqlens: torch.Tensor, state: StateMetadata) -> torch.Tensor:
@@ -361,16 +375,17 @@ class Ops:
                          state: StateMetadata, decode: bool) -> torch.Tensor:
         """The gated delta rule over every sequence's rows from its slot of ``recurrent_state``
         (num_entries, H, K, V), which it updates, and writes the state at ``state``'s save points:
-        (T, H, V). Triton: token by token in one kernel for every step
-        (``kernels/gated_delta_rule_recurrent.py``: no host sync, so CUDA graphs may hold it; a
-        chunked kernel for long prefills is still to come). The references: ``decode`` (every
-        sequence feeds one token) the one-step recurrence, else the chunked form (equal to
-        float32 rounding)."""
+        (T, H, V). ``decode`` (every sequence feeds one token): the one-step recurrence, token by
+        token (``kernels/gated_delta_rule_recurrent.py``); else the chunked form, a triangular
+        system per chunk (``kernels/gated_delta_rule_chunked.py``); the two equal to float32
+        rounding. Neither Triton kernel syncs the host, so CUDA graphs may hold them."""
         if self.triton:
-            from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent
-            return gated_delta_rule_recurrent(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots,
-                                              state.has_initial_state, state.save_rows, state.save_offsets,
-                                              state.save_slots)
+            if decode:
+                from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent as kernel
+            else:
+                from minivllm.kernels.gated_delta_rule_chunked import gated_delta_rule_chunked as kernel
+            return kernel(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state,
+                          state.save_rows, state.save_offsets, state.save_slots)
         rule = linref.gated_delta_rule_recurrent_reference if decode else linref.gated_delta_rule_chunked_reference
         return rule(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state,
                     _save_points(state))

@@ -43,3 +43,41 @@ def make_qk_norm_problem(
     args = [qkv.to(dtype), positions, *weights, 1e-6, cos_sin, k_cache, v_cache, slots]
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     return args, ref_args
+
+
+def make_qk_norm_1p_problem(
+    t: int, h: int, hkv: int, d: int, rotary: int, dtype: torch.dtype, gen: torch.Generator,
+    exact_sums: bool = False, kv_dtype: torch.dtype | None = None,
+) -> tuple[list, list]:
+    """Arguments of ``qk_norm_1p_rope_store`` and a deep copy for the reference, q, k and v as
+    the Qwen3.5 layer passes them: views of one projection row ``[q0 g0 q1 g1 .. | k | v]``
+    (each query head beside its gate head), so q's heads are 2 D apart and no view is
+    contiguous. RoPE over the first ``rotary`` dims; every third slot -1.
+
+    ``exact_sums``: entries are multiples of 1/4 in [-1, 1] (every head's sum of squares exact
+    in any order). ``kv_dtype``: the cache's dtype (default ``dtype``); e4m3 brings scales."""
+    width = (2 * h + 2 * hkv) * d
+    if exact_sums:
+        qkv = torch.randint(-4, 5, (t, width), generator=gen) * 0.25
+    else:
+        qkv = torch.randn(t, width, generator=gen) * 3
+    q_weight = 0.3 * torch.randn(d, generator=gen)
+    k_weight = 0.3 * torch.randn(d, generator=gen)
+    max_pos = 200
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    cos_sin = cos_sin_table(rotary, max_pos, 10_000.0)
+    n, bs = 3 * t + 2, 4
+    slots = torch.randperm(n * bs, generator=gen)[:t]
+    slots[1::3] = -1
+    kv_dtype = kv_dtype or dtype
+    k_cache = torch.randn(n, bs, hkv, d, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(n, bs, hkv, d, generator=gen).to(kv_dtype)
+    scales = [torch.tensor([0.05]), torch.tensor([0.02])] if kv_dtype == torch.float8_e4m3fn else [None, None]
+    qkv = qkv.to(dtype)
+    q = qkv[:, :2 * h * d].view(t, h, 2 * d)[..., :d]
+    k = qkv[:, 2 * h * d:(2 * h + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (2 * h + hkv) * d:].view(t, hkv, d)
+    args = [q, k, v, positions, q_weight.to(dtype), k_weight.to(dtype), 1e-6, cos_sin, k_cache, v_cache, slots,
+            *scales]
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) and a.dim() != 3 else a for a in args]
+    return args, ref_args

@@ -53,3 +53,19 @@ def test_bad_arguments_are_named() -> None:
         causal_conv1d(x, w, s, cu[:2], slots, init)
     with pytest.raises(TypeError, match="x must have dtype"):
         causal_conv1d(x.long(), w, s, cu, slots, init)
+
+
+def test_a_padding_row_runs_from_zeros_and_writes_no_state() -> None:
+    """Slot -1 (a CUDA graph's padding row): its output is a fresh start's, no entry changes,
+    and the row beside it is as without it."""
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(2, 16, generator=gen), torch.randn(16, 4, generator=gen)
+    state = torch.randn(ENTRIES, 16, 3, generator=gen)
+    cu, init = torch.tensor([0, 1, 2]), torch.tensor([True, True])
+    padded_state, alone_state, fresh_state = state.clone(), state.clone(), state.clone()
+    padded = causal_conv1d(x, weight, padded_state, cu, torch.tensor([3, -1]), init)
+    alone = causal_conv1d(x[:1], weight, alone_state, cu[:2], torch.tensor([3]), init[:1])
+    fresh = causal_conv1d(x[1:], weight, fresh_state, cu[:2], torch.tensor([5]), torch.tensor([False]))
+    assert torch.equal(padded_state, alone_state)
+    torch.testing.assert_close(padded[:1], alone)
+    torch.testing.assert_close(padded[1:], fresh)

@@ -105,3 +105,19 @@ def test_bad_arguments_are_named() -> None:
         gated_delta_rule_recurrent(q, k[:1], v, g, beta, state, cu, slots, init)
     with pytest.raises(ValueError, match="cu_seqlens must be"):
         gated_delta_rule_recurrent(q, k, v, g, beta, state, cu[:2], slots, init)
+
+
+def test_a_padding_row_runs_from_zeros_and_writes_no_state() -> None:
+    """Slot -1 (a CUDA graph's padding row): its output is a fresh start's, no entry changes,
+    and the row beside it is as without it."""
+    q, k, v, g, beta, state = _inputs(2, 1, 2, 16, 16, torch.float32, seed=2)
+    cu, init = torch.tensor([0, 1, 2]), torch.tensor([True, True])
+    padded_state, alone_state, fresh_state = state.clone(), state.clone(), state.clone()
+    padded = gated_delta_rule_recurrent(q, k, v, g, beta, padded_state, cu, torch.tensor([3, -1]), init)
+    alone = gated_delta_rule_recurrent(q[:1], k[:1], v[:1], g[:1], beta[:1], alone_state, cu[:2],
+                                       torch.tensor([3]), init[:1])
+    fresh = gated_delta_rule_recurrent(q[1:], k[1:], v[1:], g[1:], beta[1:], fresh_state, cu[:2],
+                                       torch.tensor([5]), torch.tensor([False]))
+    assert torch.equal(padded_state, alone_state)
+    torch.testing.assert_close(padded[:1], alone)
+    torch.testing.assert_close(padded[1:], fresh)
