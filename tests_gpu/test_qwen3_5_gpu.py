@@ -1,19 +1,25 @@
-"""Qwen3.5 hybrid models (dense and MoE) on the GPU, float32, through ``LLM`` with the Triton
-kernels (the conv and the delta rule token by token, eagerly: no CUDA graphs for hybrid models
-yet): greedy tokens equal transformers' (on the CPU) in both scheduling modes, and a second
-call whose prompts share a prefix resumes from state snapshots with the same tokens."""
+"""Qwen3.5 hybrid models (dense and MoE) on the GPU through ``LLM`` with the Triton kernels,
+decode steps in CUDA graphs: on tiny configs, float32 greedy tokens equal transformers' in both
+scheduling modes, and a second call whose prompts share a prefix resumes from state snapshots
+with the same tokens; at Qwen3.5-9B's and -35B-A3B's layer shapes (4 layers), float32 greedy
+tokens equal transformers' over 16 prompts on shared prefixes, and bf16 agrees by the top-5
+rule."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from minivllm import LLM, SamplingParams
-from minivllm.testing import hf_generate
+from minivllm.testing import (SHAPES, hf_generate, leading_identical, randomize_weights, release_memory,
+                              top5_at_first_difference)
 from tests.model.test_qwen3_5 import MODELS, make_hf
+from tests_gpu.test_model_gpu import hf_greedy, shared_prefix_prompts
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")]
@@ -45,3 +51,72 @@ def test_hybrid_model_on_the_gpu_gives_transformers_tokens(name: str, tmp_path) 
     del hf
     gc.collect()
     torch.cuda.empty_cache()
+
+
+# ---- at the published models' layer shapes --------------------------------------------------
+
+LAYERS = 4  # three Gated DeltaNet layers, then one gated attention layer
+SHAPED_NEW = 32
+
+
+@pytest.fixture(scope="module", params=["qwen3.5-9b", "qwen3.5-35b-a3b"])
+def shaped(request, tmp_path_factory):
+    """(name, HF float32 model on the GPU at the shapes' first 4 layers, path, prompts with
+    shared prefixes, HF's float32 greedy tokens)."""
+    architecture, numbers = SHAPES[request.param]
+    numbers = copy.deepcopy(dict(numbers, num_hidden_layers=LAYERS, bos_token_id=None, eos_token_id=None))
+    numbers.pop("full_attention_interval")
+    numbers["layer_types"] = ["linear_attention"] * (LAYERS - 1) + ["full_attention"]
+    cfg = getattr(transformers, architecture).config_class(**numbers)
+    cfg.architectures = [architecture]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = getattr(transformers, architecture)(cfg).float().eval()
+    randomize_weights(hf, 0.5)
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf.save_pretrained(path)
+    prompts = shared_prefix_prompts(cfg.vocab_size)
+    expected = [hf_greedy(hf, p, SHAPED_NEW) for p in prompts]
+    yield request.param, hf, path, prompts, expected
+    del hf
+    release_memory()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_shapes_greedy_fp32_matches_hf_with_graphs(shaped, async_scheduling: bool) -> None:
+    """16 prompts on two shared 200-token prefixes, decode steps in CUDA graphs, snapshots every
+    4 blocks so later prompts resume from the prefix's state."""
+    name, _, path, prompts, expected = shaped
+    llm = None
+    try:
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
+                  num_blocks=1024, max_num_batched_tokens=256, async_scheduling=async_scheduling,
+                  state_snapshot_interval=4)
+        got = [list(o.token_ids) for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=SHAPED_NEW, ignore_eos=True), use_tqdm=False)]
+        print(f"{name} {'async' if async_scheduling else 'sync'}: cached tokens {llm.engine.stats.num_cached_tokens}, "
+              f"graph replays {llm.engine.executor.graph_runner.num_replays}")
+        assert got == expected
+        assert llm.engine.executor.graph_runner.num_replays > 0 and llm.engine.stats.num_cached_tokens > 0
+    finally:
+        del llm
+        release_memory()
+
+
+def test_shapes_bf16_top5_at_first_difference(shaped) -> None:
+    """bf16 through ``LLM`` (graphs on): at each prompt's first token that differs from
+    float32 transformers', ours is in float32's top 5 on that context."""
+    name, hf, path, prompts, expected = shaped
+    llm = None
+    try:
+        llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=16, max_model_len=512,
+                  num_blocks=1024, max_num_batched_tokens=256)
+        got = [list(o.token_ids) for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=SHAPED_NEW, ignore_eos=True), use_tqdm=False)]
+    finally:
+        del llm
+        release_memory()
+    hits = top5_at_first_difference(hf, prompts, expected, got)
+    agreed = [leading_identical(e, g) for e, g in zip(expected, got)]
+    print(f"{name}: bf16 leading tokens identical to float32 {agreed}")
+    assert all(hits), hits
