@@ -88,6 +88,7 @@ class BlockManager:
                 break
             hit.append(block)
         if self.state is not None:  # a hybrid model resumes only where its state was kept
+            seq.cached_prefix_blocks = len(hit)  # a branch point: the rule snapshots it (StateCache.boundaries)
             del hit[self.state.deepest(hashes[:len(hit)]):]
         return hit
 

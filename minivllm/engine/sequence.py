@@ -117,10 +117,12 @@ class Sequence:
         # Hybrid models (``engine/state_cache.py``): the state slot it holds while running, how
         # its next chunk starts from it (``STATE_*`` or a snapshot id), and the snapshots
         # reserved for its block boundaries that a step in flight is writing (full blocks ->
-        # snapshot id).
+        # snapshot id), and how many leading blocks its last prefix lookup found cached
+        # (K/V), snapshot or not: where its prefix branches off another's.
         self.state_slot: int | None = None
         self.state_init = -1  # STATE_CONTINUE
         self.pending_snapshots: dict[int, int] = {}
+        self.cached_prefix_blocks = 0
 
     @property
     def reads_prefix_cache(self) -> bool:

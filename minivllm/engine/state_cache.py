@@ -8,7 +8,9 @@ executor holds two pools of such states; this module decides who uses which entr
 - **slots**: one per running sequence, the state after its computed tokens. A slot
   taken by a sequence starts from the zero state (``STATE_RESET``) or from a snapshot
   (a prefix-cache hit); a preempted or finished sequence gives its slot back.
-- **snapshots**: copies of a sequence's state at a full-block boundary, tied to the
+- **snapshots**: copies of a sequence's state at a full-block boundary (``boundaries``:
+  every ``snapshot_interval``-th, a prompt's last full one, and where a prompt's cached
+  prefix ends short of a snapshot), tied to the
   chained hash of the block that ends there (``engine/block_manager.py``), so a later
   request whose prefix hits that block resumes from the snapshot instead of recomputing
   its whole prefix. A snapshot is reserved when a step is planned (the executor writes
@@ -77,10 +79,13 @@ class StateCache:
 
     def boundaries(self, seq: Sequence, start: int, end: int, block_size: int) -> list[int]:
         """Full-block counts j whose boundary j * block_size lies in (start, end] and that the
-        rule snapshots: every ``snapshot_interval``-th, and the prompt's last full block."""
-        last_prompt_block = seq.num_prompt_tokens // block_size
+        rule snapshots: every ``snapshot_interval``-th, the prompt's last full block, and the
+        end of the K/V its prefix lookup found cached (``Sequence.cached_prefix_blocks``) where
+        no snapshot reached it: the point where its prompt branches off an earlier one's (a
+        shared system prompt's end), so the next prompt on that branch resumes there."""
+        keep = {seq.num_prompt_tokens // block_size, seq.cached_prefix_blocks}
         first, last = start // block_size + 1, end // block_size
-        return [j for j in range(first, last + 1) if j % self.snapshot_interval == 0 or j == last_prompt_block]
+        return [j for j in range(first, last + 1) if j % self.snapshot_interval == 0 or j in keep]
 
     def reserve(self, seq: Sequence, blocks: int, evictable: Callable[[int], bool]) -> int | None:
         """A snapshot id for the state after ``seq``'s first ``blocks`` full blocks, or None (the

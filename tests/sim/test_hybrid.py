@@ -195,6 +195,32 @@ def test_hits_resume_after_the_snapshot_pool_filled() -> None:
     assert run("again", [13] * 12 + [1, 2]) == 12  # the snapshot at the newest prompt's last full block
 
 
+def test_a_branch_point_gets_a_snapshot_and_the_next_prompt_on_it_resumes_there() -> None:
+    """Prompts on a shared 12-token prefix (3 blocks of 4), snapshots every 100 blocks: the
+    first snapshots only its own last full block; the second finds the prefix's K/V cached
+    but no snapshot in it, so it recomputes and snapshots where its prompt branches off; the
+    third resumes from that snapshot. Outputs as the oracle's (the executor checks them)."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+
+    engine = LLMEngine(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+                       CacheConfig(block_size=4, num_blocks=64, state_snapshot_interval=100),
+                       FakeExecutor(50, 4, 64, state_slots=2, state_snapshots=8))
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    shared = [7, 8, 9, 10] * 3
+
+    def run(rid: str, prompt: list[int]) -> int:
+        engine.add_request(rid, prompt, greedy)
+        cached = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                cached = max(cached, out.num_cached_tokens)
+            engine.check_invariants()
+        return cached
+    assert run("a", shared + [1] * 6) == 0
+    assert run("b", shared + [2] * 6) == 0   # K/V of 12 tokens cached, no state there yet
+    assert run("c", shared + [3] * 6) == 12
+
+
 def test_invariants_catch_a_slot_held_twice_and_a_stale_snapshot() -> None:
     state = StateCache(2, 1, snapshot_interval=1)
     a, b = _seq(0), _seq(1)
