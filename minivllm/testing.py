@@ -291,6 +291,27 @@ QWEN3_30B_A3B: dict[str, Any] = dict(
     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
 )
 
+# Qwen3.5-9B: transformers' default Qwen3_5TextConfig (32 layers, three Gated DeltaNet layers
+# to one gated attention layer; attention 16 / 4 heads of 256 with rotary on a quarter; the
+# DeltaNet 16 q/k heads / 32 value heads of 128, a 4-tap conv).
+QWEN3_5_9B: dict[str, Any] = dict(
+    vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+    max_position_embeddings=32768, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=32, full_attention_interval=4,
+    bos_token_id=248044, eos_token_id=248046,
+)
+
+# Qwen3.5-35B-A3B: transformers' default Qwen3_5MoeTextConfig (40 layers, the same pattern;
+# 256 experts of 512, 8 per token, and a shared expert of 512 with its sigmoid gate).
+QWEN3_5_35B_A3B: dict[str, Any] = dict(
+    QWEN3_5_9B, hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+)
+del QWEN3_5_35B_A3B["intermediate_size"]
+
 # A tiny model of any family above (smoke runs on the CPU: every code path, none of the cost).
 SMOKE_SHAPES: dict[str, Any] = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -309,6 +330,8 @@ SHAPES: Mapping[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-0.5b": ("Qwen2ForCausalLM", QWEN2_5_0_5B),
     "llama-3.2-1b": ("LlamaForCausalLM", LLAMA_3_2_1B),
     "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", QWEN3_30B_A3B),
+    "qwen3.5-9b": ("Qwen3_5ForCausalLM", QWEN3_5_9B),
+    "qwen3.5-35b-a3b": ("Qwen3_5MoeForCausalLM", QWEN3_5_35B_A3B),
 }
 
 

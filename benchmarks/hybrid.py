@@ -1,0 +1,268 @@
+"""Qwen3.5 hybrid models (Gated DeltaNet + gated attention; random weights filled on the
+device, no checkpoint) against their memory-bandwidth floors, and the prefix cache on them.
+
+    PYTHONPATH=. python3 -m benchmarks.hybrid [--shapes qwen3.5-9b|qwen3.5-35b-a3b]
+        [--parts batch1,offline,prefix] [--num-requests 256] [--batch1-repeats 3]
+        [--prefix-requests 256] [--prefix-tokens 2000] [--smoke]
+
+Every floor is bytes that must be moved over the copy bandwidth measured in the run
+(``benchmarks.gpu_timing``). A step of B tokens reads every weight of the dense part once
+(``step_weight_bytes``: attention layers, DeltaNet layers, dense MLPs or, in a sparse layer,
+router, shared expert and the expected distinct experts of B tokens, norms, the LM head, B
+embedding rows), the K/V of each sequence's context in the attention layers, and reads and
+writes each sequence's recurrent state in every DeltaNet layer (``state_bytes``: float32
+(H, K, V) per layer and the conv's last inputs; 2 MB a layer at Qwen3.5-9B's shapes, which
+at batch 256 outweighs the weights).
+
+- batch-1: ``benchmarks.throughput``'s round (128-token prompt, 256 greedy tokens, prefill
+  included), median of ``--batch1-repeats``. Floor: one step at B = 1 at the mean context.
+  Goal: at least 0.85 of the floor's speed.
+- offline: ``benchmarks.throughput``'s offline-N workload, tok/s beside the floor's tok/s: the
+  completion tokens in the fewest steps a schedule can have (``benchmarks.moe.decode_batches``),
+  each step's weights, every decoded token's K/V and its sequence's state traffic.
+- prefix: ``--prefix-requests`` requests sharing a ``--prefix-tokens``-token system prompt
+  (then 32 tokens of their own, 16 greedy tokens each), with the prefix cache on and off: the
+  prompt tokens computed, wall time, whether both runs' outputs are identical, and the
+  snapshots' memory (entries and bytes, ``executor/linear_state.py``). The first request runs
+  alone first (its snapshot then exists for all the others, as a server's warm system prompt).
+
+Summary: ``$OUT/hybrid_<shapes>.json``. ``--smoke``: a tiny float32 hybrid on the CPU (the
+torch references), nothing compared with a floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.moe import decode_batches, expected_distinct_experts
+from benchmarks.report import write_summary
+from benchmarks.throughput import (bench_device, build_llm, median_run, met, offline_workload, run_batch1,
+                                   run_offline)
+from minivllm.config import ModelConfig
+from minivllm.testing import write_random_config
+
+SHAPES_NAMES = ("qwen3.5-9b", "qwen3.5-35b-a3b")
+PARTS = ("batch1", "offline", "prefix")
+GOAL_BATCH1_FLOOR_FRACTION = 0.85
+BATCH1_PROMPT, BATCH1_NEW = 128, 256
+SMOKE_HYBRID: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, bos_token_id=1, eos_token_id=2,
+)
+
+
+# ---- bytes -------------------------------------------------------------------------
+
+def _linear_layer_weights(c: ModelConfig) -> int:
+    """Values of one DeltaNet layer: the packed in-projection (q, k, v, z, b, a), the conv's
+    filters, A_log and dt_bias, the gated norm, out_proj."""
+    h, key, value = c.hidden_size, c.linear_num_key_heads * c.linear_key_head_dim, \
+        c.linear_num_value_heads * c.linear_value_head_dim
+    in_proj = h * (2 * key + 2 * value + 2 * c.linear_num_value_heads)
+    return in_proj + c.linear_conv_dim * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads \
+        + c.linear_value_head_dim + value * h
+
+
+def _attention_layer_weights(c: ModelConfig) -> int:
+    """Values of one gated attention layer: q with its output gate (2 H D rows), k, v, o, q/k norms."""
+    h, d = c.hidden_size, c.head_dim
+    return h * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * d + c.num_attention_heads * d * h + 2 * d
+
+
+def _mlp_weights(c: ModelConfig, layer: int, batch: float) -> float:
+    """Values a step of ``batch`` tokens reads of one layer's MLP: dense, or router, shared
+    expert and its gate, and the expected distinct experts."""
+    h = c.hidden_size
+    if not c.is_sparse_layer(layer):
+        return 3 * h * c.intermediate_size
+    shared = 3 * h * c.shared_expert_intermediate_size + h if c.shared_expert_intermediate_size else 0
+    return c.num_experts * h + shared + expected_distinct_experts(c, batch) * 3 * h * c.moe_intermediate_size
+
+
+def step_weight_bytes(c: ModelConfig, batch: float, dtype_bytes: int) -> float:
+    """Weights a step of ``batch`` tokens reads (module doc)."""
+    values = c.num_linear_layers * _linear_layer_weights(c) + c.num_attention_layers * _attention_layer_weights(c)
+    values += sum(_mlp_weights(c, i, batch) for i in range(c.num_hidden_layers))
+    values += c.num_hidden_layers * 2 * c.hidden_size + c.hidden_size                  # layer norms, final norm
+    values += c.vocab_size * c.hidden_size + (0 if c.tie_word_embeddings else batch * c.hidden_size)
+    return values * dtype_bytes
+
+
+def state_bytes(c: ModelConfig, dtype_bytes: int) -> int:
+    """One sequence's state traffic a step: every DeltaNet layer's float32 recurrent state and
+    conv inputs, read and written."""
+    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * dtype_bytes
+    return 2 * c.num_linear_layers * (recurrent + conv)
+
+
+def kv_token_bytes(c: ModelConfig, dtype_bytes: int) -> int:
+    """K and V of one token over the attention layers."""
+    return c.num_attention_layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
+
+
+# ---- parts ---------------------------------------------------------------------------
+
+def batch1(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int, gbs: float) -> dict[str, Any]:
+    runs = [run_batch1(llm, 100 + 10 * r, args.shapes, args.smoke, _id_limit(args)) for r in range(args.batch1_repeats)]
+    r = median_run(runs, args.shapes)
+    plen, new = (8, 8) if args.smoke else (BATCH1_PROMPT, BATCH1_NEW)
+    context = plen + new // 2
+    step = step_weight_bytes(c, 1, dtype_bytes) + state_bytes(c, dtype_bytes) + context * kv_token_bytes(c, dtype_bytes)
+    r.update(context=context, step_bytes=step, floor_ms=step / (gbs * 1e9) * 1e3,
+             goal_floor_fraction=GOAL_BATCH1_FLOOR_FRACTION)
+    r["floor_fraction"] = r["floor_ms"] / r["ms_per_token"]
+    r["met"] = r["floor_fraction"] >= GOAL_BATCH1_FLOOR_FRACTION
+    print(f"batch-1 [{args.shapes}]: {r['ms_per_token']:.3f} ms/token (floor {r['floor_ms']:.3f} ms: "
+          f"{r['floor_fraction']:.2f} of the floor's speed; goal >= {GOAL_BATCH1_FLOOR_FRACTION}) "
+          f"{met(r['floor_fraction'], GOAL_BATCH1_FLOOR_FRACTION)}", flush=True)
+    return r
+
+
+def offline(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int, gbs: float) -> dict[str, Any]:
+    wl = offline_workload(args.num_requests, args.seed, args.smoke)
+    r = run_offline(llm, wl, stream=1, label=args.shapes)
+    batches = decode_batches(wl.max_tokens, args.max_num_seqs)
+    tokens = sum(wl.max_tokens)
+    weights = sum(step_weight_bytes(c, b, dtype_bytes) for b in batches)
+    kv = sum(m * p + m * (m - 1) // 2 for p, m in zip(wl.prompt_lens, wl.max_tokens)) * kv_token_bytes(c, dtype_bytes)
+    states = tokens * state_bytes(c, dtype_bytes)
+    floor_s = (weights + kv + states) / (gbs * 1e9)
+    r.update(workload=f"offline-{args.num_requests}", floor_steps=len(batches), weight_bytes=weights, kv_bytes=kv,
+             state_bytes=states, floor_tok_s=tokens / floor_s)
+    r["floor_fraction"] = r["tok_s"] / r["floor_tok_s"]
+    print(f"offline-{args.num_requests} [{args.shapes}]: {r['tok_s']:,.0f} tok/s (floor {r['floor_tok_s']:,.0f} tok/s: "
+          f"weights {weights / 1e9:.0f} GB, K/V {kv / 1e9:.0f} GB, states {states / 1e9:.0f} GB; "
+          f"{r['floor_fraction']:.2f} of the floor)", flush=True)
+    return r
+
+
+def prefix(args: argparse.Namespace, path: str, device: str) -> dict[str, Any]:
+    """The shared-system-prompt workload with the prefix cache on, then off (module doc)."""
+    from minivllm import SamplingParams
+
+    n, plen = (6, 32) if args.smoke else (args.prefix_requests, args.prefix_tokens)
+    rng = np.random.default_rng([args.seed, 77])
+    system = rng.integers(0, _id_limit(args), plen).tolist()
+    prompts = [system + rng.integers(0, _id_limit(args), 8 if args.smoke else 32).tolist() for _ in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=4 if args.smoke else 16, ignore_eos=True)
+    result: dict[str, Any] = {"requests": n, "shared_tokens": plen}
+    outputs = {}
+    for caching in (True, False):
+        llm = build_llm(args, path, device, enable_prefix_caching=caching)
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        stats0 = llm.engine.stats.num_cached_tokens
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[1:], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        cached = sum(o.num_cached_tokens for o in outs)
+        prompt_tokens = sum(map(len, prompts[1:]))
+        slots, snapshots = llm.engine.executor.state_pool()
+        entry = _state_entry_bytes(llm)
+        row = dict(wall_s=wall, prompt_tokens=prompt_tokens, cached_tokens=cached,
+                   computed_prompt_tokens=prompt_tokens - cached, stats_cached=llm.engine.stats.num_cached_tokens - stats0,
+                   state_slots=slots, snapshots=snapshots, state_entry_bytes=entry, snapshot_bytes=snapshots * entry)
+        outputs[caching] = [list(o.token_ids) for o in outs]
+        name = "cache_on" if caching else "cache_off"
+        result[name] = row
+        print(f"prefix [{args.shapes}] {name}: {n - 1} requests in {wall:.2f}s, prompt tokens computed "
+              f"{row['computed_prompt_tokens']:,} of {prompt_tokens:,}; snapshots {snapshots} of "
+              f"{entry / 1e6:.1f} MB = {row['snapshot_bytes'] / 1e9:.2f} GB", flush=True)
+        llm.close()
+        del llm
+    result["identical_outputs"] = outputs[True] == outputs[False]
+    result["speedup"] = result["cache_off"]["wall_s"] / result["cache_on"]["wall_s"]
+    print(f"prefix [{args.shapes}]: x{result['speedup']:.2f} with the cache, outputs identical: "
+          f"{result['identical_outputs']}", flush=True)
+    return result
+
+
+def _id_limit(args: argparse.Namespace) -> int:
+    return SMOKE_HYBRID["vocab_size"] if args.smoke else 10000
+
+
+def _state_entry_bytes(llm: Any) -> int:
+    states = llm.engine.executor.states
+    if states is None:
+        return 0
+    entries = states.conv_state.shape[1]
+    return (states.conv_state.numel() * states.conv_state.element_size()
+            + states.recurrent_state.numel() * states.recurrent_state.element_size()) // entries
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", choices=SHAPES_NAMES, default=SHAPES_NAMES[0])
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--batch1-repeats", type=int, default=3)
+    ap.add_argument("--prefix-requests", type=int, default=256)
+    ap.add_argument("--prefix-tokens", type=int, default=2000)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    if set(args.parts) - set(PARTS):
+        ap.error(f"--parts: expected a comma list of {PARTS}")
+    # what build_llm reads
+    args.block_size, args.kernels, args.enforce_eager = None, "auto", False
+    args.tensor_parallel_size, args.disable_custom_all_reduce = 1, False
+    args.load_format = "auto" if args.smoke else "dummy"
+    if args.smoke:
+        args.num_requests, args.max_num_seqs, args.batch1_repeats = min(args.num_requests, 6), 4, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = bench_device(args)
+    if args.smoke:
+        from minivllm.testing import write_random_checkpoint
+        path = write_random_checkpoint(f"/tmp/minivllm-smoke-{args.shapes}", args.shapes, dtype="float32",
+                                       **SMOKE_HYBRID, **({"num_experts": 4, "num_experts_per_tok": 2,
+                                                           "moe_intermediate_size": 32,
+                                                           "shared_expert_intermediate_size": 32}
+                                                          if "a3b" in args.shapes else {}))
+    else:
+        path = write_random_config(f"/tmp/{args.shapes}-config", args.shapes)
+    c = ModelConfig.from_hf_json(path)
+    results: dict[str, Any] = {"shapes": args.shapes, "args": vars(args)}
+    if device == "cuda":
+        from benchmarks.gpu_timing import copy_bandwidth_gbs
+        gbs = copy_bandwidth_gbs()
+    else:
+        from benchmarks.gpu_timing import copy_bandwidth_gbs
+        gbs = copy_bandwidth_gbs(device, 1 << 20)
+    results["copy_gbs"] = gbs
+    name = "hybrid_" + args.shapes.replace(".", "_").replace("-", "_")
+    if {"batch1", "offline"} & set(args.parts):
+        llm = build_llm(args, path, device)
+        dtype_bytes = llm.engine.executor.dtype.itemsize
+        results["bytes"] = dict(step_weights_batch1=step_weight_bytes(c, 1, dtype_bytes),
+                                state_per_seq_step=state_bytes(c, dtype_bytes),
+                                kv_per_token=kv_token_bytes(c, dtype_bytes))
+        print(f"[{args.shapes}] batch-1 step weights {results['bytes']['step_weights_batch1'] / 1e9:.2f} GB, "
+              f"state {results['bytes']['state_per_seq_step'] / 1e6:.1f} MB a sequence a step; "
+              f"copy {gbs:.0f} GB/s", flush=True)
+        if "batch1" in args.parts:
+            results["batch1"] = batch1(llm, args, c, dtype_bytes, gbs)
+            write_summary(name, results)
+        if "offline" in args.parts:
+            results["offline"] = offline(llm, args, c, dtype_bytes, gbs)
+            write_summary(name, results)
+        llm.close()
+        del llm
+    if "prefix" in args.parts:
+        results["prefix"] = prefix(args, path, device)
+    write_summary(name, results)
+
+
+if __name__ == "__main__":
+    main()
