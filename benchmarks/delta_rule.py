@@ -3,7 +3,7 @@ value heads of 128; ``--heads`` for a TP rank's share), beside flash-linear-atte
 (``fla-core``) where it is installed.
 
     PYTHONPATH=. python3 -m benchmarks.delta_rule [--prefill 1x2048,8x512,64x64]
-        [--decode 1,16,64,256] [--impls ours,fla] [--smoke]
+        [--decode 1,16,64,256] [--impls ours-chunked,ours-recurrent,fla] [--sweep] [--smoke]
 
 - prefill: B sequences of L fresh tokens each (varlen rows, one start state per sequence
   read from its slot, the final state written back), bf16 q/k/v, float32 state. tok/s of
@@ -18,6 +18,8 @@ value heads of 128; ``--heads`` for a TP rank's share), beside flash-linear-atte
   output; GB/s against the copy bandwidth measured in the run (``benchmarks.gpu_timing``).
   fla: ``fused_recurrent_gated_delta_rule`` over dense (B, H, K, V) states (its
   ``initial_state`` read and ``final_state`` written: the same bytes, no slot gather).
+
+``--sweep``: the chunked kernel also at each (chunk, value tile, warps) of ``SWEEP``.
 
 Every implementation is first checked against the torch reference on the first problem
 (``kernels/linear_attention_reference.py``); one that disagrees is reported, not timed.
@@ -60,17 +62,24 @@ def _problem(lens: list[int], hk: int, h: int, dim: int, device: str, seed: int 
 
 
 def _ours(kind: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
+    """``ours-recurrent``, ``ours-chunked`` (its defaults) or ``ours-chunked-C-BV-W`` (chunk C,
+    value tile BV, W warps: the sweep's names)."""
+    tiles: dict[str, int] = {}
     if kind == "ours-recurrent":
         from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent as fn
     else:
-        try:
-            from minivllm.kernels.gated_delta_rule_chunked import gated_delta_rule_chunked as fn
-        except ImportError:
-            return None
+        from minivllm.kernels.gated_delta_rule_chunked import gated_delta_rule_chunked as fn
+        if kind != "ours-chunked":
+            chunk, block_v, warps = (int(x) for x in kind.split("-")[2:])
+            tiles = dict(chunk=chunk, block_v=block_v, num_warps=warps)
 
     def run(p: dict[str, torch.Tensor]) -> torch.Tensor:
-        return fn(p["q"], p["k"], p["v"], p["g"], p["beta"], p["state"], p["cu"], p["slots"], p["init"])
+        return fn(p["q"], p["k"], p["v"], p["g"], p["beta"], p["state"], p["cu"], p["slots"], p["init"],
+                  **tiles)  # type: ignore[operator]
     return run
+
+
+SWEEP = [f"ours-chunked-{c}-{bv}-{w}" for c in (16, 32, 64) for bv in (32, 64) for w in (4, 8)]
 
 
 def _fla(decode: bool) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", default="16,32", help="q/k heads, value heads")
     ap.add_argument("--dim", type=int, default=128, help="head dim of q/k and of v")
     ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--sweep", action="store_true", help="also the chunked kernel at each tiling of SWEEP (prefill)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     names = args.impls.split(",")
@@ -165,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         summary["copy_gbs"] = copy_gbs = copy_bandwidth_gbs()
         print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     for phase, problems in (("prefill", prefill), ("decode", [(b, 1) for b in decode])):
-        impls = _impls(names, phase == "decode")
+        impls = _impls(names + (SWEEP if args.sweep and phase == "prefill" else []), phase == "decode")
         for i, (b, length) in enumerate(problems):
             p = _problem([length] * b, hk, h, dim, device, seed=i)
             row: dict[str, Any] = {"batch": b, "tokens": length, "check": _check(impls, p)}

@@ -1,0 +1,40 @@
+"""``benchmarks.hybrid`` and ``benchmarks.delta_rule``: the CPU smoke runs end to end. The
+shared-prefix part computes fewer prompt tokens with the cache than without, with identical
+outputs; the floor's bytes count the recurrent states; every delta-rule kernel agrees with
+the reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import delta_rule, hybrid
+from minivllm.config import ModelConfig
+from minivllm.testing import write_random_config
+
+
+def test_hybrid_smoke_run(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path))
+    hybrid.main(["--smoke", "--parts", "batch1,prefix"])
+    summary = json.loads((tmp_path / "hybrid_qwen3_5_9b.json").read_text())
+    on, off = summary["prefix"]["cache_on"], summary["prefix"]["cache_off"]
+    assert summary["prefix"]["identical_outputs"]
+    assert off["cached_tokens"] == 0 and on["cached_tokens"] == 5 * 32  # the shared prefix, every later request
+    assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
+    assert summary["batch1"]["ms_per_token"] > 0 and summary["batch1"]["step_bytes"] > 0
+
+
+def test_the_floor_counts_states_at_qwen3_5_9b_shapes(tmp_path: Path) -> None:
+    c = ModelConfig.from_hf_json(write_random_config(str(tmp_path), "qwen3.5-9b"))
+    # 24 DeltaNet layers, each 32 float32 heads of 128 x 128 and a conv of 8,192 channels x 3, read and written
+    assert hybrid.state_bytes(c, 2) == 2 * 24 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    weights = hybrid.step_weight_bytes(c, 1, 2)
+    assert 15e9 < weights < 17e9   # about 8B parameters in bf16 besides the untied embedding table
+
+
+def test_delta_rule_smoke_run(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path))
+    delta_rule.main(["--smoke", "--impls", "ours-chunked,ours-recurrent"])
+    summary = json.loads((tmp_path / "delta_rule.json").read_text())
+    checks = [v for row in summary["prefill"] + summary["decode"] for v in row["check"].values()]
+    assert checks and all(v.startswith("ok") for v in checks)
