@@ -19,7 +19,8 @@ value heads of 128; ``--heads`` for a TP rank's share), beside flash-linear-atte
   fla: ``fused_recurrent_gated_delta_rule`` over dense (B, H, K, V) states (its
   ``initial_state`` read and ``final_state`` written: the same bytes, no slot gather).
 
-``--sweep``: the chunked kernel also at each (chunk, value tile, warps) of ``SWEEP``.
+``--sweep``: the chunked kernel also at each (chunk, value tile, warps) of ``SWEEP``, the
+recurrent one in decode at each (value tile, warps) of ``DECODE_SWEEP``.
 
 Every implementation is first checked against the torch reference on the first problem
 (``kernels/linear_attention_reference.py``); one that disagrees is reported, not timed.
@@ -65,8 +66,11 @@ def _ours(kind: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None
     """``ours-recurrent``, ``ours-chunked`` (its defaults) or ``ours-chunked-C-BV-W`` (chunk C,
     value tile BV, W warps: the sweep's names)."""
     tiles: dict[str, int] = {}
-    if kind == "ours-recurrent":
+    if kind.startswith("ours-recurrent"):
         from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent as fn
+        if kind != "ours-recurrent":
+            block_v, warps = (int(x) for x in kind.split("-")[2:])
+            tiles = dict(block_v=block_v, num_warps=warps)
     else:
         from minivllm.kernels.gated_delta_rule_chunked import gated_delta_rule_chunked as fn
         if kind != "ours-chunked":
@@ -80,6 +84,7 @@ def _ours(kind: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None
 
 
 SWEEP = [f"ours-chunked-{c}-{bv}-{w}" for c in (16, 32, 64) for bv in (32, 64) for w in (4, 8)]
+DECODE_SWEEP = [f"ours-recurrent-{bv}-{w}" for bv in (16, 32, 64) for w in (1, 2, 4)]
 
 
 def _fla(decode: bool) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", default="16,32", help="q/k heads, value heads")
     ap.add_argument("--dim", type=int, default=128, help="head dim of q/k and of v")
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--sweep", action="store_true", help="also the chunked kernel at each tiling of SWEEP (prefill)")
+    ap.add_argument("--sweep", action="store_true", help="also each tiling of SWEEP (prefill), DECODE_SWEEP (decode)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     names = args.impls.split(",")
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         summary["copy_gbs"] = copy_gbs = copy_bandwidth_gbs()
         print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     for phase, problems in (("prefill", prefill), ("decode", [(b, 1) for b in decode])):
-        impls = _impls(names + (SWEEP if args.sweep and phase == "prefill" else []), phase == "decode")
+        sweep = (SWEEP if phase == "prefill" else DECODE_SWEEP) if args.sweep else []
+        impls = _impls(names + sweep, phase == "decode")
         for i, (b, length) in enumerate(problems):
             p = _problem([length] * b, hk, h, dim, device, seed=i)
             row: dict[str, Any] = {"batch": b, "tokens": length, "check": _check(impls, p)}

@@ -101,7 +101,8 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                                slots: torch.Tensor, has_initial_state: torch.Tensor,
                                save_rows: torch.Tensor | None = None, save_offsets: torch.Tensor | None = None,
-                               save_slots: torch.Tensor | None = None) -> torch.Tensor:
+                               save_slots: torch.Tensor | None = None, *, block_v: int | None = None,
+                               num_warps: int = 4) -> torch.Tensor:
     """Every sequence's tokens through the delta rule, in order; ``state`` updated in place at
     ``slots`` and written at the save points. Nothing here syncs the host (CUDA graphs).
 
@@ -119,6 +120,7 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         save_rows, save_offsets, save_slots: (N,) each, or None: save point i writes sequence
             save_rows[i]'s state after its first save_offsets[i] tokens (1 .. its tokens) into
             entry save_slots[i], which no sequence of the step owns.
+        block_v: value columns per program (None: ``default_block_v``); num_warps: per program.
 
     Returns:
         (T, H, V) in v's dtype.
@@ -136,15 +138,22 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if nseq == 0 or t == 0:
         return out
     rows, offsets, entries = ordered_saves(save_rows, save_offsets, save_slots, q.device)
-    block_v = min(64, next_pow2(vd))
+    block_v = min(block_v or default_block_v(nseq * h), next_pow2(vd))
     grid = (nseq, h, triton.cdiv(vd, block_v))
     _gated_delta_rule_recurrent_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens.to(torch.int64), slots.to(torch.int64),
         (~has_initial_state).to(torch.int8), rows, offsets, entries, rows.shape[0], out,
         q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
-        H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=next_pow2(kd), BLOCK_V=block_v,
+        H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=next_pow2(kd), BLOCK_V=block_v, num_warps=num_warps,
     )
     return out
+
+
+def default_block_v(heads: int) -> int:
+    """Value columns per program for ``heads`` (sequence, value head) pairs: narrow tiles when
+    there are few, so a small batch still spreads its state over every SM (at batch 1 and 32
+    heads, 64-wide tiles made 64 programs for 132 SMs), wide ones when there are many."""
+    return 16 if heads < 256 else 32 if heads < 1024 else 64
 
 
 def check_gated_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
