@@ -37,6 +37,9 @@ def test_hybrid_model_on_the_gpu_gives_transformers_tokens(name: str, tmp_path) 
     plain = [rng.integers(0, vocab, n).tolist() for n in (70, 9, 33)]
     shared = [prefix + rng.integers(0, vocab, n).tolist() for n in (3, 11)]
     want = {i: hf_generate(hf, p, NEW) for i, p in enumerate(plain + shared)}
+    # a second turn after the first shared prompt: its 48-token boundary was saved by a decode step
+    turn = shared[0] + want[3] + rng.integers(0, vocab, 5).tolist()
+    want_turn = hf_generate(hf, turn, NEW)
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     with LLM(str(tmp_path), device="cuda", dtype="float32", skip_tokenizer_init=True, block_size=16,
              num_blocks=64, max_model_len=128, state_snapshot_interval=1) as llm:
@@ -46,8 +49,11 @@ def test_hybrid_model_on_the_gpu_gives_transformers_tokens(name: str, tmp_path) 
             assert got == [want[i] for i in range(3)], mode
         cold = llm.generate(shared[:1], greedy, use_tqdm=False)
         warm = llm.generate(shared[1:], greedy, use_tqdm=False)
+        second = llm.generate([turn], greedy, use_tqdm=False)
+        assert llm.engine.executor.graph_runner.num_replays > 0
     assert list(cold[0].token_ids) == want[3] and list(warm[0].token_ids) == want[4]
     assert warm[0].num_cached_tokens == 32  # the deepest snapshot short of the shared 40 tokens
+    assert list(second[0].token_ids) == want_turn and second[0].num_cached_tokens == 48
     del hf
     gc.collect()
     torch.cuda.empty_cache()
