@@ -11,6 +11,7 @@ must catch; and the state cache's own rules."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -171,6 +172,17 @@ def test_a_full_pool_gives_up_its_oldest_snapshot_of_a_block_nobody_holds() -> N
     assert a.pending_snapshots == {3: snap}
 
 
+def _run_alone(engine: LLMEngine, params: SamplingParams, rid: str, prompt: list[int]) -> int:
+    """Run one request to its end alone, invariants checked each step; its num_cached_tokens."""
+    engine.add_request(rid, prompt, params)
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            cached = max(cached, out.num_cached_tokens)
+        engine.check_invariants()
+    return cached
+
+
 def test_hits_resume_after_the_snapshot_pool_filled() -> None:
     """Two snapshots and prompts of new prefixes one after another: each new prompt's
     boundaries take snapshots from finished ones, so a prompt sharing the latest prefix still
@@ -182,14 +194,7 @@ def test_hits_resume_after_the_snapshot_pool_filled() -> None:
                        FakeExecutor(50, 4, 64, state_slots=2, state_snapshots=2))
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
-    def run(rid: str, prompt: list[int]) -> int:
-        engine.add_request(rid, prompt, greedy)
-        cached = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                cached = max(cached, out.num_cached_tokens)
-            engine.check_invariants()
-        return cached
+    run = functools.partial(_run_alone, engine, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     for i in range(4):
         assert run(f"p{i}", [10 + i] * 12) == 0
     assert run("again", [13] * 12 + [1, 2]) == 12  # the snapshot at the newest prompt's last full block
@@ -208,14 +213,7 @@ def test_a_branch_point_gets_a_snapshot_and_the_next_prompt_on_it_resumes_there(
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     shared = [7, 8, 9, 10] * 3
 
-    def run(rid: str, prompt: list[int]) -> int:
-        engine.add_request(rid, prompt, greedy)
-        cached = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                cached = max(cached, out.num_cached_tokens)
-            engine.check_invariants()
-        return cached
+    run = functools.partial(_run_alone, engine, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert run("a", shared + [1] * 6) == 0
     assert run("b", shared + [2] * 6) == 0   # K/V of 12 tokens cached, no state there yet
     assert run("c", shared + [3] * 6) == 12
