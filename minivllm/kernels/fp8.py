@@ -28,6 +28,7 @@ The groups, for W (N, K) and activations x (M, K)::
 
 from __future__ import annotations
 
+import numbers
 from typing import Literal
 
 import torch
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_same_device
+from minivllm.kernels._launch import check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
@@ -310,3 +311,36 @@ def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
             raise ValueError(f"{name} must hold one element, got shape {tuple(t.shape)}")
     check_same_device(k_cache=k_cache, k_scale=k_scale, v_scale=v_scale)
     return k_scale, v_scale
+
+
+def check_rope_store_args(eps: float, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          **rows: torch.Tensor) -> tuple[int, int]:
+    """The checks every fused norm + RoPE + K/V-store launcher shares: eps a number; positions
+    and slots integer; a float32 table; caches of a float dtype or e4m3, (N, block_size, Hkv, D)
+    with equal shapes and strides, D a power of two >= 2; every tensor (and ``rows``: the
+    launcher's own inputs, already dtype-checked) with a contiguous last dim, on one device.
+    Returns (Hkv, D).
+
+    Raises:
+        TypeError, ValueError: naming the argument.
+    """
+    check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dtype(name, t, (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE))
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        check_dtype(name, t, (torch.int64, torch.int32))
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a number, got {type(eps).__name__}")
+    tensors = {**rows, "positions": positions, "cos_sin_cache": cos_sin_cache, "k_cache": k_cache,
+               "v_cache": v_cache, "slot_mapping": slot_mapping}
+    for name, t in tensors.items():
+        check_last_dim_contiguous(name, t)
+    check_same_device(**tensors)
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must be (N, block_size, Hkv, D) with equal shapes and strides, got "
+                         f"{tuple(k_cache.shape)}/{k_cache.stride()} and {tuple(v_cache.shape)}/{v_cache.stride()}")
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    check_power_of_two("head_dim", head_dim, minimum=2)
+    return num_kv_heads, head_dim
+

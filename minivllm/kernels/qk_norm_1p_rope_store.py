@@ -31,16 +31,12 @@ Torch reference: :func:`minivllm.kernels.reference.qk_norm_1p_rope_store_referen
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.fp8 import FP8_DTYPE, check_kv_scales, exact_cast, is_fp8_cache, store_kv
-from minivllm.kernels._launch import (
-    check_dtype, check_last_dim_contiguous, check_power_of_two, check_same_device, next_pow2,
-)
+from minivllm.kernels._launch import check_dtype, next_pow2
+from minivllm.kernels.fp8 import check_kv_scales, check_rope_store_args, exact_cast, is_fp8_cache, store_kv
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Elements of one (heads, D) tile; bounds registers at large H * D (the head loop then takes
@@ -198,23 +194,8 @@ def _check_args(
         check_dtype(name, t, (q.dtype,))
     for name, t in (("q_weight", q_weight), ("k_weight", k_weight)):
         check_dtype(name, t, _FLOAT_DTYPES)
-    check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t, (*_FLOAT_DTYPES, FP8_DTYPE))
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        check_dtype(name, t, (torch.int64, torch.int32))
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps must be a number, got {type(eps).__name__}")
-    tensors = {"q": q, "k": k, "v": v, "positions": positions, "q_weight": q_weight, "k_weight": k_weight,
-               "cos_sin_cache": cos_sin_cache, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
-    for name, t in tensors.items():
-        check_last_dim_contiguous(name, t)
-    check_same_device(**tensors)
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must be (N, block_size, Hkv, D) with equal shapes and strides, got "
-                         f"{tuple(k_cache.shape)}/{k_cache.stride()} and {tuple(v_cache.shape)}/{v_cache.stride()}")
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    check_power_of_two("head_dim", head_dim, minimum=2)
+    num_kv_heads, head_dim = check_rope_store_args(eps, positions, slot_mapping, cos_sin_cache, k_cache, v_cache,
+                                                   q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight)
     _check_shapes(q, k, v, positions, slot_mapping, q_weight, k_weight, num_kv_heads, head_dim)
     rotary = cos_sin_cache.shape[1] if cos_sin_cache.dim() == 2 else -1
     if rotary < 2 or rotary % 2 or rotary > head_dim:

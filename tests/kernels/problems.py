@@ -81,3 +81,18 @@ def make_qk_norm_1p_problem(
             *scales]
     ref_args = [a.clone() if isinstance(a, torch.Tensor) and a.dim() != 3 else a for a in args]
     return args, ref_args
+
+
+def make_delta_rule_problem(t: int, hk: int, h: int, kd: int, vd: int, dtype: torch.dtype, seed: int = 0,
+                            entries: int = 9, max_decay: float = 2.0) -> tuple[torch.Tensor, ...]:
+    """Inputs of the gated delta rule's kernels: q, k (t, hk, kd) and v (t, h, vd) in ``dtype``,
+    float32 log decays g in (-max_decay, 0], beta (t, h) in ``dtype``, and a float32 state of
+    ``entries`` entries holding garbage (random values where nobody resets)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(t, hk, kd, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(t, h, vd, generator=gen).to(dtype)
+    g = -torch.rand(t, h, generator=gen) * max_decay
+    beta = torch.rand(t, h, generator=gen).to(dtype)
+    state = torch.randn(entries, h, kd, vd, generator=gen)
+    return q, k, v, g, beta, state
+

@@ -11,18 +11,13 @@ import torch
 
 from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent
 from minivllm.kernels.linear_attention_reference import gated_delta_rule_recurrent_reference, save_points
+from tests.kernels.problems import make_delta_rule_problem
 
 ENTRIES = 9
 
 
 def _inputs(t: int, hk: int, h: int, kd: int, vd: int, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(t, hk, kd, generator=gen).to(dtype) for _ in range(2))
-    v = torch.randn(t, h, vd, generator=gen).to(dtype)
-    g = -torch.rand(t, h, generator=gen) * 2                   # log decay <= 0
-    beta = torch.rand(t, h, generator=gen).to(dtype)
-    state = torch.randn(ENTRIES, h, kd, vd, generator=gen)     # garbage where nobody resets
-    return q, k, v, g, beta, state
+    return make_delta_rule_problem(t, hk, h, kd, vd, dtype, seed, ENTRIES, max_decay=2)
 
 
 def _both(q, k, v, g, beta, state, lens, slots, init, saves=None):
