@@ -10,7 +10,7 @@ Every floor is bytes that must be moved over the copy bandwidth measured in the 
 (``step_weight_bytes``: attention layers, DeltaNet layers, dense MLPs or, in a sparse layer,
 router, shared expert and the expected distinct experts of B tokens, norms, the LM head, B
 embedding rows), the K/V of each sequence's context in the attention layers, and reads and
-writes each sequence's recurrent state in every DeltaNet layer (``state_bytes``: float32
+writes each sequence's recurrent state in every DeltaNet layer (``state_traffic_bytes``: float32
 (H, K, V) per layer and the conv's last inputs; 2 MB a layer at Qwen3.5-9B's shapes, which
 at batch 256 outweighs the weights).
 
@@ -37,12 +37,15 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
+from benchmarks.gpu_timing import copy_bandwidth_gbs
 from benchmarks.moe import decode_batches, expected_distinct_experts
 from benchmarks.report import write_summary
 from benchmarks.throughput import (bench_device, build_llm, median_run, met, offline_workload, run_batch1,
                                    run_offline)
 from minivllm.config import ModelConfig
+from minivllm.executor.linear_state import state_bytes
 from minivllm.testing import write_random_config
 
 SHAPES_NAMES = ("qwen3.5-9b", "qwen3.5-35b-a3b")
@@ -93,12 +96,10 @@ def step_weight_bytes(c: ModelConfig, batch: float, dtype_bytes: int) -> float:
     return values * dtype_bytes
 
 
-def state_bytes(c: ModelConfig, dtype_bytes: int) -> int:
-    """One sequence's state traffic a step: every DeltaNet layer's float32 recurrent state and
-    conv inputs, read and written."""
-    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * dtype_bytes
-    return 2 * c.num_linear_layers * (recurrent + conv)
+def state_traffic_bytes(c: ModelConfig, dtype: torch.dtype) -> int:
+    """One sequence's state traffic a step: its whole state (``linear_state.state_bytes``:
+    every DeltaNet layer's float32 recurrent state and conv inputs), read and written."""
+    return 2 * state_bytes(c, dtype)
 
 
 def kv_token_bytes(c: ModelConfig, dtype_bytes: int) -> int:
@@ -108,12 +109,13 @@ def kv_token_bytes(c: ModelConfig, dtype_bytes: int) -> int:
 
 # ---- parts ---------------------------------------------------------------------------
 
-def batch1(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int, gbs: float) -> dict[str, Any]:
+def batch1(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype: torch.dtype, gbs: float) -> dict[str, Any]:
     runs = [run_batch1(llm, 100 + 10 * r, args.shapes, args.smoke, _id_limit(args)) for r in range(args.batch1_repeats)]
     r = median_run(runs, args.shapes)
     plen, new = (8, 8) if args.smoke else (BATCH1_PROMPT, BATCH1_NEW)
     context = plen + new // 2
-    step = step_weight_bytes(c, 1, dtype_bytes) + state_bytes(c, dtype_bytes) + context * kv_token_bytes(c, dtype_bytes)
+    step = (step_weight_bytes(c, 1, dtype.itemsize) + state_traffic_bytes(c, dtype)
+            + context * kv_token_bytes(c, dtype.itemsize))
     r.update(context=context, step_bytes=step, floor_ms=step / (gbs * 1e9) * 1e3,
              goal_floor_fraction=GOAL_BATCH1_FLOOR_FRACTION)
     r["floor_fraction"] = r["floor_ms"] / r["ms_per_token"]
@@ -124,14 +126,14 @@ def batch1(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int,
     return r
 
 
-def offline(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int, gbs: float) -> dict[str, Any]:
+def offline(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype: torch.dtype, gbs: float) -> dict[str, Any]:
     wl = offline_workload(args.num_requests, args.seed, args.smoke)
     r = run_offline(llm, wl, stream=1, label=args.shapes)
     batches = decode_batches(wl.max_tokens, args.max_num_seqs)
     tokens = sum(wl.max_tokens)
-    weights = sum(step_weight_bytes(c, b, dtype_bytes) for b in batches)
-    kv = sum(m * p + m * (m - 1) // 2 for p, m in zip(wl.prompt_lens, wl.max_tokens)) * kv_token_bytes(c, dtype_bytes)
-    states = tokens * state_bytes(c, dtype_bytes)
+    weights = sum(step_weight_bytes(c, b, dtype.itemsize) for b in batches)
+    kv = sum(m * p + m * (m - 1) // 2 for p, m in zip(wl.prompt_lens, wl.max_tokens)) * kv_token_bytes(c, dtype.itemsize)
+    states = tokens * state_traffic_bytes(c, dtype)
     floor_s = (weights + kv + states) / (gbs * 1e9)
     r.update(workload=f"offline-{args.num_requests}", floor_steps=len(batches), weight_bytes=weights, kv_bytes=kv,
              state_bytes=states, floor_tok_s=tokens / floor_s)
@@ -142,7 +144,7 @@ def offline(llm: Any, args: argparse.Namespace, c: ModelConfig, dtype_bytes: int
     return r
 
 
-def prefix(args: argparse.Namespace, path: str, device: str) -> dict[str, Any]:
+def prefix(args: argparse.Namespace, path: str, device: str, c: ModelConfig) -> dict[str, Any]:
     """The shared-system-prompt workload with the prefix cache on, then off (module doc)."""
     from minivllm import SamplingParams
 
@@ -163,7 +165,7 @@ def prefix(args: argparse.Namespace, path: str, device: str) -> dict[str, Any]:
         cached = sum(o.num_cached_tokens for o in outs)
         prompt_tokens = sum(map(len, prompts[1:]))
         slots, snapshots = llm.engine.executor.state_pool()
-        entry = _state_entry_bytes(llm)
+        entry = state_bytes(c, llm.engine.executor.dtype)
         row = dict(wall_s=wall, prompt_tokens=prompt_tokens, cached_tokens=cached,
                    computed_prompt_tokens=prompt_tokens - cached, stats_cached=llm.engine.stats.num_cached_tokens - stats0,
                    state_slots=slots, snapshots=snapshots, state_entry_bytes=entry, snapshot_bytes=snapshots * entry)
@@ -184,15 +186,6 @@ def prefix(args: argparse.Namespace, path: str, device: str) -> dict[str, Any]:
 
 def _id_limit(args: argparse.Namespace) -> int:
     return SMOKE_HYBRID["vocab_size"] if args.smoke else 10000
-
-
-def _state_entry_bytes(llm: Any) -> int:
-    states = llm.engine.executor.states
-    if states is None:
-        return 0
-    entries = states.conv_state.shape[1]
-    return (states.conv_state.numel() * states.conv_state.element_size()
-            + states.recurrent_state.numel() * states.recurrent_state.element_size()) // entries
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -234,33 +227,28 @@ def main(argv: list[str] | None = None) -> None:
         path = write_random_config(f"/tmp/{args.shapes}-config", args.shapes)
     c = ModelConfig.from_hf_json(path)
     results: dict[str, Any] = {"shapes": args.shapes, "args": vars(args)}
-    if device == "cuda":
-        from benchmarks.gpu_timing import copy_bandwidth_gbs
-        gbs = copy_bandwidth_gbs()
-    else:
-        from benchmarks.gpu_timing import copy_bandwidth_gbs
-        gbs = copy_bandwidth_gbs(device, 1 << 20)
+    gbs = copy_bandwidth_gbs(device, 1 << 30 if device == "cuda" else 1 << 20)
     results["copy_gbs"] = gbs
     name = "hybrid_" + args.shapes.replace(".", "_").replace("-", "_")
     if {"batch1", "offline"} & set(args.parts):
         llm = build_llm(args, path, device)
-        dtype_bytes = llm.engine.executor.dtype.itemsize
-        results["bytes"] = dict(step_weights_batch1=step_weight_bytes(c, 1, dtype_bytes),
-                                state_per_seq_step=state_bytes(c, dtype_bytes),
-                                kv_per_token=kv_token_bytes(c, dtype_bytes))
+        dtype = llm.engine.executor.dtype
+        results["bytes"] = dict(step_weights_batch1=step_weight_bytes(c, 1, dtype.itemsize),
+                                state_per_seq_step=state_traffic_bytes(c, dtype),
+                                kv_per_token=kv_token_bytes(c, dtype.itemsize))
         print(f"[{args.shapes}] batch-1 step weights {results['bytes']['step_weights_batch1'] / 1e9:.2f} GB, "
               f"state {results['bytes']['state_per_seq_step'] / 1e6:.1f} MB a sequence a step; "
               f"copy {gbs:.0f} GB/s", flush=True)
         if "batch1" in args.parts:
-            results["batch1"] = batch1(llm, args, c, dtype_bytes, gbs)
+            results["batch1"] = batch1(llm, args, c, dtype, gbs)
             write_summary(name, results)
         if "offline" in args.parts:
-            results["offline"] = offline(llm, args, c, dtype_bytes, gbs)
+            results["offline"] = offline(llm, args, c, dtype, gbs)
             write_summary(name, results)
         llm.close()
         del llm
     if "prefix" in args.parts:
-        results["prefix"] = prefix(args, path, device)
+        results["prefix"] = prefix(args, path, device, c)
     write_summary(name, results)
 
 

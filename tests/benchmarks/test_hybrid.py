@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from benchmarks import delta_rule, hybrid
 from minivllm.config import ModelConfig
 from minivllm.testing import write_random_config
@@ -27,7 +29,7 @@ def test_hybrid_smoke_run(tmp_path: Path, monkeypatch) -> None:
 def test_the_floor_counts_states_at_qwen3_5_9b_shapes(tmp_path: Path) -> None:
     c = ModelConfig.from_hf_json(write_random_config(str(tmp_path), "qwen3.5-9b"))
     # 24 DeltaNet layers, each 32 float32 heads of 128 x 128 and a conv of 8,192 channels x 3, read and written
-    assert hybrid.state_bytes(c, 2) == 2 * 24 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    assert hybrid.state_traffic_bytes(c, torch.bfloat16) == 2 * 24 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
     weights = hybrid.step_weight_bytes(c, 1, 2)
     assert 15e9 < weights < 17e9   # about 8B parameters in bf16 besides the untied embedding table
 
