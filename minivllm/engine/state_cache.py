@@ -10,13 +10,13 @@ executor holds two pools of such states; this module decides who uses which entr
   (a prefix-cache hit); a preempted or finished sequence gives its slot back.
 - **snapshots**: copies of a sequence's state at a full-block boundary (``boundaries``:
   every ``snapshot_interval``-th, a prompt's last full one, and where a prompt's cached
-  prefix ends short of a snapshot), tied to the
-  chained hash of the block that ends there (``engine/block_manager.py``), so a later
-  request whose prefix hits that block resumes from the snapshot instead of recomputing
-  its whole prefix. A snapshot is reserved when a step is planned (the executor writes
-  it during the step), bound to its hash when the step completes, and dropped when the
-  hash is evicted with its block, or (the oldest first) when a new boundary needs one and all
-  are taken, if no running sequence holds its block.
+  prefix ends short of a snapshot), tied to the chained hash of the block that ends there
+  (``engine/block_manager.py``), so a later request whose prefix hits that block resumes
+  from the snapshot instead of recomputing its whole prefix. A snapshot is reserved when a
+  step is planned (the executor writes it during the step), bound to its hash when the
+  step completes, and dropped when the hash is evicted with its block, or (the oldest
+  first) when a new boundary needs one and all are taken, if no running sequence holds
+  its block.
 
 No tensor lives here; slot and snapshot ids index the executor's pools.
 """
