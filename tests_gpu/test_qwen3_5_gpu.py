@@ -1,10 +1,9 @@
 """Qwen3.5 hybrid models (dense and MoE) on the GPU through ``LLM`` with the Triton kernels,
-eagerly (hybrid models capture no CUDA graphs yet): on tiny configs, float32 greedy tokens
-equal transformers' in both scheduling modes, a second call whose prompts share a prefix
-resumes from state snapshots with the same tokens, and so does a second turn from a snapshot
-saved in a decode step; at Qwen3.5-9B's and -35B-A3B's layer shapes (4 layers), float32
-greedy tokens equal transformers' over 16 prompts on shared prefixes, and bf16 agrees by the
-top-5 rule."""
+decode steps in CUDA graphs: on tiny configs, float32 greedy tokens equal transformers' in both
+scheduling modes, and a second call whose prompts share a prefix resumes from state snapshots
+with the same tokens; at Qwen3.5-9B's and -35B-A3B's layer shapes (4 layers), float32 greedy
+tokens equal transformers' over 16 prompts on shared prefixes, and bf16 agrees by the top-5
+rule."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def test_hybrid_model_on_the_gpu_gives_transformers_tokens(name: str, tmp_path) 
     plain = [rng.integers(0, vocab, n).tolist() for n in (70, 9, 33)]
     shared = [prefix + rng.integers(0, vocab, n).tolist() for n in (3, 11)]
     want = {i: hf_generate(hf, p, NEW) for i, p in enumerate(plain + shared)}
-    # a second turn after the first shared prompt: its 48-token boundary was saved in a decode step
+    # a second turn after the first shared prompt: its 48-token boundary was saved by a decode step
     turn = shared[0] + want[3] + rng.integers(0, vocab, 5).tolist()
     want_turn = hf_generate(hf, turn, NEW)
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -51,6 +50,7 @@ def test_hybrid_model_on_the_gpu_gives_transformers_tokens(name: str, tmp_path) 
         cold = llm.generate(shared[:1], greedy, use_tqdm=False)
         warm = llm.generate(shared[1:], greedy, use_tqdm=False)
         second = llm.generate([turn], greedy, use_tqdm=False)
+        assert llm.engine.executor.graph_runner.num_replays > 0
     assert list(cold[0].token_ids) == want[3] and list(warm[0].token_ids) == want[4]
     assert warm[0].num_cached_tokens == 32  # the deepest snapshot short of the shared 40 tokens
     assert list(second[0].token_ids) == want_turn and second[0].num_cached_tokens == 48
@@ -89,9 +89,9 @@ def shaped(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_shapes_greedy_fp32_matches_hf(shaped, async_scheduling: bool) -> None:
-    """16 prompts on two shared 200-token prefixes, snapshots every 4 blocks so later prompts
-    resume from the prefix's state."""
+def test_shapes_greedy_fp32_matches_hf_with_graphs(shaped, async_scheduling: bool) -> None:
+    """16 prompts on two shared 200-token prefixes, decode steps in CUDA graphs, snapshots every
+    4 blocks so later prompts resume from the prefix's state."""
     name, _, path, prompts, expected = shaped
     llm = None
     try:
@@ -100,16 +100,17 @@ def test_shapes_greedy_fp32_matches_hf(shaped, async_scheduling: bool) -> None:
                   state_snapshot_interval=4)
         got = [list(o.token_ids) for o in llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=SHAPED_NEW, ignore_eos=True), use_tqdm=False)]
-        print(f"{name} {'async' if async_scheduling else 'sync'}: cached tokens {llm.engine.stats.num_cached_tokens}")
+        print(f"{name} {'async' if async_scheduling else 'sync'}: cached tokens {llm.engine.stats.num_cached_tokens}, "
+              f"graph replays {llm.engine.executor.graph_runner.num_replays}")
         assert got == expected
-        assert llm.engine.stats.num_cached_tokens > 0
+        assert llm.engine.executor.graph_runner.num_replays > 0 and llm.engine.stats.num_cached_tokens > 0
     finally:
         del llm
         release_memory()
 
 
 def test_shapes_bf16_top5_at_first_difference(shaped) -> None:
-    """bf16 through ``LLM``: at each prompt's first token that differs from
+    """bf16 through ``LLM`` (graphs on): at each prompt's first token that differs from
     float32 transformers', ours is in float32's top 5 on that context."""
     name, hf, path, prompts, expected = shaped
     llm = None

@@ -18,17 +18,31 @@ step's samples go from the sampler to the next forward without leaving the devic
     kv_lens       (G,)     int32    0 beyond B
     block_tables  (G, W)   int32   -1 beyond each row's blocks
     hidden        (G, hidden_size) the graph's output
+
+A hybrid model's graphs also read each row's state slot (``StateMetadata``) from static
+buffers, and the state tensors at their fixed addresses:
+
+    state_slots   (G,)     int64   -1 beyond B (the kernels run a padding row from zeros and
+                                   write no state)
+    state_init    (G,)     bool    False: the row starts from the zero state
+
+Restored snapshots are copied into their slots before the replay (``LinearStates.metadata``).
+A decode row's save point can only be after its one token, so it is the state the row leaves
+in its slot: the runner copies it into the snapshot entry after the replay.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
-from minivllm.ops.metadata import AttentionMetadata
+from minivllm.ops.metadata import AttentionMetadata, StateMetadata
+
+if TYPE_CHECKING:
+    from minivllm.executor.linear_state import LinearStates
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -71,11 +85,12 @@ class CudaGraphRunner:
         dtype: the activations' dtype (the model's; the cache's may be e4m3).
         max_blocks_per_seq: block-table width W (max_model_len / block_size).
         capture_sizes: batch sizes to capture.
+        states: a hybrid model's state tensors (``executor/linear_state.py``; static too), or None.
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
                  prev_sampled: torch.Tensor, hidden_size: int, dtype: torch.dtype, max_blocks_per_seq: int,
-                 capture_sizes: list[int]) -> None:
+                 capture_sizes: list[int], states: "LinearStates | None" = None) -> None:
         if not capture_sizes or min(capture_sizes) < 1:
             raise ValueError(f"capture_sizes must be positive batch sizes, got {capture_sizes}")
         self.sizes = sorted(set(capture_sizes))
@@ -90,15 +105,22 @@ class CudaGraphRunner:
         self.block_tables = torch.full((g, self.width), -1, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
         self.hidden = torch.zeros(g, hidden_size, dtype=dtype, device=dev)
+        self.states = states
+        self.state_slots = torch.full((g,), -1, dtype=torch.int64, device=dev)
+        self.state_init = torch.zeros(g, dtype=torch.bool, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self._capture(forward, kv_cache)
 
     def _meta(self, bs: int, kv_cache: torch.Tensor) -> AttentionMetadata:
+        state = None
+        if self.states is not None:
+            state = StateMetadata(slots=self.state_slots[:bs], has_initial_state=self.state_init[:bs],
+                                  conv_state=self.states.conv_state, recurrent_state=self.states.recurrent_state)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
             kv_lens=self.kv_lens[:bs], block_tables=self.block_tables[:bs], max_q_len=1,
-            is_decode=True, kv_cache=kv_cache)
+            is_decode=True, kv_cache=kv_cache, state=state)
 
     def _capture(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor) -> None:
         def step(bs: int) -> None:
@@ -140,6 +162,14 @@ class CudaGraphRunner:
         self.kv_lens[:b].copy_(meta.kv_lens)
         self.block_tables[:g].fill_(-1)
         self.block_tables[:b, :w].copy_(meta.block_tables)
+        state = meta.state
+        if self.states is not None:
+            assert state is not None, "a hybrid model's batch carries its state slots"
+            self.state_slots[b:g].fill_(-1)
+            self.state_slots[:b].copy_(state.slots)
+            self.state_init[:b].copy_(state.has_initial_state)
         self.graphs[g].replay()
         self.num_replays += 1
+        if state is not None and state.save_rows.numel():  # each after the row's one token
+            self.states.copy(state.slots[state.save_rows], state.save_slots)  # type: ignore[union-attr]
         return self.hidden[:b]

@@ -26,7 +26,8 @@ A hybrid model (Qwen3.5: ``ModelConfig.is_hybrid``) keeps K/V only for its full-
 layers (``ModelConfig.num_attention_layers`` rows, each layer at its ``kind_index``) and,
 beside them, its linear-attention layers' recurrent states: slots, prefix-cache snapshots and
 a drafted row's per-position states in one tensor pair (``executor/linear_state.py``), which
-each step's plan indexes (``StepPlan.state_*``). Hybrid models run eagerly (no CUDA graphs).
+each step's plan indexes (``StepPlan.state_*``). A hybrid model's decode steps replay CUDA graphs
+(the state slots in static buffers); its other steps run eagerly.
 
 The executor builds the model's ``Ops`` once (``ops/dispatch.py``: Triton kernels or torch
 references, PDL, the tensor-parallel communicator) and hands it to the model.
@@ -241,8 +242,8 @@ class ModelExecutor:
         cache_config: block size and pool size (None: sized from free device
             memory on CUDA; every sequence at full length elsewhere).
         config: device, dtype, kernels, seed, graphs, memory share,
-            tensor-parallel size. A hybrid model runs eagerly whatever ``enforce_eager``
-            says: its state slots are not captured into CUDA graphs yet.
+            tensor-parallel size. A hybrid model captures decode steps only: its
+            other steps run eagerly.
         tp_rank: this process's rank when ``config.tensor_parallel_size > 1``
             (``executor/distributed.py`` builds one executor per rank, inside a
             process group).
@@ -276,8 +277,7 @@ class ModelExecutor:
         self.dtype = _resolve_dtype(config.dtype, self.device)
         comm, self.all_reduce_path = self._communicator(config)
         self.ops = Ops.build(config.kernels, self.device, self.dtype, comm)
-        # Hybrid models run eagerly: their state slots are not captured into graphs yet.
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and not model_config.is_hybrid
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if use_graphs and not self.ops.triton:
             raise ValueError("CUDA graphs need kernels='triton' (the torch references sync the host); "
                              "pass enforce_eager=True to run them eagerly")
@@ -347,8 +347,9 @@ class ModelExecutor:
         if use_graphs:
             self.graph_runner = CudaGraphRunner(
                 self.model.forward, self.kv_cache, self.prev_sampled, model_config.hidden_size, self.dtype,
-                cdiv(self.max_model_len, self.block_size), default_capture_sizes(self.max_num_seqs))
-            self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
+                cdiv(self.max_model_len, self.block_size), default_capture_sizes(self.max_num_seqs), self.states)
+            if self.states is None:  # a hybrid model's other steps run eagerly (their save points vary)
+                self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
 
     def _communicator(self, config: ExecutorConfig) -> tuple[Communicator | None, str]:
         """This rank's tensor-parallel communicator (None with one rank) and how its all-reduces

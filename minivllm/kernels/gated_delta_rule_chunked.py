@@ -30,7 +30,10 @@ from minivllm.kernels._launch import check_power_of_two, next_pow2
 from minivllm.kernels.gated_delta_rule_recurrent import (L2_NORM_EPS, check_gated_delta_rule_args,
                                                          ordered_saves)
 
-CHUNK = 64     # tokens per piece (a power of two >= 16: tl.dot's minimum)
+# Tokens per piece (a power of two >= 16: tl.dot's minimum). 64 did not compile within 150 s
+# on an H100 (Triton 3.6: six levels of 64 x 64 inversion unrolled in registers); 16 compiles
+# in under 5 s (docs/tuning.md, "Hybrid models").
+CHUNK = 16
 BLOCK_V = 32   # value columns per program: B * H * V / 32 programs for a GPU's SMs
 NUM_WARPS = 4
 

@@ -375,16 +375,17 @@ class Ops:
                          state: StateMetadata, decode: bool) -> torch.Tensor:
         """The gated delta rule over every sequence's rows from its slot of ``recurrent_state``
         (num_entries, H, K, V), which it updates, and writes the state at ``state``'s save points:
-        (T, H, V). Triton: token by token for every step (``kernels/gated_delta_rule_recurrent.py``,
-        no host sync). The chunked kernel (``kernels/gated_delta_rule_chunked.py``, a triangular
-        system per chunk, equal to float32 rounding under the interpreter) is not routed until it
-        has been timed on a GPU (docs/tuning.md, "Hybrid models"). The references: ``decode``
-        the one-step recurrence, else the chunked form."""
+        (T, H, V). ``decode`` (every sequence feeds one token): the one-step recurrence, token by
+        token (``kernels/gated_delta_rule_recurrent.py``); else the chunked form, a triangular
+        system per chunk (``kernels/gated_delta_rule_chunked.py``); the two equal to float32
+        rounding. Neither Triton kernel syncs the host, so CUDA graphs may hold them."""
         if self.triton:
-            from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent
-            return gated_delta_rule_recurrent(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots,
-                                              state.has_initial_state, state.save_rows, state.save_offsets,
-                                              state.save_slots)
+            if decode:
+                from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent as kernel
+            else:
+                from minivllm.kernels.gated_delta_rule_chunked import gated_delta_rule_chunked as kernel
+            return kernel(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state,
+                          state.save_rows, state.save_offsets, state.save_slots)
         rule = linref.gated_delta_rule_recurrent_reference if decode else linref.gated_delta_rule_chunked_reference
         return rule(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state,
                     _save_points(state))
