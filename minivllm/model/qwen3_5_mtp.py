@@ -24,7 +24,6 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.layers.embedding import VocabParallelEmbedding
-from minivllm.layers.linear import ColumnParallelLinear
 from minivllm.layers.norm import RMSNorm1p
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.model.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM
@@ -75,7 +74,8 @@ class Qwen3_5MTP(nn.Module):
         self._embed = [embed_tokens]  # in a list: the target owns (and loads) it
         h, eps = config.hidden_size, config.rms_norm_eps
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = RMSNorm1p(h, eps), RMSNorm1p(h, eps)
-        self.fc = ColumnParallelLinear(2 * h, h)  # replicated: every rank the whole matrix
+        self.fc = nn.Linear(2 * h, h, bias=False)  # replicated: every rank the whole matrix
+        self.fc.weight.requires_grad_(False)
         rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList([Qwen3_5DecoderLayer(layer_config, 0, rotary, ops, tp_rank, tp_size)])
         self.norm = RMSNorm1p(h, eps)
