@@ -5,13 +5,12 @@ from snapshots and a pool that preempts, and the tokens are transformers'."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from minivllm import SamplingParams
 from minivllm.testing import hf_generate
-from tests.spec.test_mtp import make_llm, record_drafts, save_with_head
+from tests.spec.test_mtp import make_llm, record_drafts, save_with_head, shared_prefix_prompts
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")]
@@ -21,11 +20,7 @@ NEW = 10
 @pytest.mark.parametrize("name", ["dense-lin-first", "moe-shared-full-first"])
 def test_mtp_drafts_on_the_gpu_are_the_reference_heads(name: str, tmp_path) -> None:
     hf, head = save_with_head(name, tmp_path, seed=3)
-    rng = np.random.default_rng(9)
-    vocab = hf.config.vocab_size
-    prefix = rng.integers(0, vocab, 22).tolist()
-    prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 30)] + [prefix + rng.integers(0, vocab, n).tolist()
-                                                                      for n in (3, 7)]
+    prompts = shared_prefix_prompts(hf.config.vocab_size, seed=9)
     want = [hf_generate(hf, p, NEW) for p in prompts]
     llm = make_llm(str(tmp_path), device="cuda", kernels="triton", max_num_batched_tokens=9, num_blocks=14,
                    state_snapshot_interval=2)

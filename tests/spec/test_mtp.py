@@ -186,17 +186,21 @@ def record_drafts(llm: LLM, truth: dict[tuple[int, ...], list[int]]) -> list[tup
     return seen
 
 
+def shared_prefix_prompts(vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of 5 and 30 tokens, and two on one 22-token prefix."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab, 22).tolist()
+    return [rng.integers(0, vocab, n).tolist() for n in (5, 30)] + [prefix + rng.integers(0, vocab, n).tolist()
+                                                                   for n in (3, 7)]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_drafts_are_the_heads_and_tokens_are_transformers(setup, async_scheduling: bool) -> None:
     """Four prompts (two sharing a 22-token prefix, asked again so their second run resumes from
     a snapshot), a 9-token budget and a pool that preempts, drafts partly accepted: every token
     is transformers', every draft the reference's from the same context."""
     hf, head, path = setup
-    rng = np.random.default_rng(5)
-    vocab = hf.config.vocab_size
-    prefix = rng.integers(0, vocab, 22).tolist()
-    prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 30)] + [prefix + rng.integers(0, vocab, n).tolist()
-                                                                      for n in (3, 7)]
+    prompts = shared_prefix_prompts(hf.config.vocab_size, seed=5)
     want = [hf_generate(hf, p, NEW) for p in prompts]
     llm = make_llm(path, max_num_batched_tokens=9, num_blocks=14, state_snapshot_interval=2)
     llm.engine.set_async_scheduling(async_scheduling)
