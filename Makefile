@@ -77,7 +77,7 @@ demo: $(VENV)/.full
 # TESTS_GPU="model tp" runs a subset (the part after tests_gpu/test_). With pytest-timeout
 # installed (the GPU machine has it), a test past GPU_TEST_TIMEOUT seconds (default 400)
 # ends its file's run with every thread's stack, instead of hanging the whole call.
-TESTS_GPU ?= kernels model families moe fp8 sampling_features bf16_accuracy lifecycle tp speculative qwen3_5
+TESTS_GPU ?= kernels model families moe fp8 sampling_features bf16_accuracy lifecycle tp speculative qwen3_5 mtp
 test-gpu:
 	@rc=0; for f in $(TESTS_GPU); do \
 	  echo "=== tests_gpu/test_$$f*.py"; \

@@ -2,8 +2,8 @@
 device, no checkpoint) against their memory-bandwidth floors, and the prefix cache on them.
 
     PYTHONPATH=. python3 -m benchmarks.hybrid [--shapes qwen3.5-9b|qwen3.5-35b-a3b]
-        [--parts batch1,offline,prefix] [--num-requests 256] [--batch1-repeats 3]
-        [--prefix-requests 256] [--prefix-tokens 2000] [--smoke]
+        [--parts batch1,offline,prefix,mtp] [--num-requests 256] [--batch1-repeats 3]
+        [--prefix-requests 256] [--prefix-tokens 2000] [--mtp-batches 1,32] [--smoke]
 
 Every floor is bytes that must be moved over the copy bandwidth measured in the run
 (``benchmarks.gpu_timing``). A step of B tokens reads every weight of the dense part once
@@ -25,6 +25,12 @@ at batch 256 outweighs the weights).
   prompt tokens computed, wall time, whether both runs' outputs are identical, and the
   snapshots' memory (entries and bytes, ``executor/linear_state.py``). The first request runs
   alone first (its snapshot then exists for all the others, as a server's warm system prompt).
+- mtp: the cost of the model's MTP head as the proposer (``speculative_config`` method
+  ``mtp``, ``executor/mtp.py``), per decode step, at each batch of ``--mtp-batches`` (prompts of
+  128 tokens, 64 greedy tokens each): ms a step without the head (a plain engine), with the
+  head only keeping its K/V up (no proposer), and drafting k = 1, 2, 3 tokens at every step
+  (no backoff). Random weights: every draft is rejected, so each step still yields one token a
+  sequence and the time is all cost; a real head's accepted drafts are the gain against it.
 
 Summary: ``$OUT/hybrid_<shapes>.json``. ``--smoke``: a tiny float32 hybrid on the CPU (the
 torch references), nothing compared with a floor.
@@ -49,7 +55,7 @@ from minivllm.executor.linear_state import state_bytes
 from minivllm.testing import write_random_config
 
 SHAPES_NAMES = ("qwen3.5-9b", "qwen3.5-35b-a3b")
-PARTS = ("batch1", "offline", "prefix")
+PARTS = ("batch1", "offline", "prefix", "mtp")
 GOAL_BATCH1_FLOOR_FRACTION = 0.85
 BATCH1_PROMPT, BATCH1_NEW = 128, 256
 SMOKE_HYBRID: dict[str, Any] = dict(
@@ -184,6 +190,52 @@ def prefix(args: argparse.Namespace, path: str, device: str, c: ModelConfig) -> 
     return result
 
 
+def mtp(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """Decode-step cost of the MTP head (module doc)."""
+    from minivllm import SamplingParams
+
+    small = SMOKE_HYBRID if args.smoke else {}
+    path = write_random_config(f"/tmp/{args.shapes}{'-smoke' if args.smoke else ''}-mtp-config", args.shapes,
+                               mtp_num_hidden_layers=1, **small)
+    args = argparse.Namespace(**{**vars(args), "load_format": "dummy"})  # no checkpoint has the head
+    plen, new = (8, 6) if args.smoke else (128, 64)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    rng = np.random.default_rng([args.seed, 55])
+    batches = [int(b) for b in args.mtp_batches.split(",")]
+    prompts = {b: [rng.integers(0, _id_limit(args), plen).tolist() for _ in range(b)] for b in batches}
+    rows: dict[str, dict[int, float]] = {}
+
+    def ms_per_step(llm: Any, b: int) -> float:
+        llm.generate(prompts[b][:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        steps0 = llm.engine.stats.num_steps
+        t0 = time.perf_counter()
+        llm.generate(prompts[b], params, use_tqdm=False)
+        return (time.perf_counter() - t0) / (llm.engine.stats.num_steps - steps0) * 1e3
+
+    plain = build_llm(args, path, device)
+    rows["no head"] = {b: ms_per_step(plain, b) for b in batches}
+    plain.close()
+    del plain
+    llm = build_llm(args, path, device, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    llm.engine.max_spec_backoff = 0
+    proposer = llm.engine.proposer
+    llm.engine.proposer = None
+    rows["head keeps up, no drafts"] = {b: ms_per_step(llm, b) for b in batches}
+    llm.engine.proposer = proposer
+    for k in (1, 2, 3):
+        proposer.num_speculative_tokens = k
+        rows[f"k={k}"] = {b: ms_per_step(llm, b) for b in batches}
+    drafted = llm.engine.stats.num_draft_tokens
+    llm.close()
+    del llm
+    base = rows["no head"]
+    for name, row in rows.items():
+        print(f"mtp [{args.shapes}] {name}: " + ", ".join(f"batch {b} {ms:.2f} ms/step (x{ms / base[b]:.2f})"
+                                                         for b, ms in row.items()), flush=True)
+    return {"ms_per_step": {name: {str(b): ms for b, ms in row.items()} for name, row in rows.items()},
+            "draft_tokens": drafted, "prompt_tokens": plen, "new_tokens": new}
+
+
 def _id_limit(args: argparse.Namespace) -> int:
     return SMOKE_HYBRID["vocab_size"] if args.smoke else 10000
 
@@ -196,6 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch1-repeats", type=int, default=3)
     ap.add_argument("--prefix-requests", type=int, default=256)
     ap.add_argument("--prefix-tokens", type=int, default=2000)
+    ap.add_argument("--mtp-batches", default="1,32", help="batch sizes of the mtp part, comma list")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -210,6 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.load_format = "auto" if args.smoke else "dummy"
     if args.smoke:
         args.num_requests, args.max_num_seqs, args.batch1_repeats = min(args.num_requests, 6), 4, 1
+        args.mtp_batches = "1,3"
     return args
 
 
@@ -249,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         del llm
     if "prefix" in args.parts:
         results["prefix"] = prefix(args, path, device, c)
+        write_summary(name, results)
+    if "mtp" in args.parts:
+        results["mtp"] = mtp(args, device)
     write_summary(name, results)
 
 

@@ -143,7 +143,7 @@ class SchedulerConfig:
         return _from_dict(cls, values)
 
 
-SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model")
+SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -157,7 +157,8 @@ class SpeculativeConfig:
         method: ``ngram``: prompt lookup, the tokens that followed the latest earlier
             occurrence of the context's last n tokens (``minivllm/spec/ngram.py``);
             ``draft_model``: a smaller model with the target's vocabulary drafts greedily,
-            in the target's executor (``minivllm/spec/draft_model.py``). None (the default):
+            in the target's executor (``minivllm/spec/draft_model.py``); ``mtp``: the model's
+            own multi-token-prediction head (Qwen3.5, ``minivllm/executor/mtp.py``). None (the default):
             ``draft_model`` when ``model`` is given, else ``ngram``.
         model: the draft model's directory (``draft_model`` only).
         num_speculative_tokens: most drafts per sequence and step (k), 1..16.
@@ -190,6 +191,11 @@ class SpeculativeConfig:
             return
         if self.model is not None:
             raise ValueError(f"speculative_config.model is for method 'draft_model', not {method!r}")
+        if method == "mtp":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method 'ngram', not 'mtp'")
+            return
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -385,7 +391,8 @@ class ModelConfig:
         shared_expert_intermediate_size: a sparse layer's shared expert (always on, scaled by a
             per-token sigmoid gate); 0: none.
         mtp_num_hidden_layers, mtp_use_dedicated_embeddings: the multi-token-prediction head's
-            shape, read and kept; the engine does not run it yet (its weights are skipped).
+            shape; speculative decoding's ``method: "mtp"`` runs the head (its weights are
+            skipped otherwise).
     """
 
     vocab_size: int

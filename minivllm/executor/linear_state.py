@@ -8,7 +8,13 @@ entries (``layers/linear_attention.py: allocate_linear_state``)::
     conv_state       (num_linear_layers, entries, conv_dim, kernel - 1)   the model's dtype
     recurrent_state  (num_linear_layers, entries, H, K, V)                 float32
 
-(with tensor parallelism, conv_dim and H are the rank's share: its heads), so snapshot id i
+(with tensor parallelism, conv_dim and H are the rank's share: its heads), and with an MTP head
+(``executor/mtp.py``) a third tensor, replicated over ranks::
+
+    hidden           (entries, hidden_size)   the model's dtype: the target's final hidden state
+                                              of the last token before the entry's state
+
+so snapshot id i
 is entry ``S + i``: restoring one into a slot, or saving a row's state into one, is an index
 copy within the same tensors, every layer at once.
 
@@ -47,11 +53,13 @@ SNAPSHOTS_PER_SEQ = 4
 SNAPSHOT_MEMORY_SHARE = 0.25
 
 
-def state_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+def state_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1, hidden: bool = False) -> int:
     """Bytes of one state entry over every linear-attention layer on one of ``tp_size`` ranks
-    (its heads; conv in ``dtype``, recurrent float32)."""
-    conv = int(np.prod(config.conv_state_shape(1, tp_size))) * torch.finfo(dtype).bits // 8
-    return conv + int(np.prod(config.recurrent_state_shape(1, tp_size))) * 4
+    (its heads; conv in ``dtype``, recurrent float32), and with ``hidden`` the MTP head's
+    hidden state (``dtype``)."""
+    width = torch.finfo(dtype).bits // 8
+    conv = int(np.prod(config.conv_state_shape(1, tp_size))) * width
+    return conv + int(np.prod(config.recurrent_state_shape(1, tp_size))) * 4 + hidden * config.hidden_size * width
 
 
 @dataclass(frozen=True)
@@ -175,10 +183,13 @@ class LinearStates:
     """
 
     def __init__(self, config: ModelConfig, layout: StateLayout, dtype: torch.dtype,
-                 device: torch.device, tp_size: int = 1) -> None:
+                 device: torch.device, tp_size: int = 1, hidden: bool = False) -> None:
         self.layout = layout
         self.conv_state, self.recurrent_state = allocate_linear_state(config, layout.num_entries, dtype, device,
                                                                       tp_size)
+        self.hidden = (torch.zeros(layout.num_entries, config.hidden_size, dtype=dtype, device=device)
+                       if hidden else None)
+        self._tensors = [t for t in (self.conv_state, self.recurrent_state, self.hidden) if t is not None]
 
     def metadata(self, uploaded: list[torch.Tensor]) -> StateMetadata:
         """The step's ``StateMetadata`` from ``StateInputs.arrays()`` on the device (same order),
@@ -191,10 +202,22 @@ class LinearStates:
                              save_offsets=save_offsets, save_slots=save_slots)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Entries ``src`` (R,) into entries ``dst`` (R,), every layer, both tensors: one
+        """Entries ``src`` (R,) into entries ``dst`` (R,), every layer, every tensor: one
         gather and one scatter each (``dst`` distinct; an entry may be its own source)."""
-        for t in (self.conv_state, self.recurrent_state):
-            t.index_copy_(1, dst, t.index_select(1, src))
+        for t in self._tensors:
+            dim = 0 if t is self.hidden else 1
+            t.index_copy_(dim, dst, t.index_select(dim, src))
+
+    def save_hidden(self, hidden: torch.Tensor, state: StateMetadata, cu_seqlens_q: torch.Tensor) -> None:
+        """With ``hidden`` kept (an MTP head): the step's final hidden states (T, H) into the
+        entries its state went to, each the hidden state of the entry's last token: the save
+        points' (``state.save_*``) and each row's slot (its last fed token)."""
+        if self.hidden is None:
+            return
+        starts = cu_seqlens_q.to(torch.int64)
+        if state.save_rows.numel():
+            self.hidden[state.save_slots] = hidden[starts[state.save_rows] + state.save_offsets - 1].to(self.hidden.dtype)
+        self.hidden[state.slots] = hidden[starts[1:] - 1].to(self.hidden.dtype)
 
     def keep_accepted(self, plan: StepPlan, accepted: torch.Tensor,
                       upload: Callable[..., list[torch.Tensor]]) -> None:

@@ -68,6 +68,7 @@ from minivllm.executor.draft import DraftRunner, check_draft_config
 from minivllm.executor.inputs import BatchInputs, prepare_inputs
 from minivllm.executor.linear_state import (SNAPSHOT_MEMORY_SHARE, SNAPSHOTS_PER_SEQ, LinearStates, StateInputs,
                                             StateLayout, check_no_state_fields, state_bytes)
+from minivllm.executor.mtp import MtpRunner
 from minivllm.executor.prefill_graph import PrefillGraphRunner, default_prefill_buckets
 from minivllm.layers.attention import kv_cache_torch_dtype
 from minivllm.layers.linear_attention import allocate_linear_state
@@ -76,6 +77,8 @@ from minivllm.layers.weights import check_tp_divisibility
 from minivllm.model.decoder import DecoderForCausalLM
 from minivllm.model.hf_config import read_model_config
 from minivllm.model.loader import fill_dummy_weights, load_weights, require_weights
+from minivllm.model.qwen3_5 import Qwen3_5ForCausalLM
+from minivllm.model.qwen3_5_mtp import attach_mtp
 from minivllm.model.registry import build_model
 from minivllm.ops.communicator import Communicator, build_communicator
 from minivllm.ops.dispatch import Ops, hashed_uniform, row_keys
@@ -294,8 +297,9 @@ class ModelExecutor:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.ops, self.generator)
-        self.model = self._load_model(model_path, model_config)
-        self.draft_config: ModelConfig | None = None
+        use_mtp = speculative_config is not None and speculative_config.method == "mtp"
+        self.model = self._load_model(model_path, model_config, mtp=use_mtp)
+        self.draft_config: ModelConfig | None = None  # the second KV cache's model: a draft model or MTP head
         self.draft_model: DecoderForCausalLM | None = None
         if speculative_config is not None and speculative_config.method == "draft_model":
             assert speculative_config.model is not None
@@ -304,6 +308,8 @@ class ModelExecutor:
             if self.tp_size > 1:
                 check_tp_divisibility(self.draft_config, self.tp_size)
             self.draft_model = self._load_model(speculative_config.model, self.draft_config)
+        if use_mtp:
+            self.draft_config = self.model.mtp.config  # type: ignore[union-attr]
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = _first_attention(self.model).num_kv_heads
         max_drafts = speculative_config.num_speculative_tokens if speculative_config is not None else 0
@@ -322,8 +328,8 @@ class ModelExecutor:
                     self.state_layout, num_snapshots=agree_num_blocks(self.state_layout.num_snapshots))
         self.num_blocks = num_blocks
         self.kv_cache = self._allocate_kv_cache(num_blocks)
-        self.states = (LinearStates(model_config, self.state_layout, self.dtype, self.device, self.tp_size)
-                       if self.state_layout is not None else None)
+        self.states = (LinearStates(model_config, self.state_layout, self.dtype, self.device, self.tp_size,
+                                    hidden=use_mtp) if self.state_layout is not None else None)
         self._keep_staging = _PinnedRing(self.device)  # a drafted hybrid step's kept-state indices
         # The last step's sampled ids, by sampling row (``prev_sample_row`` maps sequences to rows).
         self.prev_sampled = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -342,6 +348,12 @@ class ModelExecutor:
                 self.draft_model, self.draft_config, self._allocate_kv_cache(num_blocks, draft=True),
                 speculative_config.num_speculative_tokens, self.dtype, self.prev_sampled, self.max_num_seqs,
                 cdiv(self.max_model_len, self.block_size), use_graphs)
+        self.mtp_runner: MtpRunner | None = None
+        if use_mtp:
+            assert isinstance(self.model, Qwen3_5ForCausalLM) and self.states is not None
+            self._draft_staging, self._mtp_staging = _PinnedRing(self.device), _PinnedRing(self.device)
+            self.mtp_runner = MtpRunner(self.model, self._allocate_kv_cache(num_blocks, draft=True), self.states,
+                                        self.prev_sampled)
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
         if use_graphs:
@@ -369,7 +381,7 @@ class ModelExecutor:
             return
         self.graph_runner = None
         self.prefill_graph_runner = None
-        self.drafter = self.draft_model = None
+        self.drafter = self.draft_model = self.mtp_runner = None
         if self.ops.comm is not None:
             self.ops.comm.close()
         self.model = None  # type: ignore[assignment]
@@ -408,7 +420,9 @@ class ModelExecutor:
         replicated head)."""
         if not draft:
             return self.model_config, self.num_kv_heads
-        assert self.draft_config is not None and self.draft_model is not None
+        assert self.draft_config is not None
+        if self.draft_model is None:  # the MTP head's one layer
+            return self.draft_config, self.model.mtp.layers[0].self_attn.num_kv_heads  # type: ignore[union-attr]
         return self.draft_config, _first_attention(self.draft_model).num_kv_heads
 
     @property
@@ -421,15 +435,19 @@ class ModelExecutor:
             size += c.num_attention_layers * 2 * self.block_size * heads * c.head_dim * torch.finfo(self.kv_dtype).bits // 8
         return size
 
-    def _load_model(self, model_path: str | os.PathLike[str], model_config: ModelConfig) -> DecoderForCausalLM:
+    def _load_model(self, model_path: str | os.PathLike[str], model_config: ModelConfig,
+                    mtp: bool = False) -> DecoderForCausalLM:
         """The model on the device, its weights from ``model_path`` or, with
         ``load_format="dummy"``, random (``fill_dummy_weights``; the same seed on every rank);
-        with ``quantization="fp8"`` its 16-bit linear layers then quantized per channel."""
+        with ``quantization="fp8"`` its 16-bit linear layers then quantized per channel. ``mtp``:
+        with its MTP head (``model/qwen3_5_mtp.py``), whose weights load too."""
         dummy = self.config.load_format == "dummy"
         if not dummy:
             require_weights(model_path)  # before a model is built for weights that are not there
         with _default_dtype(self.dtype), self.device:
             model = build_model(model_config, ops=self.ops, tp_rank=self.tp_rank, tp_size=self.tp_size)
+            if mtp:
+                attach_mtp(model)  # type: ignore[arg-type]
         if dummy:
             fill_dummy_weights(model, self.config.seed)
         else:
@@ -471,7 +489,7 @@ class ModelExecutor:
         budget = total * gpu_memory_utilization - others - peak
         num_snapshots, states = 0, ""
         if layout is not None:
-            entry = state_bytes(self.model_config, self.dtype, self.tp_size)
+            entry = state_bytes(self.model_config, self.dtype, self.tp_size, hidden=self.draft_config is not None)
             budget -= (layout.num_entries - layout.num_snapshots) * entry     # slots and draft states
             num_snapshots = max(0, min(layout.num_snapshots, int(budget * SNAPSHOT_MEMORY_SHARE // entry)))
             budget -= num_snapshots * entry
@@ -596,9 +614,15 @@ class ModelExecutor:
         if self.drafter is not None:  # its cache keeps up; drafts made on the device go into the ids
             self.drafter.run(batch, inputs, plan.num_drafts if plan.drafts_on_device else (),
                              lambda *a: self._upload_all(*a, ring=self._draft_staging))
+        elif self.mtp_runner is not None:
+            self.mtp_runner.draft(plan, batch, inputs, lambda *a: self._upload_all(*a, ring=self._draft_staging))
         elif plan.drafts_on_device:
             raise ValueError("the plan asks for drafts made on the device, but this executor has no draft model")
         hidden = self._forward(batch)                                     # (T, hidden)
+        if self.mtp_runner is not None:  # the head's K/V keeps up; the hidden states join the state
+            self.mtp_runner.mirror(plan, batch, inputs, hidden, lambda *a: self._upload_all(*a, ring=self._mtp_staging))
+            assert self.states is not None and batch.attn_metadata.state is not None
+            self.states.save_hidden(hidden, batch.attn_metadata.state, batch.attn_metadata.cu_seqlens_q)
         if plan.num_masked_rows:  # the sampler waits for the masks; the forward runs meanwhile
             step = _MaskedStep(lambda bitmask: self._finish_step(plan, inputs, batch, hidden, seq_ids, params,
                                                                  extras, bitmask), self)

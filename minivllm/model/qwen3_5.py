@@ -17,7 +17,8 @@ What differs from the shared decoder (``decoder.py``), so the layers are this mo
 Full-attention layers use the paged KV cache (its row: the layer's index among them,
 ``ModelConfig.kind_index``); DeltaNet layers the state slots of ``AttentionMetadata.state``.
 The vision-language checkpoints (``*ForConditionalGeneration``) keep the text model under
-``model.language_model.``; their vision tower and every checkpoint's MTP head are skipped.
+``model.language_model.``; their vision tower is skipped, and every checkpoint's MTP head unless
+the model has one attached (``model/qwen3_5_mtp.py``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ QWEN3_5_PACKED_MODULES: Mapping[str, tuple[str, ShardId]] = MappingProxyType({
 # Checkpoint name prefixes the text model does not serve -> why (logged by the loader).
 SKIPPED_PREFIXES: Mapping[str, str] = MappingProxyType({
     "model.visual.": "the vision tower (only the text model is served)",
-    "mtp.": "the multi-token-prediction head (not run yet)",
+    "mtp.": "the multi-token-prediction head (loaded for speculative_config method 'mtp')",
 })
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 
@@ -82,6 +83,19 @@ class GatedAttention(nn.Module):
 
     def forward(self, ops: Ops, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) positions, (T, hidden) normed input -> (T, hidden) this rank's partial sum of o_proj."""
+        q, gate = self.store_kv(ops, positions, h, meta)
+        k_cache, v_cache = self.attn.kv_caches(meta)
+        o = ops.attention(q, k_cache, v_cache, meta, self.attn.scale, self.k_scale, self.v_scale).reshape(h.shape[0], -1)
+        if gate is not None:
+            o = ops.sigmoid_mul(o, gate)
+        o_proj = self.o_proj
+        return ops.linear(o, o_proj.weight, o_proj.partial_bias, out=ops.partial_out(o, o_proj.weight),
+                          scale=o_proj.weight_scale)
+
+    def store_kv(self, ops: Ops, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The projection, q/k norm, RoPE and K/V store of (T, hidden) normed ``h``: returns
+        (T, H, D) q and the (T, H D) gate (None without ``attn_output_gate``)."""
         t, d, heads, kv_heads = h.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         proj = self.qkv_proj
         qkv = ops.linear(h, proj.weight, proj.bias, scale=proj.weight_scale)
@@ -96,12 +110,7 @@ class GatedAttention(nn.Module):
                                       positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                       self.rotary_emb.cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
                                       self.k_scale, self.v_scale)
-        o = ops.attention(q, k_cache, v_cache, meta, self.attn.scale, self.k_scale, self.v_scale).reshape(t, -1)
-        if gate is not None:
-            o = ops.sigmoid_mul(o, gate)
-        o_proj = self.o_proj
-        return ops.linear(o, o_proj.weight, o_proj.partial_bias, out=ops.partial_out(o, o_proj.weight),
-                          scale=o_proj.weight_scale)
+        return q, gate
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -231,6 +240,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         check_tp_divisibility(config, tp_size)
         super().__init__(config, ops=ops, tp_rank=tp_rank, tp_size=tp_size)
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # The MTP head, when ``model/qwen3_5_mtp.py: attach_mtp`` built it (its weights then load).
+        self.mtp: nn.Module | None = None
 
     @classmethod
     def attention_spec(cls, config: ModelConfig) -> AttentionSpec:
@@ -241,10 +253,11 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return Qwen3_5Model(config, ops, tp_rank, tp_size)
 
     def skip_reason(self, name: str) -> str | None:
-        """The vision tower and the MTP head by prefix; with ``shared_expert_intermediate_size``
-        0, the shared expert's empty tensors and its gate (which scales nothing)."""
+        """The vision tower and (unless attached) the MTP head by prefix; with
+        ``shared_expert_intermediate_size`` 0, the shared expert's empty tensors and its gate
+        (which scales nothing)."""
         for prefix, why in SKIPPED_PREFIXES.items():
-            if name.startswith(prefix):
+            if name.startswith(prefix) and not (prefix == "mtp." and self.mtp is not None):
                 return why
         if not self.has_shared_expert and (".mlp.shared_expert." in name or ".mlp.shared_expert_gate." in name):
             return "the shared expert of shared_expert_intermediate_size 0"

@@ -367,7 +367,11 @@ class Ops:
 
     def gdn_gating(self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(g, beta)`` (T, H): the delta rule's float32 log decay and its write strength."""
+        """``(g, beta)`` (T, H): the delta rule's float32 log decay and its write strength
+        (Triton: ``kernels/gdn_gating.py``, one launch for the reference's seven)."""
+        if self.triton:
+            from minivllm.kernels.gdn_gating import gdn_gating
+            return gdn_gating(a, b, a_log, dt_bias)
         return linref.gdn_gating_reference(a, b, a_log, dt_bias)
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Speculative decoding's proposers (``base.Proposer``): n-gram lookup and a draft model."""
+"""Speculative decoding's proposers (``base.Proposer``): n-gram lookup, a draft model and
+a model's MTP head."""
 
 from __future__ import annotations
 
@@ -12,4 +13,4 @@ def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
     """The proposer ``config`` names (None: no speculation)."""
     if config is None:
         return None
-    return DraftModelProposer(config) if config.method == "draft_model" else NgramProposer(config)
+    return DraftModelProposer(config) if config.method in ("draft_model", "mtp") else NgramProposer(config)

@@ -40,3 +40,13 @@ def test_delta_rule_smoke_run(tmp_path: Path, monkeypatch) -> None:
     summary = json.loads((tmp_path / "delta_rule.json").read_text())
     checks = [v for row in summary["prefill"] + summary["decode"] for v in row["check"].values()]
     assert checks and all(v.startswith("ok") for v in checks)
+
+
+def test_hybrid_mtp_smoke_run(tmp_path: Path, monkeypatch) -> None:
+    """The MTP head's cost part: every row timed, and the drafting rows drafted."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    hybrid.main(["--smoke", "--parts", "mtp"])
+    summary = json.loads((tmp_path / "hybrid_qwen3_5_9b.json").read_text())["mtp"]
+    assert set(summary["ms_per_step"]) == {"no head", "head keeps up, no drafts", "k=1", "k=2", "k=3"}
+    assert all(ms > 0 for row in summary["ms_per_step"].values() for ms in row.values())
+    assert summary["draft_tokens"] > 0

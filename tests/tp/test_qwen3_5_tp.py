@@ -151,3 +151,34 @@ def test_non_dividing_delta_net_heads_are_refused(tmp_path: Path) -> None:
         LLM(path, **ENGINE, tensor_parallel_size=TP)
     with pytest.raises(ValueError, match="linear_num_key_heads"):
         GatedDeltaNet(ModelConfig.from_hf_json(path), 0, tp_rank=0, tp_size=TP)
+
+
+def test_tp2_mtp_drafts_equal_the_reference(tmp_path: Path) -> None:
+    """The MTP head sharded over 2 ranks (its attention by heads, its MoE as the model's, fc
+    replicated): every draft equals the reference head's from the same context, and the tokens
+    are transformers'."""
+    from minivllm.executor.base import DoneStep
+    from tests.spec.test_mtp import save_with_head
+
+    hf, head = save_with_head("moe-shared-full-first", tmp_path, seed=1)
+    prompts = prompt_sets(hf.config.vocab_size, 2)
+    want = [hf_generate(hf, p, NEW) for p in prompts["plain"] + prompts["cold"]]
+    seen: list[tuple[list[int], list[int]]] = []
+    with LLM(str(tmp_path), **ENGINE, tensor_parallel_size=TP,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        engine, submit = llm.engine, llm.engine.executor.submit
+        engine.max_spec_backoff = 0
+
+        def recorded(plan):
+            result = submit(plan).result()
+            seqs = {s.seq_id: s for s in engine.scheduler.running}
+            for sid, drafts in result.drafts.items():
+                row = plan.seq_ids.index(sid)
+                seen.append((list(seqs[sid].token_ids[:int(plan.start_positions[row]) + 1]), drafts))
+            return DoneStep(result)
+
+        engine.executor.submit = recorded
+        assert tokens(llm, prompts["plain"] + prompts["cold"]) == want
+    assert len(seen) >= 8
+    for context, drafts in seen:
+        assert drafts == head.drafts(context, len(drafts))

@@ -1,0 +1,244 @@
+"""Qwen3.5's MTP head as the proposer (``speculative_config={"method": "mtp"}``), float32 on the
+CPU, against a reference built from transformers' own layer and norm classes (transformers
+drops ``mtp.*`` on load, so its modules are assembled here from the checkpoint's tensors):
+
+- the head alone: logits equal the reference's, and K/V stored by the K/V-only pass equal the
+  whole layer's;
+- through ``LLM``: greedy tokens equal transformers' with and without the head, every draft the
+  executor makes equals the reference's chain of drafts from the same context (so the hidden
+  states it drafts from, its K/V cache and the pairing of token t + 1 with hidden t are all
+  right), through prefix hits that resume from snapshots, chunked prefill under preemption,
+  and both scheduling modes;
+- refusals: a model without the head, more than one MTP layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import ModelConfig, SpeculativeConfig
+from minivllm.model.loader import load_weights
+from minivllm.model.qwen3_5_mtp import attach_mtp
+from minivllm.model.registry import build_model
+from minivllm.ops.metadata import AttentionMetadata
+from minivllm.testing import hf_generate
+from tests.model.test_qwen3_5 import MODELS, make_hf
+
+pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+
+K = 3          # drafts per step
+BS = 4         # KV block size
+NEW = 10       # greedy tokens per completion
+
+
+class HFHead:
+    """The MTP head from transformers' classes: its decoder layer (``layer_types`` says full
+    attention at ``layer_idx``), zero-centred norms and fc, with random weights; ``tensors``:
+    them under the checkpoint's ``mtp.*`` names."""
+
+    def __init__(self, hf: transformers.PreTrainedModel, seed: int) -> None:
+        cfg = hf.config
+        torch.manual_seed(seed)
+        layer_idx = cfg.layer_types.index("full_attention")
+        module = type(hf.model.layers[layer_idx])  # Qwen3_5DecoderLayer / Qwen3_5MoeDecoderLayer
+        norm = type(hf.model.norm)
+        self.hf = hf
+        self.layer = module(cfg, layer_idx).float().eval()
+        h = cfg.hidden_size
+        self.norm, self.norm_e, self.norm_h = (norm(h, eps=cfg.rms_norm_eps).float() for _ in range(3))
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        parts = {"layers.0": self.layer, "norm": self.norm, "pre_fc_norm_embedding": self.norm_e,
+                 "pre_fc_norm_hidden": self.norm_h, "fc": self.fc}
+        self.tensors = {}
+        with torch.no_grad():
+            for prefix, part in parts.items():
+                for name, p in part.named_parameters():
+                    if name.endswith("norm.weight") or prefix.startswith("pre_fc") or prefix == "norm":
+                        p.copy_((1.0 if "linear_attn.norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+                    else:
+                        p.normal_(0.0, 0.1)
+                    self.tensors[f"mtp.{prefix}.{name}"] = p.detach().clone().contiguous()
+
+    @torch.no_grad()
+    def run(self, next_tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Causal over n positions 0..n-1: (n,) tokens t + 1 and (n, H) hidden states at t -> the
+        head's normed outputs (n, H)."""
+        n = len(next_tokens)
+        e = self.hf.model.embed_tokens(torch.tensor(next_tokens))
+        x = self.fc(torch.cat([self.norm_e(e), self.norm_h(hidden)], dim=-1))[None]
+        positions = torch.arange(n)
+        pe = self.hf.model.rotary_emb(x, positions.view(1, 1, n).expand(3, 1, n))
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        y = self.layer(x, position_embeddings=pe, attention_mask=mask, position_ids=positions[None])
+        y = y[0] if isinstance(y, tuple) else y
+        return self.norm(y[0])
+
+    @torch.no_grad()
+    def target_hidden(self, tokens: list[int]) -> torch.Tensor:
+        return self.hf.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
+
+    def drafts(self, context: list[int], k: int) -> list[int]:
+        """The head's k greedy drafts after ``context`` (its last token known, not yet fed)."""
+        hidden = self.target_hidden(context)[:-1]
+        tokens, out = list(context[1:]), []
+        for _ in range(k):
+            o = self.run(tokens, hidden)[-1]
+            d = int(self.hf.lm_head(o).argmax())
+            out.append(d)
+            tokens.append(d)
+            hidden = torch.cat([hidden, o[None]])
+        return out
+
+
+def save_with_head(name: str, path: Path, seed: int) -> tuple[transformers.PreTrainedModel, HFHead]:
+    arch, settings = MODELS[name]
+    hf = make_hf(arch, settings, seed=seed)
+    hf.save_pretrained(path)
+    head = HFHead(hf, seed + 100)
+    save_file(head.tensors, str(path / "mtp.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    return hf, head
+
+
+@pytest.fixture(scope="module", params=["dense-lin-first", "moe-shared-full-first"])
+def setup(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf, head = save_with_head(request.param, path, seed=list(MODELS).index(request.param))
+    return hf, head, str(path)
+
+
+def test_the_head_equals_transformers_layers(setup) -> None:
+    """Our head over a sequence (hidden states from transformers) gives the reference's logits;
+    the K/V-only pass over the first part, then the whole head over the rest, gives the same."""
+    hf, head, path = setup
+    config = ModelConfig.from_hf_json(path)
+    model = build_model(config)
+    mtp = attach_mtp(model)
+    load_weights(model, path)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.vocab_size, 23).tolist()
+    hidden = head.target_hidden(tokens)[:-1]
+    want = hf.lm_head(head.run(tokens[1:], hidden))
+    n = len(tokens) - 1
+    attn = mtp.layers[0].self_attn
+    table = torch.arange(8, dtype=torch.int32).flip(0)[None]   # blocks out of order
+
+    def meta(start: int, end: int, cache: torch.Tensor) -> AttentionMetadata:
+        pos = torch.arange(start, end)
+        return AttentionMetadata(slot_mapping=table[0, pos // BS].long() * BS + pos % BS,
+                                 cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+                                 kv_lens=torch.tensor([end], dtype=torch.int32), block_tables=table,
+                                 max_q_len=end - start, is_decode=end - start == 1, kv_cache=cache)
+
+    def new_cache() -> torch.Tensor:
+        return torch.randn(1, 2, 8, BS, attn.num_kv_heads, attn.head_dim) * 3  # garbage until written
+
+    with torch.no_grad():
+        whole = model.compute_logits(mtp(torch.tensor(tokens[1:]), torch.arange(n), hidden, meta(0, n, new_cache())))
+        torch.testing.assert_close(whole, want, atol=1e-4, rtol=0)
+        cache, split = new_cache(), 13
+        mtp.store_kv(torch.tensor(tokens[1:split + 1]), torch.arange(split), hidden[:split], meta(0, split, cache))
+        rest = mtp(torch.tensor(tokens[split + 1:]), torch.arange(split, n), hidden[split:], meta(split, n, cache))
+        torch.testing.assert_close(model.compute_logits(rest), want[split:], atol=1e-4, rtol=0)
+
+
+def make_llm(path: str, **options: object) -> LLM:
+    settings: dict[str, object] = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, block_size=BS,
+                                       max_num_seqs=4, max_model_len=96, num_blocks=96,
+                                       speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    llm = LLM(path, **{**settings, **options})  # type: ignore[arg-type]
+    llm.engine.max_spec_backoff = 0  # random weights: drafts are mostly wrong; draft at every step anyway
+    return llm
+
+
+def record_drafts(llm: LLM, truth: dict[tuple[int, ...], list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Wrap the MTP runner: keep each drafted row's (context, drafts the head made), then put the
+    true continuation (``truth``: prompt -> greedy tokens) in place of every draft but each third,
+    so verification keeps some drafts and rejects the rest (the head's own, from random weights,
+    would all be rejected)."""
+    runner, engine, seen = llm.engine.executor.mtp_runner, llm.engine, []
+    draft = runner.draft
+
+    def wrapped(plan, batch, inputs, upload):
+        draft(plan, batch, inputs, upload)
+        seqs = {s.seq_id: s for s in engine.scheduler.running}
+        for row in np.flatnonzero(plan.num_drafts) if len(plan.num_drafts) else ():
+            first, d = int(inputs.cu_seqlens_q[row]), int(plan.num_drafts[row])
+            context = list(seqs[plan.seq_ids[row]].token_ids[:int(plan.start_positions[row]) + 1])
+            seen.append((context, batch.input_ids[first + 1:first + 1 + d].tolist()))
+            prompt = next(p for p in truth if tuple(context[:len(p)]) == p)
+            done = len(context) - len(prompt)
+            for i, t in enumerate(truth[prompt][done:done + d]):
+                if (done + i) % 3 != 2:
+                    batch.input_ids[first + 1 + i] = t
+
+    runner.draft = wrapped
+    return seen
+
+
+def shared_prefix_prompts(vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of 5 and 30 tokens, and two on one 22-token prefix."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab, 22).tolist()
+    return [rng.integers(0, vocab, n).tolist() for n in (5, 30)] + [prefix + rng.integers(0, vocab, n).tolist()
+                                                                   for n in (3, 7)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_are_the_heads_and_tokens_are_transformers(setup, async_scheduling: bool) -> None:
+    """Four prompts (two sharing a 22-token prefix, asked again so their second run resumes from
+    a snapshot), a 9-token budget and a pool that preempts, drafts partly accepted: every token
+    is transformers', every draft the reference's from the same context."""
+    hf, head, path = setup
+    prompts = shared_prefix_prompts(hf.config.vocab_size, seed=5)
+    want = [hf_generate(hf, p, NEW) for p in prompts]
+    llm = make_llm(path, max_num_batched_tokens=9, num_blocks=14, state_snapshot_interval=2)
+    llm.engine.set_async_scheduling(async_scheduling)
+    seen = record_drafts(llm, {tuple(p): w for p, w in zip(prompts, want)})
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    assert [list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    warm = llm.generate(prompts[2:], greedy, use_tqdm=False)
+    assert [list(o.token_ids) for o in warm] == want[2:]
+    assert all(o.num_cached_tokens > 0 for o in warm)
+    assert llm.engine.stats.num_preemptions > 0
+    stats = llm.engine.stats
+    assert len(seen) >= 12 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for context, drafts in seen:
+        assert drafts == head.drafts(context, len(drafts)), f"drafts after {len(context)} tokens"
+
+
+def test_greedy_with_the_head_equals_greedy_without(setup) -> None:
+    """A longer run at the default settings (prefix caching on, one chunk per prompt): the same
+    tokens with and without the head."""
+    hf, _, path = setup
+    prompts = [np.random.default_rng(i).integers(0, hf.config.vocab_size, 12 + 9 * i).tolist() for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, block_size=BS, max_num_seqs=4,
+                max_model_len=96, num_blocks=96)
+    want = [list(o.token_ids) for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    llm = make_llm(path)
+    assert [list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    assert llm.engine.stats.num_draft_tokens > 0
+
+
+def test_a_model_without_the_head_is_refused(tmp_path) -> None:
+    arch, settings = MODELS["dense-lin-first"]
+    make_hf(arch, settings, seed=0).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers 1, got 0"):
+        make_llm(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers 1, got 2"):
+        make_llm(str(tmp_path))
+    with pytest.raises(ValueError, match="prompt_lookup_max is for method 'ngram', not 'mtp'"):
+        SpeculativeConfig(method="mtp", num_speculative_tokens=2, prompt_lookup_max=3)
