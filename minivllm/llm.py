@@ -219,6 +219,9 @@ class LLM:
             speculative_config = dataclasses.replace(speculative_config, model=resolve_model_path(
                 speculative_config.model, weights=executor_config.load_format == "auto"))
         self.model_config = read_model_config(path)
+        if speculative_config is not None and speculative_config.method == "mtp":
+            from minivllm.model.qwen3_5_mtp import check_mtp_config
+            check_mtp_config(self.model_config)  # before any process starts (tensor parallelism)
         sched_opts.setdefault("max_model_len", self.model_config.max_position_embeddings)
         # One step in flight pays where a device runs beside the host.
         cuda = torch.device(device).type == "cuda"

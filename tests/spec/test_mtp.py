@@ -9,7 +9,7 @@ drops ``mtp.*`` on load, so its modules are assembled here from the checkpoint's
   states it drafts from, its K/V cache and the pairing of token t + 1 with hidden t are all
   right), through prefix hits that resume from snapshots, chunked prefill under preemption,
   and both scheduling modes;
-- refusals: a model without the head, more than one MTP layer.
+- refusals: a checkpoint without the head, more than one MTP layer, a model of another family.
 """
 
 from __future__ import annotations
@@ -240,5 +240,7 @@ def test_a_model_without_the_head_is_refused(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 2}))
     with pytest.raises(ValueError, match="mtp_num_hidden_layers 1, got 2"):
         make_llm(str(tmp_path))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM has no MTP head"):  # before its ranks start
+        make_llm("fixtures/tiny-qwen3", max_model_len=96, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="prompt_lookup_max is for method 'ngram', not 'mtp'"):
         SpeculativeConfig(method="mtp", num_speculative_tokens=2, prompt_lookup_max=3)
