@@ -186,7 +186,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError("a linear-attention layer needs AttentionMetadata.state (the state slots)")
         t = h.shape[0]
         proj, out = self.in_proj, self.out_proj
-        qkv, z, b, a = ops.linear(h, proj.weight, scale=proj.weight_scale).split(proj.local_sizes, dim=-1)
+        qkv, z, b, a = ops.project(h, proj.weight, scale=proj.weight_scale).split(proj.local_sizes, dim=-1)
         qkv = ops.causal_conv1d(qkv, self.conv1d.weight[:, 0], state.conv_state[self.state_index],
                                 meta.cu_seqlens_q, state)                                      # (T, conv_dim)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
@@ -197,4 +197,5 @@ class GatedDeltaNet(nn.Module):
                                  state.recurrent_state[self.state_index], meta.cu_seqlens_q, state,
                                  decode=meta.is_decode)                                        # (T, H, V)
         o = ops.rms_norm_gated(o, z.reshape(o.shape), self.norm.weight, self.norm.eps).reshape(t, -1)
-        return ops.linear(o, out.weight, out.partial_bias, out=ops.partial_out(o, out.weight), scale=out.weight_scale)
+        return ops.project(o, out.weight, out.partial_bias, out=ops.partial_out(o, out.weight),
+                           scale=out.weight_scale)

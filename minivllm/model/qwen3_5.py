@@ -89,8 +89,8 @@ class GatedAttention(nn.Module):
         if gate is not None:
             o = ops.sigmoid_mul(o, gate)
         o_proj = self.o_proj
-        return ops.linear(o, o_proj.weight, o_proj.partial_bias, out=ops.partial_out(o, o_proj.weight),
-                          scale=o_proj.weight_scale)
+        return ops.project(o, o_proj.weight, o_proj.partial_bias, out=ops.partial_out(o, o_proj.weight),
+                           scale=o_proj.weight_scale)
 
     def store_kv(self, ops: Ops, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -98,7 +98,7 @@ class GatedAttention(nn.Module):
         (T, H, D) q and the (T, H D) gate (None without ``attn_output_gate``)."""
         t, d, heads, kv_heads = h.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         proj = self.qkv_proj
-        qkv = ops.linear(h, proj.weight, proj.bias, scale=proj.weight_scale)
+        qkv = ops.project(h, proj.weight, proj.bias, scale=proj.weight_scale)
         q, k, v = qkv.split([qkv.shape[1] - 2 * kv_heads * d, kv_heads * d, kv_heads * d], dim=-1)
         gate = None
         if self.gated:
@@ -130,8 +130,8 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 def dense_mlp(ops: Ops, mlp: DecoderMLP, h: torch.Tensor) -> torch.Tensor:
     """``down(silu(gate(h)) * up(h))``: (T, hidden) -> this rank's (T, hidden) partial sum."""
     up, down = mlp.gate_up_proj, mlp.down_proj
-    act = ops.silu_and_mul(ops.linear(h, up.weight, up.bias, scale=up.weight_scale))
-    return ops.linear(act, down.weight, down.partial_bias, scale=down.weight_scale)
+    gate_up = ops.project(h, up.weight, up.bias, scale=up.weight_scale)
+    return ops.project(gate_up, down.weight, down.partial_bias, gated=True, scale=down.weight_scale)
 
 
 def moe_mlp(ops: Ops, mlp: SharedExpertMoeBlock, h: torch.Tensor) -> torch.Tensor:
@@ -222,7 +222,9 @@ class Qwen3_5Model(nn.Module):
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
     """Qwen3.5 dense (``Qwen3_5ForCausalLM`` checkpoints); see ``DecoderForCausalLM`` for the
-    arguments. Every op runs on the general path (no small-batch GEMV forward yet).
+    arguments. At most 16 rows (decode at small batch), every projection takes the GEMV path
+    (``Ops.project``: the GEMV kernel where it takes the shape); the zero-centred norms are not
+    fused into it.
 
     Tensor parallelism shards the DeltaNet by heads (``layers/linear_attention.py``), the gated
     attention by (query, gate) head pairs, and the MLPs and the shared expert as the shared

@@ -86,7 +86,7 @@ class Qwen3_5MTP(nn.Module):
         e = ops.embed(input_ids, emb.weight, emb.vocab_start, emb.vocab_end)
         e = ops.rms_norm_1p(e, self.pre_fc_norm_embedding.weight, self.pre_fc_norm_embedding.eps)
         h = ops.rms_norm_1p(hidden, self.pre_fc_norm_hidden.weight, self.pre_fc_norm_hidden.eps)
-        return ops.linear(torch.cat([e, h.to(e.dtype)], dim=-1), self.fc.weight)
+        return ops.project(torch.cat([e, h.to(e.dtype)], dim=-1), self.fc.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -172,6 +172,16 @@ class Ops:
             h, residual = self.add_rms_norm(x, residual, norm_weight, eps)
         return self.gemv(h, weight, bias, scale=scale), residual
 
+    def project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                gated: bool = False, out: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+        """A linear layer at any batch (``gated``: of ``silu_and_mul(x)``): :meth:`gemv` where the
+        rows are few (:meth:`few_rows`), else :meth:`linear`. For layers that have no
+        small-batch forward of their own (the hybrid models')."""
+        if self.few_rows(x.shape[0]):
+            return self.gemv(x, weight, bias, gated=gated, out=out, scale=scale)
+        return self.linear(self.silu_and_mul(x) if gated else x, weight, bias, out=out, scale=scale)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, *, scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T (+ bias)`` by cuBLAS (or the CPU's GEMM), into ``out`` (2-D x) if given. An
