@@ -29,8 +29,9 @@ at batch 256 outweighs the weights).
   ``mtp``, ``executor/mtp.py``), per decode step, at each batch of ``--mtp-batches`` (prompts of
   128 tokens, 64 greedy tokens each): ms a step without the head (a plain engine), with the
   head only keeping its K/V up (no proposer), and drafting k = 1, 2, 3 tokens at every step
-  (no backoff). Random weights: every draft is rejected, so each step still yields one token a
-  sequence and the time is all cost; a real head's accepted drafts are the gain against it.
+  (no backoff), each row timed after the same run once. Random weights: every draft is
+  rejected, so each step still yields one token a sequence and the time is all cost; a real
+  head's accepted drafts are the gain against it.
 
 Summary: ``$OUT/hybrid_<shapes>.json``. ``--smoke``: a tiny float32 hybrid on the CPU (the
 torch references), nothing compared with a floor.
@@ -263,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.load_format = "auto" if args.smoke else "dummy"
     if args.smoke:
         args.num_requests, args.max_num_seqs, args.batch1_repeats = min(args.num_requests, 6), 4, 1
-        args.mtp_batches = "1,3"
+        args.mtp_batches = "2"
     return args
 
 
