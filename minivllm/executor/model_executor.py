@@ -297,7 +297,7 @@ class ModelExecutor:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.ops, self.generator)
-        use_mtp = speculative_config is not None and speculative_config.method == "mtp"
+        self.use_mtp = use_mtp = speculative_config is not None and speculative_config.method == "mtp"
         self.model = self._load_model(model_path, model_config, mtp=use_mtp)
         self.draft_config: ModelConfig | None = None  # the second KV cache's model: a draft model or MTP head
         self.draft_model: DecoderForCausalLM | None = None
@@ -489,7 +489,7 @@ class ModelExecutor:
         budget = total * gpu_memory_utilization - others - peak
         num_snapshots, states = 0, ""
         if layout is not None:
-            entry = state_bytes(self.model_config, self.dtype, self.tp_size, hidden=self.draft_config is not None)
+            entry = state_bytes(self.model_config, self.dtype, self.tp_size, hidden=self.use_mtp)
             budget -= (layout.num_entries - layout.num_snapshots) * entry     # slots and draft states
             num_snapshots = max(0, min(layout.num_snapshots, int(budget * SNAPSHOT_MEMORY_SHARE // entry)))
             budget -= num_snapshots * entry
