@@ -197,16 +197,23 @@ def shared_prefix_prompts(vocab: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_drafts_are_the_heads_and_tokens_are_transformers(setup, async_scheduling: bool) -> None:
     """Four prompts (two sharing a 22-token prefix, asked again so their second run resumes from
-    a snapshot), a 9-token budget and a pool that preempts, drafts partly accepted: every token
-    is transformers', every draft the reference's from the same context."""
+    a snapshot), a second turn resuming from a snapshot saved by a decode step, a 9-token budget
+    and a pool that preempts, drafts partly accepted: every token is transformers', every draft
+    the reference's from the same context."""
     hf, head, path = setup
     prompts = shared_prefix_prompts(hf.config.vocab_size, seed=5)
     want = [hf_generate(hf, p, NEW) for p in prompts]
     llm = make_llm(path, max_num_batched_tokens=9, num_blocks=14, state_snapshot_interval=2)
     llm.engine.set_async_scheduling(async_scheduling)
-    seen = record_drafts(llm, {tuple(p): w for p, w in zip(prompts, want)})
+    truth = {tuple(p): w for p, w in zip(prompts, want)}
+    seen = record_drafts(llm, truth)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     assert [list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    # A second turn on the last conversation resumes from the snapshot a decode step saved (32).
+    turn = prompts[3] + want[3] + [1, 2, 3]
+    truth[tuple(turn)] = hf_generate(hf, turn, NEW)
+    second = llm.generate([turn], greedy, use_tqdm=False)[0]
+    assert list(second.token_ids) == truth[tuple(turn)] and second.num_cached_tokens > len(prompts[3])
     warm = llm.generate(prompts[2:], greedy, use_tqdm=False)
     assert [list(o.token_ids) for o in warm] == want[2:]
     assert all(o.num_cached_tokens > 0 for o in warm)
