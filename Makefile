@@ -130,6 +130,11 @@ bench: serve-deps-offline
 		--settle 40 --new-tokens 64 --offline 0 --max-backoff 0; \
 	run $(BENCH_LIMIT) benchmarks.draft_model --load-format dummy; \
 	run $(BENCH_LIMIT) benchmarks.copy_chat $(if $(SMOLLM2_GGUF_FILE),--gguf $(SMOLLM2_GGUF_FILE)); \
+	run_named $(or $(BENCH_TIMEOUT),600) hybrid_qwen3_5_9b benchmarks.hybrid --shapes qwen3.5-9b \
+		$(if $(BENCH_QUICK),--num-requests 64 --prefix-requests 32 --batch1-repeats 1); \
+	run_named $(or $(BENCH_TIMEOUT),600) hybrid_qwen3_5_35b_a3b benchmarks.hybrid --shapes qwen3.5-35b-a3b \
+		--parts batch1,offline $(if $(BENCH_QUICK),--num-requests 64 --batch1-repeats 1); \
+	run $(BENCH_LIMIT) benchmarks.delta_rule; \
 	$(BENCH_REPORT)
 
 # Needs two CUDA devices: the all-reduce by message size (benchmarks/all_reduce.py, under

@@ -403,6 +403,63 @@ def copy_chat_section(runs: Summaries) -> list[str]:
                   "tokens a drafted step", "same tokens as no drafts"], rows)
 
 
+def hybrid_section(runs: Summaries) -> list[str]:
+    """Qwen3.5 shapes: batch-1 and offline beside their floors; the shared-prefix workload with
+    the cache on and off; the MTP head's cost a decode step."""
+    rows = []
+    for stem, d in runs:
+        b = d.get("batch1")
+        if b is not None:
+            rows.append([stem, "batch-1 ms/token", batch1_ms(b), fmt(b.get("floor_ms"), ".3f"),
+                         fmt(b.get("floor_fraction"), ".2f"),
+                         f">= {fmt(b.get('goal_floor_fraction'), '.2f')} of the floor's speed", _met(b.get("met"))])
+        o = d.get("offline")
+        if o is not None:
+            rows.append([stem, f"{fmt(o.get('workload'))} tok/s", fmt(o.get("tok_s"), ",.0f"),
+                         fmt(o.get("floor_tok_s"), ",.0f"), fmt(o.get("floor_fraction"), ".2f"), "-", "-"])
+    lines = table(["summary", "run", "measured", "floor", "fraction of the floor's speed", "goal", "met"], rows)
+    prefix = [(stem, d["prefix"]) for stem, d in runs if d.get("prefix")]
+    if prefix:
+        lines += [""] + table(
+            ["summary", "prefix cache", "requests", "shared tokens", "prompt tokens computed", "wall s",
+             "snapshots", "snapshot GB", "outputs identical"],
+            [[stem, name.removeprefix("cache_"), fmt(p.get("requests")), fmt(p.get("shared_tokens"), ","),
+              f"{fmt(get(p, name, 'computed_prompt_tokens'), ',')} of {fmt(get(p, name, 'prompt_tokens'), ',')}",
+              fmt(get(p, name, "wall_s"), ".2f"), fmt(get(p, name, "snapshots")),
+              fmt((get(p, name, "snapshot_bytes") or 0) / 1e9 if get(p, name, "snapshot_bytes") is not None
+                  else None, ".2f"),
+              "yes" if p.get("identical_outputs") else "no"]
+             for stem, p in prefix for name in ("cache_on", "cache_off")])
+    for stem, d in runs:
+        steps = get(d, "mtp", "ms_per_step")
+        if not steps:
+            continue
+        batches = sorted({b for row in steps.values() for b in row}, key=int)
+        base = steps.get("no head", {})
+        lines += [""] + table(["summary", "MTP head"] + [f"ms/step, batch {b}" for b in batches],
+                              [[stem, name] + [fmt(row.get(b), ".2f") + (f" (x{row[b] / base[b]:.2f})"
+                                                                        if b in row and base.get(b) else "")
+                                               for b in batches] for name, row in steps.items()])
+    return lines
+
+
+def delta_rule_section(runs: Summaries) -> list[str]:
+    """Each implementation's prefill tok/s and decode state bandwidth, per problem."""
+    rows = []
+    for stem, d in runs:
+        copy = d.get("copy_gbs")
+        for phase in ("prefill", "decode"):
+            for r in d.get(phase, []):
+                for name, check in sorted((r.get("check") or {}).items()):
+                    t = r.get(name) or {}
+                    time_cell = fmt(t.get("ms"), ".3f") + " ms" if phase == "prefill" else fmt(t.get("us"), ".1f") + " us"
+                    rate = fmt(t.get("tok_s"), ",.0f") + " tok/s" if phase == "prefill" else \
+                        f"{fmt(t.get('gbs'), ',.0f')} GB/s ({fmt(t.get('of_copy'), '.2f')} of {fmt(copy, ',.0f')})"
+                    rows.append([stem, phase, f"{r.get('batch')} x {r.get('tokens')}", name,
+                                 time_cell if t else "-", rate if t else "-", check.split(" ")[0]])
+    return table(["summary", "phase", "sequences x tokens", "implementation", "time", "rate", "check"], rows)
+
+
 # name -> (what it measures, the make target that runs it, its section), in page order
 SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
     "throughput": ("offline throughput and batch-1 decode, against HF transformers", "make bench",
@@ -428,6 +485,10 @@ SECTIONS: dict[str, tuple[str, str, Callable[[Summaries], list[str]]]] = {
                     draft_model_section),
     "copy_chat": ("n-gram lookup on real text: SmolLM2-135M-Instruct answering copy-heavy chats, batch 1",
                   "make bench", copy_chat_section),
+    "hybrid": ("Qwen3.5 hybrids: batch-1 and offline against their floors, the shared-prefix cache, the MTP head",
+               "make bench", hybrid_section),
+    "delta_rule": ("the gated delta rule's kernels alone, beside fla-core's where installed", "make bench",
+                   delta_rule_section),
     "tp_scaling": ("TP=2 against TP=1, Qwen3-8B shapes", "make bench-tp", tp_scaling_section),
     "all_reduce": ("the tensor-parallel all-reduce", "make bench-tp", all_reduce_section),
 }

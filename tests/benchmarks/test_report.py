@@ -77,6 +77,23 @@ SUMMARIES: dict[str, dict[str, Any]] = {
     "copy_chat": {"k": 8, "rows": {"0": {"tokens": 73, "ms_per_token_off": 0.818, "ms_per_token_ngram": 0.333,
                                          "speedup": 2.456, "tokens_per_drafted_step": 6.8, "same_as_off": 0.0}},
                   "speedup_geomean": 1.69, **meta("python -m benchmarks.copy_chat")},
+    "hybrid_qwen3_5_9b": {
+        "batch1": {"ms_per_token": 5.52, "floor_ms": 3.806, "floor_fraction": 0.6895, "goal_floor_fraction": 0.85,
+                   "met": False},
+        "offline": {"workload": "offline-256", "tok_s": 4010.0, "floor_tok_s": 8020.0, "floor_fraction": 0.5},
+        "prefix": {"requests": 256, "shared_tokens": 2000, "identical_outputs": True,
+                   "cache_on": {"wall_s": 3.5, "prompt_tokens": 518160, "computed_prompt_tokens": 8160,
+                                "snapshots": 1024, "snapshot_bytes": 52.7e9},
+                   "cache_off": {"wall_s": 30.25, "prompt_tokens": 518160, "computed_prompt_tokens": 518160,
+                                 "snapshots": 1024, "snapshot_bytes": 52.7e9}},
+        "mtp": {"ms_per_step": {"no head": {"1": 6.0, "16": 9.5}, "k=1": {"1": 12.0, "16": 9.5}}},
+        **meta("python -m benchmarks.hybrid --shapes qwen3.5-9b")},
+    "delta_rule": {"copy_gbs": 4200.0, "prefill": [
+        {"batch": 1, "tokens": 2048, "check": {"ours-chunked": "ok out 1e-4 state 1e-7", "fla": "failed: x"},
+         "ours-chunked": {"ms": 1.25, "tok_s": 1638400.0}}],
+        "decode": [{"batch": 16, "tokens": 1, "check": {"ours-recurrent": "ok out 0 state 0"},
+                    "ours-recurrent": {"us": 29.2, "gbs": 2314.0, "of_copy": 0.79}}],
+        **meta("python -m benchmarks.delta_rule")},
 }
 
 
@@ -146,6 +163,17 @@ def test_tables_hold_the_summaries_numbers(page: str) -> None:
         ["draft_model", "qwen3-8b", "qwen3-0.6b", "4", "5.904", "13.215", "0.000", "1.00", "1.03", "1.50"]]
     assert rows_of(page, "copy_chat") == [["copy_chat", "0", "8", "73", "0.818", "0.333", "2.46", "6.80", "no"],
                                           ["copy_chat", "geometric mean", "", "", "", "", "1.69", "", ""]]
+    assert rows_of(page, "hybrid_qwen3_5_9b") == [
+        ["hybrid_qwen3_5_9b", "batch-1 ms/token", "5.520", "3.806", "0.69", ">= 0.85 of the floor's speed", "not met"],
+        ["hybrid_qwen3_5_9b", "offline-256 tok/s", "4,010", "8,020", "0.50", "-", "-"],
+        ["hybrid_qwen3_5_9b", "on", "256", "2,000", "8,160 of 518,160", "3.50", "1024", "52.70", "yes"],
+        ["hybrid_qwen3_5_9b", "off", "256", "2,000", "518,160 of 518,160", "30.25", "1024", "52.70", "yes"],
+        ["hybrid_qwen3_5_9b", "no head", "6.00 (x1.00)", "9.50 (x1.00)"],
+        ["hybrid_qwen3_5_9b", "k=1", "12.00 (x2.00)", "9.50 (x1.00)"]]
+    assert rows_of(page, "delta_rule") == [
+        ["delta_rule", "prefill", "1 x 2048", "fla", "-", "-", "failed:"],
+        ["delta_rule", "prefill", "1 x 2048", "ours-chunked", "1.250 ms", "1,638,400 tok/s", "ok"],
+        ["delta_rule", "decode", "16 x 1", "ours-recurrent", "29.2 us", "2,314 GB/s (0.79 of 4,200)", "ok"]]
     assert rows_of(page, "accuracy") == [
         ["accuracy", "minivllm", "0.120", "0.000", "5.30e-02", "5.69", "16 / 16"],
         ["accuracy", "HF transformers", "0.154", "0.003", "6.80e-02", "7.81", "16 / 16"]]
@@ -154,7 +182,8 @@ def test_tables_hold_the_summaries_numbers(page: str) -> None:
 def test_sections_follow_one_order_and_only_for_summaries_present(page: str) -> None:
     headings = [line.split(":")[0] for line in page.splitlines() if line.startswith("## ")]
     assert headings == ["## throughput", "## serving", "## moe", "## decode_attention", "## gemv", "## accuracy",
-                        "## speculative", "## draft_model", "## copy_chat", "## tp_scaling"]
+                        "## speculative", "## draft_model", "## copy_chat", "## hybrid", "## delta_rule",
+                        "## tp_scaling"]
 
 
 def test_missing_values_are_dashes(tmp_path: Path) -> None:
