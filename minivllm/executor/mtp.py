@@ -95,8 +95,7 @@ class MtpRunner:
         first_t, pos_t, slots_t, kv_t, tables_t, into_t, made_t, srows_t = upload(
             first, start[None, :] - 1 + j, slots, start[None, :] + np.minimum(j, d[None, :]),  # within its blocks
             inputs.block_tables[rows], into, made, rows)
-        ids = resolve_input_ids(batch.input_ids, batch.prev_rows, self.prev_sampled)
-        token = ids[first_t]
+        token = resolve_input_ids(batch.input_ids[first_t], batch.prev_rows[first_t], self.prev_sampled)
         hidden = self.states.hidden[batch.attn_metadata.state.slots[srows_t]]  # type: ignore[index,union-attr]
         cu = torch.arange(r + 1, dtype=torch.int32, device=token.device)
         drafts = torch.zeros(r, k, dtype=torch.int64, device=token.device)

@@ -161,6 +161,12 @@ def make_llm(path: str, **options: object) -> LLM:
     return llm
 
 
+def drafting_context(engine, plan, row: int) -> list[int]:
+    """The known tokens of plan row ``row``'s sequence up to its first fed one (what it drafts after)."""
+    seq = next(s for s in engine.scheduler.running if s.seq_id == plan.seq_ids[row])
+    return list(seq.token_ids[:int(plan.start_positions[row]) + 1])
+
+
 def record_drafts(llm: LLM, truth: dict[tuple[int, ...], list[int]]) -> list[tuple[list[int], list[int]]]:
     """Wrap the MTP runner: keep each drafted row's (context, drafts the head made), then put the
     true continuation (``truth``: prompt -> greedy tokens) in place of every draft but each third,
@@ -171,10 +177,9 @@ def record_drafts(llm: LLM, truth: dict[tuple[int, ...], list[int]]) -> list[tup
 
     def wrapped(plan, batch, inputs, upload):
         draft(plan, batch, inputs, upload)
-        seqs = {s.seq_id: s for s in engine.scheduler.running}
         for row in np.flatnonzero(plan.num_drafts) if len(plan.num_drafts) else ():
             first, d = int(inputs.cu_seqlens_q[row]), int(plan.num_drafts[row])
-            context = list(seqs[plan.seq_ids[row]].token_ids[:int(plan.start_positions[row]) + 1])
+            context = drafting_context(engine, plan, row)
             seen.append((context, batch.input_ids[first + 1:first + 1 + d].tolist()))
             prompt = next(p for p in truth if tuple(context[:len(p)]) == p)
             done = len(context) - len(prompt)

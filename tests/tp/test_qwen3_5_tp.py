@@ -158,7 +158,7 @@ def test_tp2_mtp_drafts_equal_the_reference(tmp_path: Path) -> None:
     replicated): every draft equals the reference head's from the same context, and the tokens
     are transformers'."""
     from minivllm.executor.base import DoneStep
-    from tests.spec.test_mtp import save_with_head
+    from tests.spec.test_mtp import drafting_context, save_with_head
 
     hf, head = save_with_head("moe-shared-full-first", tmp_path, seed=1)
     prompts = prompt_sets(hf.config.vocab_size, 2)
@@ -171,10 +171,8 @@ def test_tp2_mtp_drafts_equal_the_reference(tmp_path: Path) -> None:
 
         def recorded(plan):
             result = submit(plan).result()
-            seqs = {s.seq_id: s for s in engine.scheduler.running}
             for sid, drafts in result.drafts.items():
-                row = plan.seq_ids.index(sid)
-                seen.append((list(seqs[sid].token_ids[:int(plan.start_positions[row]) + 1]), drafts))
+                seen.append((drafting_context(engine, plan, plan.seq_ids.index(sid)), drafts))
             return DoneStep(result)
 
         engine.executor.submit = recorded
