@@ -74,6 +74,23 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {devices}")
 
 
+def check_state_step_args(cu_seqlens: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor) -> None:
+    """A state kernel's per-sequence arguments, passed to it as they are (no cast launched):
+    ``cu_seqlens`` int32 or int64 (B + 1,), ``slots`` int64 (B,), ``has_initial_state`` bool (B,).
+
+    Raises:
+        ValueError: the shapes disagree.
+        TypeError: another dtype.
+    """
+    nseq = slots.shape[0]
+    if slots.dim() != 1 or cu_seqlens.shape != (nseq + 1,) or has_initial_state.shape != (nseq,):
+        raise ValueError(f"cu_seqlens must be ({nseq + 1},) and has_initial_state ({nseq},), got "
+                         f"{tuple(cu_seqlens.shape)}, {tuple(has_initial_state.shape)}")
+    check_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
+    check_dtype("slots", slots, (torch.int64,))
+    check_dtype("has_initial_state", has_initial_state, (torch.bool,))
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for n <= 1): ``triton.next_power_of_2`` without
     its host cost, which matters as the launchers call it on every launch."""

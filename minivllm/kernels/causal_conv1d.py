@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2
+from minivllm.kernels._launch import check_dtype, check_same_device, check_state_step_args, next_pow2
 
 MAX_KERNEL = 8
 
@@ -49,8 +49,8 @@ def _causal_conv1d_kernel(
     x_ptr,                        # (T, C) rows strided by stride_x
     weight_ptr,                   # (C, K) contiguous
     state_ptr,                    # (num_entries, C, K - 1) contiguous, in place
-    cu_ptr,                       # (B + 1,) int64 row offsets
-    slots_ptr, fresh_ptr,         # (B,) int64 slot; (B,) int8: 1 = start from zeros
+    cu_ptr,                       # (B + 1,) int32 or int64 row offsets
+    slots_ptr, init_ptr,          # (B,) int64 slot; (B,) bool as int8: 0 = start from zeros
     save_rows_ptr, save_offsets_ptr, save_slots_ptr, num_saves,   # (N,) int64
     out_ptr,                      # (T, C) contiguous
     stride_x, C,
@@ -60,10 +60,10 @@ def _causal_conv1d_kernel(
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_j = tl.arange(0, BLOCK_K)
     mc = offs_c < C
-    start = tl.load(cu_ptr + b)
-    end = tl.load(cu_ptr + b + 1)
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
     slot = tl.load(slots_ptr + b)
-    fresh = tl.load(fresh_ptr + b)
+    fresh = (tl.load(init_ptr + b) == 0).to(tl.int8)
     # slot -1: a graph's padding row, run from zeros (reads entry 0, unused), writing no state
     mc_state = mc & (offs_c * 0 + slot >= 0)
     fresh = tl.where(slot >= 0, fresh, 1)
@@ -100,8 +100,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         x: (T, C), channels contiguous (rows may be strided).
         weight: (C, K) contiguous, 2 <= K <= ``MAX_KERNEL``.
         conv_state: (num_entries, C, K - 1) contiguous.
-        cu_seqlens: (B + 1,) row offsets of the B sequences.
-        slots: (B,) entries of ``conv_state``, distinct; -1: a padding row (of a CUDA graph),
+        cu_seqlens: (B + 1,) int32 or int64 row offsets of the B sequences.
+        slots: (B,) int64 entries of ``conv_state``, distinct; -1: a padding row (of a CUDA graph),
             run from zeros, its state written nowhere.
         has_initial_state: (B,) bool; False starts that sequence from zeros.
         save_rows, save_offsets, save_slots: (N,) each, or None: save point i writes sequence
@@ -112,7 +112,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         (T, C) in x's dtype.
 
     Raises:
-        TypeError: non-float tensors.
+        TypeError: non-float tensors, or index dtypes other than ``check_state_step_args``'s.
         ValueError: shapes that disagree, a kernel width outside 2 .. ``MAX_KERNEL``,
             strided channels, or tensors on different devices.
     """
@@ -124,9 +124,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     if conv_state.dim() != 3 or conv_state.shape[1:] != (c, k - 1) or not conv_state.is_contiguous():
         raise ValueError(f"conv_state must be a contiguous (entries, {c}, {k - 1}) tensor, got "
                          f"{tuple(conv_state.shape)}")
-    if cu_seqlens.shape != (nseq + 1,) or has_initial_state.shape != (nseq,):
-        raise ValueError(f"cu_seqlens must be ({nseq + 1},) and has_initial_state ({nseq},), got "
-                         f"{tuple(cu_seqlens.shape)}, {tuple(has_initial_state.shape)}")
+    check_state_step_args(cu_seqlens, slots, has_initial_state)
     for name, a in (("x", x), ("weight", weight), ("conv_state", conv_state)):
         check_dtype(name, a, (torch.bfloat16, torch.float16, torch.float32))
     check_same_device(x=x, weight=weight, conv_state=conv_state, cu_seqlens=cu_seqlens, slots=slots,
@@ -142,7 +140,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
                               else (none, none, none))
     block_c = min(256, next_pow2(c))
     _causal_conv1d_kernel[(nseq, triton.cdiv(c, block_c))](
-        x, weight, conv_state, cu_seqlens.to(torch.int64), slots.to(torch.int64), (~has_initial_state).to(torch.int8),
+        x, weight, conv_state, cu_seqlens, slots, has_initial_state.view(torch.int8),
         rows, offsets, entries, rows.shape[0], out, x.stride(0), c,
         K=k, BLOCK_C=block_c, BLOCK_K=next_pow2(k),
     )

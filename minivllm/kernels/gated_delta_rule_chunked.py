@@ -110,8 +110,8 @@ def _gated_delta_rule_chunked_kernel(
     v_ptr,                        # (T, H, V) rows strided by stride_v_row
     g_ptr, beta_ptr,              # (T, H) contiguous
     state_ptr,                    # (num_entries, H, K, V) float32, contiguous
-    cu_ptr,                       # (B + 1,) int64 row offsets
-    slots_ptr, fresh_ptr,         # (B,) int64 slot; (B,) int8: 1 = start from zero state
+    cu_ptr,                       # (B + 1,) int32 or int64 row offsets
+    slots_ptr, init_ptr,          # (B,) int64 slot; (B,) bool as int8: 0 = start from zero state
     save_rows_ptr, save_offsets_ptr, save_slots_ptr, num_saves,   # (N,) int64, by (row, offset)
     out_ptr,                      # (T, H, V) contiguous, in v's dtype
     stride_qk_row, stride_v_row, scale, eps,
@@ -128,12 +128,12 @@ def _gated_delta_rule_chunked_kernel(
     q_head, k_head = q_ptr + (h // GROUPS) * K, k_ptr + (h // GROUPS) * K
     v_head, out_head = v_ptr + h * V, out_ptr + h * V
     g_head, beta_head = g_ptr + h, beta_ptr + h
-    start = tl.load(cu_ptr + b)
-    end = tl.load(cu_ptr + b + 1)
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
     slot = tl.load(slots_ptr + b)
     in_head = offs_k[:, None] * V + offs_v[None, :]                                  # (BLOCK_K, BLOCK_V)
     s = tl.load(state_ptr + (slot * H + h) * K * V + in_head, mask=mask, other=0.0)
-    s = tl.where(tl.load(fresh_ptr + b) != 0, 0.0, s)  # a fresh start: zeros, whatever the slot held (NaN too)
+    s = tl.where(tl.load(init_ptr + b) == 0, 0.0, s)  # a fresh start: zeros, whatever the slot held (NaN too)
     done = start
     for n in range(num_saves):
         if tl.load(save_rows_ptr + n) == b:
@@ -180,8 +180,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     block_v = min(block_v, max(16, next_pow2(vd)))
     grid = (nseq, h, triton.cdiv(vd, block_v))
     _gated_delta_rule_chunked_kernel[grid](
-        q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens.to(torch.int64), slots.to(torch.int64),
-        (~has_initial_state).to(torch.int8), rows, offsets, entries, rows.shape[0], out,
+        q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens, slots,
+        has_initial_state.view(torch.int8), rows, offsets, entries, rows.shape[0], out,
         q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
         H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=max(16, next_pow2(kd)), BLOCK_V=block_v,
         CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, num_warps=num_warps,

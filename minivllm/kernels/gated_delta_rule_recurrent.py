@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels._launch import check_dtype, check_same_device, next_pow2
+from minivllm.kernels._launch import check_dtype, check_same_device, check_state_step_args, next_pow2
 
 L2_NORM_EPS = 1e-6  # under the square root, as the reference's
 MAX_K = 256
@@ -59,8 +59,8 @@ def _gated_delta_rule_recurrent_kernel(
     v_ptr,                        # (T, H, V) rows strided by stride_v_row
     g_ptr, beta_ptr,              # (T, H) contiguous
     state_ptr,                    # (num_entries, H, K, V) float32, contiguous
-    cu_ptr,                       # (B + 1,) int64 row offsets
-    slots_ptr, fresh_ptr,         # (B,) int64 slot; (B,) int8: 1 = start from zero state
+    cu_ptr,                       # (B + 1,) int32 or int64 row offsets
+    slots_ptr, init_ptr,          # (B,) int64 slot; (B,) bool as int8: 0 = start from zero state
     save_rows_ptr, save_offsets_ptr, save_slots_ptr, num_saves,   # (N,) int64, by (row, offset)
     out_ptr,                      # (T, H, V) contiguous, in v's dtype
     stride_qk_row, stride_v_row, scale, eps,
@@ -75,10 +75,10 @@ def _gated_delta_rule_recurrent_kernel(
     offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V)
     mk, mv = offs_k < K, offs_v < V
     mask = mk[:, None] & mv[None, :]
-    start = tl.load(cu_ptr + b)
-    end = tl.load(cu_ptr + b + 1)
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
     slot = tl.load(slots_ptr + b)
-    fresh = tl.load(fresh_ptr + b)
+    fresh = (tl.load(init_ptr + b) == 0).to(tl.int8)
     mask = mask & (offs_v[None, :] * 0 + slot >= 0)  # slot -1: a graph's padding row, from zeros, no state written
     in_head = offs_k[:, None] * V + offs_v[None, :]                                  # (BLOCK_K, BLOCK_V)
     s = tl.load(state_ptr + (slot * H + h) * K * V + in_head, mask=mask, other=0.0)
@@ -113,8 +113,8 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             j * H / Hk .. (j + 1) * H / Hk - 1).
         g: (T, H) log decay (<= 0); beta: (T, H).
         state: (num_entries, H, K, V) float32, contiguous.
-        cu_seqlens: (B + 1,) row offsets of the B sequences.
-        slots: (B,) entries of ``state``, distinct; -1: a padding row (of a CUDA graph), run
+        cu_seqlens: (B + 1,) int32 or int64 row offsets of the B sequences.
+        slots: (B,) int64 entries of ``state``, distinct; -1: a padding row (of a CUDA graph), run
             from the zero state, its state written nowhere.
         has_initial_state: (B,) bool; False starts that sequence from the zero state.
         save_rows, save_offsets, save_slots: (N,) each, or None: save point i writes sequence
@@ -126,7 +126,8 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         (T, H, V) in v's dtype.
 
     Raises:
-        TypeError: a state that is not float32, or non-float q/k/v.
+        TypeError: a state that is not float32, non-float q/k/v, or index dtypes other than
+            ``check_state_step_args``'s.
         ValueError: shapes that disagree, K above ``MAX_K``, strided heads, a non-contiguous
             state, or tensors on different devices.
     """
@@ -141,8 +142,8 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     block_v = min(block_v or default_block_v(nseq * h), next_pow2(vd))
     grid = (nseq, h, triton.cdiv(vd, block_v))
     _gated_delta_rule_recurrent_kernel[grid](
-        q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens.to(torch.int64), slots.to(torch.int64),
-        (~has_initial_state).to(torch.int8), rows, offsets, entries, rows.shape[0], out,
+        q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens, slots,
+        has_initial_state.view(torch.int8), rows, offsets, entries, rows.shape[0], out,
         q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
         H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=next_pow2(kd), BLOCK_V=block_v, num_warps=num_warps,
     )
@@ -169,9 +170,7 @@ def check_gated_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          f"g {tuple(g.shape)}, beta {tuple(beta.shape)}")
     if state.dim() != 4 or state.shape[1:] != (h, kd, vd) or not state.is_contiguous():
         raise ValueError(f"state must be a contiguous (entries, {h}, {kd}, {vd}) tensor, got {tuple(state.shape)}")
-    if cu_seqlens.shape != (nseq + 1,) or has_initial_state.shape != (nseq,):
-        raise ValueError(f"cu_seqlens must be ({nseq + 1},) and has_initial_state ({nseq},), got "
-                         f"{tuple(cu_seqlens.shape)}, {tuple(has_initial_state.shape)}")
+    check_state_step_args(cu_seqlens, slots, has_initial_state)
     if kd > MAX_K:
         raise ValueError(f"head_k_dim {kd} > MAX_K {MAX_K}")
     if state.dtype != torch.float32:
