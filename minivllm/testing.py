@@ -487,8 +487,9 @@ def leading_identical(ref: list[int], got: list[int]) -> int:
 @torch.no_grad()
 def top5_at_first_difference(hf32, prompts: list[list[int]], ref: list[list[int]],
                              got: list[list[int]]) -> list[bool]:
-    """Per prompt: is ``got``'s first differing token in float32's top-5 on that context
-    (True where nothing differs)? ``hf32`` is the float32 reference model."""
+    """Per prompt: is ``got``'s first differing token in the reference's top-5 on that context
+    (True where nothing differs)? ``hf32`` is the reference model (float32 unless the test
+    says otherwise)."""
     device = next(hf32.parameters()).device
     hits = []
     for p, r, g in zip(prompts, ref, got):

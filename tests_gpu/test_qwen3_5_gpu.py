@@ -2,8 +2,8 @@
 decode steps in CUDA graphs: on tiny configs, float32 greedy tokens equal transformers' in both
 scheduling modes, and a second call whose prompts share a prefix resumes from state snapshots
 with the same tokens; at Qwen3.5-9B's and -35B-A3B's layer shapes (4 layers), float32 greedy
-tokens equal transformers' over 16 prompts on shared prefixes, and bf16 agrees by the top-5
-rule."""
+tokens equal transformers' over 16 prompts on shared prefixes, and bf16 agrees with
+transformers' bf16 by the top-5 rule."""
 
 from __future__ import annotations
 
@@ -110,8 +110,11 @@ def test_shapes_greedy_fp32_matches_hf_with_graphs(shaped, async_scheduling: boo
 
 
 def test_shapes_bf16_top5_at_first_difference(shaped) -> None:
-    """bf16 through ``LLM`` (graphs on): at each prompt's first token that differs from
-    float32 transformers', ours is in float32's top 5 on that context."""
+    """bf16 through ``LLM`` (graphs on) against transformers in bf16 (the same rounded weights:
+    the fixture's float32 model is rounded in place, so this test is its last user): at each
+    prompt's first token that differs from transformers' bf16 greedy, ours is in its top 5 on
+    that context. Not against float32: at 35B-A3B's shapes random routers over 256 experts pick
+    other experts once rounded, so transformers' own bf16 leaves float32's top 5 (printed)."""
     name, hf, path, prompts, expected = shaped
     llm = None
     try:
@@ -122,7 +125,10 @@ def test_shapes_bf16_top5_at_first_difference(shaped) -> None:
     finally:
         del llm
         release_memory()
-    hits = top5_at_first_difference(hf, prompts, expected, got)
-    agreed = [leading_identical(e, g) for e, g in zip(expected, got)]
-    print(f"{name}: bf16 leading tokens identical to float32 {agreed}")
+    hf16 = hf.to(torch.bfloat16)
+    ref16 = [hf_greedy(hf16, p, SHAPED_NEW) for p in prompts]
+    print(f"{name}: transformers bf16 leading tokens identical to its float32 "
+          f"{[leading_identical(e, r) for e, r in zip(expected, ref16)]}, ours to transformers bf16 "
+          f"{[leading_identical(r, g) for r, g in zip(ref16, got)]}")
+    hits = top5_at_first_difference(hf16, prompts, ref16, got)
     assert all(hits), hits
