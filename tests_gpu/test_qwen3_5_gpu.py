@@ -2,8 +2,9 @@
 decode steps in CUDA graphs: on tiny configs, float32 greedy tokens equal transformers' in both
 scheduling modes, and a second call whose prompts share a prefix resumes from state snapshots
 with the same tokens; at Qwen3.5-9B's and -35B-A3B's layer shapes (4 layers), float32 greedy
-tokens equal transformers' over 16 prompts on shared prefixes, and bf16 agrees with
-transformers' bf16 by the top-5 rule."""
+tokens equal transformers' over 16 prompts on shared prefixes, and bf16 keeps to float32's top
+5 as often as transformers' bf16 does; the chunked delta rule's kernel on tensor cores agrees
+with the recurrent one at Qwen3.5-9B's shapes."""
 
 from __future__ import annotations
 
@@ -109,12 +110,12 @@ def test_shapes_greedy_fp32_matches_hf_with_graphs(shaped, async_scheduling: boo
         release_memory()
 
 
-def test_shapes_bf16_top5_at_first_difference(shaped) -> None:
-    """bf16 through ``LLM`` (graphs on) against transformers in bf16 (the same rounded weights:
-    the fixture's float32 model is rounded in place, so this test is its last user): at each
-    prompt's first token that differs from transformers' bf16 greedy, ours is in its top 5 on
-    that context. Not against float32: at 35B-A3B's shapes random routers over 256 experts pick
-    other experts once rounded, so transformers' own bf16 leaves float32's top 5 (printed)."""
+def test_shapes_bf16_top5_at_first_difference_as_often_as_hf(shaped) -> None:
+    """bf16 through ``LLM`` (graphs on): at each prompt's first token that differs from
+    float32 transformers', ours is in float32's top 5 at least 90% as often as transformers' own
+    bf16 greedy is (the rule of ``tests_gpu/test_bf16_accuracy.py``). Not on every prompt: at
+    35B-A3B's shapes random routers over 256 experts pick other experts once rounded, and
+    transformers' bf16 leaves float32's top 5 too (both printed)."""
     name, hf, path, prompts, expected = shaped
     llm = None
     try:
@@ -125,10 +126,46 @@ def test_shapes_bf16_top5_at_first_difference(shaped) -> None:
     finally:
         del llm
         release_memory()
-    hf16 = hf.to(torch.bfloat16)
-    ref16 = [hf_greedy(hf16, p, SHAPED_NEW) for p in prompts]
-    print(f"{name}: transformers bf16 leading tokens identical to its float32 "
-          f"{[leading_identical(e, r) for e, r in zip(expected, ref16)]}, ours to transformers bf16 "
-          f"{[leading_identical(r, g) for r, g in zip(ref16, got)]}")
-    hits = top5_at_first_difference(hf16, prompts, ref16, got)
-    assert all(hits), hits
+    ours = top5_at_first_difference(hf, prompts, expected, got)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    theirs16 = [hf_greedy(hf16, p, SHAPED_NEW) for p in prompts]
+    del hf16
+    release_memory()
+    theirs = top5_at_first_difference(hf, prompts, expected, theirs16)
+    print(f"{name}: leading tokens identical to float32, ours {[leading_identical(e, g) for e, g in zip(expected, got)]}"
+          f" (top-5 {sum(ours)}), transformers bf16 {[leading_identical(e, r) for e, r in zip(expected, theirs16)]}"
+          f" (top-5 {sum(theirs)})")
+    assert sum(ours) >= 0.9 * sum(theirs), (ours, theirs)
+
+
+# ---- the chunked delta rule against the recurrent one at Qwen3.5-9B's DeltaNet shapes ---------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-tf32x3", "bf16-tf32"])
+@pytest.mark.parametrize("lens", [[2048], [128] * 16, [100, 37, 300, 1]], ids=["1x2048", "16x128", "varlen"])
+def test_chunked_kernel_agrees_with_the_recurrent_one(lens: list[int], dtype: torch.dtype) -> None:
+    """On tensor cores (TF32 products for bf16, float32-accurate ones for float32) the chunked
+    kernel's output and states stay within the inputs' rounding of the token-by-token
+    kernel's, with save points inside the sequences."""
+    from minivllm.kernels.gated_delta_rule_chunked import gated_delta_rule_chunked
+    from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent
+    from tests.kernels.problems import make_delta_rule_problem
+
+    t, nseq = sum(lens), len(lens)
+    q, k, v, g, beta, state = (x.cuda() for x in make_delta_rule_problem(t, 16, 32, 128, dtype, 0, 2 * nseq + 4, 0.5))
+    state.mul_(0.1)
+    cu = torch.tensor([0, *np.cumsum(lens)], device="cuda")
+    slots = torch.arange(nseq, device="cuda")
+    init = torch.tensor([i % 2 == 0 for i in range(nseq)], device="cuda")
+    rows = torch.tensor([0, nseq - 1], device="cuda")
+    offsets = torch.tensor([min(lens[0], 70), lens[-1]], device="cuda")
+    entries = torch.tensor([2 * nseq + 2, 2 * nseq + 3], device="cuda")
+    outs = {}
+    for name, fn in (("recurrent", gated_delta_rule_recurrent), ("chunked", gated_delta_rule_chunked)):
+        s = state.clone()
+        outs[name] = fn(q, k, v, g, beta, s, cu, slots, init, rows, offsets, entries).float(), s
+    (want, want_state), (got, got_state) = outs["recurrent"], outs["chunked"]
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    print(f"{lens[:2]} {dtype}: |diff| out {(got - want).abs().max().item():.1e}, "
+          f"state {(got_state - want_state).abs().max().item():.1e}")
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_state, want_state, **tol)

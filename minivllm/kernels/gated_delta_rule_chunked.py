@@ -1,7 +1,8 @@
 """The gated delta rule a chunk of tokens at a time, over B sequences' concatenated tokens
-(varlen): the same arguments and results (to float32 rounding) as
-:mod:`minivllm.kernels.gated_delta_rule_recurrent`, for prefill chunks, where the token-by-token
-recurrence is a chain of small reductions and this form is a few matmuls per piece.
+(varlen): the same arguments and results as :mod:`minivllm.kernels.gated_delta_rule_recurrent`
+(to float32 rounding for float32 inputs; for 16-bit ones its products are TF32, below their
+output's rounding: ``dot_precision``), for prefill chunks, where the token-by-token recurrence
+is a chain of small reductions and this form is a few matmuls per piece on tensor cores.
 
 One program per (sequence, value head, tile of BLOCK_V value columns); the (K, BLOCK_V) float32
 tile of the state stays in registers while the program walks its sequence's rows in pieces of at
@@ -36,16 +37,27 @@ from minivllm.kernels.gated_delta_rule_recurrent import (L2_NORM_EPS, check_gate
 CHUNK = 16
 BLOCK_V = 32   # value columns per program: B * H * V / 32 programs for a GPU's SMs
 NUM_WARPS = 4
+# tl.dot's input precisions: float32 on CUDA cores; three TF32 tensor-core products (float32's
+# accuracy); one (an 11-bit mantissa).
+PRECISIONS = ("ieee", "tf32x3", "tf32")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The products' precision for inputs of ``dtype``: "tf32" for 16-bit inputs (its error,
+    about 5e-4 in the output at Qwen3.5-9B's shapes, is below a bf16 output's rounding), else
+    "tf32x3" (the recurrence's float32 results). On an H200 at those shapes a 2,048-token
+    prompt takes 0.44 ms at tf32, 1.5 ms at tf32x3, 11 ms on CUDA cores (docs/tuning.md,
+    "Hybrid models")."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
-def _dot(a, b):
-    # float32 products (no TF32): the results equal the recurrence's to float32 rounding.
-    return tl.dot(a, b, input_precision="ieee")
+def _dot(a, b, PRECISION: tl.constexpr):
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
-def _unit_lower_inverse(a, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+def _unit_lower_inverse(a, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """(I + a)^-1 of a strictly lower (CHUNK, CHUNK) ``a``, by recursive block inversion: with T
     holding the inverses of the diagonal blocks of size b, those of size 2b are
     T - T E T, E the lower-left b-blocks of ``a`` inside them. Exact and stable (every T is an
@@ -57,14 +69,14 @@ def _unit_lower_inverse(a, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
     for level in tl.static_range(1, LOG2_CHUNK):
         e = tl.where(i // (2 << level) == j // (2 << level), a, 0.0)
         e = tl.where(i // (1 << level) == j // (1 << level), 0.0, e)
-        t = t - _dot(t, _dot(e, t))
+        t = t - _dot(t, _dot(e, t, PRECISION), PRECISION)
     return t
 
 
 @triton.jit
 def _piece(s, first, last, q_head, k_head, v_head, g_head, beta_head, out_head, offs_k, offs_v, mk, mv,
            stride_qk_row, stride_v_row, scale, eps, H: tl.constexpr, V: tl.constexpr,
-           CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+           CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """Rows ``first .. last - 1`` (at most CHUNK) through the rule from state ``s`` (BLOCK_K, BLOCK_V);
     their outputs stored; the state after them returned."""
     offs_l = tl.arange(0, CHUNK)
@@ -84,23 +96,24 @@ def _piece(s, first, last, q_head, k_head, v_head, g_head, beta_head, out_head, 
     cum = tl.cumsum(g, axis=0)                                                     # G (CHUNK,)
     i, j = offs_l[:, None], offs_l[None, :]
     decay = tl.exp(tl.where(j <= i, cum[:, None] - cum[None, :], float("-inf")))  # D (CHUNK, CHUNK)
-    a = tl.where(j < i, beta[:, None] * decay * _dot(k, tl.trans(k)), 0.0)
-    rhs = beta[:, None] * (v - tl.exp(cum)[:, None] * _dot(k, s))                  # (CHUNK, BLOCK_V)
-    u = _dot(_unit_lower_inverse(a, CHUNK, LOG2_CHUNK), rhs)
-    o = tl.exp(cum)[:, None] * _dot(q, s) + _dot(decay * _dot(q, tl.trans(k)), u)
+    a = tl.where(j < i, beta[:, None] * decay * _dot(k, tl.trans(k), PRECISION), 0.0)
+    rhs = beta[:, None] * (v - tl.exp(cum)[:, None] * _dot(k, s, PRECISION))       # (CHUNK, BLOCK_V)
+    u = _dot(_unit_lower_inverse(a, CHUNK, LOG2_CHUNK, PRECISION), rhs, PRECISION)
+    o = tl.exp(cum)[:, None] * _dot(q, s, PRECISION) + _dot(decay * _dot(q, tl.trans(k), PRECISION), u, PRECISION)
     tl.store(out_head + rows[:, None] * (H * V) + offs_v[None, :], o.to(out_head.dtype.element_ty), mask=m_v)
     total = tl.sum(g)                                                              # G_L
-    return tl.exp(total) * s + _dot(tl.trans(k * tl.exp(total - cum)[:, None]), u)
+    return tl.exp(total) * s + _dot(tl.trans(k * tl.exp(total - cum)[:, None]), u, PRECISION)
 
 
 @triton.jit
 def _run_pieces(s, first, last, q_head, k_head, v_head, g_head, beta_head, out_head, offs_k, offs_v, mk, mv,
                 stride_qk_row, stride_v_row, scale, eps, H: tl.constexpr, V: tl.constexpr,
-                CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+                CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """Rows ``first .. last - 1`` in pieces of CHUNK (the last one short) from state ``s``."""
     for c in range(first, last, CHUNK):
         s = _piece(s, c, tl.minimum(c + CHUNK, last), q_head, k_head, v_head, g_head, beta_head, out_head,
-                   offs_k, offs_v, mk, mv, stride_qk_row, stride_v_row, scale, eps, H, V, CHUNK, LOG2_CHUNK)
+                   offs_k, offs_v, mk, mv, stride_qk_row, stride_v_row, scale, eps, H, V, CHUNK, LOG2_CHUNK,
+                   PRECISION)
     return s
 
 
@@ -117,6 +130,7 @@ def _gated_delta_rule_chunked_kernel(
     stride_qk_row, stride_v_row, scale, eps,
     H: tl.constexpr, GROUPS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -139,12 +153,12 @@ def _gated_delta_rule_chunked_kernel(
         if tl.load(save_rows_ptr + n) == b:
             upto = start + tl.load(save_offsets_ptr + n)
             s = _run_pieces(s, done, upto, q_head, k_head, v_head, g_head, beta_head, out_head, offs_k, offs_v,
-                            mk, mv, stride_qk_row, stride_v_row, scale, eps, H, V, CHUNK, LOG2_CHUNK)
+                            mk, mv, stride_qk_row, stride_v_row, scale, eps, H, V, CHUNK, LOG2_CHUNK, PRECISION)
             done = upto
             entry = tl.load(save_slots_ptr + n)
             tl.store(state_ptr + (entry * H + h) * K * V + in_head, s, mask=mask)
     s = _run_pieces(s, done, end, q_head, k_head, v_head, g_head, beta_head, out_head, offs_k, offs_v,
-                    mk, mv, stride_qk_row, stride_v_row, scale, eps, H, V, CHUNK, LOG2_CHUNK)
+                    mk, mv, stride_qk_row, stride_v_row, scale, eps, H, V, CHUNK, LOG2_CHUNK, PRECISION)
     tl.store(state_ptr + (slot * H + h) * K * V + in_head, s, mask=mask)
 
 
@@ -153,7 +167,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              slots: torch.Tensor, has_initial_state: torch.Tensor,
                              save_rows: torch.Tensor | None = None, save_offsets: torch.Tensor | None = None,
                              save_slots: torch.Tensor | None = None, *, chunk: int = CHUNK,
-                             block_v: int = BLOCK_V, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                             block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
+                             precision: str | None = None) -> torch.Tensor:
     """Every sequence's tokens through the delta rule, ``chunk`` tokens per piece; ``state``
     updated in place at ``slots`` and written at the save points. Nothing here syncs the host
     (CUDA graphs). Arguments, results and errors as
@@ -163,13 +178,18 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         chunk: tokens per piece, a power of two >= 16.
         block_v: value columns per program, a power of two >= 16 (narrowed to V's).
         num_warps: warps per program.
+        precision: the products' ``tl.dot`` input precision, one of ``PRECISIONS`` (None:
+            :func:`dot_precision` of v's dtype).
 
     Raises:
-        ValueError: also a ``chunk`` or ``block_v`` that is not a power of two >= 16.
+        ValueError: also a ``chunk`` or ``block_v`` that is not a power of two >= 16, or an
+            unknown ``precision``.
     """
     check_gated_delta_rule_args(q, k, v, g, beta, state, cu_seqlens, slots, has_initial_state)
     check_power_of_two("chunk", chunk, minimum=16)
     check_power_of_two("block_v", block_v, minimum=16)
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     t, hk, kd = q.shape
     h, vd = v.shape[1:]
     nseq = slots.shape[0]
@@ -184,6 +204,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         has_initial_state.view(torch.int8), rows, offsets, entries, rows.shape[0], out,
         q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
         H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=max(16, next_pow2(kd)), BLOCK_V=block_v,
-        CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, num_warps=num_warps,
+        CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, PRECISION=precision or dot_precision(v.dtype),
+        num_warps=num_warps,
     )
     return out

@@ -391,8 +391,9 @@ class Ops:
         (num_entries, H, K, V), which it updates, and writes the state at ``state``'s save points:
         (T, H, V). ``decode`` (every sequence feeds one token): the one-step recurrence, token by
         token (``kernels/gated_delta_rule_recurrent.py``); else the chunked form, a triangular
-        system per chunk (``kernels/gated_delta_rule_chunked.py``); the two equal to float32
-        rounding. Neither Triton kernel syncs the host, so CUDA graphs may hold them."""
+        system per chunk on tensor cores (``kernels/gated_delta_rule_chunked.py``; TF32 products
+        for 16-bit models, float32-accurate ones for float32). Neither Triton kernel syncs the
+        host, so CUDA graphs may hold them."""
         if self.triton:
             if decode:
                 from minivllm.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent as kernel

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.kernels.gated_delta_rule_chunked import gated_delta_rule_chunked
+from minivllm.kernels.gated_delta_rule_chunked import dot_precision, gated_delta_rule_chunked
 from minivllm.kernels.linear_attention_reference import gated_delta_rule_recurrent_reference, save_points
 from tests.kernels.problems import make_delta_rule_problem
 
@@ -117,3 +117,12 @@ def test_bad_arguments_are_named() -> None:
         gated_delta_rule_chunked(q, k, v, g, beta, state.half(), cu, slots, init)
     with pytest.raises(ValueError, match="shapes disagree"):
         gated_delta_rule_chunked(q, k[:1], v, g, beta, state, cu, slots, init)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        gated_delta_rule_chunked(q, k, v, g, beta, state, cu, slots, init, precision="fp16")
+
+
+def test_products_are_tf32_for_16_bit_inputs_and_float32_accurate_for_float32() -> None:
+    """The interpreter multiplies in float32 whatever the precision: the rule is checked here,
+    its accuracy on the GPU (tests_gpu/test_qwen3_5_gpu.py)."""
+    assert dot_precision(torch.float32) == "tf32x3"
+    assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32"
