@@ -145,6 +145,7 @@ def _gated_delta_rule_chunked_kernel(
     start = tl.load(cu_ptr + b).to(tl.int64)
     end = tl.load(cu_ptr + b + 1).to(tl.int64)
     slot = tl.load(slots_ptr + b)
+    mask = mask & (offs_v[None, :] * 0 + slot >= 0)  # slot -1: a graph's padding row, from zeros, no state written
     in_head = offs_k[:, None] * V + offs_v[None, :]                                  # (BLOCK_K, BLOCK_V)
     s = tl.load(state_ptr + (slot * H + h) * K * V + in_head, mask=mask, other=0.0)
     s = tl.where(tl.load(init_ptr + b) == 0, 0.0, s)  # a fresh start: zeros, whatever the slot held (NaN too)

@@ -126,3 +126,19 @@ def test_products_are_tf32_for_16_bit_inputs_and_float32_accurate_for_float32() 
     its accuracy on the GPU (tests_gpu/test_qwen3_5_gpu.py)."""
     assert dot_precision(torch.float32) == "tf32x3"
     assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32"
+
+
+def test_a_padding_row_runs_from_zeros_and_writes_no_state() -> None:
+    """Slot -1 (a CUDA graph's padding sequence): its rows' output is a fresh start's, no entry
+    changes, and the sequence beside it is as without it."""
+    q, k, v, g, beta, state = _inputs(21, 1, 2, 16, 16, torch.float32, seed=2)
+    cu, init = torch.tensor([0, 5, 21]), torch.tensor([True, True])
+    padded_state, alone_state, fresh_state = state.clone(), state.clone(), state.clone()
+    padded = gated_delta_rule_chunked(q, k, v, g, beta, padded_state, cu, torch.tensor([3, -1]), init, chunk=CHUNK)
+    alone = gated_delta_rule_chunked(q[:5], k[:5], v[:5], g[:5], beta[:5], alone_state, cu[:2], torch.tensor([3]),
+                                     init[:1], chunk=CHUNK)
+    fresh = gated_delta_rule_chunked(q[5:], k[5:], v[5:], g[5:], beta[5:], fresh_state, torch.tensor([0, 16]),
+                                     torch.tensor([6]), torch.tensor([False]), chunk=CHUNK)
+    assert torch.equal(padded_state, alone_state)
+    torch.testing.assert_close(padded[:5], alone, **F32)
+    torch.testing.assert_close(padded[5:], fresh, **F32)
