@@ -1,5 +1,5 @@
-"""Qwen3.5's MTP head as the proposer on the GPU (Triton kernels, float32, decode steps in CUDA
-graphs where the model captures them): every draft the executor makes equals the reference head's
+"""Qwen3.5's MTP head as the proposer on the GPU (Triton kernels, float32, decode steps and
+drafted ones in CUDA graphs): every draft the executor makes equals the reference head's
 (transformers' layer classes on the CPU) from the same context, through prefix hits that resume
 from snapshots and a pool that preempts, and the tokens are transformers'."""
 
@@ -30,6 +30,7 @@ def test_mtp_drafts_on_the_gpu_are_the_reference_heads(name: str, tmp_path) -> N
         llm.engine.set_async_scheduling(async_scheduling)
         assert [list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
     assert llm.engine.stats.num_preemptions > 0 and llm.engine.stats.num_cached_tokens > 0
+    assert llm.engine.executor.prefill_graph_runner.num_replays > 0
     assert len(seen) >= 12 and llm.engine.stats.num_accepted_tokens > 0
     for context, drafts in seen:
         assert drafts == head.drafts(context, len(drafts)), f"drafts after {len(context)} tokens"

@@ -52,6 +52,7 @@ def test_hybrid_model_on_the_gpu_gives_transformers_tokens(name: str, tmp_path) 
         warm = llm.generate(shared[1:], greedy, use_tqdm=False)
         second = llm.generate([turn], greedy, use_tqdm=False)
         assert llm.engine.executor.graph_runner.num_replays > 0
+        assert llm.engine.executor.prefill_graph_runner.num_replays > 0  # prefill steps, their saves in graphs
     assert list(cold[0].token_ids) == want[3] and list(warm[0].token_ids) == want[4]
     assert warm[0].num_cached_tokens == 32  # the deepest snapshot short of the shared 40 tokens
     assert list(second[0].token_ids) == want_turn and second[0].num_cached_tokens == 48
@@ -105,6 +106,7 @@ def test_shapes_greedy_fp32_matches_hf_with_graphs(shaped, async_scheduling: boo
               f"graph replays {llm.engine.executor.graph_runner.num_replays}")
         assert got == expected
         assert llm.engine.executor.graph_runner.num_replays > 0 and llm.engine.stats.num_cached_tokens > 0
+        assert llm.engine.executor.prefill_graph_runner.num_replays > 0
     finally:
         del llm
         release_memory()

@@ -26,8 +26,8 @@ A hybrid model (Qwen3.5: ``ModelConfig.is_hybrid``) keeps K/V only for its full-
 layers (``ModelConfig.num_attention_layers`` rows, each layer at its ``kind_index``) and,
 beside them, its linear-attention layers' recurrent states: slots, prefix-cache snapshots and
 a drafted row's per-position states in one tensor pair (``executor/linear_state.py``), which
-each step's plan indexes (``StepPlan.state_*``). A hybrid model's decode steps replay CUDA graphs
-(the state slots in static buffers); its other steps run eagerly.
+each step's plan indexes (``StepPlan.state_*``). A hybrid model's steps replay CUDA graphs as
+any model's, the state slots and save points in static buffers (``executor/prefill_graph.py``).
 
 The executor builds the model's ``Ops`` once (``ops/dispatch.py``: Triton kernels or torch
 references, PDL, the tensor-parallel communicator) and hands it to the model.
@@ -245,8 +245,7 @@ class ModelExecutor:
         cache_config: block size and pool size (None: sized from free device
             memory on CUDA; every sequence at full length elsewhere).
         config: device, dtype, kernels, seed, graphs, memory share,
-            tensor-parallel size. A hybrid model captures decode steps only: its
-            other steps run eagerly.
+            tensor-parallel size.
         tp_rank: this process's rank when ``config.tensor_parallel_size > 1``
             (``executor/distributed.py`` builds one executor per rank, inside a
             process group).
@@ -360,8 +359,7 @@ class ModelExecutor:
             self.graph_runner = CudaGraphRunner(
                 self.model.forward, self.kv_cache, self.prev_sampled, model_config.hidden_size, self.dtype,
                 cdiv(self.max_model_len, self.block_size), default_capture_sizes(self.max_num_seqs), self.states)
-            if self.states is None:  # a hybrid model's other steps run eagerly (their save points vary)
-                self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
+            self.prefill_graph_runner = self.make_prefill_graph_runner(capture=True)
 
     def _communicator(self, config: ExecutorConfig) -> tuple[Communicator | None, str]:
         """This rank's tensor-parallel communicator (None with one rank) and how its all-reduces
@@ -407,7 +405,7 @@ class ModelExecutor:
             self.model.forward, self.kv_cache, self.prev_sampled, self.model_config.hidden_size, self.dtype,
             attn.num_heads, self.num_kv_heads, self.model_config.head_dim, self.max_num_seqs,
             cdiv(self.max_model_len, self.block_size),
-            buckets or default_prefill_buckets(self.max_num_batched_tokens), capture)
+            buckets or default_prefill_buckets(self.max_num_batched_tokens), capture, self.states)
 
     def _allocate_kv_cache(self, num_blocks: int, draft: bool = False) -> torch.Tensor:
         """This rank's KV cache of the target, or with ``draft`` of the draft model."""
@@ -949,16 +947,20 @@ class ModelExecutor:
                              f"but the pool has {self.num_blocks} blocks")
         arrays = [inputs.input_ids, self._prev_rows(plan), inputs.positions, inputs.slot_mapping,
                   inputs.sample_indices, inputs.cu_seqlens_q, inputs.kv_lens, inputs.block_tables]
+        state_inputs = None
+        if self.state_layout is not None:
+            state_inputs = StateInputs.from_plan(plan, self.state_layout)
+        else:
+            check_no_state_fields(plan)
         runner = self.prefill_graph_runner
         bucket = None if runner is None else runner.bucket_for(
-            plan.num_tokens, plan.num_seqs, inputs.block_tables.shape[1], plan.one_token_per_seq)
+            plan.num_tokens, plan.num_seqs, inputs.block_tables.shape[1], plan.one_token_per_seq,
+            0 if state_inputs is None else state_inputs.save_rows.size)
         if bucket is not None:  # runner is not None
             arrays.append(runner.tile_map_for(inputs.cu_seqlens_q, bucket))  # type: ignore[union-attr]
         num_step_arrays = len(arrays)
-        if self.state_layout is not None:
-            arrays += StateInputs.from_plan(plan, self.state_layout).arrays()
-        else:
-            check_no_state_fields(plan)
+        if state_inputs is not None:
+            arrays += state_inputs.arrays()
         uploaded = self._upload_all(*arrays)
         ids, prev_rows, pos, slots, sample, cu_q, kv_lens, tables, *tile_map = uploaded[:num_step_arrays]
         meta = AttentionMetadata(

@@ -11,6 +11,13 @@ replayed from one graph, like a decode step:
     attention   the prefill kernel's map mode: grid (capacity, Hkv) from the static
                 ``tile_map`` buffer, whatever B and the q lengths are
 
+A hybrid model's step also carries its state (``StateMetadata``): the step's B state slots,
+then -1 for the padding sequence and the empty ones (the state kernels run a slot -1 from
+zeros and write nothing), and its N save points (prefix snapshots, drafted rows' per-position
+states) in a buffer of ``Tb + max_num_seqs`` (at most one save per fed token, and a snapshot
+beside a drafted row's first draft save), the rest on row -1 (no sequence's: never taken).
+The snapshots a step restores are copied into their slots before the replay, as eagerly.
+
 Each bucket's graph bakes in ``max_q_len = Tb``, so the kernel's config (and its
 tokens per q tile) is the one ``default_config`` picks for Tb; the host builds the
 step's tile map with it (``tile_map_for``) and the executor uploads it with the
@@ -25,7 +32,7 @@ no graph can be captured.
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -33,7 +40,10 @@ import torch
 from minivllm.executor.cuda_graph import capture_graphs
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
 from minivllm.ops.dispatch import Ops
-from minivllm.ops.metadata import AttentionMetadata
+from minivllm.ops.metadata import AttentionMetadata, StateMetadata
+
+if TYPE_CHECKING:
+    from minivllm.executor.linear_state import LinearStates
 
 
 def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -57,12 +67,14 @@ class PrefillGraphRunner:
         max_blocks_per_seq: block-table width W.
         buckets: token counts to capture.
         capture: capture CUDA graphs (else run the padded forward eagerly).
+        states: a hybrid model's state tensors (``executor/linear_state.py: LinearStates``), or
+            None.
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
                  prev_sampled: torch.Tensor, hidden_size: int, dtype: torch.dtype, num_heads: int,
                  num_kv_heads: int, head_dim: int, max_num_seqs: int, max_blocks_per_seq: int, buckets: list[int],
-                 capture: bool) -> None:
+                 capture: bool, states: "LinearStates | None" = None) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive token counts, got {buckets}")
         self.buckets = sorted(set(buckets))
@@ -86,17 +98,35 @@ class PrefillGraphRunner:
         self.block_tables = torch.full((s, self.width), -1, dtype=torch.int32, device=dev)
         self.tile_map = torch.full((max(self.capacity.values()), 2), -1, dtype=torch.int32, device=dev)
         self.hidden = torch.zeros(t, hidden_size, dtype=dtype, device=dev)
+        self.states = states
+        if states is not None:
+            self.state_slots = torch.full((s,), -1, dtype=torch.int64, device=dev)
+            self.state_init = torch.zeros(s, dtype=torch.bool, device=dev)
+            self.save_rows = torch.full((t + max_num_seqs,), -1, dtype=torch.int64, device=dev)
+            self.save_offsets = torch.zeros(t + max_num_seqs, dtype=torch.int64, device=dev)
+            self.save_slots = torch.zeros(t + max_num_seqs, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self.replays_by_bucket = dict.fromkeys(self.buckets, 0)
         if capture:
             self._capture()
 
+    def max_saves(self, bucket: int) -> int:
+        """The save points a step in ``bucket`` may carry (module doc)."""
+        return bucket + self.max_num_seqs
+
     def _meta(self, bucket: int) -> AttentionMetadata:
+        state = None
+        if self.states is not None:
+            n = self.max_saves(bucket)
+            state = StateMetadata(slots=self.state_slots, has_initial_state=self.state_init,
+                                  conv_state=self.states.conv_state, recurrent_state=self.states.recurrent_state,
+                                  save_rows=self.save_rows[:n], save_offsets=self.save_offsets[:n],
+                                  save_slots=self.save_slots[:n])
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], cu_seqlens_q=self.cu_seqlens_q, kv_lens=self.kv_lens,
             block_tables=self.block_tables, max_q_len=bucket, is_decode=False, kv_cache=self.kv_cache,
-            tile_map=self.tile_map[:self.capacity[bucket]])
+            tile_map=self.tile_map[:self.capacity[bucket]], state=state)
 
     def _step(self, bucket: int) -> None:
         ids = resolve_input_ids(self.input_ids[:bucket], self.prev_rows[:bucket], self.prev_sampled)
@@ -110,16 +140,22 @@ class PrefillGraphRunner:
         self.cu_seqlens_q.fill_(bucket)
         self.cu_seqlens_q[0] = 0
         self.kv_lens.zero_()
+        if self.states is not None:
+            self.state_slots.fill_(-1)
+            self.save_rows.fill_(-1)
         self.tile_map[:self.capacity[bucket]].copy_(torch.from_numpy(
             Ops.prefill_tile_map(np.array([bucket]), self.block_q[bucket], self.capacity[bucket])))
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, table_width: int, is_decode: bool) -> int | None:
+    def bucket_for(self, num_tokens: int, num_seqs: int, table_width: int, is_decode: bool,
+                   num_saves: int = 0) -> int | None:
         """The bucket a step runs in, or None when it runs eagerly (a decode, too many tokens,
-        sequences or blocks)."""
+        sequences, blocks or save points)."""
         if is_decode or num_seqs > self.max_num_seqs or table_width > self.width:
             return None
         i = bisect.bisect_left(self.buckets, num_tokens)
-        return self.buckets[i] if i < len(self.buckets) else None
+        if i == len(self.buckets) or num_saves > self.max_saves(self.buckets[i]):
+            return None
+        return self.buckets[i]
 
     def tile_map_for(self, cu_seqlens_q: np.ndarray, bucket: int) -> np.ndarray:
         """The step's tile map (host): its sequences' q tiles and the padding sequence's."""
@@ -158,6 +194,19 @@ class PrefillGraphRunner:
         self.block_tables.fill_(-1)
         self.block_tables[:b, :w].copy_(meta.block_tables)
         self.tile_map[:self.capacity[bucket]].copy_(meta.tile_map)
+        if self.states is not None:
+            state = meta.state
+            assert state is not None, "a hybrid model's batch carries its state slots"
+            n = state.save_rows.shape[0]
+            if n > self.max_saves(bucket):
+                raise ValueError(f"{n} save points, but a step in bucket {bucket} holds {self.max_saves(bucket)}")
+            self.state_slots[:b].copy_(state.slots)
+            self.state_slots[b:].fill_(-1)
+            self.state_init[:b].copy_(state.has_initial_state)
+            self.save_rows[:n].copy_(state.save_rows)
+            self.save_rows[n:].fill_(-1)
+            self.save_offsets[:n].copy_(state.save_offsets)
+            self.save_slots[:n].copy_(state.save_slots)
         if self.graphs:
             self.graphs[bucket].replay()
         else:

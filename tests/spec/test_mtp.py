@@ -199,17 +199,23 @@ def shared_prefix_prompts(vocab: int, seed: int) -> list[list[int]]:
                                                                    for n in (3, 7)]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_drafts_are_the_heads_and_tokens_are_transformers(setup, async_scheduling: bool) -> None:
+@pytest.mark.parametrize("async_scheduling,padded", [(False, False), (True, False), (True, True)],
+                         ids=["sync", "async", "async-padded-buckets"])
+def test_drafts_are_the_heads_and_tokens_are_transformers(setup, async_scheduling: bool, padded: bool) -> None:
     """Four prompts (two sharing a 22-token prefix, asked again so their second run resumes from
     a snapshot), a second turn resuming from a snapshot saved by a decode step, a 9-token budget
     and a pool that preempts, drafts partly accepted: every token is transformers', every draft
-    the reference's from the same context."""
+    the reference's from the same context. ``padded``: prefill, mixed and drafted steps run
+    through the prefill graph runner's padded buckets (``capture=False``: what a replay runs,
+    state slots and save points in its static buffers)."""
     hf, head, path = setup
     prompts = shared_prefix_prompts(hf.config.vocab_size, seed=5)
     want = [hf_generate(hf, p, NEW) for p in prompts]
     llm = make_llm(path, max_num_batched_tokens=9, num_blocks=14, state_snapshot_interval=2)
     llm.engine.set_async_scheduling(async_scheduling)
+    ex = llm.engine.executor
+    if padded:
+        ex.prefill_graph_runner = ex.make_prefill_graph_runner(capture=False, buckets=[4, 9])
     truth = {tuple(p): w for p, w in zip(prompts, want)}
     seen = record_drafts(llm, truth)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -227,6 +233,8 @@ def test_drafts_are_the_heads_and_tokens_are_transformers(setup, async_schedulin
     assert len(seen) >= 12 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for context, drafts in seen:
         assert drafts == head.drafts(context, len(drafts)), f"drafts after {len(context)} tokens"
+    if padded:
+        assert all(ex.prefill_graph_runner.replays_by_bucket.values()), ex.prefill_graph_runner.replays_by_bucket
 
 
 def test_greedy_with_the_head_equals_greedy_without(setup) -> None:
