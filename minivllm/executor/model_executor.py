@@ -352,7 +352,8 @@ class ModelExecutor:
             assert isinstance(self.model, Qwen3_5ForCausalLM) and self.states is not None
             self._draft_staging, self._mtp_staging = _PinnedRing(self.device), _PinnedRing(self.device)
             self.mtp_runner = MtpRunner(self.model, self._allocate_kv_cache(num_blocks, draft=True), self.states,
-                                        self.prev_sampled)
+                                        self.prev_sampled, speculative_config.num_speculative_tokens,  # type: ignore[union-attr]
+                                        self.max_num_seqs, cdiv(self.max_model_len, self.block_size), use_graphs)
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
         if use_graphs:

@@ -27,11 +27,16 @@ Every step, around the target's forward:
    target's own is.
 3. ``LinearStates.save_hidden``: the step's hidden states into the save points and slots.
 
-All three run eagerly (no CUDA graph yet).
+On CUDA the drafting loop (1: k forwards of the head, the LM head and an argmax between them)
+is one CUDA graph per batch size of drafted rows (``capture_graphs``), replayed from static
+buffers as a draft model's loop is (``executor/draft.py``): rows past their own d drafts, and
+padding rows, write nothing (slot -1). The target's drafted step replays its token bucket's
+graph (``executor/prefill_graph.py``); 2 and 3 run eagerly.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable
 
@@ -40,7 +45,9 @@ import torch
 
 from minivllm.engine.plan import StepPlan
 from minivllm.engine.state_cache import STATE_RESET
+from minivllm.executor.cuda_graph import capture_graphs, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
+from minivllm.executor.draft import MAX_GRAPH_ROWS
 from minivllm.executor.inputs import BatchInputs
 from minivllm.executor.linear_state import LinearStates
 from minivllm.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -58,13 +65,48 @@ class MtpRunner:
         kv_cache: the head's cache, (1, 2, num_blocks, block_size, kv_heads, head_dim).
         states: the target's state tensors, with ``hidden``.
         prev_sampled: the executor's buffer of last-step samples (tokens fed by reference).
+        num_speculative_tokens: k, the forwards of the drafting loop.
+        max_num_seqs, max_blocks_per_seq: the batch limits (the loop's static buffers).
+        use_graphs: capture the loop for batches of up to ``MAX_GRAPH_ROWS`` drafted rows.
     """
 
     def __init__(self, target: Qwen3_5ForCausalLM, kv_cache: torch.Tensor, states: LinearStates,
-                 prev_sampled: torch.Tensor) -> None:
+                 prev_sampled: torch.Tensor, num_speculative_tokens: int, max_num_seqs: int,
+                 max_blocks_per_seq: int, use_graphs: bool) -> None:
         assert isinstance(target.mtp, Qwen3_5MTP) and states.hidden is not None
         self.target, self.head = target, target.mtp
         self.kv_cache, self.states, self.prev_sampled = kv_cache, states, prev_sampled
+        self.k = k = num_speculative_tokens
+        g, dev = max_num_seqs, kv_cache.device
+        # The loop's inputs, (forward, row): the first token fed, the state entry whose hidden
+        # state the row drafts from, each forward's position, slot (-1: no write) and kv_len;
+        # the rows' block tables; its output, the drafts (row, forward).
+        self.first = torch.zeros(g, dtype=torch.int64, device=dev)
+        self.hidden_from = torch.zeros(g, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(k, g, dtype=torch.int64, device=dev)
+        self.slots = torch.full((k, g), -1, dtype=torch.int64, device=dev)
+        self.kv_lens = torch.zeros(k, g, dtype=torch.int32, device=dev)
+        self.tables = torch.full((g, max_blocks_per_seq), -1, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
+        self.drafts = torch.zeros(g, k, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sizes: list[int] = []  # batch sizes the loop pads to (and with graphs replays)
+        self.num_replays = 0
+        if use_graphs:
+            self.sizes = [b for b in default_capture_sizes(max_num_seqs) if b <= MAX_GRAPH_ROWS]
+            self.graphs = capture_graphs(self.sizes, self._loop)  # padding rows only: nothing written
+
+    def _loop(self, bs: int) -> None:
+        """The k forwards of the head over the first ``bs`` rows (module doc, 1)."""
+        token = self.first[:bs]
+        hidden = self.states.hidden[self.hidden_from[:bs]]  # type: ignore[index]
+        for step in range(self.k):
+            meta = AttentionMetadata(slot_mapping=self.slots[step, :bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+                                     kv_lens=self.kv_lens[step, :bs], block_tables=self.tables[:bs], max_q_len=1,
+                                     is_decode=True, kv_cache=self.kv_cache)
+            hidden = self.head(token, self.positions[step, :bs], hidden, meta)
+            token = self.target.compute_logits(hidden).argmax(dim=-1)
+            self.drafts[:bs, step] = token
 
     @staticmethod
     def _slot_before(inputs: BatchInputs, rows: np.ndarray, block_size: int) -> np.ndarray:
@@ -82,31 +124,40 @@ class MtpRunner:
         d = np.asarray(plan.num_drafts, dtype=np.int64)[rows]
         if (np.asarray(plan.state_init)[rows] == STATE_RESET).any():
             raise ValueError("a drafted row starts from the zero state: it has no hidden state to draft from")
-        k, r, bs = int(d.max()), len(rows), plan.block_size
+        if int(d.max()) > self.k:
+            raise ValueError(f"num_drafts up to {int(d.max())}, but the MTP loop makes {self.k}")
+        k, r = self.k, len(rows)
+        bs = self.sizes[bisect.bisect_left(self.sizes, r)] if self.sizes and r <= self.sizes[-1] else r
         first = inputs.cu_seqlens_q[rows].astype(np.int64)                       # the row's token P
         start = inputs.positions[first].astype(np.int64)                          # P
         j = np.arange(k)[:, None]                                                 # (k, R): forward j
         # Forward j writes position P - 1 + j: for j >= 1 that is fed token j - 1's slot.
         slots = inputs.slot_mapping[np.minimum(first[None, :] + j - 1, len(inputs.slot_mapping) - 1)]
-        slots[0] = self._slot_before(inputs, rows, bs)
+        slots[0] = self._slot_before(inputs, rows, plan.block_size)
         slots[j >= d[None, :]] = -1                                               # past the row's drafts
         into = np.concatenate([first[i] + 1 + np.arange(d[i]) for i in range(r)])  # the drafts' input ids
         made = np.concatenate([i * k + np.arange(d[i]) for i in range(r)])        # ... in (R, k) drafts
+        pad = ((0, 0), (0, bs - r))
+        tables = inputs.block_tables[rows]
         first_t, pos_t, slots_t, kv_t, tables_t, into_t, made_t, srows_t = upload(
-            first, start[None, :] - 1 + j, slots, start[None, :] + np.minimum(j, d[None, :]),  # within its blocks
-            inputs.block_tables[rows], into, made, rows)
-        token = resolve_input_ids(batch.input_ids[first_t], batch.prev_rows[first_t], self.prev_sampled)
-        hidden = self.states.hidden[batch.attn_metadata.state.slots[srows_t]]  # type: ignore[index,union-attr]
-        cu = torch.arange(r + 1, dtype=torch.int32, device=token.device)
-        drafts = torch.zeros(r, k, dtype=torch.int64, device=token.device)
-        for step in range(k):
-            meta = AttentionMetadata(slot_mapping=slots_t[step], cu_seqlens_q=cu, kv_lens=kv_t[step].to(torch.int32),
-                                     block_tables=tables_t.to(torch.int32), max_q_len=1, is_decode=True,
-                                     kv_cache=self.kv_cache)
-            hidden = self.head(token, pos_t[step], hidden, meta)
-            token = self.target.compute_logits(hidden).argmax(dim=-1)
-            drafts[:, step] = token
-        batch.input_ids[into_t] = drafts.view(-1)[made_t]
+            first, np.pad(start[None, :] - 1 + j, pad), np.pad(slots, pad, constant_values=-1),
+            np.pad(start[None, :] + np.minimum(j, d[None, :]), pad),  # within its blocks
+            tables, into, made, rows)
+        self.first[:r].copy_(resolve_input_ids(batch.input_ids[first_t], batch.prev_rows[first_t], self.prev_sampled))
+        self.first[r:bs].zero_()
+        self.hidden_from[:r].copy_(batch.attn_metadata.state.slots[srows_t])  # type: ignore[union-attr]
+        self.hidden_from[r:bs].zero_()
+        self.positions[:, :bs].copy_(pos_t)
+        self.slots[:, :bs].copy_(slots_t)
+        self.kv_lens[:, :bs].copy_(kv_t)
+        self.tables[:bs].fill_(-1)
+        self.tables[:r, :tables.shape[1]].copy_(tables_t)
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            self.num_replays += 1
+        else:
+            self._loop(bs)
+        batch.input_ids[into_t] = self.drafts.view(-1)[made_t]
 
     @torch.inference_mode()
     def mirror(self, plan: StepPlan, batch: DeviceBatch, inputs: BatchInputs, hidden: torch.Tensor,

@@ -207,15 +207,16 @@ def test_drafts_are_the_heads_and_tokens_are_transformers(setup, async_schedulin
     and a pool that preempts, drafts partly accepted: every token is transformers', every draft
     the reference's from the same context. ``padded``: prefill, mixed and drafted steps run
     through the prefill graph runner's padded buckets (``capture=False``: what a replay runs,
-    state slots and save points in its static buffers)."""
+    state slots and save points in its static buffers), and the drafting loop over padded rows."""
     hf, head, path = setup
     prompts = shared_prefix_prompts(hf.config.vocab_size, seed=5)
     want = [hf_generate(hf, p, NEW) for p in prompts]
     llm = make_llm(path, max_num_batched_tokens=9, num_blocks=14, state_snapshot_interval=2)
     llm.engine.set_async_scheduling(async_scheduling)
     ex = llm.engine.executor
-    if padded:
+    if padded:  # and the drafting loop over padded rows (2 or 4 for 1 .. 4 drafted rows)
         ex.prefill_graph_runner = ex.make_prefill_graph_runner(capture=False, buckets=[4, 9])
+        ex.mtp_runner.sizes = [2, 4]
     truth = {tuple(p): w for p, w in zip(prompts, want)}
     seen = record_drafts(llm, truth)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
