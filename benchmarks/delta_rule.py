@@ -95,15 +95,17 @@ def _fla(decode: bool) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | No
 
     def run(p: dict[str, torch.Tensor]) -> torch.Tensor:
         h0 = p["state"][p["slots"]]
-        args = (p["q"][None], p["k"][None], p["v"][None], p["g"][None], p["beta"][None])
+        q, k, v, g, beta = (p[name][None] for name in ("q", "k", "v", "g", "beta"))
         if decode:  # one token per sequence: B batch rows of length 1, no cu_seqlens
-            args = tuple(x[0][:, None] for x in args)
-            o, ht = fused_recurrent_gated_delta_rule(*args, scale=p["q"].shape[-1] ** -0.5, initial_state=h0,
-                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+            q, k, v, g, beta = (x[0][:, None] for x in (q, k, v, g, beta))
+            # g and beta by name: the recurrent entry point takes gk and gv between them
+            o, ht = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=p["q"].shape[-1] ** -0.5,
+                                                     initial_state=h0, output_final_state=True,
+                                                     use_qk_l2norm_in_kernel=True)
             o = o[:, 0]
         else:
-            o, ht = chunk_gated_delta_rule(*args, scale=p["q"].shape[-1] ** -0.5, initial_state=h0,
-                                           output_final_state=True, cu_seqlens=p["cu"],
+            o, ht = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=p["q"].shape[-1] ** -0.5,
+                                           initial_state=h0, output_final_state=True, cu_seqlens=p["cu"],
                                            use_qk_l2norm_in_kernel=True)
             o = o[0]
         p["state"][p["slots"]] = ht.float()
