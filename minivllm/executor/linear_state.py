@@ -102,16 +102,17 @@ class StateInputs:
 
     slots: np.ndarray              # (B,) each row's slot
     has_initial_state: np.ndarray  # (B,) 1: continues (its slot, or the snapshot restored into it)
-    save_rows: np.ndarray          # (N,) save points: row,
+    save_rows: np.ndarray          # (N,) save points, ordered by (row, offset): row,
     save_offsets: np.ndarray       # (N,) after how many of its fed tokens,
     save_slots: np.ndarray         # (N,) into which entry
+    save_bounds: np.ndarray        # (B + 1,) row b's save points are save_bounds[b] .. save_bounds[b + 1] - 1
     restore_from: np.ndarray       # (R,) snapshot entries copied before the forward
     restore_to: np.ndarray         # (R,) into these slots
 
     def arrays(self) -> list[np.ndarray]:
         """The arrays in upload order (``LinearStates.metadata`` takes them back in it)."""
         return [self.slots, self.has_initial_state, self.save_rows, self.save_offsets, self.save_slots,
-                self.restore_from, self.restore_to]
+                self.save_bounds, self.restore_from, self.restore_to]
 
     @staticmethod
     def from_plan(plan: StepPlan, layout: StateLayout) -> "StateInputs":
@@ -143,11 +144,14 @@ class StateInputs:
         j = np.arange(d.sum(), dtype=np.int64) - np.repeat(np.cumsum(d) - d, d)  # 0 .. d - 1 per row
         row_of = np.repeat(drafted, d)
         restoring = np.flatnonzero(init >= 0)
+        rows, offsets = np.concatenate([rows, row_of]), np.concatenate([offsets, j + 1])
+        entries = np.concatenate([entries, layout.draft_base + row_of * layout.max_drafts + j])
+        order = np.lexsort((offsets, rows))
+        rows = rows[order]
         return StateInputs(
             slots=slots, has_initial_state=(init != STATE_RESET).astype(np.int64),
-            save_rows=np.concatenate([rows, row_of]),
-            save_offsets=np.concatenate([offsets, j + 1]),
-            save_slots=np.concatenate([entries, layout.draft_base + row_of * layout.max_drafts + j]),
+            save_rows=rows, save_offsets=offsets[order], save_slots=entries[order],
+            save_bounds=np.searchsorted(rows, np.arange(b + 1)).astype(np.int64),
             restore_from=layout.num_slots + init[restoring], restore_to=slots[restoring])
 
 
@@ -194,12 +198,12 @@ class LinearStates:
     def metadata(self, uploaded: list[torch.Tensor]) -> StateMetadata:
         """The step's ``StateMetadata`` from ``StateInputs.arrays()`` on the device (same order),
         after the restores are copied into their slots (before the forward reads them)."""
-        slots, has_init, save_rows, save_offsets, save_slots, restore_from, restore_to = uploaded
+        slots, has_init, save_rows, save_offsets, save_slots, save_bounds, restore_from, restore_to = uploaded
         if restore_from.numel():
             self.copy(restore_from, restore_to)
         return StateMetadata(slots=slots, has_initial_state=has_init.bool(), conv_state=self.conv_state,
                              recurrent_state=self.recurrent_state, save_rows=save_rows,
-                             save_offsets=save_offsets, save_slots=save_slots)
+                             save_offsets=save_offsets, save_slots=save_slots, save_bounds=save_bounds)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Entries ``src`` (R,) into entries ``dst`` (R,), every layer, every tensor: one

@@ -15,7 +15,9 @@ A hybrid model's step also carries its state (``StateMetadata``): the step's B s
 then -1 for the padding sequence and the empty ones (the state kernels run a slot -1 from
 zeros and write nothing), and its N save points (prefix snapshots, drafted rows' per-position
 states) in a buffer of ``Tb + max_num_seqs`` (at most one save per fed token, and a snapshot
-beside a drafted row's first draft save), the rest on row -1 (no sequence's: never taken).
+beside a drafted row's first draft save), ordered by row, each sequence's range in
+``save_bounds``: a kernel's program visits its own sequence's only, and the padding and empty
+sequences' ranges are empty; unused entries are on row -1.
 The snapshots a step restores are copied into their slots before the replay, as eagerly.
 
 Each bucket's graph bakes in ``max_q_len = Tb``, so the kernel's config (and its
@@ -105,6 +107,7 @@ class PrefillGraphRunner:
             self.save_rows = torch.full((t + max_num_seqs,), -1, dtype=torch.int64, device=dev)
             self.save_offsets = torch.zeros(t + max_num_seqs, dtype=torch.int64, device=dev)
             self.save_slots = torch.zeros(t + max_num_seqs, dtype=torch.int64, device=dev)
+            self.save_bounds = torch.zeros(s + 1, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self.replays_by_bucket = dict.fromkeys(self.buckets, 0)
@@ -122,7 +125,7 @@ class PrefillGraphRunner:
             state = StateMetadata(slots=self.state_slots, has_initial_state=self.state_init,
                                   conv_state=self.states.conv_state, recurrent_state=self.states.recurrent_state,
                                   save_rows=self.save_rows[:n], save_offsets=self.save_offsets[:n],
-                                  save_slots=self.save_slots[:n])
+                                  save_slots=self.save_slots[:n], save_bounds=self.save_bounds)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], cu_seqlens_q=self.cu_seqlens_q, kv_lens=self.kv_lens,
             block_tables=self.block_tables, max_q_len=bucket, is_decode=False, kv_cache=self.kv_cache,
@@ -143,6 +146,7 @@ class PrefillGraphRunner:
         if self.states is not None:
             self.state_slots.fill_(-1)
             self.save_rows.fill_(-1)
+            self.save_bounds.zero_()
         self.tile_map[:self.capacity[bucket]].copy_(torch.from_numpy(
             Ops.prefill_tile_map(np.array([bucket]), self.block_q[bucket], self.capacity[bucket])))
 
@@ -196,7 +200,7 @@ class PrefillGraphRunner:
         self.tile_map[:self.capacity[bucket]].copy_(meta.tile_map)
         if self.states is not None:
             state = meta.state
-            assert state is not None, "a hybrid model's batch carries its state slots"
+            assert state is not None and state.save_bounds is not None, "a hybrid step's state, its saves bounded"
             n = state.save_rows.shape[0]
             if n > self.max_saves(bucket):
                 raise ValueError(f"{n} save points, but a step in bucket {bucket} holds {self.max_saves(bucket)}")
@@ -207,6 +211,8 @@ class PrefillGraphRunner:
             self.save_rows[n:].fill_(-1)
             self.save_offsets[:n].copy_(state.save_offsets)
             self.save_slots[:n].copy_(state.save_slots)
+            self.save_bounds[:b + 1].copy_(state.save_bounds)
+            self.save_bounds[b + 1:].fill_(n)   # the padding and empty sequences: none
         if self.graphs:
             self.graphs[bucket].replay()
         else:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_dtype, check_same_device, check_state_step_args, next_pow2
+from minivllm.kernels.gated_delta_rule_recurrent import save_ranges
 
 MAX_KERNEL = 8
 
@@ -51,10 +52,11 @@ def _causal_conv1d_kernel(
     state_ptr,                    # (num_entries, C, K - 1) contiguous, in place
     cu_ptr,                       # (B + 1,) int32 or int64 row offsets
     slots_ptr, init_ptr,          # (B,) int64 slot; (B,) bool as int8: 0 = start from zeros
-    save_rows_ptr, save_offsets_ptr, save_slots_ptr, num_saves,   # (N,) int64
+    save_bounds_ptr,              # (B + 1,) int64: sequence b's save points are bounds[b] .. bounds[b + 1] - 1
+    save_offsets_ptr, save_slots_ptr,   # (N,) int64
     out_ptr,                      # (T, C) contiguous
     stride_x, C,
-    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SAVES: tl.constexpr,
 ):
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -78,8 +80,8 @@ def _causal_conv1d_kernel(
         y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + t * C + offs_c, y.to(out_ptr.dtype.element_ty), mask=mc)
     keep = mc_state[:, None] & (offs_j[None, :] < K - 1)
-    for i in range(num_saves):
-        if tl.load(save_rows_ptr + i) == b:
+    if HAS_SAVES:
+        for i in range(tl.load(save_bounds_ptr + b), tl.load(save_bounds_ptr + b + 1)):
             saved = _inputs_before(x_ptr, state_ptr, start, start + tl.load(save_offsets_ptr + i), slot, fresh,
                                    offs_c, offs_j, mc, stride_x, C, K)
             entry = tl.load(save_slots_ptr + i)
@@ -92,7 +94,8 @@ def _causal_conv1d_kernel(
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
                   slots: torch.Tensor, has_initial_state: torch.Tensor, save_rows: torch.Tensor | None = None,
-                  save_offsets: torch.Tensor | None = None, save_slots: torch.Tensor | None = None) -> torch.Tensor:
+                  save_offsets: torch.Tensor | None = None, save_slots: torch.Tensor | None = None, *,
+                  save_bounds: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU of each channel's causal conv over every sequence; ``conv_state`` rewritten in
     place at ``slots`` and written at the save points. Nothing here syncs the host.
 
@@ -107,6 +110,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         save_rows, save_offsets, save_slots: (N,) each, or None: save point i writes sequence
             save_rows[i]'s state after its first save_offsets[i] tokens into entry save_slots[i],
             which no sequence of the step owns.
+        save_bounds: (B + 1,) int64, or None: as
+            :func:`~minivllm.kernels.gated_delta_rule_recurrent.gated_delta_rule_recurrent`'s.
 
     Returns:
         (T, C) in x's dtype.
@@ -134,14 +139,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     out = torch.empty((t, c), dtype=x.dtype, device=x.device)
     if nseq == 0 or t == 0:
         return out
-    none = torch.zeros(0, dtype=torch.int64, device=x.device)
-    rows, offsets, entries = ((a.to(device=x.device, dtype=torch.int64) for a in (save_rows, save_offsets, save_slots))
-                              if save_rows is not None and save_offsets is not None and save_slots is not None
-                              else (none, none, none))
+    any_saves, bounds, offsets, entries = save_ranges(save_rows, save_offsets, save_slots, nseq, slots, save_bounds)
     block_c = min(256, next_pow2(c))
     _causal_conv1d_kernel[(nseq, triton.cdiv(c, block_c))](
         x, weight, conv_state, cu_seqlens, slots, has_initial_state.view(torch.int8),
-        rows, offsets, entries, rows.shape[0], out, x.stride(0), c,
-        K=k, BLOCK_C=block_c, BLOCK_K=next_pow2(k),
+        bounds, offsets, entries, out, x.stride(0), c,
+        K=k, BLOCK_C=block_c, BLOCK_K=next_pow2(k), HAS_SAVES=any_saves,
     )
     return out

@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels._launch import check_power_of_two, next_pow2
-from minivllm.kernels.gated_delta_rule_recurrent import (L2_NORM_EPS, check_gated_delta_rule_args,
-                                                         ordered_saves)
+from minivllm.kernels.gated_delta_rule_recurrent import L2_NORM_EPS, check_gated_delta_rule_args, save_ranges
 
 # Tokens per piece (a power of two >= 16: tl.dot's minimum). 64 did not compile within 150 s
 # on an H100 (Triton 3.6: six levels of 64 x 64 inversion unrolled in registers); 16 compiles
@@ -125,12 +124,13 @@ def _gated_delta_rule_chunked_kernel(
     state_ptr,                    # (num_entries, H, K, V) float32, contiguous
     cu_ptr,                       # (B + 1,) int32 or int64 row offsets
     slots_ptr, init_ptr,          # (B,) int64 slot; (B,) bool as int8: 0 = start from zero state
-    save_rows_ptr, save_offsets_ptr, save_slots_ptr, num_saves,   # (N,) int64, by (row, offset)
+    save_bounds_ptr,              # (B + 1,) int64: sequence b's save points are bounds[b] .. bounds[b + 1] - 1
+    save_offsets_ptr, save_slots_ptr,   # (N,) int64, by (row, offset)
     out_ptr,                      # (T, H, V) contiguous, in v's dtype
     stride_qk_row, stride_v_row, scale, eps,
     H: tl.constexpr, GROUPS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_SAVES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -150,8 +150,8 @@ def _gated_delta_rule_chunked_kernel(
     s = tl.load(state_ptr + (slot * H + h) * K * V + in_head, mask=mask, other=0.0)
     s = tl.where(tl.load(init_ptr + b) == 0, 0.0, s)  # a fresh start: zeros, whatever the slot held (NaN too)
     done = start
-    for n in range(num_saves):
-        if tl.load(save_rows_ptr + n) == b:
+    if HAS_SAVES:
+        for n in range(tl.load(save_bounds_ptr + b), tl.load(save_bounds_ptr + b + 1)):
             upto = start + tl.load(save_offsets_ptr + n)
             s = _run_pieces(s, done, upto, q_head, k_head, v_head, g_head, beta_head, out_head, offs_k, offs_v,
                             mk, mv, stride_qk_row, stride_v_row, scale, eps, H, V, CHUNK, LOG2_CHUNK, PRECISION)
@@ -167,7 +167,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                              slots: torch.Tensor, has_initial_state: torch.Tensor,
                              save_rows: torch.Tensor | None = None, save_offsets: torch.Tensor | None = None,
-                             save_slots: torch.Tensor | None = None, *, chunk: int = CHUNK,
+                             save_slots: torch.Tensor | None = None, *, save_bounds: torch.Tensor | None = None,
+                             chunk: int = CHUNK,
                              block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
                              precision: str | None = None) -> torch.Tensor:
     """Every sequence's tokens through the delta rule, ``chunk`` tokens per piece; ``state``
@@ -197,15 +198,16 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if nseq == 0 or t == 0:
         return out
-    rows, offsets, entries = ordered_saves(save_rows, save_offsets, save_slots, q.device)
+    any_saves, bounds, offsets, entries = save_ranges(save_rows, save_offsets, save_slots, nseq, slots, save_bounds)
     block_v = min(block_v, max(16, next_pow2(vd)))
     grid = (nseq, h, triton.cdiv(vd, block_v))
     _gated_delta_rule_chunked_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens, slots,
-        has_initial_state.view(torch.int8), rows, offsets, entries, rows.shape[0], out,
+        has_initial_state.view(torch.int8), bounds, offsets, entries, out,
         q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
         H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=max(16, next_pow2(kd)), BLOCK_V=block_v,
         CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, PRECISION=precision or dot_precision(v.dtype),
+        HAS_SAVES=any_saves,
         num_warps=num_warps,
     )
     return out

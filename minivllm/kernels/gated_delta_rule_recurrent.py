@@ -61,11 +61,12 @@ def _gated_delta_rule_recurrent_kernel(
     state_ptr,                    # (num_entries, H, K, V) float32, contiguous
     cu_ptr,                       # (B + 1,) int32 or int64 row offsets
     slots_ptr, init_ptr,          # (B,) int64 slot; (B,) bool as int8: 0 = start from zero state
-    save_rows_ptr, save_offsets_ptr, save_slots_ptr, num_saves,   # (N,) int64, by (row, offset)
+    save_bounds_ptr,              # (B + 1,) int64: sequence b's save points are bounds[b] .. bounds[b + 1] - 1
+    save_offsets_ptr, save_slots_ptr,   # (N,) int64, by (row, offset)
     out_ptr,                      # (T, H, V) contiguous, in v's dtype
     stride_qk_row, stride_v_row, scale, eps,
     H: tl.constexpr, GROUPS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SAVES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -84,8 +85,8 @@ def _gated_delta_rule_recurrent_kernel(
     s = tl.load(state_ptr + (slot * H + h) * K * V + in_head, mask=mask, other=0.0)
     s = tl.where(fresh != 0, 0.0, s)     # a fresh start: the zero state, whatever the slot held (NaN too)
     done = start
-    for i in range(num_saves):
-        if tl.load(save_rows_ptr + i) == b:
+    if HAS_SAVES:
+        for i in range(tl.load(save_bounds_ptr + b), tl.load(save_bounds_ptr + b + 1)):
             upto = start + tl.load(save_offsets_ptr + i)
             s = _run_tokens(s, done, upto, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, h, hk, offs_k, offs_v,
                             mk, mv, stride_qk_row, stride_v_row, scale, eps, H, K, V)
@@ -101,8 +102,8 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                                slots: torch.Tensor, has_initial_state: torch.Tensor,
                                save_rows: torch.Tensor | None = None, save_offsets: torch.Tensor | None = None,
-                               save_slots: torch.Tensor | None = None, *, block_v: int | None = None,
-                               num_warps: int = 4) -> torch.Tensor:
+                               save_slots: torch.Tensor | None = None, *, save_bounds: torch.Tensor | None = None,
+                               block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Every sequence's tokens through the delta rule, in order; ``state`` updated in place at
     ``slots`` and written at the save points. Nothing here syncs the host (CUDA graphs).
 
@@ -120,6 +121,9 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         save_rows, save_offsets, save_slots: (N,) each, or None: save point i writes sequence
             save_rows[i]'s state after its first save_offsets[i] tokens (1 .. its tokens) into
             entry save_slots[i], which no sequence of the step owns.
+        save_bounds: (B + 1,) int64, or None: the save points are ordered by (row, offset) and
+            sequence b's are ``save_bounds[b] .. save_bounds[b + 1] - 1`` (``save_rows`` then
+            unread); None: they are sorted here (``save_ranges``).
         block_v: value columns per program (None: ``default_block_v``); num_warps: per program.
 
     Returns:
@@ -138,14 +142,15 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if nseq == 0 or t == 0:
         return out
-    rows, offsets, entries = ordered_saves(save_rows, save_offsets, save_slots, q.device)
+    any_saves, bounds, offsets, entries = save_ranges(save_rows, save_offsets, save_slots, nseq, slots, save_bounds)
     block_v = min(block_v or default_block_v(nseq * h), next_pow2(vd))
     grid = (nseq, h, triton.cdiv(vd, block_v))
     _gated_delta_rule_recurrent_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, cu_seqlens, slots,
-        has_initial_state.view(torch.int8), rows, offsets, entries, rows.shape[0], out,
+        has_initial_state.view(torch.int8), bounds, offsets, entries, out,
         q.stride(0), v.stride(0), kd ** -0.5, L2_NORM_EPS,
-        H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=next_pow2(kd), BLOCK_V=block_v, num_warps=num_warps,
+        H=h, GROUPS=h // hk, K=kd, V=vd, BLOCK_K=next_pow2(kd), BLOCK_V=block_v, HAS_SAVES=any_saves,
+        num_warps=num_warps,
     )
     return out
 
@@ -183,13 +188,23 @@ def check_gated_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         raise ValueError("q, k and v need contiguous heads (q and k of one row stride)")
 
 
-def ordered_saves(rows: torch.Tensor | None, offsets: torch.Tensor | None, entries: torch.Tensor | None,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The save points as int64 (N,) tensors ordered by (row, offset), on the device (a sort
-    there: no host sync); three empty ones when there are none."""
-    if rows is None or offsets is None or entries is None or rows.numel() == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return empty, empty, empty
-    rows, offsets, entries = (x.to(device=device, dtype=torch.int64) for x in (rows, offsets, entries))
+def save_ranges(rows: torch.Tensor | None, offsets: torch.Tensor | None, entries: torch.Tensor | None,
+                nseq: int, dummy: torch.Tensor, bounds: torch.Tensor | None = None
+                ) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The save points as the state kernels take them: ``(any, bounds, offsets, entries)``, the
+    points ordered by (row, offset) and sequence b's at ``bounds[b] .. bounds[b + 1] - 1``, so
+    that each program visits its own only. ``bounds`` (B + 1,) given: the caller has ordered
+    them (a CUDA graph's static buffers, entries past ``bounds[B]`` unused); else they are
+    sorted and bounded here, on the device (no host sync). ``dummy``: any int64 tensor on the
+    device, passed where there are none."""
+    if rows is None or offsets is None or entries is None or (bounds is None and rows.numel() == 0):
+        return False, dummy, dummy, dummy
+    if bounds is not None:
+        if bounds.dtype != torch.int64 or bounds.shape != (nseq + 1,):
+            raise ValueError(f"save_bounds must be int64 ({nseq + 1},), got {bounds.dtype} {tuple(bounds.shape)}")
+        return True, bounds, offsets, entries
+    rows, offsets, entries = (x.to(device=dummy.device, dtype=torch.int64) for x in (rows, offsets, entries))
     order = torch.argsort(rows * (1 << 32) + offsets)
-    return rows[order], offsets[order], entries[order]
+    rows = rows[order]
+    bounds = torch.searchsorted(rows, torch.arange(nseq + 1, dtype=torch.int64, device=dummy.device))
+    return True, bounds, offsets[order], entries[order]

@@ -52,12 +52,13 @@ SavePoints = dict[int, list[tuple[int, int]]]
 def save_points(save_rows: torch.Tensor | None, save_offsets: torch.Tensor | None,
                 save_slots: torch.Tensor | None) -> SavePoints:
     """Sequence -> its (offset, entry) save points (module doc), from the three (N,) int64
-    tensors (None or empty: no save)."""
+    tensors (None or empty: no save; a row -1 is no sequence's: a CUDA graph's unused entry)."""
     if save_rows is None or save_offsets is None or save_slots is None or save_rows.numel() == 0:
         return {}
     points: SavePoints = {}
     for b, offset, entry in zip(save_rows.tolist(), save_offsets.tolist(), save_slots.tolist()):
-        points.setdefault(b, []).append((offset, entry))
+        if b >= 0:
+            points.setdefault(b, []).append((offset, entry))
     return points
 
 

@@ -371,7 +371,8 @@ class Ops:
         if self.triton:
             from minivllm.kernels.causal_conv1d import causal_conv1d
             return causal_conv1d(x, weight, conv_state, cu_seqlens, state.slots, state.has_initial_state,
-                                 state.save_rows, state.save_offsets, state.save_slots)
+                                 state.save_rows, state.save_offsets, state.save_slots,
+                                 save_bounds=state.save_bounds)
         return linref.causal_conv1d_reference(x, weight, conv_state, cu_seqlens, state.slots,
                                               state.has_initial_state, _save_points(state))
 
@@ -400,7 +401,7 @@ class Ops:
             else:
                 from minivllm.kernels.gated_delta_rule_chunked import gated_delta_rule_chunked as kernel
             return kernel(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state,
-                          state.save_rows, state.save_offsets, state.save_slots)
+                          state.save_rows, state.save_offsets, state.save_slots, save_bounds=state.save_bounds)
         rule = linref.gated_delta_rule_recurrent_reference if decode else linref.gated_delta_rule_chunked_reference
         return rule(q, k, v, g, beta, recurrent_state, cu_seqlens, state.slots, state.has_initial_state,
                     _save_points(state))

@@ -44,6 +44,10 @@ class StateMetadata:
     save_rows: torch.Tensor = field(default_factory=_no_saves)
     save_offsets: torch.Tensor = field(default_factory=_no_saves)
     save_slots: torch.Tensor = field(default_factory=_no_saves)
+    # int64 (B + 1,) or None: the save points are ordered by (row, offset) and sequence b's are
+    # save_bounds[b] .. save_bounds[b + 1] - 1 (entries past save_bounds[B] unused: a CUDA graph's
+    # padding); the kernels then visit each sequence's own only. None: in any order.
+    save_bounds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         """Shapes and dtypes (host-side metadata only: nothing here syncs a device).
@@ -61,6 +65,10 @@ class StateMetadata:
             if t.dtype != torch.int64 or t.dim() != 1 or t.shape != self.save_rows.shape:
                 raise ValueError(f"{name} must be int64 (N,) like save_rows {tuple(self.save_rows.shape)}, "
                                  f"got {t.dtype} {tuple(t.shape)}")
+        if self.save_bounds is not None and (self.save_bounds.dtype != torch.int64
+                                             or self.save_bounds.shape != (self.slots.shape[0] + 1,)):
+            raise ValueError(f"save_bounds must be int64 ({self.slots.shape[0] + 1},), got "
+                             f"{self.save_bounds.dtype} {tuple(self.save_bounds.shape)}")
         if self.conv_state.dim() != 4:
             raise ValueError(f"conv_state must be (layers, slots, conv_dim, kernel - 1), "
                              f"got {tuple(self.conv_state.shape)}")

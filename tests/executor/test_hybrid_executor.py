@@ -312,6 +312,7 @@ def test_state_fields_are_checked() -> None:
     # The snapshot save, then the drafted row's state after its last token into its draft entry.
     assert inputs.save_rows.tolist() == [0, 1] and inputs.save_offsets.tolist() == [3, 1]
     assert inputs.save_slots.tolist() == [4 + 1, 6 + 1 * 1]
+    assert inputs.save_bounds.tolist() == [0, 1, 2]  # row b's save points: bounds[b] .. bounds[b + 1] - 1
     for fields in (dict(state_slots=slots, state_init=init), dict(state_saves=(((1, 0),), ()))):
         with pytest.raises(ValueError, match=next(iter(fields))):
             check_no_state_fields(_plan(**fields))
