@@ -46,7 +46,64 @@ Upload = Callable[..., list[torch.Tensor]]
 MAX_GRAPH_ROWS = 64
 
 
-class DraftRunner:
+class DraftLoop:
+    """A drafting loop's static buffers and CUDA graphs (a draft model's, ``DraftRunner``; the
+    MTP head's, ``executor/mtp.py``): ``steps`` decode-shaped forwards over up to
+    ``max_num_seqs`` rows, inputs (forward, row): the token fed first, each forward's position,
+    slot (-1: no write) and kv_len, the rows' block tables; output: the drafts (row, draft).
+    A batch of r drafted rows runs padded to the next captured size (the padding rows write
+    nothing), replaying its graph; ``_loop(bs)`` is the loop itself."""
+
+    def __init__(self, steps: int, num_drafts: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 device: torch.device) -> None:
+        g, dev = max_num_seqs, device
+        self.first = torch.zeros(g, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(steps, g, dtype=torch.int64, device=dev)
+        self.slots = torch.full((steps, g), -1, dtype=torch.int64, device=dev)
+        self.kv_lens = torch.zeros(steps, g, dtype=torch.int32, device=dev)
+        self.tables = torch.full((g, max_blocks_per_seq), -1, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
+        self.drafts = torch.zeros(g, max(num_drafts, 1), dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sizes: list[int] = []  # batch sizes the loop pads to (and with graphs replays)
+        self.num_replays = 0
+
+    def _loop(self, bs: int) -> None:
+        raise NotImplementedError
+
+    def _capture(self, max_num_seqs: int) -> None:
+        self.sizes = [b for b in default_capture_sizes(max_num_seqs) if b <= MAX_GRAPH_ROWS]
+        self.graphs = capture_graphs(self.sizes, self._loop)  # padding rows only: nothing written
+
+    def padded_size(self, rows: int) -> int:
+        """The batch size ``rows`` drafted rows run at."""
+        return self.sizes[bisect.bisect_left(self.sizes, rows)] if self.sizes and rows <= self.sizes[-1] else rows
+
+    def _stage(self, bs: int, first: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               kv_lens: torch.Tensor, tables: torch.Tensor) -> None:
+        """The loop's inputs for ``first.shape[0]`` rows padded to ``bs`` (``positions``,
+        ``slots``, ``kv_lens`` (steps, bs) already padded; ``tables`` (r, W') unpadded)."""
+        r = first.shape[0]
+        self.first[:r].copy_(first)
+        self.first[r:bs].zero_()
+        self.positions[:, :bs].copy_(positions)
+        self.slots[:, :bs].copy_(slots)
+        self.kv_lens[:, :bs].copy_(kv_lens)
+        self.tables[:bs].fill_(-1)
+        self.tables[:r, :tables.shape[1]].copy_(tables)
+
+    def _run(self, bs: int, batch: DeviceBatch, into: torch.Tensor, made: torch.Tensor) -> None:
+        """Replay (or run) the loop at ``bs`` and put drafts ``made`` (flat indices of
+        ``drafts``) into the step's input ids at ``into``."""
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            self.num_replays += 1
+        else:
+            self._loop(bs)
+        batch.input_ids[into] = self.drafts.view(-1)[made]
+
+
+class DraftRunner(DraftLoop):
     """The draft model, its K/V cache and the drafting loop (on CUDA one graph per batch size).
 
     Args:
@@ -64,32 +121,20 @@ class DraftRunner:
     def __init__(self, model: DecoderForCausalLM, model_config: ModelConfig, kv_cache: torch.Tensor,
                  num_speculative_tokens: int, dtype: torch.dtype, prev_sampled: torch.Tensor, max_num_seqs: int,
                  max_blocks_per_seq: int, use_graphs: bool) -> None:
+        super().__init__(num_speculative_tokens + 1, num_speculative_tokens, max_num_seqs, max_blocks_per_seq,
+                         kv_cache.device)
         self.model = model
         self.model_config = model_config
         self.kv_cache = kv_cache
         self.k = k = num_speculative_tokens
         self.prev_sampled = prev_sampled
         self.width = max_blocks_per_seq
-        g, dev = max_num_seqs, kv_cache.device
-        self.device = dev
-        # The loop's inputs, (step, row): the token fed first, each step's position, slot (-1:
-        # no write), kv_len, whether it feeds the draft just made; the rows' block tables.
-        self.first = torch.zeros(g, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(k + 1, g, dtype=torch.int64, device=dev)
-        self.slots = torch.full((k + 1, g), -1, dtype=torch.int64, device=dev)
-        self.kv_lens = torch.zeros(k + 1, g, dtype=torch.int32, device=dev)
-        self.feeds_new = torch.zeros(k + 1, g, dtype=torch.bool, device=dev)
-        self.tables = torch.full((g, max_blocks_per_seq), -1, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
-        self.drafts = torch.zeros(g, max(k, 1), dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.sizes: list[int] = []
-        self.num_replays = 0
+        # Beside the loop's inputs (``DraftLoop``): whether a step feeds the draft just made.
+        self.feeds_new = torch.zeros(k + 1, max_num_seqs, dtype=torch.bool, device=kv_cache.device)
         # Decode steps without drafts (the draft's cache keeping up) replay graphs too.
         self.decode_graphs: CudaGraphRunner | None = None
         if use_graphs:
-            self.sizes = [b for b in default_capture_sizes(max_num_seqs) if b <= MAX_GRAPH_ROWS]
-            self.graphs = capture_graphs(self.sizes, self._loop)  # padding rows only: nothing written
+            self._capture(max_num_seqs)
             self.decode_graphs = CudaGraphRunner(model.forward, kv_cache, prev_sampled, model_config.hidden_size,
                                                  dtype, max_blocks_per_seq, default_capture_sizes(max_num_seqs))
 
@@ -133,7 +178,7 @@ class DraftRunner:
     def _draft(self, batch: DeviceBatch, inputs: BatchInputs, rows: np.ndarray, d: np.ndarray,
                upload: Upload) -> None:
         k, r = self.k, len(rows)
-        bs = self.sizes[bisect.bisect_left(self.sizes, r)] if self.sizes and r <= self.sizes[-1] else r
+        bs = self.padded_size(r)
         first = inputs.cu_seqlens_q[rows].astype(np.int64)                   # the row's last known token
         start = inputs.kv_lens[rows].astype(np.int64) - 1 - d               # its position L
         j = np.minimum(np.arange(k + 1)[:, None], d[None, :])               # (k + 1, R): position L + j
@@ -147,20 +192,9 @@ class DraftRunner:
             first, np.pad(start[None, :] + j, pad), np.pad(slots, pad, constant_values=-1),
             np.pad(start[None, :] + j + 1, pad), np.pad(np.arange(k + 1)[:, None] <= d[None, :], pad),
             tables, into, made)
-        self.first[:r].copy_(batch.input_ids[first_t])
-        self.first[r:bs].zero_()
-        self.positions[:, :bs].copy_(pos_t)
-        self.slots[:, :bs].copy_(slots_t)
-        self.kv_lens[:, :bs].copy_(kv_t)
+        self._stage(bs, batch.input_ids[first_t], pos_t, slots_t, kv_t, tables_t)
         self.feeds_new[:, :bs].copy_(new_t)
-        self.tables[:bs].fill_(-1)
-        self.tables[:r, :tables.shape[1]].copy_(tables_t)
-        if bs in self.graphs:
-            self.graphs[bs].replay()
-            self.num_replays += 1
-        else:
-            self._loop(bs)
-        batch.input_ids[into_t] = self.drafts.view(-1)[made_t]
+        self._run(bs, batch, into_t, made_t)
 
 
 def check_draft_config(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:

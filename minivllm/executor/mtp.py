@@ -36,7 +36,6 @@ graph (``executor/prefill_graph.py``); 2 and 3 run eagerly.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from typing import Callable
 
@@ -45,9 +44,8 @@ import torch
 
 from minivllm.engine.plan import StepPlan
 from minivllm.engine.state_cache import STATE_RESET
-from minivllm.executor.cuda_graph import capture_graphs, default_capture_sizes
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
-from minivllm.executor.draft import MAX_GRAPH_ROWS
+from minivllm.executor.draft import DraftLoop
 from minivllm.executor.inputs import BatchInputs
 from minivllm.executor.linear_state import LinearStates
 from minivllm.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -57,7 +55,7 @@ from minivllm.ops.metadata import AttentionMetadata
 Upload = Callable[..., list[torch.Tensor]]
 
 
-class MtpRunner:
+class MtpRunner(DraftLoop):
     """The MTP head's two passes over a step (module doc).
 
     Args:
@@ -74,27 +72,16 @@ class MtpRunner:
                  prev_sampled: torch.Tensor, num_speculative_tokens: int, max_num_seqs: int,
                  max_blocks_per_seq: int, use_graphs: bool) -> None:
         assert isinstance(target.mtp, Qwen3_5MTP) and states.hidden is not None
+        super().__init__(num_speculative_tokens, num_speculative_tokens, max_num_seqs, max_blocks_per_seq,
+                         kv_cache.device)
         self.target, self.head = target, target.mtp
         self.kv_cache, self.states, self.prev_sampled = kv_cache, states, prev_sampled
-        self.k = k = num_speculative_tokens
-        g, dev = max_num_seqs, kv_cache.device
-        # The loop's inputs, (forward, row): the first token fed, the state entry whose hidden
-        # state the row drafts from, each forward's position, slot (-1: no write) and kv_len;
-        # the rows' block tables; its output, the drafts (row, forward).
-        self.first = torch.zeros(g, dtype=torch.int64, device=dev)
-        self.hidden_from = torch.zeros(g, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(k, g, dtype=torch.int64, device=dev)
-        self.slots = torch.full((k, g), -1, dtype=torch.int64, device=dev)
-        self.kv_lens = torch.zeros(k, g, dtype=torch.int32, device=dev)
-        self.tables = torch.full((g, max_blocks_per_seq), -1, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = torch.arange(g + 1, dtype=torch.int32, device=dev)
-        self.drafts = torch.zeros(g, k, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.sizes: list[int] = []  # batch sizes the loop pads to (and with graphs replays)
-        self.num_replays = 0
+        self.k = num_speculative_tokens
+        # Beside the loop's inputs (``DraftLoop``): the state entry whose hidden state each row
+        # drafts from.
+        self.hidden_from = torch.zeros(max_num_seqs, dtype=torch.int64, device=kv_cache.device)
         if use_graphs:
-            self.sizes = [b for b in default_capture_sizes(max_num_seqs) if b <= MAX_GRAPH_ROWS]
-            self.graphs = capture_graphs(self.sizes, self._loop)  # padding rows only: nothing written
+            self._capture(max_num_seqs)
 
     def _loop(self, bs: int) -> None:
         """The k forwards of the head over the first ``bs`` rows (module doc, 1)."""
@@ -127,7 +114,7 @@ class MtpRunner:
         if int(d.max()) > self.k:
             raise ValueError(f"num_drafts up to {int(d.max())}, but the MTP loop makes {self.k}")
         k, r = self.k, len(rows)
-        bs = self.sizes[bisect.bisect_left(self.sizes, r)] if self.sizes and r <= self.sizes[-1] else r
+        bs = self.padded_size(r)
         first = inputs.cu_seqlens_q[rows].astype(np.int64)                       # the row's token P
         start = inputs.positions[first].astype(np.int64)                          # P
         j = np.arange(k)[:, None]                                                 # (k, R): forward j
@@ -143,21 +130,11 @@ class MtpRunner:
             first, np.pad(start[None, :] - 1 + j, pad), np.pad(slots, pad, constant_values=-1),
             np.pad(start[None, :] + np.minimum(j, d[None, :]), pad),  # within its blocks
             tables, into, made, rows)
-        self.first[:r].copy_(resolve_input_ids(batch.input_ids[first_t], batch.prev_rows[first_t], self.prev_sampled))
-        self.first[r:bs].zero_()
+        self._stage(bs, resolve_input_ids(batch.input_ids[first_t], batch.prev_rows[first_t], self.prev_sampled),
+                    pos_t, slots_t, kv_t, tables_t)
         self.hidden_from[:r].copy_(batch.attn_metadata.state.slots[srows_t])  # type: ignore[union-attr]
         self.hidden_from[r:bs].zero_()
-        self.positions[:, :bs].copy_(pos_t)
-        self.slots[:, :bs].copy_(slots_t)
-        self.kv_lens[:, :bs].copy_(kv_t)
-        self.tables[:bs].fill_(-1)
-        self.tables[:r, :tables.shape[1]].copy_(tables_t)
-        if bs in self.graphs:
-            self.graphs[bs].replay()
-            self.num_replays += 1
-        else:
-            self._loop(bs)
-        batch.input_ids[into_t] = self.drafts.view(-1)[made_t]
+        self._run(bs, batch, into_t, made_t)
 
     @torch.inference_mode()
     def mirror(self, plan: StepPlan, batch: DeviceBatch, inputs: BatchInputs, hidden: torch.Tensor,
