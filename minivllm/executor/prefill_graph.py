@@ -7,7 +7,7 @@ replayed from one graph, like a decode step:
 
     tokens      [0, T): the step's          [T, Tb): padding (id 0, position 0, slot -1)
     sequences   [0, B): the step's          B: the padding tokens, kv_len 0 (attention
-                                               writes zeros for them); B+1..S: empty
+                                               writes zeros for them); B+1..S_b - 1: empty
     attention   the prefill kernel's map mode: grid (capacity, Hkv) from the static
                 ``tile_map`` buffer, whatever B and the q lengths are
 
@@ -19,6 +19,10 @@ beside a drafted row's first draft save), ordered by row, each sequence's range 
 ``save_bounds``: a kernel's program visits its own sequence's only, and the padding and empty
 sequences' ranges are empty; unused entries are on row -1.
 The snapshots a step restores are copied into their slots before the replay, as eagerly.
+
+A step has at most min(max_num_seqs, Tb) sequences (each feeds a token), so bucket Tb's graph
+holds S_b = min(max_num_seqs, Tb) + 1 sequences: a small bucket's per-sequence kernels (the
+state kernels' grids) launch no programs for sequences it cannot have.
 
 Each bucket's graph bakes in ``max_q_len = Tb``, so the kernel's config (and its
 tokens per q tile) is the one ``default_config`` picks for Tb; the host builds the
@@ -118,18 +122,23 @@ class PrefillGraphRunner:
         """The save points a step in ``bucket`` may carry (module doc)."""
         return bucket + self.max_num_seqs
 
+    def num_seq_slots(self, bucket: int) -> int:
+        """S_b: the sequences a step in ``bucket`` may have, and the padding one (module doc)."""
+        return min(self.max_num_seqs, bucket) + 1
+
     def _meta(self, bucket: int) -> AttentionMetadata:
+        seqs = self.num_seq_slots(bucket)
         state = None
         if self.states is not None:
             n = self.max_saves(bucket)
-            state = StateMetadata(slots=self.state_slots, has_initial_state=self.state_init,
+            state = StateMetadata(slots=self.state_slots[:seqs], has_initial_state=self.state_init[:seqs],
                                   conv_state=self.states.conv_state, recurrent_state=self.states.recurrent_state,
                                   save_rows=self.save_rows[:n], save_offsets=self.save_offsets[:n],
-                                  save_slots=self.save_slots[:n], save_bounds=self.save_bounds)
+                                  save_slots=self.save_slots[:n], save_bounds=self.save_bounds[:seqs + 1])
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket], cu_seqlens_q=self.cu_seqlens_q, kv_lens=self.kv_lens,
-            block_tables=self.block_tables, max_q_len=bucket, is_decode=False, kv_cache=self.kv_cache,
-            tile_map=self.tile_map[:self.capacity[bucket]], state=state)
+            slot_mapping=self.slot_mapping[:bucket], cu_seqlens_q=self.cu_seqlens_q[:seqs + 1],
+            kv_lens=self.kv_lens[:seqs], block_tables=self.block_tables[:seqs], max_q_len=bucket, is_decode=False,
+            kv_cache=self.kv_cache, tile_map=self.tile_map[:self.capacity[bucket]], state=state)
 
     def _step(self, bucket: int) -> None:
         ids = resolve_input_ids(self.input_ids[:bucket], self.prev_rows[:bucket], self.prev_sampled)

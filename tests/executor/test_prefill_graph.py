@@ -27,11 +27,12 @@ def path(tmp_path_factory) -> str:
 
 
 def executors(path: str, dtype: str = "float32", **cache) -> tuple:
-    """A plain executor and one with a runner of buckets 16 and 32 (both Triton)."""
+    """A plain executor and one with a runner of buckets 4, 16 and 32 (both Triton; up to 8
+    sequences a step, so bucket 4's graph holds 5 sequence slots, the others 9)."""
     plain, padded = (make_model_executor(path, device="cpu", dtype=dtype, kernels="triton", block_size=BS,
-                                         num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64, **cache)
+                                         num_blocks=24, max_num_seqs=8, max_num_batched_tokens=64, **cache)
                      for _ in range(2))
-    padded.prefill_graph_runner = padded.make_prefill_graph_runner(capture=False, buckets=[16, 32])
+    padded.prefill_graph_runner = padded.make_prefill_graph_runner(capture=False, buckets=[4, 16, 32])
     return plain, padded
 
 
@@ -45,6 +46,7 @@ def test_padded_buckets_equal_the_eager_step(path: str) -> None:
         make_plan([(c[:6], 0, (3, 12), False), ([7], 8, (9, 2, 14), True)], BS),        # mixed: chunk + decode
         make_plan([(c[6:], 6, (3, 12, 7), True), (a[:3], 0, (1,), True)], BS),          # a prefix read -> 16
         make_plan([(c + a + b + c, 0, tuple(range(10)), True)], BS),                    # 34 tokens: eager
+        make_plan([(b[:2], 0, (15,), True), ([5], 9, (9, 2, 14), True)], BS),          # 3 tokens -> 4
     ]
     replays = []
     for plan in plans:
@@ -52,7 +54,8 @@ def test_padded_buckets_equal_the_eager_step(path: str) -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(padded.kv_cache, plain.kv_cache, atol=1e-5, rtol=1e-5)
         replays.append(runner.num_replays)
-    assert replays == [1, 1, 2, 3, 3]  # the decode step and the 34-token step ran without it
+    assert replays == [1, 1, 2, 3, 3, 4]  # the decode step and the 34-token step ran without it
+    assert runner.replays_by_bucket[4] == 1 and runner._meta(4).cu_seqlens_q.shape == (6,)
 
 
 def test_padded_buckets_with_an_fp8_cache_keep_the_model_dtype(path: str) -> None:
