@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from minivllm.kernels._norm_act import add_residual, normalise
+from minivllm.kernels._norm_act import add_residual, normalise, normalise_unit_offset
 from minivllm.kernels._norm_act import gated_silu
 
 
@@ -51,10 +51,15 @@ def x_cols(x_ptrs, k, mask, K, GATED: tl.constexpr):
 def one_row_input(x_ptr, r_ptr, nw_ptr, rstd, k, mask, K, GATED: tl.constexpr, NORM: tl.constexpr,
                   HAS_RESIDUAL: tl.constexpr):
     """The input row at columns ``k``: x, silu(gate) * up (GATED), or NORM: the RMSNorm kernel's
-    output for ``x + residual`` given its ``rstd`` (the same rounding: ``rms_norm.normalise``)."""
+    output for ``x + residual`` given its ``rstd`` (the same rounding: ``rms_norm.normalise``;
+    NORM == 2: the zero-centred norm's, ``normalise_unit_offset``)."""
     if NORM:
         s = residual_sum(x_ptr, r_ptr, k, mask, HAS_RESIDUAL)
-        x = normalise(s, masked_load(nw_ptr + k, mask).to(tl.float32), rstd).to(s.dtype)
+        w = masked_load(nw_ptr + k, mask).to(tl.float32)
+        if NORM == 2:
+            x = normalise_unit_offset(s, w, rstd).to(s.dtype)
+        else:
+            x = normalise(s, w, rstd).to(s.dtype)
     else:
         x = x_cols(x_ptr, k, mask, K, GATED)
     return x

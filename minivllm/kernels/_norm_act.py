@@ -23,7 +23,7 @@ def unit_offset_rms_norm_row(x, w, eps, N: tl.constexpr):
     in fp32: the zero-centred norm of Qwen3.5, all in fp32 with no rounding between (the
     caller casts once), as transformers' Qwen3_5RMSNorm."""
     x32 = x.to(tl.float32)
-    return (x32 * tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)) * (1.0 + w)
+    return normalise_unit_offset(x, w, tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps))
 
 
 @triton.jit
@@ -32,6 +32,13 @@ def normalise(x, w, rstd):
     rounded to x's dtype before the weight multiply (the rounding of Hugging Face's
     Qwen3RMSNorm). Returns fp32."""
     return w * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def normalise_unit_offset(x, w, rstd):
+    """``(1 + w) * (x * rstd)`` for x in its own dtype, w and rstd in fp32, with no rounding
+    between (``unit_offset_rms_norm_row``'s given its ``rstd``). Returns fp32."""
+    return (x.to(tl.float32) * rstd) * (1.0 + w)
 
 
 @triton.jit

@@ -133,7 +133,8 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,    # ONE_ROW: loads in flight (tl.range pipelining)
     PDL: tl.constexpr,           # launched with launch_pdl: first W tile, wait, ..., signal after the K loop
     GATED: tl.constexpr,         # the input is silu(gate) * up of x = [gate | up] (see gemv's ``gated``)
-    NORM: tl.constexpr,          # the input is RMSNorm(x [+ residual]) (ONE_ROW only; see rms_norm_gemv)
+    NORM: tl.constexpr,          # 0; 1: the input is RMSNorm(x [+ residual]); 2: its zero-centred norm
+                                 # (ONE_ROW only; see rms_norm_gemv)
     HAS_RESIDUAL: tl.constexpr,  # NORM: add the residual first, and write the sum to r_out
     NORM_BLOCK: tl.constexpr,    # NORM: columns per step of the statistics pass
 ):
@@ -283,13 +284,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: GemvConfig | None = None, *, pdl: bool = False,
+                  unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(rms_norm(s), weight, bias), s)`` for one row x (1, K) and s = x + residual
     (residual None: s = x), in one kernel: the RMSNorm kernel's rounding (``rms_norm.normalise``
     and ``add_residual``), with the row's statistics summed in the kernel's own order; s is a new
     tensor (x itself when residual is None). A decode layer's residual add + RMSNorm without a
     launch of its own, at batch 1 on the one-row path (``config`` None: ``default_config(1, N, K)``).
-    ``pdl`` as in :func:`gemv`.
+    ``pdl`` as in :func:`gemv`. ``unit_offset``: the zero-centred norm of Qwen3.5,
+    ``(1 + w) * s / rms(s)`` rounded once (``rms_norm.rms_norm_1p``'s rounding).
 
     Raises:
         TypeError: x, residual, the weights (and bias) are not one of bf16 / fp16 together.
@@ -314,7 +317,8 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     check_same_device(**tensors)
     y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
     s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
-    _launch(x, weight, bias, y, config, norm=(norm_weight, float(eps), residual, s), pdl=pdl)
+    _launch(x, weight, bias, y, config, norm=(norm_weight, float(eps), residual, s), pdl=pdl,
+            unit_offset=unit_offset)
     return y, s
 
 
@@ -344,9 +348,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gat
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
             config: GemvConfig, *, gated: bool = False,
             norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None = None,
-            pdl: bool = False) -> None:
+            pdl: bool = False, unit_offset: bool = False) -> None:
     """Launch the kernel on checked arguments; ``norm``: (norm weight, eps, residual or None,
-    the buffer for x + residual)."""
+    the buffer for x + residual), ``unit_offset``: its weight scales by 1 + w."""
     n, k = weight.shape
     rows = x.shape[0]
     if rows == 0 or n == 0:
@@ -363,7 +367,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         rows, n, k, x.stride(0), eps,
         HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST_DOT=upcast_dot(x),
-        ONE_ROW=one_row, NUM_STAGES=config.num_stages, PDL=use_pdl, GATED=gated, NORM=norm is not None,
+        ONE_ROW=one_row, NUM_STAGES=config.num_stages, PDL=use_pdl, GATED=gated,
+        NORM=0 if norm is None else 2 if unit_offset else 1,
         HAS_RESIDUAL=residual is not None, NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX),
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )

@@ -181,12 +181,22 @@ class GatedDeltaNet(nn.Module):
         Raises:
             ValueError: the metadata carries no state.
         """
+        proj = self.in_proj
+        return self.forward_projected(ops, ops.project(h, proj.weight, scale=proj.weight_scale), meta)
+
+    def forward_projected(self, ops: Ops, projected: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """:meth:`forward` from its input projection ``projected`` (T, rows of ``in_proj``; the
+        decoder layer fuses its norm into it).
+
+        Raises:
+            ValueError: the metadata carries no state.
+        """
         state = meta.state
         if state is None:
             raise ValueError("a linear-attention layer needs AttentionMetadata.state (the state slots)")
-        t = h.shape[0]
-        proj, out = self.in_proj, self.out_proj
-        qkv, z, b, a = ops.project(h, proj.weight, scale=proj.weight_scale).split(proj.local_sizes, dim=-1)
+        t = projected.shape[0]
+        out = self.out_proj
+        qkv, z, b, a = projected.split(self.in_proj.local_sizes, dim=-1)
         qkv = ops.causal_conv1d(qkv, self.conv1d.weight[:, 0], state.conv_state[self.state_index],
                                 meta.cu_seqlens_q, state)                                      # (T, conv_dim)
         q, k, v = qkv.split(self.split_sizes, dim=-1)

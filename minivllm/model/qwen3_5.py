@@ -83,9 +83,20 @@ class GatedAttention(nn.Module):
 
     def forward(self, ops: Ops, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) positions, (T, hidden) normed input -> (T, hidden) this rank's partial sum of o_proj."""
-        q, gate = self.store_kv(ops, positions, h, meta)
+        return self.forward_projected(ops, positions, self.project_qkv(ops, h), meta)
+
+    def project_qkv(self, ops: Ops, h: torch.Tensor) -> torch.Tensor:
+        """The packed q (with its gate), k, v projection of (T, hidden) normed ``h``."""
+        proj = self.qkv_proj
+        return ops.project(h, proj.weight, proj.bias, scale=proj.weight_scale)
+
+    def forward_projected(self, ops: Ops, positions: torch.Tensor, qkv: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """:meth:`forward` from its projection ``qkv`` (:meth:`project_qkv`; the decoder layer
+        fuses its norm into it)."""
+        q, gate = self.store_kv_projected(ops, positions, qkv, meta)
         k_cache, v_cache = self.attn.kv_caches(meta)
-        o = ops.attention(q, k_cache, v_cache, meta, self.attn.scale, self.k_scale, self.v_scale).reshape(h.shape[0], -1)
+        o = ops.attention(q, k_cache, v_cache, meta, self.attn.scale, self.k_scale, self.v_scale).reshape(qkv.shape[0], -1)
         if gate is not None:
             o = ops.sigmoid_mul(o, gate)
         o_proj = self.o_proj
@@ -96,9 +107,12 @@ class GatedAttention(nn.Module):
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projection, q/k norm, RoPE and K/V store of (T, hidden) normed ``h``: returns
         (T, H, D) q and the (T, H D) gate (None without ``attn_output_gate``)."""
-        t, d, heads, kv_heads = h.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        proj = self.qkv_proj
-        qkv = ops.project(h, proj.weight, proj.bias, scale=proj.weight_scale)
+        return self.store_kv_projected(ops, positions, self.project_qkv(ops, h), meta)
+
+    def store_kv_projected(self, ops: Ops, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`store_kv` from its projection ``qkv``."""
+        t, d, heads, kv_heads = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         q, k, v = qkv.split([qkv.shape[1] - 2 * kv_heads * d, kv_heads * d, kv_heads * d], dim=-1)
         gate = None
         if self.gated:
@@ -129,8 +143,13 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
 def dense_mlp(ops: Ops, mlp: DecoderMLP, h: torch.Tensor) -> torch.Tensor:
     """``down(silu(gate(h)) * up(h))``: (T, hidden) -> this rank's (T, hidden) partial sum."""
-    up, down = mlp.gate_up_proj, mlp.down_proj
-    gate_up = ops.project(h, up.weight, up.bias, scale=up.weight_scale)
+    up = mlp.gate_up_proj
+    return mlp_down(ops, mlp, ops.project(h, up.weight, up.bias, scale=up.weight_scale))
+
+
+def mlp_down(ops: Ops, mlp: DecoderMLP, gate_up: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate) * up)`` of the MLP's (T, 2 I) ``gate_up`` projection."""
+    down = mlp.down_proj
     return ops.project(gate_up, down.weight, down.partial_bias, gated=True, scale=down.weight_scale)
 
 
@@ -170,19 +189,22 @@ class Qwen3_5DecoderLayer(nn.Module):
         """(T,) positions, (T, hidden) partial and residual (None: ``hidden`` is the embedding)
         -> this layer's MLP partial sum and the residual stream before it."""
         ops, norm1, norm2 = self.ops, self.input_layernorm, self.post_attention_layernorm
-        if residual is None:
-            h, residual = ops.rms_norm_1p(hidden, norm1.weight, norm1.eps), hidden
-        else:
-            h, residual = ops.add_rms_norm_1p(hidden, residual, norm1.weight, norm1.eps)
+        # Each norm goes with the projection after it (``Ops.norm_project``: one kernel at one row).
+        first = self.linear_attn.in_proj if self.linear_attn is not None else self.self_attn.qkv_proj  # type: ignore[union-attr]
+        projected, residual = ops.norm_project(hidden, residual, norm1.weight, norm1.eps, first.weight, first.bias,
+                                               scale=first.weight_scale, unit_offset=True)
         if self.linear_attn is not None:
-            partial = self.linear_attn(ops, h, meta)
+            partial = self.linear_attn.forward_projected(ops, projected, meta)
         else:
             assert self.self_attn is not None
-            partial = self.self_attn(ops, positions, h, meta)
-        h, residual = ops.add_rms_norm_1p(partial, residual, norm2.weight, norm2.eps)
+            partial = self.self_attn.forward_projected(ops, positions, projected, meta)
         if isinstance(self.mlp, SharedExpertMoeBlock):
+            h, residual = ops.add_rms_norm_1p(partial, residual, norm2.weight, norm2.eps)
             return moe_mlp(ops, self.mlp, h), residual
-        return dense_mlp(ops, self.mlp, h), residual
+        up = self.mlp.gate_up_proj
+        gate_up, residual = ops.norm_project(partial, residual, norm2.weight, norm2.eps, up.weight, up.bias,
+                                             scale=up.weight_scale, unit_offset=True)
+        return mlp_down(ops, self.mlp, gate_up), residual
 
 
 class Qwen3_5Model(nn.Module):
@@ -223,8 +245,10 @@ class Qwen3_5Model(nn.Module):
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
     """Qwen3.5 dense (``Qwen3_5ForCausalLM`` checkpoints); see ``DecoderForCausalLM`` for the
     arguments. At most 16 rows (decode at small batch), every projection takes the GEMV path
-    (``Ops.project``: the GEMV kernel where it takes the shape); the zero-centred norms are not
-    fused into it.
+    (``Ops.project``: the GEMV kernel where it takes the shape), and at one row each
+    zero-centred norm runs inside the GEMV of the projection after it (``Ops.norm_project``:
+    the DeltaNet's in_proj, the attention's qkv, a dense MLP's gate_up; not an expert layer's
+    router), where no all-reduce is left to sum first.
 
     Tensor parallelism shards the DeltaNet by heads (``layers/linear_attention.py``), the gated
     attention by (query, gate) head pairs, and the MLPs and the shared expert as the shared

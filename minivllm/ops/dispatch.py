@@ -151,13 +151,15 @@ class Ops:
 
     def norm_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                   eps: float, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: torch.Tensor | None = None, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gemv(rms_norm(s)), s)`` with ``s`` as :meth:`add_rms_norm` sums it (residual None:
         ``s = x``, already whole). One kernel at one row where nothing is left to sum over ranks
         (the GEMV, 16-bit or FP8, normalises its input row as it streams W); else the norm,
-        then :meth:`gemv`."""
+        then :meth:`gemv`. ``unit_offset``: the zero-centred norm (:meth:`rms_norm_1p`; the
+        16-bit GEMV fuses it, the FP8 one does not)."""
         whole = residual is None or self.comm is None  # nothing left to sum over ranks
-        if weight.dtype == FP8_DTYPE and x.shape[0] == 1 and whole and self.triton and bias is None:
+        if (weight.dtype == FP8_DTYPE and x.shape[0] == 1 and whole and self.triton and bias is None
+                and not unit_offset):
             from minivllm.kernels.fp8_gemv import rms_norm_fp8_gemv
             return rms_norm_fp8_gemv(x, residual, norm_weight, eps, weight, scale, fp8_mode(scale, weight),
                                      pdl=self.pdl)
@@ -165,12 +167,28 @@ class Ops:
             from minivllm.kernels.gemv import gemv_takes, rms_norm_gemv
 
             if gemv_takes(x, weight, norm_weight=norm_weight, residual=residual):
-                return rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, pdl=self.pdl)
-        if residual is None:
-            h, residual = self.rms_norm(x, norm_weight, eps), x
-        else:
-            h, residual = self.add_rms_norm(x, residual, norm_weight, eps)
+                return rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, pdl=self.pdl,
+                                     unit_offset=unit_offset)
+        h, residual = self._norm(x, residual, norm_weight, eps, unit_offset)
         return self.gemv(h, weight, bias, scale=scale), residual
+
+    def norm_project(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     scale: torch.Tensor | None = None, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(project(rms_norm(s)), s)`` at any batch, ``s`` as :meth:`norm_gemv` sums it: at
+        few rows :meth:`norm_gemv` (one kernel at one row), else the norm, then :meth:`linear`.
+        For layers that have no small-batch forward of their own (the hybrid models')."""
+        if self.few_rows(x.shape[0]):
+            return self.norm_gemv(x, residual, norm_weight, eps, weight, bias, scale=scale, unit_offset=unit_offset)
+        h, residual = self._norm(x, residual, norm_weight, eps, unit_offset)
+        return self.linear(h, weight, bias, scale=scale), residual
+
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(s), s)``: s = x (residual None), else as :meth:`add_rms_norm` sums it."""
+        if residual is None:
+            return (self.rms_norm_1p if unit_offset else self.rms_norm)(x, norm_weight, eps), x
+        return (self.add_rms_norm_1p if unit_offset else self.add_rms_norm)(x, residual, norm_weight, eps)
 
     def project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 gated: bool = False, out: torch.Tensor | None = None,

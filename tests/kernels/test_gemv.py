@@ -40,9 +40,9 @@ def small_tiles(monkeypatch, calls: list, block_n: int = 16, block_k: int = 32) 
         calls.append((x.shape[0], "gated" if gated else "gemv"))
         return real_gemv(x, w, b, config(x), out=out, gated=gated, pdl=pdl)
 
-    def normed_(x, residual, norm_weight, eps, w, b, pdl=False):
+    def normed_(x, residual, norm_weight, eps, w, b, pdl=False, unit_offset=False):
         calls.append((x.shape[0], "normed"))
-        return real_normed(x, residual, norm_weight, eps, w, b, config(x), pdl=pdl)
+        return real_normed(x, residual, norm_weight, eps, w, b, config(x), pdl=pdl, unit_offset=unit_offset)
 
     monkeypatch.setattr(linear_mod, "gemv", gemv_)
     monkeypatch.setattr(linear_mod, "rms_norm_gemv", normed_)
@@ -178,16 +178,21 @@ def test_gated_input_is_the_silu_and_mul_kernel_s_output(m: int, one_row: bool, 
 
 @pytest.mark.parametrize("k,norm_block", [(64, 2048), (100, 2048), (100, 32), (96, 32)])
 @pytest.mark.parametrize("residual,bias", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["norm", "norm_1p"])
 def test_normed_input_is_the_rms_norm_kernel_s_output(monkeypatch, k: int, norm_block: int, residual: bool,
-                                                      bias: bool) -> None:
+                                                      bias: bool, unit_offset: bool) -> None:
     """``rms_norm_gemv``: the residual add + RMSNorm inside the one-row GEMV gives the RMSNorm
     kernel's new residual bit for bit and, here (the interpreter sums in numpy's order), the
     same bits as that kernel followed by the plain GEMV: K a whole number of steps or not (the
     first W tile is loaded before the statistics pass, the rest in the loop), the statistics
-    pass in one step or several, with and without residual and bias."""
+    pass in one step or several, with and without residual and bias; ``unit_offset``: the
+    zero-centred norm's (``rms_norm_1p``)."""
     import minivllm.kernels.gemv as gemv_mod
     from minivllm.kernels.gemv import rms_norm_gemv
-    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.kernels.rms_norm import rms_norm as plain_norm
+    from minivllm.kernels.rms_norm import rms_norm_1p
+
+    rms_norm = rms_norm_1p if unit_offset else plain_norm
 
     monkeypatch.setattr(gemv_mod, "NORM_BLOCK_MAX", norm_block)
     gen = torch.Generator().manual_seed(k)
@@ -195,7 +200,7 @@ def test_normed_input_is_the_rms_norm_kernel_s_output(monkeypatch, k: int, norm_
     r = torch.randn(1, k, generator=gen).to(torch.bfloat16) if residual else None
     nw = (1 + 0.2 * torch.randn(k, generator=gen)).to(torch.bfloat16)
     _, w, b = operands(1, 48, k, torch.bfloat16, bias, seed=k)
-    y, s = rms_norm_gemv(x, r, nw, 1e-6, w, b, ANY_ONE_ROW)
+    y, s = rms_norm_gemv(x, r, nw, 1e-6, w, b, ANY_ONE_ROW, unit_offset=unit_offset)
     h, s_ref = rms_norm(x, nw, 1e-6, residual=r) if residual else (rms_norm(x, nw, 1e-6), x)
     assert torch.equal(s, s_ref) and (s is x) == (not residual)
     assert torch.equal(y, gemv(h, w, b, ANY_ONE_ROW))

@@ -1,10 +1,12 @@
-"""Qwen3.5 at few rows takes the GEMV kernel for its projections (``Ops.project``): bf16 on the
-CPU, the Triton kernels under the interpreter, a decode against the same model with every
-projection on the general path: the same greedy tokens and log-probabilities to bf16 rounding,
-and the GEMV kernel ran for the DeltaNet's, the attention's and the MLP's projections.
+"""Qwen3.5 at few rows takes the GEMV kernel for its projections (``Ops.project``), and at one
+row the GEMV that normalises its input for the projection after each zero-centred norm
+(``Ops.norm_project``): bf16 on the CPU, the Triton kernels under the interpreter, a decode
+against the same model with every projection on the general path: the same greedy tokens and
+log-probabilities to bf16 rounding, and the GEMV kernel ran for the DeltaNet's, the
+attention's and the MLP's projections, the norm-fused one for the three after a norm.
 
 Planted and seen to fail: ``Ops.project`` passing the MLP's [gate | up] to the GEMV without
-``gated``, and ``Ops.project`` never taking the GEMV."""
+``gated``, ``Ops.project`` never taking the GEMV, and the fused norm without its ``1 + w``."""
 
 from __future__ import annotations
 
@@ -37,22 +39,30 @@ def run(path: str) -> list[tuple[list[int], list[float]]]:
 def test_few_rows_take_the_gemv_and_agree_with_the_general_path(tmp_path: Path, monkeypatch) -> None:
     path = write_config(tmp_path, "Qwen3_5ForCausalLM", **WIDE)
     shapes: list[tuple[int, int]] = []
-    kernel = gemv_module.gemv
+    normed: list[tuple[int, int]] = []
+    kernel, normed_kernel = gemv_module.gemv, gemv_module.rms_norm_gemv
 
     def counted(x, weight, *args, **kwargs):
         shapes.append(tuple(weight.shape))
         return kernel(x, weight, *args, **kwargs)
 
+    def counted_normed(x, residual, norm_weight, eps, weight, *args, **kwargs):
+        assert kwargs.get("unit_offset")
+        normed.append(tuple(weight.shape))
+        return normed_kernel(x, residual, norm_weight, eps, weight, *args, **kwargs)
+
     monkeypatch.setattr(gemv_module, "gemv", counted)
+    monkeypatch.setattr(gemv_module, "rms_norm_gemv", counted_normed)
     ours = run(path)
     in_proj = 2 * 2 * 32 + 2 * 4 * 32 + 2 * 4      # q, k, v, z, b, a rows
-    assert {(in_proj, 128), (128, 4 * 32),                  # the DeltaNet's in_proj and out_proj
-            (2 * 4 * 32 + 2 * 2 * 32, 128), (128, 4 * 32),  # the attention's gated q, k, v and o_proj
-            (2 * 128, 128), (128, 128)} <= set(shapes)      # the MLP's gate_up and (gated) down
+    after_norm = {(in_proj, 128), (2 * 4 * 32 + 2 * 2 * 32, 128), (2 * 128, 128)}  # in_proj, gated qkv, gate_up
+    assert after_norm == set(normed)                # the 1-row decode step: one kernel each
+    assert {(128, 4 * 32), (128, 128)} <= set(shapes)  # out_proj and o_proj, the MLP's (gated) down
     monkeypatch.setattr(Ops, "few_rows", lambda self, n: False)
     shapes.clear()
+    normed.clear()
     general = run(path)
-    assert not shapes
+    assert not shapes and not normed
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(ours, general):
         assert tokens == want_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 0.05
