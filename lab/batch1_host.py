@@ -23,20 +23,8 @@ from minivllm import LLM
 from minivllm.testing import write_random_config
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
-    path = write_random_config("/tmp/qwen3-0.6b-config", "qwen3-0.6b")
-    llm = LLM(path, device="cuda", seed=0, skip_tokenizer_init=True, max_num_seqs=256, max_model_len=2048,
-              load_format="dummy")
-    default = torch.get_num_threads()
-    for r in range(args.rounds):
-        for threads in (default, 1):
-            torch.set_num_threads(threads)
-            run_batch1(llm, 100 + r, f"{threads} torch threads", False, 10000)
-    torch.set_num_threads(default)
-
+def time_steps(llm: LLM) -> None:
+    """One batch-1 round with each ``engine.step``'s wall time kept; prints their distribution."""
     engine = llm.engine
     real_step, walls = engine.step, []
 
@@ -52,6 +40,23 @@ def main() -> None:
     w = sorted(walls)
     print(f"engine.step wall over {len(w)} steps: median {1e3 * w[len(w) // 2]:.3f} ms, p10 "
           f"{1e3 * w[len(w) // 10]:.3f}, p90 {1e3 * w[9 * len(w) // 10]:.3f}, max {1e3 * w[-1]:.3f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    path = write_random_config("/tmp/qwen3-0.6b-config", "qwen3-0.6b")
+    llm = LLM(path, device="cuda", seed=0, skip_tokenizer_init=True, max_num_seqs=256, max_model_len=2048,
+              load_format="dummy")
+    default = torch.get_num_threads()
+    for r in range(args.rounds):
+        for threads in (default, 1):
+            torch.set_num_threads(threads)
+            run_batch1(llm, 100 + r, f"{threads} torch threads", False, 10000)
+    torch.set_num_threads(default)
+
+    time_steps(llm)
 
     prof = cProfile.Profile()
     prof.enable()

@@ -17,6 +17,7 @@ import collections
 import time
 
 from benchmarks.throughput import profiled_kernel_us, run_batch1
+from lab.batch1_host import time_steps
 from minivllm import LLM
 from minivllm.testing import write_random_config
 
@@ -51,21 +52,7 @@ def main() -> None:
     for r in range(args.rounds):
         run_batch1(llm, 100 + r, f"round {r}", False, 10000)
 
-    engine = llm.engine
-    real_step, walls = engine.step, []
-
-    def timed_step():
-        t0 = time.perf_counter()
-        out = real_step()
-        walls.append(time.perf_counter() - t0)
-        return out
-
-    engine.step = timed_step
-    run_batch1(llm, 200, "steps timed", False, 10000)
-    engine.step = real_step
-    w = sorted(walls)
-    print(f"engine.step wall over {len(w)} steps: median {1e3 * w[len(w) // 2]:.3f} ms, p10 "
-          f"{1e3 * w[len(w) // 10]:.3f}, p90 {1e3 * w[9 * len(w) // 10]:.3f}, max {1e3 * w[-1]:.3f}", flush=True)
+    time_steps(llm)
 
     t0 = time.perf_counter()
     result: dict = {}
