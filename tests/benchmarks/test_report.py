@@ -124,6 +124,7 @@ def test_page_has_a_hardware_line_and_an_index_naming_how_to_reproduce_each_summ
     for stem, data in SUMMARIES.items():
         assert index[stem][4] == f"`{data['meta']['command']}`"
         assert index[stem][5] == "2026-12-01 10:00 UTC"
+        assert index[stem][6] == ("2 x NVIDIA H200" if data["meta"]["machine"] is TWO_GPUS else "1 x NVIDIA H200")
     assert index["throughput_tp2"][0] == "`benchmarks.throughput`"
     assert index["tp_scaling"][3] == "`make bench-tp`" and index["gemv"][3] == "`make bench`"
     assert "something_else" not in page

@@ -212,8 +212,9 @@ def test_fp8_moe_checkpoint_agrees_with_the_model_it_came_from(moe_checkpoints, 
     experts = ours.model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.scales[0].shape == (4, 2, 2)
     assert ours.model.model.layers[1].mlp.gate_up_proj.weight.dtype == FP8_DTYPE  # the dense layer
+    # The interpreter's FP8 GEMV costs seconds a step: one prompt, its prefill and one decode step.
     n = 8 if kernels == "torch" else 1
-    assert_agrees(ref, ours, prompts(n, seed=5), 12 if kernels == "torch" else 3, 5e-3, f"fp8 moe, {kernels}")
+    assert_agrees(ref, ours, prompts(n, seed=5), 12 if kernels == "torch" else 2, 5e-3, f"fp8 moe, {kernels}")
 
 
 def test_quantization_fp8_quantizes_the_experts_too(moe_checkpoints) -> None:
