@@ -68,6 +68,54 @@ def read_whole(loaded: Loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
 
 
+class RowRuns:
+    """Runs of rows of a checkpoint tensor, in a given order, as one tensor not read yet (a
+    ``CheckpointTensor``): ``narrow`` and ``read`` read only the rows they return. A tensor
+    whose parts interleave (Qwen3-Next's ``in_proj_qkvz``: q, k, v and z rows per key head)
+    is thereby loaded as its parts, each by its parameter's own loader, a rank reading its
+    rows only.
+
+    Args:
+        source: the tensor, read or not.
+        runs: ``(first row, rows)`` of ``source`` in the order they appear here.
+        source_rows: the rows ``source`` must have (checked before anything is read).
+        name: names ``source`` in errors.
+    """
+
+    def __init__(self, source: Loaded, runs: Sequence[tuple[int, int]], source_rows: int, name: str) -> None:
+        self.source, self.runs, self.source_rows, self.name = source, tuple(runs), source_rows, name
+        self.shape = torch.Size([sum(rows for _, rows in self.runs), *source.shape[1:]])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source.dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Read ``[start, start + length)`` along ``dim`` (rows: only the runs' rows in it).
+
+        Raises:
+            ValueError: the range is outside the runs, or the source has other than
+                ``source_rows`` rows.
+        """
+        check_narrow(self.name, self.shape, dim, start, length)
+        if self.source.shape[0] != self.source_rows:
+            raise ValueError(f"{self.name}: expected {self.source_rows} rows, got checkpoint shape "
+                             f"{tuple(self.source.shape)}")
+        lo, hi = (start, start + length) if dim == 0 else (0, self.shape[0])
+        pieces, offset = [], 0
+        for first, rows in self.runs:
+            a, b = max(lo, offset), min(hi, offset + rows)
+            if a < b:
+                pieces.append(self.source.narrow(0, first + a - offset, b - a))
+            offset += rows
+        whole = torch.cat(pieces) if pieces else self.source.narrow(0, 0, 0)
+        return whole if dim == 0 else whole.narrow(dim, start, length)
+
+    def read(self) -> torch.Tensor:
+        """Read every run, in order."""
+        return self.narrow(0, 0, self.shape[0])
+
+
 class _LayerLoader:
     """A layer's ``weight_loader`` method as its parameter holds it: the layer by weak
     reference, so a layer and its parameters form no reference cycle and a model is freed

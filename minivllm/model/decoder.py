@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar, Mapping
+from typing import ClassVar, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
-from minivllm.layers.weights import ShardId
+from minivllm.layers.weights import Loaded, ShardId
 from minivllm.ops.dispatch import Ops
 from minivllm.ops.metadata import AttentionMetadata
 
@@ -284,9 +284,10 @@ class DecoderForCausalLM(nn.Module):
         (the shared decoder serves every tensor of its checkpoints)."""
         return None
 
-    def checkpoint_name(self, name: str) -> str:
-        """The checkpoint tensor ``name`` as our modules spell it, before the packing rules."""
-        return name
+    def checkpoint_parts(self, name: str, tensor: Loaded) -> Iterator[tuple[str, Loaded]]:
+        """The checkpoint tensor ``name`` as our modules spell it, before the packing rules: here
+        itself, as it is."""
+        yield name, tensor
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

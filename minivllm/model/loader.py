@@ -22,8 +22,9 @@ anyway (some exporters write the copy) is not loaded a second time. A model may
 also name tensors it does not serve (``skip_reason``: Qwen3.5's vision tower and
 MTP head); they are skipped by name and logged once per reason, with their count.
 
-Names: a model may rename a checkpoint's names before the packing rules apply
-(``checkpoint_name``: Qwen3.5's ``model.language_model.`` prefix). Experts stored
+Names: a model may rename a checkpoint's tensors, or split one into parts, before the packing
+rules apply (``checkpoint_parts``: Qwen3.5's ``model.language_model.`` prefix, Qwen3-Next's
+fused DeltaNet projections read as Qwen3.5's four). Experts stored
 stacked (``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj`` (E, H, I),
 as Qwen3.5-MoE checkpoints keep them) are read whole and loaded as the per-expert
 tensors they stack.
@@ -51,7 +52,7 @@ from minivllm.config import FP8_WEIGHT_BLOCK
 from minivllm.layers.embedding import VocabParallelEmbedding
 from minivllm.layers.moe import expert_shard
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.weights import Loaded, ShardId, check_narrow, get_shard_ids, get_weight_loader
+from minivllm.layers.weights import Loaded, ShardId, check_narrow, get_shard_ids, get_weight_loader, read_whole
 from minivllm.model.gguf import GGUFTensor, is_gguf_file, iter_gguf
 from minivllm.ops.dispatch import FP8_DTYPE, quantize_fp8_block
 
@@ -84,8 +85,9 @@ class LoadableModel(Protocol):
         """Why the checkpoint tensor ``name`` is not loaded, or None: it is."""
         ...
 
-    def checkpoint_name(self, name: str) -> str:
-        """The checkpoint tensor ``name`` as the model's modules spell it (before packing)."""
+    def checkpoint_parts(self, name: str, tensor: Loaded) -> Iterator[tuple[str, Loaded]]:
+        """The checkpoint tensor ``name`` as the model's modules spell it (before packing): one
+        ``(name, tensor)`` pair, or the parts it fuses."""
         ...
 
 
@@ -256,7 +258,7 @@ def load_weights(model: LoadableModel, path: str | os.PathLike[str], *,
         if reason is not None:
             skipped[reason] += 1
             continue
-        for name_in, part in _unstacked(model.checkpoint_name(ckpt_name), tensor):
+        for name_in, part in _model_parts(model, ckpt_name, tensor):
             name, shard_id = map_name(name_in, model.packed_modules_mapping)
             if name not in params:
                 unexpected.append(ckpt_name)
@@ -279,7 +281,14 @@ def load_weights(model: LoadableModel, path: str | os.PathLike[str], *,
     return LoadReport(num_tensors, numel_total, numel_read)
 
 
-def _unstacked(name: str, tensor: LazyTensor | GGUFTensor) -> Iterator[tuple[str, Loaded]]:
+def _model_parts(model: LoadableModel, name: str, tensor: Loaded) -> Iterator[tuple[str, Loaded]]:
+    """The checkpoint tensor ``name`` as the tensors the model's parameters take: renamed or
+    split by the model (``checkpoint_parts``), stacked experts unstacked."""
+    for part_name, part in model.checkpoint_parts(name, tensor):
+        yield from _unstacked(part_name, part)
+
+
+def _unstacked(name: str, tensor: Loaded) -> Iterator[tuple[str, Loaded]]:
     """``(name, tensor)``, or for stacked experts (``STACKED_EXPERTS``) the per-expert tensors
     they stack, under the names a per-expert checkpoint gives them (the whole tensor read once)::
 
@@ -291,7 +300,7 @@ def _unstacked(name: str, tensor: LazyTensor | GGUFTensor) -> Iterator[tuple[str
     if projections is None or len(tensor.shape) != 3:
         yield name, tensor
         return
-    whole = tensor.read()
+    whole = read_whole(tensor)
     rows = whole.shape[1] // len(projections)
     for e in range(whole.shape[0]):
         for i, projection in enumerate(projections):

@@ -18,13 +18,14 @@ Full-attention layers use the paged KV cache (its row: the layer's index among t
 ``ModelConfig.kind_index``); DeltaNet layers the state slots of ``AttentionMetadata.state``.
 The vision-language checkpoints (``*ForConditionalGeneration``) keep the text model under
 ``model.language_model.``; their vision tower is skipped, and every checkpoint's MTP head unless
-the model has one attached (``model/qwen3_5_mtp.py``).
+the model has one attached (``model/qwen3_5_mtp.py``). Qwen3-Next is this model read from
+checkpoints that fuse the DeltaNet's projections (``model/qwen3_next.py``).
 """
 
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ from minivllm.layers.linear_attention import GatedDeltaNet
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.layers.norm import RMSNorm1p
 from minivllm.layers.rotary import RotaryEmbedding
-from minivllm.layers.weights import ShardId, check_tp_divisibility
+from minivllm.layers.weights import Loaded, ShardId, check_tp_divisibility
 from minivllm.model.decoder import PACKED_MODULES, AttentionSpec, DecoderForCausalLM, DecoderMLP
 from minivllm.ops.dispatch import Ops
 from minivllm.ops.metadata import AttentionMetadata
@@ -261,6 +262,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     architecture = "Qwen3_5ForCausalLM"
     packed_modules_mapping = QWEN3_5_PACKED_MODULES
+    skipped_prefixes: Mapping[str, str] = SKIPPED_PREFIXES
 
     def __init__(self, config: ModelConfig, *, ops: Ops | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
         check_tp_divisibility(config, tp_size)
@@ -279,21 +281,21 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return Qwen3_5Model(config, ops, tp_rank, tp_size)
 
     def skip_reason(self, name: str) -> str | None:
-        """The vision tower and (unless attached) the MTP head by prefix; with
-        ``shared_expert_intermediate_size`` 0, the shared expert's empty tensors and its gate
-        (which scales nothing)."""
-        for prefix, why in SKIPPED_PREFIXES.items():
+        """The prefixes of ``skipped_prefixes`` (the vision tower; the MTP head unless attached);
+        with ``shared_expert_intermediate_size`` 0, the shared expert's empty tensors and its
+        gate (which scales nothing)."""
+        for prefix, why in self.skipped_prefixes.items():
             if name.startswith(prefix) and not (prefix == "mtp." and self.mtp is not None):
                 return why
         if not self.has_shared_expert and (".mlp.shared_expert." in name or ".mlp.shared_expert_gate." in name):
             return "the shared expert of shared_expert_intermediate_size 0"
         return None
 
-    def checkpoint_name(self, name: str) -> str:
+    def checkpoint_parts(self, name: str, tensor: Loaded) -> Iterator[tuple[str, Loaded]]:
         """``model.language_model.X`` (the vision-language checkpoints' text model) is ``model.X``."""
         if name.startswith(LANGUAGE_MODEL_PREFIX):
-            return "model." + name[len(LANGUAGE_MODEL_PREFIX):]
-        return name
+            name = "model." + name[len(LANGUAGE_MODEL_PREFIX):]
+        yield name, tensor
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

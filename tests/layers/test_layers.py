@@ -22,7 +22,7 @@ from minivllm.layers.linear import (
 )
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
-from minivllm.layers.weights import check_tp_divisibility
+from minivllm.layers.weights import RowRuns, check_tp_divisibility
 from minivllm.ops.dispatch import Ops
 from minivllm.testing import TinyConfig, make_hf_model, make_model_executor, make_plan, save_hf_model
 
@@ -217,6 +217,25 @@ def test_loaders_read_only_their_slice_of_a_lazy_tensor(r):
         assert read == lazy_layer.weight.numel() - max(0, padding) * HIDDEN, type(lazy_layer).__name__
         if not isinstance(lazy_layer, RMSNorm):
             assert read < sum(w.numel() for w in full.values())
+
+
+def test_row_runs_read_only_the_rows_they_return():
+    """Runs of a tensor's rows (Qwen3-Next's fused projections) read as those rows indexed, along
+    either dim; a row narrow reads only its rows, also from inside a run; a source of other than
+    the rows expected, or a narrow past the runs, is refused by name."""
+    w = torch.arange(60.0).reshape(10, 6)
+    runs, rows = ((6, 2), (0, 3), (8, 1)), [6, 7, 0, 1, 2, 8]
+    source = CountingTensor(w)
+    view = RowRuns(source, runs, 10, "t")
+    assert view.shape == (6, 6) and view.dtype == w.dtype
+    assert torch.equal(view.read(), w[rows])
+    source.numel_read = 0
+    assert torch.equal(view.narrow(0, 1, 3), w[rows[1:4]]) and source.numel_read == 3 * 6
+    assert torch.equal(view.narrow(1, 2, 3), w[rows][:, 2:5])
+    with pytest.raises(ValueError, match="t: expected 10 rows"):
+        RowRuns(CountingTensor(w[:9]), runs, 10, "t").read()
+    with pytest.raises(ValueError, match="t: cannot narrow"):
+        view.narrow(0, 4, 3)
 
 
 def test_column_and_row_shards_concatenate_to_full():
