@@ -14,6 +14,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal, Mapping, TypeVar
 
 T = TypeVar("T")
@@ -158,8 +159,8 @@ class SpeculativeConfig:
             occurrence of the context's last n tokens (``minivllm/spec/ngram.py``);
             ``draft_model``: a smaller model with the target's vocabulary drafts greedily,
             in the target's executor (``minivllm/spec/draft_model.py``); ``mtp``: the model's
-            own multi-token-prediction head (Qwen3.5, ``minivllm/executor/mtp.py``). None (the default):
-            ``draft_model`` when ``model`` is given, else ``ngram``.
+            own multi-token-prediction head (Qwen3.5, Qwen3-Next; ``minivllm/executor/mtp.py``).
+            None (the default): ``draft_model`` when ``model`` is given, else ``ngram``.
         model: the draft model's directory (``draft_model`` only).
         num_speculative_tokens: most drafts per sequence and step (k), 1..16.
         prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first
@@ -287,17 +288,26 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Qwen3-Next (Qwen3-Next-80B-A3B): the Qwen3.5 hybrid's layers with its DeltaNet projections fused
+# per key head, dense and sparse layers mixed as Qwen3-MoE mixes them (``model/qwen3_next.py``).
+QWEN3_NEXT = "Qwen3NextForCausalLM"
 # The model classes there are (``minivllm/model/registry.py`` maps each name to its class).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM",
                                              "LlamaForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                                              "Qwen3_5ForConditionalGeneration",
-                                             "Qwen3_5MoeForConditionalGeneration")
+                                             "Qwen3_5MoeForConditionalGeneration", QWEN3_NEXT)
 # Hybrid architectures: Gated DeltaNet (linear attention) layers beside gated full attention.
 HYBRID_ARCHITECTURES: tuple[str, ...] = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                                          "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+                                          "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                                          QWEN3_NEXT)
 # Architectures with a sparse MLP (the routed experts of ``layers/moe.py``).
 MOE_ARCHITECTURES: tuple[str, ...] = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
-                                       "Qwen3_5MoeForConditionalGeneration")
+                                       "Qwen3_5MoeForConditionalGeneration", QWEN3_NEXT)
+# Qwen3.5-MoE: every layer's MLP routed (config.json may lack intermediate_size), the top-k
+# weights always renormalised.
+ALL_SPARSE_ARCHITECTURES: tuple[str, ...] = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+# The config.json key of the MTP head's layer count, where it is not ``mtp_num_hidden_layers``.
+MTP_LAYERS_KEYS: Mapping[str, str] = MappingProxyType({QWEN3_NEXT: "num_nextn_predict_layers"})
 # The vision-language checkpoints whose config.json keeps the text model under ``text_config``.
 NESTED_TEXT_ARCHITECTURES: tuple[str, ...] = ("Qwen3_5ForConditionalGeneration",
                                                "Qwen3_5MoeForConditionalGeneration")
@@ -313,7 +323,7 @@ _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_facto
 # The multimodal RoPE's keys (Qwen3.5): a text token has one position in all three sections, so
 # the sections select the same frequencies and the rotation is plain RoPE of that position.
 _MROPE_KEYS = frozenset({"mrope_section", "mrope_interleaved"})
-# Qwen3.5's partial_rotary_factor when config.json gives none (transformers' default for it).
+# The hybrids' partial_rotary_factor when config.json gives none (transformers' default for them).
 QWEN3_5_PARTIAL_ROTARY_FACTOR = 0.25
 _LLAMA3_KEYS = frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
 
@@ -387,12 +397,13 @@ class ModelConfig:
             head serves ``linear_num_value_heads // linear_num_key_heads`` consecutive v heads.
         partial_rotary_factor: the share of ``head_dim`` that RoPE rotates (the leading dims).
         attn_output_gate: q_proj also yields a per-head gate; sigmoid(gate) scales the
-            attention output before o_proj (Qwen3.5).
+            attention output before o_proj (Qwen3.5, Qwen3-Next).
         shared_expert_intermediate_size: a sparse layer's shared expert (always on, scaled by a
             per-token sigmoid gate); 0: none.
         mtp_num_hidden_layers, mtp_use_dedicated_embeddings: the multi-token-prediction head's
-            shape; speculative decoding's ``method: "mtp"`` runs the head (its weights are
-            skipped otherwise).
+            shape (Qwen3-Next's config.json names the first ``num_nextn_predict_layers``);
+            speculative decoding's ``method: "mtp"`` runs the head (its weights are skipped
+            otherwise).
     """
 
     vocab_size: int
@@ -635,7 +646,7 @@ class ModelConfig:
         if archs[0] in NESTED_TEXT_ARCHITECTURES:
             hf = _text_config(hf, path)
         # Qwen3.5-MoE has no dense MLP, hence no intermediate_size: no layer reads it then.
-        if archs[0] in MOE_ARCHITECTURES and archs[0] in HYBRID_ARCHITECTURES and "intermediate_size" not in hf:
+        if archs[0] in ALL_SPARSE_ARCHITECTURES and "intermediate_size" not in hf:
             hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size")}
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
@@ -702,14 +713,18 @@ def _text_config(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> dict[st
 
 
 def _read_hybrid(hf: Mapping[str, Any], architecture: str, path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Qwen3.5's hybrid fields (none for another architecture): ``layer_types`` (or, without
+    """The hybrids' fields (none for another architecture): ``layer_types`` (or, without
     it, every ``full_attention_interval``-th layer full attention, transformers' rule), the
-    DeltaNet shapes, the attention output gate (always on in transformers' Qwen3.5) and the
-    MTP head's shape.
+    DeltaNet shapes, the attention output gate (always on in transformers' Qwen3.5 and
+    Qwen3-Next) and the MTP head's shape: Qwen3.5's ``mtp_num_hidden_layers`` (0 when absent);
+    Qwen3-Next's ``num_nextn_predict_layers``, 1 when absent as vLLM reads it (its released
+    checkpoints carry one MTP layer and no such key).
 
     Raises:
-        ValueError: ``layer_types`` and ``full_attention_interval`` disagree, or a state dtype
-            other than float32 (``mamba_ssm_dtype``: the recurrent state is float32).
+        ValueError: ``layer_types`` and ``full_attention_interval`` disagree, a state dtype
+            other than float32 (``mamba_ssm_dtype``: the recurrent state is float32), or for
+            Qwen3-Next ``attn_output_gate`` false (transformers gates its attention anyway) or
+            no ``head_dim`` (transformers' default is 256, not hidden_size / heads).
     """
     if architecture not in HYBRID_ARCHITECTURES:
         return {}
@@ -729,8 +744,16 @@ def _read_hybrid(hf: Mapping[str, Any], architecture: str, path: str | os.PathLi
     missing = [k for k in names if hf.get(k) is None]
     if missing:
         raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
-    return dict(layer_types=kinds, attn_output_gate=hf.get("attn_output_gate", True),
-                mtp_num_hidden_layers=hf.get("mtp_num_hidden_layers", 0),
+    if architecture == QWEN3_NEXT and hf.get("head_dim") is None:
+        raise ValueError(f"{path}: config.json lacks head_dim (transformers' {architecture} takes 256 without it, "
+                         "not hidden_size / num_attention_heads)")
+    gate = hf.get("attn_output_gate", True)
+    if architecture == QWEN3_NEXT and gate is not True:
+        raise ValueError(f"{path}: attn_output_gate {gate!r} is not served for {architecture}: its attention is "
+                         "always gated (its checkpoints' q_proj holds the gate)")
+    mtp_key = MTP_LAYERS_KEYS.get(architecture, "mtp_num_hidden_layers")
+    return dict(layer_types=kinds, attn_output_gate=gate,
+                mtp_num_hidden_layers=hf.get(mtp_key, 1 if architecture == QWEN3_NEXT else 0),
                 mtp_use_dedicated_embeddings=hf.get("mtp_use_dedicated_embeddings", False),
                 **{k: hf[k] for k in names})
 
@@ -769,33 +792,38 @@ def _read_quantization(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> F
 
 
 def _read_experts(hf: Mapping[str, Any], architecture: str, path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Qwen3-MoE's routing fields (none for a dense architecture). ``router_aux_loss_coef``
-    and ``output_router_logits`` are training-only and ignored.
+    """The routing fields of Qwen3-MoE, Qwen3.5-MoE and Qwen3-Next (none for a dense
+    architecture). ``router_aux_loss_coef`` and ``output_router_logits`` are training-only and
+    ignored. Qwen3-Next mixes dense and sparse layers by ``decoder_sparse_step`` and
+    ``mlp_only_layers`` as Qwen3-MoE does, with a shared expert on every sparse layer and
+    ``norm_topk_prob`` true unless it says otherwise (transformers' defaults); with
+    ``num_experts`` 0 every layer is dense.
 
     Raises:
-        ValueError: a missing field, or a shared expert (Qwen2-MoE's), which the layers lack.
+        ValueError: a missing field, a shared expert outside the hybrids (Qwen2-MoE's), or a
+            Qwen3.5-MoE layout other than every layer sparse with renormalised weights.
     """
     if architecture not in MOE_ARCHITECTURES:
         return {}
-    hybrid = architecture in HYBRID_ARCHITECTURES
-    if hf.get("shared_expert_intermediate_size") and not hybrid:
+    if hf.get("shared_expert_intermediate_size") and architecture not in HYBRID_ARCHITECTURES:
         raise ValueError(f"{path}: shared_expert_intermediate_size is set; shared experts are not supported")
     experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the second name
-    missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
-                              ("moe_intermediate_size", hf.get("moe_intermediate_size"))) if v is None]
+    fields = {"num_experts": experts, "num_experts_per_tok": hf.get("num_experts_per_tok"),
+              "moe_intermediate_size": hf.get("moe_intermediate_size")}
+    if architecture == QWEN3_NEXT:
+        fields["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size")
+    missing = [k for k, v in fields.items() if v is None]
     if missing:
         raise ValueError(f"{path}: config.json lacks required field(s) {missing}")
-    if hybrid:
-        # Qwen3.5-MoE: every layer sparse, the top-k weights always renormalised, one shared expert.
+    if architecture == QWEN3_NEXT and experts == 0:
+        return {}
+    if architecture in ALL_SPARSE_ARCHITECTURES:
         for key, served in (("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", [])):
             if hf.get(key, served) != served:
                 raise ValueError(f"{path}: {key} {hf[key]!r} is not served for {architecture} (only {served!r})")
-        return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
-                    moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=True,
+        return dict(fields, norm_topk_prob=True,
                     shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0))
-    return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["moe_intermediate_size"],
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    return dict(fields, norm_topk_prob=bool(hf.get("norm_topk_prob", architecture == QWEN3_NEXT)),
                 decoder_sparse_step=hf.get("decoder_sparse_step", 1),
                 mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
 
@@ -853,12 +881,13 @@ def _read_rope(hf: Mapping[str, Any], max_positions: int, path: str | os.PathLik
 
     Both may appear in one file; a key given twice must agree. ``"type"`` is the
     older name of ``"rope_type"``. Without a theta, Hugging Face's default (10000).
-    ``hybrid`` (Qwen3.5): partial rotary (``partial_rotary_factor`` in the RoPE dict or at the
-    top level; 0.25 when neither says) and the multimodal keys (``_MROPE_KEYS``) are read.
+    ``hybrid`` (Qwen3.5, Qwen3-Next): partial rotary (``partial_rotary_factor`` in the RoPE dict or
+    at the top level; 0.25 when neither says) and the multimodal keys (``_MROPE_KEYS``) are read.
 
     Raises:
-        ValueError: conflicting or unknown keys, per-layer RoPE dicts, a RoPE type
-            we do not implement, partial rotary outside Qwen3.5, or an invalid number.
+        ValueError: conflicting or unknown keys, per-layer RoPE dicts, a RoPE type we do not
+            implement (for a hybrid, any but the default), partial rotary outside the hybrids,
+            or an invalid number.
     """
     rope: dict[str, Any] = {}
     top_partial = hf.get("partial_rotary_factor") if hybrid else None
@@ -880,6 +909,9 @@ def _read_rope(hf: Mapping[str, Any], max_positions: int, path: str | os.PathLik
         raise ValueError(f"{path}: rope type given twice and differently: {rope['type']!r} and {kind!r}")
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{path}: rope type {kind!r} is not implemented; supported: {SUPPORTED_ROPE_TYPES}")
+    if hybrid and kind != "default":
+        raise ValueError(f"{path}: rope type {kind!r} is not implemented for hybrid models (their partial "
+                         "RoPE is the default type)")
     allowed = (_ROPE_KEYS | (_LLAMA3_KEYS if kind == "llama3" else frozenset())
                | (_MROPE_KEYS if hybrid else frozenset()))
     unknown = sorted(set(rope) - allowed)

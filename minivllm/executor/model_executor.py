@@ -22,7 +22,7 @@ view, token slot s living at [s // block_size, s % block_size]. Its dtype is the
 or e4m3 with ``kv_cache_dtype="fp8"`` (``layers/attention.py``), which halves
 ``block_bytes`` and so doubles the blocks the same memory holds.
 
-A hybrid model (Qwen3.5: ``ModelConfig.is_hybrid``) keeps K/V only for its full-attention
+A hybrid model (Qwen3.5, Qwen3-Next: ``ModelConfig.is_hybrid``) keeps K/V only for its full-attention
 layers (``ModelConfig.num_attention_layers`` rows, each layer at its ``kind_index``) and,
 beside them, its linear-attention layers' recurrent states: slots, prefix-cache snapshots and
 a drafted row's per-position states in one tensor pair (``executor/linear_state.py``), which

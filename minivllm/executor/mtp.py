@@ -1,4 +1,4 @@
-"""A Qwen3.5 model's own MTP head as the proposer (speculative decoding's ``method: "mtp"``,
+"""A Qwen3.5 or Qwen3-Next model's own MTP head as the proposer (speculative decoding's ``method: "mtp"``,
 ``model/qwen3_5_mtp.py``), in the target's executor.
 
 The head at position t reads the target's final hidden state h_t and token t + 1, and guesses

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet layer (Qwen3.5's linear attention): its weights, its forward over the
+"""The Gated DeltaNet layer (Qwen3.5's and Qwen3-Next's linear attention): its weights, its forward over the
 step's state slots (``ops/metadata.py: StateMetadata``), and the state tensors' allocation.
 
 Per token, with the checkpoint's names (every op through ``Ops``)::
@@ -21,9 +21,21 @@ of either is three slices (``qkv_segments``)::
 
 z, b, a, ``A_log`` and ``dt_bias`` split by value head; the norm weight (one head's) is
 replicated; the state tensors hold the rank's heads (``ModelConfig.conv_state_shape``).
+
+Qwen3-Next's checkpoints fuse the four projections into two whose rows go by q/k head, each
+head's q, k, its ``r = H / Hk`` value heads' v and z (and b, a) together::
+
+    in_proj_qkvz rows  [ q0 k0 v0 v1 z0 z1 | q1 k1 v2 v3 z2 z3 ]      (Hk = 2, H = 4, r = 2)
+    in_proj_ba rows    [ b0 b1 a0 a1 | b2 b3 a2 a3 ]
+
+``fused_in_proj_rows`` says where Qwen3.5's four parts lie in them, so the loader reads each
+part as a tensor of its own (``layers/weights.py: RowRuns``) and the layer, its sharding by
+heads included, is the one above. The conv's channels are q, k, v in both checkpoints.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -62,6 +74,35 @@ def qkv_segments(config: ModelConfig, tp_rank: int, tp_size: int) -> tuple[Segme
     full_key = config.linear_num_key_heads * config.linear_key_head_dim
     return ((0, tp_rank * key, key), (key, full_key + tp_rank * key, key),
             (2 * key, 2 * full_key + tp_rank * value, value))
+
+
+Run = tuple[int, int]  # (first row in a fused checkpoint tensor, rows)
+
+
+@dataclass(frozen=True)
+class FusedRows:
+    """A fused checkpoint tensor's layout: its rows, and for each part it fuses (by the name
+    of Qwen3.5's separate tensor), that part's runs of rows in it, in the part's order."""
+
+    rows: int
+    parts: tuple[tuple[str, tuple[Run, ...]], ...]
+
+
+def fused_in_proj_rows(config: ModelConfig) -> dict[str, FusedRows]:
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` (by name) -> their layouts (module doc):
+    ``in_proj_qkv`` is every head's q, then every head's k, then every head's v rows."""
+    heads, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    r = config.linear_num_value_heads // heads
+    qkvz, ba = 2 * dk + 2 * r * dv, 2 * r  # one q/k head's rows in each
+
+    def each_head(offset: int, rows: int, group: int) -> tuple[Run, ...]:
+        return tuple((h * group + offset, rows) for h in range(heads))
+
+    qkv = each_head(0, dk, qkvz) + each_head(dk, dk, qkvz) + each_head(2 * dk, r * dv, qkvz)
+    return {"in_proj_qkvz": FusedRows(heads * qkvz, (("in_proj_qkv", qkv),
+                                                     ("in_proj_z", each_head(2 * dk + r * dv, r * dv, qkvz)))),
+            "in_proj_ba": FusedRows(heads * ba, (("in_proj_b", each_head(0, r, ba)),
+                                                 ("in_proj_a", each_head(r, r, ba))))}
 
 
 def _vector(size: int, fill: float, tp_rank: int, tp_size: int) -> nn.Parameter:

@@ -1,8 +1,8 @@
-"""Qwen3.5's multi-token-prediction head (``mtp.*`` in the checkpoints, which transformers drops
-on load): one gated full-attention decoder layer that reads the target model's final hidden
-state at position t beside the embedding of token t + 1, and predicts token t + 2 through the
-target's LM head. The speculative-decoding proposer ``method: "mtp"`` runs it
-(``executor/mtp.py``).
+"""The multi-token-prediction head of Qwen3.5 and of Qwen3-Next (``mtp.*`` in the checkpoints, the
+same tensors in both, which transformers drops on load): one gated full-attention decoder layer
+that reads the target model's final hidden state at position t beside the embedding of token
+t + 1, and predicts token t + 2 through the target's LM head. The speculative-decoding proposer
+``method: "mtp"`` runs it (``executor/mtp.py``).
 
     x = fc([norm_e(embed(token t + 1)) | norm_h(hidden t)])      (2 H -> H, replicated)
     x = decoder_layer(x at position t)                           (its own K/V: the MTP cache)
@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from minivllm.config import ModelConfig
+from minivllm.config import HYBRID_ARCHITECTURES, MTP_LAYERS_KEYS, ModelConfig
 from minivllm.layers.embedding import VocabParallelEmbedding
 from minivllm.layers.norm import RMSNorm1p
 from minivllm.layers.rotary import RotaryEmbedding
@@ -32,28 +32,33 @@ from minivllm.ops.metadata import AttentionMetadata
 
 
 def check_mtp_config(config: ModelConfig) -> None:
-    """What the MTP proposer serves: a Qwen3.5 hybrid with one MTP layer on the shared embedding.
+    """What the MTP proposer serves: a hybrid (Qwen3.5, Qwen3-Next) with one MTP layer on the
+    shared embedding.
 
     Raises:
-        ValueError: naming the field (``mtp_num_hidden_layers`` 0 or more than 1,
-            ``mtp_use_dedicated_embeddings``) or the architecture.
+        ValueError: naming the field (``mtp_num_hidden_layers``, or Qwen3-Next's
+            ``num_nextn_predict_layers``, 0 or more than 1; ``mtp_use_dedicated_embeddings``) or
+            the architecture.
     """
-    if not config.is_hybrid or not config.architecture.startswith("Qwen3_5"):
+    if not config.is_hybrid or config.architecture not in HYBRID_ARCHITECTURES:
         raise ValueError(f"speculative_config method 'mtp': {config.architecture} has no MTP head "
-                         "(Qwen3.5 / Qwen3.6 checkpoints have one)")
+                         "(Qwen3.5 / Qwen3.6 and Qwen3-Next checkpoints have one)")
     if config.mtp_num_hidden_layers != 1:
-        raise ValueError(f"speculative_config method 'mtp' needs mtp_num_hidden_layers 1, got "
-                         f"{config.mtp_num_hidden_layers}" + (" (the checkpoint has no MTP head)"
-                                                             if config.mtp_num_hidden_layers == 0 else ""))
+        key = MTP_LAYERS_KEYS.get(config.architecture, "mtp_num_hidden_layers")
+        raise ValueError(f"speculative_config method 'mtp' needs {key} 1, got {config.mtp_num_hidden_layers}"
+                         + (" (the checkpoint has no MTP head)" if config.mtp_num_hidden_layers == 0 else ""))
     if config.mtp_use_dedicated_embeddings:
         raise ValueError("mtp_use_dedicated_embeddings: an MTP head with embeddings of its own is not served")
 
 
 def mtp_layer_config(config: ModelConfig) -> ModelConfig:
-    """The MTP layer's shapes as a one-layer full-attention model (its KV cache has one row);
-    a MoE model's MTP layer is sparse, as its other layers."""
-    return dataclasses.replace(config, num_hidden_layers=1, layer_types=("full_attention",), mlp_only_layers=(),
-                               decoder_sparse_step=1, mtp_num_hidden_layers=0)
+    """The MTP layer's shapes as a one-layer full-attention model (its KV cache has one row).
+    Its MLP is what the model's layer 0 has (vLLM's reading: the layer is ``mtp.layers.0``):
+    sparse in a MoE model unless ``mlp_only_layers`` or ``decoder_sparse_step`` make layer 0
+    dense (Qwen3-Next; a Qwen3.5-MoE model's layers are all sparse)."""
+    return dataclasses.replace(config, num_hidden_layers=1, layer_types=("full_attention",),
+                               mlp_only_layers=() if config.is_sparse_layer(0) else (0,), decoder_sparse_step=1,
+                               mtp_num_hidden_layers=0)
 
 
 class Qwen3_5MTP(nn.Module):

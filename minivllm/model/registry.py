@@ -17,12 +17,13 @@ from minivllm.model.qwen3 import Qwen3ForCausalLM
 from minivllm.model.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
                                     Qwen3_5MoeForConditionalGeneration)
 from minivllm.model.qwen3_moe import Qwen3MoeForCausalLM
+from minivllm.model.qwen3_next import Qwen3NextForCausalLM
 from minivllm.ops.dispatch import Ops
 
 MODEL_CLASSES: Mapping[str, type[DecoderForCausalLM]] = MappingProxyType({
     cls.architecture: cls for cls in (Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM,
                                       Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
-                                      Qwen3_5MoeForConditionalGeneration)
+                                      Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
 })
 
 

@@ -10,10 +10,14 @@ drops ``mtp.*`` on load, so its modules are assembled here from the checkpoint's
   right), through prefix hits that resume from snapshots, chunked prefill under preemption,
   and both scheduling modes;
 - refusals: a checkpoint without the head, more than one MTP layer, a model of another family.
+
+Qwen3-Next's head (the same tensors) runs the head and the drafting tests on a model whose
+layer 0 is dense, so its MTP layer is too (``mtp_layer_config``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -24,13 +28,15 @@ import transformers
 from safetensors.torch import save_file
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import ModelConfig, SpeculativeConfig
+from minivllm.config import MTP_LAYERS_KEYS, ModelConfig, SpeculativeConfig
 from minivllm.model.loader import load_weights
 from minivllm.model.qwen3_5_mtp import attach_mtp
 from minivllm.model.registry import build_model
 from minivllm.ops.metadata import AttentionMetadata
 from minivllm.testing import hf_generate
 from tests.model.test_qwen3_5 import MODELS, make_hf
+from tests.model.test_qwen3_next import MODELS as NEXT_MODELS
+from tests.model.test_qwen3_next import make_next
 
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 
@@ -40,18 +46,19 @@ NEW = 10       # greedy tokens per completion
 
 
 class HFHead:
-    """The MTP head from transformers' classes: its decoder layer (``layer_types`` says full
-    attention at ``layer_idx``), zero-centred norms and fc, with random weights; ``tensors``:
-    them under the checkpoint's ``mtp.*`` names."""
+    """The MTP head from transformers' classes: its decoder layer (layer 0 of a copy of the
+    config whose layer 0 is full attention: the MLP is layer 0's, as ``mtp.layers.0``'s),
+    zero-centred norms and fc, with random weights; ``tensors``: them under the checkpoint's
+    ``mtp.*`` names."""
 
     def __init__(self, hf: transformers.PreTrainedModel, seed: int) -> None:
-        cfg = hf.config
+        cfg = copy.deepcopy(hf.config)
+        cfg.layer_types = ["full_attention", *cfg.layer_types[1:]]
         torch.manual_seed(seed)
-        layer_idx = cfg.layer_types.index("full_attention")
-        module = type(hf.model.layers[layer_idx])  # Qwen3_5DecoderLayer / Qwen3_5MoeDecoderLayer
+        module = type(hf.model.layers[0])  # Qwen3_5DecoderLayer / Qwen3_5MoeDecoderLayer / Qwen3NextDecoderLayer
         norm = type(hf.model.norm)
         self.hf = hf
-        self.layer = module(cfg, layer_idx).float().eval()
+        self.layer = module(cfg, 0).float().eval()
         h = cfg.hidden_size
         self.norm, self.norm_e, self.norm_h = (norm(h, eps=cfg.rms_norm_eps).float() for _ in range(3))
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
@@ -75,7 +82,7 @@ class HFHead:
         e = self.hf.model.embed_tokens(torch.tensor(next_tokens))
         x = self.fc(torch.cat([self.norm_e(e), self.norm_h(hidden)], dim=-1))[None]
         positions = torch.arange(n)
-        pe = self.hf.model.rotary_emb(x, positions.view(1, 1, n).expand(3, 1, n))
+        pe = self.hf.model.rotary_emb(x, positions[None])  # Qwen3.5's multimodal RoPE repeats it
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         y = self.layer(x, position_embeddings=pe, attention_mask=mask, position_ids=positions[None])
         y = y[0] if isinstance(y, tuple) else y
@@ -99,27 +106,45 @@ class HFHead:
 
 
 def save_with_head(name: str, path: Path, seed: int) -> tuple[transformers.PreTrainedModel, HFHead]:
-    arch, settings = MODELS[name]
-    hf = make_hf(arch, settings, seed=seed)
+    """``name`` of test_qwen3_5's or test_qwen3_next's models, saved with an MTP head."""
+    hf = make_next(name, seed) if name in NEXT_MODELS else make_hf(*MODELS[name], seed=seed)
     hf.save_pretrained(path)
     head = HFHead(hf, seed + 100)
     save_file(head.tensors, str(path / "mtp.safetensors"))
     config = json.loads((path / "config.json").read_text())
-    config["mtp_num_hidden_layers"] = 1
+    config[MTP_LAYERS_KEYS.get(config["architectures"][0], "mtp_num_hidden_layers")] = 1
     (path / "config.json").write_text(json.dumps(config))
     return hf, head
 
 
+def saved(name: str, tmp_path_factory) -> tuple[transformers.PreTrainedModel, HFHead, str]:
+    path = tmp_path_factory.mktemp(name)
+    hf, head = save_with_head(name, path, seed=list({**MODELS, **NEXT_MODELS}).index(name))
+    return hf, head, str(path)
+
+
 @pytest.fixture(scope="module", params=["dense-lin-first", "moe-shared-full-first"])
 def setup(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf, head = save_with_head(request.param, path, seed=list(MODELS).index(request.param))
-    return hf, head, str(path)
+    return saved(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    """A Qwen3-Next model whose layer 0 is dense (decoder_sparse_step 2), with its head."""
+    return saved("next-sparse-step", tmp_path_factory)
 
 
 def test_the_head_equals_transformers_layers(setup) -> None:
     """Our head over a sequence (hidden states from transformers) gives the reference's logits;
     the K/V-only pass over the first part, then the whole head over the rest, gives the same."""
+    check_head(setup)
+
+
+def test_qwen3_next_head_equals_transformers_layers(qwen3_next) -> None:
+    check_head(qwen3_next)
+
+
+def check_head(setup) -> None:
     hf, head, path = setup
     config = ModelConfig.from_hf_json(path)
     model = build_model(config)
@@ -208,6 +233,14 @@ def test_drafts_are_the_heads_and_tokens_are_transformers(setup, async_schedulin
     the reference's from the same context. ``padded``: prefill, mixed and drafted steps run
     through the prefill graph runner's padded buckets (``capture=False``: what a replay runs,
     state slots and save points in its static buffers), and the drafting loop over padded rows."""
+    check_drafts(setup, async_scheduling, padded)
+
+
+def test_qwen3_next_drafts_are_the_heads_and_tokens_are_transformers(qwen3_next) -> None:
+    check_drafts(qwen3_next, async_scheduling=False, padded=False)
+
+
+def check_drafts(setup, async_scheduling: bool, padded: bool) -> None:
     hf, head, path = setup
     prompts = shared_prefix_prompts(hf.config.vocab_size, seed=5)
     want = [hf_generate(hf, p, NEW) for p in prompts]

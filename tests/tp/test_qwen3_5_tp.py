@@ -6,7 +6,8 @@
   hold exactly its heads' share of the unsharded layer's states.
 - Through ``LLM(tensor_parallel_size=2)`` (2 processes over gloo), dense and MoE with a shared
   expert: greedy tokens equal transformers' and TP=1's, with chunked prefill and prefix-cache
-  hits resuming from state snapshots, in both scheduling modes (one ``LLM`` per model).
+  hits resuming from state snapshots, in both scheduling modes (one ``LLM`` per model); and
+  Qwen3-Next, whose fused DeltaNet projections each rank reads by heads, in one mode.
 - A DeltaNet head count that does not divide by the ranks is refused, naming the field.
 
 Which planted bug each test catches (each was planted and seen to fail):
@@ -137,11 +138,31 @@ def test_tp2_tokens_equal_transformers_with_prefix_hits(tmp_path: Path, name: st
     with LLM(str(tmp_path), **ENGINE, tensor_parallel_size=TP) as two:
         for async_scheduling, prompts, want in zip((False, True), sets, refs):
             two.engine.set_async_scheduling(async_scheduling)
-            assert tokens(two, prompts["plain"]) == want["plain"], f"async_scheduling={async_scheduling}"
-            assert tokens(two, prompts["cold"]) == want["cold"]
-            warm = two.generate(prompts["warm"], GREEDY, use_tqdm=False)
-            assert [list(o.token_ids) for o in warm] == want["warm"], f"async_scheduling={async_scheduling}"
-            assert [o.num_cached_tokens for o in warm] == [16] * len(TAILS)
+            assert_tokens_and_hits(two, prompts, want)
+
+
+def assert_tokens_and_hits(llm: LLM, prompts: dict[str, list[list[int]]], want: dict[str, list[list[int]]]) -> None:
+    """``prompt_sets``' prompts give ``want``'s tokens, and each warm one reuses 16 tokens."""
+    mode = f"async_scheduling={llm.engine.async_scheduling}"
+    assert tokens(llm, prompts["plain"]) == want["plain"], mode
+    assert tokens(llm, prompts["cold"]) == want["cold"], mode
+    warm = llm.generate(prompts["warm"], GREEDY, use_tqdm=False)
+    assert [list(o.token_ids) for o in warm] == want["warm"], mode
+    assert [o.num_cached_tokens for o in warm] == [16] * len(TAILS)
+
+
+def test_tp2_qwen3_next_tokens_equal_transformers(tmp_path: Path) -> None:
+    """Qwen3-Next over 2 ranks (each reads its q/k head's rows of the fused DeltaNet
+    projections: 3 value heads per q/k head; dense and sparse layers), one scheduling mode:
+    the tokens of the TP=2 test above."""
+    from tests.model.test_qwen3_next import make_next
+
+    hf = make_next("next-sparse-step", seed=7)
+    hf.save_pretrained(tmp_path)
+    prompts = prompt_sets(hf.config.vocab_size, 3)
+    with LLM(str(tmp_path), **ENGINE, tensor_parallel_size=TP) as two:
+        assert_tokens_and_hits(two, prompts, {kind: [hf_generate(hf, p, NEW) for p in ps]
+                                              for kind, ps in prompts.items()})
 
 
 def test_non_dividing_delta_net_heads_are_refused(tmp_path: Path) -> None:
