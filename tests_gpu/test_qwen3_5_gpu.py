@@ -1,5 +1,5 @@
 """Qwen3.5 hybrid models (dense and MoE) on the GPU through ``LLM`` with the Triton kernels,
-decode steps in CUDA graphs: on tiny configs, float32 greedy tokens equal transformers' in both
+decode steps in CUDA graphs: on tiny configs (Qwen3-Next's too), float32 greedy tokens equal transformers' in both
 scheduling modes, and a second call whose prompts share a prefix resumes from state snapshots
 with the same tokens; at Qwen3.5-9B's and -35B-A3B's layer shapes (4 layers), float32 greedy
 tokens equal transformers' over 16 prompts on shared prefixes, and bf16 keeps to float32's top
@@ -20,6 +20,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.testing import (SHAPES, hf_generate, leading_identical, randomize_weights, release_memory,
                               top5_at_first_difference)
 from tests.model.test_qwen3_5 import MODELS, make_hf
+from tests.model.test_qwen3_next import MODELS as NEXT_MODELS, make_next
 from tests_gpu.test_model_gpu import hf_greedy, shared_prefix_prompts
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -27,10 +28,10 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 NEW = 8
 
 
-@pytest.mark.parametrize("name", ["dense-lin-first", "moe-shared-full-first"])
+@pytest.mark.parametrize("name", ["dense-lin-first", "moe-shared-full-first", *NEXT_MODELS])
 def test_hybrid_model_on_the_gpu_gives_transformers_tokens(name: str, tmp_path) -> None:
-    arch, settings = MODELS[name]
-    hf = make_hf(arch, settings, seed=3)
+    """Qwen3.5's tiny configs, and Qwen3-Next's (its fused projections read at load)."""
+    hf = make_next(name, seed=3) if name in NEXT_MODELS else make_hf(*MODELS[name], seed=3)
     hf.save_pretrained(tmp_path)
     rng = np.random.default_rng(0)
     vocab = hf.config.vocab_size
