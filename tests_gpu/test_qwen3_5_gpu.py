@@ -154,7 +154,7 @@ def test_chunked_kernel_agrees_with_the_recurrent_one(lens: list[int], dtype: to
     from tests.kernels.problems import make_delta_rule_problem
 
     t, nseq = sum(lens), len(lens)
-    q, k, v, g, beta, state = (x.cuda() for x in make_delta_rule_problem(t, 16, 32, 128, dtype, 0, 2 * nseq + 4, 0.5))
+    q, k, v, g, beta, state = (x.cuda() for x in make_delta_rule_problem(t, 16, 32, 128, 128, dtype, 0, 2 * nseq + 4, max_decay=0.5))
     state.mul_(0.1)
     cu = torch.tensor([0, *np.cumsum(lens)], device="cuda")
     slots = torch.arange(nseq, device="cuda")

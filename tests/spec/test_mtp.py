@@ -82,7 +82,11 @@ class HFHead:
         e = self.hf.model.embed_tokens(torch.tensor(next_tokens))
         x = self.fc(torch.cat([self.norm_e(e), self.norm_h(hidden)], dim=-1))[None]
         positions = torch.arange(n)
-        pe = self.hf.model.rotary_emb(x, positions[None])  # Qwen3.5's multimodal RoPE repeats it
+        rotary = self.hf.model.rotary_emb
+        ids = positions[None]
+        if type(rotary).__name__.startswith("Qwen3_5"):  # multimodal RoPE: a text position thrice
+            ids = ids.expand(3, 1, n)  # (transformers 5.17 takes only this form, 5.25 either)
+        pe = rotary(x, ids)
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         y = self.layer(x, position_embeddings=pe, attention_mask=mask, position_ids=positions[None])
         y = y[0] if isinstance(y, tuple) else y
