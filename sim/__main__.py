@@ -18,11 +18,13 @@ Exit codes: 0 all good, 1 a violation or a replay mismatch, 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, Iterator, Sequence, TextIO
 
 from sim.runner import RunResult, record_trace, run_trace
 from sim.traces import OVERRIDE_KEYS, Trace, flatten_overrides, generate_trace, load
@@ -144,9 +146,39 @@ class _Plots:
         print(f"figures written to {self.out}/ (summary: {path})")
 
 
+def _run_seed(job: tuple[int, dict[str, Any]]) -> tuple[RunResult, bool]:
+    """One trace in a worker of ``run --jobs N``: its counts and violations (the trace itself
+    is not sent back; the caller generates a failing one again from its seed) and whether it
+    ran with one step in flight."""
+    seed, overrides = job
+    trace = generate_trace(seed, overrides)
+    result = run_trace(trace)
+    counts = {k: getattr(result, k) for k in COUNTERS}
+    return RunResult(seed=result.seed, violations=result.violations, **counts), trace.scheduler.async_scheduling
+
+
+def _outcomes(args: argparse.Namespace, overrides: dict[str, Any], plotted: int,
+              stack: contextlib.ExitStack) -> Iterator[tuple[int, Trace | None, RunResult, bool]]:
+    """(index, trace or None, result, async) of each trace in order: in this process, or over
+    ``args.jobs`` forked workers (the simulator imports no torch), which return results only."""
+    seeds = (args.seed * SEED_STRIDE + i for i in range(args.traces))
+    if args.jobs == 1:
+        for i, seed in enumerate(seeds):
+            trace = generate_trace(seed, overrides)
+            yield i, trace, run_trace(trace, timeline=i < plotted), trace.scheduler.async_scheduling
+        return
+    pool = stack.enter_context(multiprocessing.get_context("fork").Pool(args.jobs))  # terminated on exit
+    for i, (result, in_flight) in enumerate(pool.imap(_run_seed, ((s, overrides) for s in seeds), chunksize=8)):
+        yield i, None, result, in_flight
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.config)
     generate_trace(args.seed * SEED_STRIDE, overrides)  # bad overrides fail before the progress bar
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: at least 1")
+    if args.plot is not None and args.jobs > 1:
+        raise ValueError("--plot draws the traces as they run, in this process: use it with --jobs 1")
     out_dir = Path(args.out_dir)
     plots = _Plots(Path(args.plot)) if args.plot is not None else None
     progress = Progress(args.traces, sys.stderr) if not args.quiet else None
@@ -154,31 +186,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     totals = dict.fromkeys(COUNTERS + ("violations", "async_traces"), 0)
     failures = done = 0
     start = time.perf_counter()
-    for i in range(args.traces):
-        seed = args.seed * SEED_STRIDE + i
-        trace = generate_trace(seed, overrides)
-        result = run_trace(trace, timeline=plots is not None and i < PLOTTED_TRACES)
-        done += 1
-        for k in COUNTERS:
-            totals[k] += getattr(result, k)
-        totals["violations"] += len(result.violations)
-        totals["async_traces"] += trace.scheduler.async_scheduling
-        if plots is not None:
-            plots.add(i, trace, result)
-        if not result.ok:
-            failures += 1
-            path = trace.save(out_dir / f"trace-{seed}.jsonl")
-            print(f"\nVIOLATION in trace seed {seed} (run --seed {args.seed}, trace {i}); saved {path}",
-                  file=sys.stderr)
-            if plots is not None:
-                print(f"  its picture: {plots.trace(trace, result, path.with_suffix('.png'))}", file=sys.stderr)
-            for v in result.violations[:MAX_PRINTED_VIOLATIONS]:
-                print(f"  {v}", file=sys.stderr)
-            if failures >= args.max_failures:
+    with contextlib.ExitStack() as stack:
+        for i, trace, result, in_flight in _outcomes(args, overrides, PLOTTED_TRACES if plots else 0, stack):
+            failed = _count(args, i, trace, result, in_flight, overrides, totals, plots, out_dir)
+            failures += failed
+            done += 1
+            if failed and failures >= args.max_failures:
                 print(f"stopping after {failures} failing traces", file=sys.stderr)
                 break
-        if progress:
-            progress.update(done, totals["steps"], failures)
+            if progress:
+                progress.update(done, totals["steps"], failures)
     seconds = time.perf_counter() - start
     if progress:
         progress.update(done, totals["steps"], failures, force=True)
@@ -190,6 +207,29 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"(replay one with: python -m sim replay {out_dir}/trace-<seed>.jsonl)")
         return 1
     return 0
+
+
+def _count(args: argparse.Namespace, i: int, trace: Trace | None, result: RunResult, in_flight: bool,
+           overrides: dict[str, Any], totals: dict[str, int], plots: _Plots | None, out_dir: Path) -> int:
+    """Adds trace ``i``'s result to ``totals`` (and its figure to ``plots``); a failing trace is
+    saved and its first violations printed. Returns 1 if it failed, else 0."""
+    seed = args.seed * SEED_STRIDE + i
+    for k in COUNTERS:
+        totals[k] += getattr(result, k)
+    totals["violations"] += len(result.violations)
+    totals["async_traces"] += in_flight
+    if plots is not None and trace is not None:
+        plots.add(i, trace, result)
+    if result.ok:
+        return 0
+    trace = trace if trace is not None else generate_trace(seed, overrides)
+    path = trace.save(out_dir / f"trace-{seed}.jsonl")
+    print(f"\nVIOLATION in trace seed {seed} (run --seed {args.seed}, trace {i}); saved {path}", file=sys.stderr)
+    if plots is not None:
+        print(f"  its picture: {plots.trace(trace, result, path.with_suffix('.png'))}", file=sys.stderr)
+    for v in result.violations[:MAX_PRINTED_VIOLATIONS]:
+        print(f"  {v}", file=sys.stderr)
+    return 1
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -246,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out-dir", default="sim_failures", help="where failing traces are saved")
     r.add_argument("--max-failures", type=int, default=10, help="stop after this many failing traces")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--jobs", type=int, default=1,
+                   help="worker processes the traces are spread over (default 1; the totals do not depend on it)")
     r.add_argument("--plot", metavar="DIR", default=None,
                    help=f"write figures (needs matplotlib): DIR/summary.png, the first {PLOTTED_TRACES} "
                         "traces' DIR/trace-<seed>.png, a failing trace's next to its JSONL")

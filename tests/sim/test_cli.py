@@ -74,6 +74,42 @@ def test_cli_run_saves_failing_trace_and_exits_1(monkeypatch: pytest.MonkeyPatch
     assert saved and load(saved[0]).events == generate_trace(9_000_000).events
 
 
+def _summary_rows(out: str) -> list[str]:
+    """The summary's lines but the timing (steps/s)."""
+    return [line for line in out.splitlines() if line.strip() and not line.startswith("steps/s")]
+
+
+def test_cli_run_over_workers_counts_what_one_process_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    """--jobs 3 spreads the traces over forked workers; every total equals the one-process run's."""
+    args = ["run", "--traces", "30", "--seed", "4", "--quiet", "--config", "policy=mixed"]
+    assert main(args) == 0
+    one = _summary_rows(capsys.readouterr().out)
+    assert main([*args, "--jobs", "3"]) == 0
+    assert _summary_rows(capsys.readouterr().out) == one
+    assert any(line.startswith("preemptions") for line in one)
+
+
+def test_cli_run_over_workers_saves_failing_traces(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A violation found in a worker is reported with its seed and its trace, generated again in
+    the caller, saved; the run stops at --max-failures."""
+    monkeypatch.setattr(sim.runner, "oracle_generate", lambda *a, **k: Expected((), "stop"))
+    rc = main(["run", "--traces", "40", "--seed", "9", "--out-dir", str(tmp_path), "--max-failures", "2",
+               "--jobs", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "stopping after 2 failing traces" in err
+    saved = sorted(tmp_path.glob("trace-*.jsonl"))
+    assert [p.name for p in saved] == ["trace-9000000.jsonl", "trace-9000001.jsonl"]
+    assert load(saved[1]).events == generate_trace(9_000_001).events
+
+
+@pytest.mark.parametrize("extra,message", [(["--jobs", "0"], "--jobs 0"),
+                                           (["--jobs", "2", "--plot", "figs"], "--plot")])
+def test_cli_run_refuses_bad_jobs(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--traces", "1", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_cli_bad_config_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--traces", "1", "--config", "blocksize=4"]) == 2
     assert "unknown config key" in capsys.readouterr().err
