@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.speculative import ReplayProposer

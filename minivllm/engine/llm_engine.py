@@ -305,11 +305,11 @@ class LLMEngine:
                              "its vocabulary size")
         if params.structured_outputs is not None:
             self._validate_grammar(request_id, params)
-        for field, last in (("logit_bias", params.logit_bias[-1][0] if params.logit_bias else None),
+        for name, last in (("logit_bias", params.logit_bias[-1][0] if params.logit_bias else None),
                             ("allowed_token_ids", params.allowed_token_ids[-1] if params.allowed_token_ids else None),
                             ("bad_words_token_ids", max(map(max, params.bad_words_token_ids), default=None))):
             if last is not None and self.vocab_size is not None and last >= self.vocab_size:
-                raise ValueError(f"request {request_id!r}: {field} names token {last}, "
+                raise ValueError(f"request {request_id!r}: {name} names token {last}, "
                                  f"outside the vocabulary [0, {self.vocab_size})")
         if len(prompt) == 0:
             raise ValueError(f"request {request_id!r}: prompt is empty")

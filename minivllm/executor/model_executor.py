@@ -88,7 +88,7 @@ from minivllm.sampler.logprobs import SLICE_ROWS, LogprobLayout, LogprobTensors,
 from minivllm.sampler.penalties import PenaltyInputs, PenaltyTensors
 from minivllm.sampler.sampler import Sampler, SamplingTensors, apply_logit_bias, apply_token_bitmask
 from minivllm.sampling import MAX_LOGPROBS, SamplingParams
-from minivllm.step_types import TokenHistory, TokenLogprobs
+from minivllm.step_types import TokenHistory
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

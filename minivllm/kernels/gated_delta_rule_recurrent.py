@@ -169,7 +169,6 @@ def check_gated_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     :func:`gated_delta_rule_recurrent`)."""
     t, hk, kd = q.shape
     h, vd = v.shape[1:]
-    nseq = slots.shape[0]
     if k.shape != q.shape or v.shape[0] != t or h % hk or g.shape != (t, h) or beta.shape != (t, h):
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {tuple(g.shape)}, beta {tuple(beta.shape)}")

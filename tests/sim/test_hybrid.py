@@ -192,8 +192,6 @@ def test_hits_resume_after_the_snapshot_pool_filled() -> None:
     engine = LLMEngine(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
                        CacheConfig(block_size=4, num_blocks=64, state_snapshot_interval=2),
                        FakeExecutor(50, 4, 64, state_slots=2, state_snapshots=2))
-    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-
     run = functools.partial(_run_alone, engine, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     for i in range(4):
         assert run(f"p{i}", [10 + i] * 12) == 0
@@ -210,7 +208,6 @@ def test_a_branch_point_gets_a_snapshot_and_the_next_prompt_on_it_resumes_there(
     engine = LLMEngine(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
                        CacheConfig(block_size=4, num_blocks=64, state_snapshot_interval=100),
                        FakeExecutor(50, 4, 64, state_slots=2, state_snapshots=8))
-    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     shared = [7, 8, 9, 10] * 3
 
     run = functools.partial(_run_alone, engine, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
