@@ -185,10 +185,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Only totals are kept: holding every result would grow the heap the GC walks.
     totals = dict.fromkeys(COUNTERS + ("violations", "async_traces"), 0)
     failures = done = 0
+
+    def count(i: int, trace: Trace | None, result: RunResult, in_flight: bool) -> bool:
+        """Adds trace ``i``'s result to ``totals`` (and its figure to ``plots``); a failing trace
+        is saved and its first violations printed. Returns whether it failed."""
+        seed = args.seed * SEED_STRIDE + i
+        for k in COUNTERS:
+            totals[k] += getattr(result, k)
+        totals["violations"] += len(result.violations)
+        totals["async_traces"] += in_flight
+        if plots is not None and trace is not None:
+            plots.add(i, trace, result)
+        if result.ok:
+            return False
+        trace = trace if trace is not None else generate_trace(seed, overrides)
+        path = trace.save(out_dir / f"trace-{seed}.jsonl")
+        print(f"\nVIOLATION in trace seed {seed} (run --seed {args.seed}, trace {i}); saved {path}", file=sys.stderr)
+        if plots is not None:
+            print(f"  its picture: {plots.trace(trace, result, path.with_suffix('.png'))}", file=sys.stderr)
+        for v in result.violations[:MAX_PRINTED_VIOLATIONS]:
+            print(f"  {v}", file=sys.stderr)
+        return True
+
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         for i, trace, result, in_flight in _outcomes(args, overrides, PLOTTED_TRACES if plots else 0, stack):
-            failed = _count(args, i, trace, result, in_flight, overrides, totals, plots, out_dir)
+            failed = count(i, trace, result, in_flight)
             failures += failed
             done += 1
             if failed and failures >= args.max_failures:
@@ -207,29 +229,6 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"(replay one with: python -m sim replay {out_dir}/trace-<seed>.jsonl)")
         return 1
     return 0
-
-
-def _count(args: argparse.Namespace, i: int, trace: Trace | None, result: RunResult, in_flight: bool,
-           overrides: dict[str, Any], totals: dict[str, int], plots: _Plots | None, out_dir: Path) -> int:
-    """Adds trace ``i``'s result to ``totals`` (and its figure to ``plots``); a failing trace is
-    saved and its first violations printed. Returns 1 if it failed, else 0."""
-    seed = args.seed * SEED_STRIDE + i
-    for k in COUNTERS:
-        totals[k] += getattr(result, k)
-    totals["violations"] += len(result.violations)
-    totals["async_traces"] += in_flight
-    if plots is not None and trace is not None:
-        plots.add(i, trace, result)
-    if result.ok:
-        return 0
-    trace = trace if trace is not None else generate_trace(seed, overrides)
-    path = trace.save(out_dir / f"trace-{seed}.jsonl")
-    print(f"\nVIOLATION in trace seed {seed} (run --seed {args.seed}, trace {i}); saved {path}", file=sys.stderr)
-    if plots is not None:
-        print(f"  its picture: {plots.trace(trace, result, path.with_suffix('.png'))}", file=sys.stderr)
-    for v in result.violations[:MAX_PRINTED_VIOLATIONS]:
-        print(f"  {v}", file=sys.stderr)
-    return 1
 
 
 def cmd_record(args: argparse.Namespace) -> int:
