@@ -92,8 +92,9 @@ test-gpu:
 # the rest, and the target fails at the end if any did. Each writes <name>.json (and its
 # figure) into $(OUT), default bench-results/ (git-ignored), its previous summary removed
 # first; then docs/performance.md is generated from that folder (benchmarks/report.py).
-# BENCH_ONLY="throughput serving ...": only the runs of those summary names (a whole `make bench`
-# in parts, one folder: the page is generated from every summary in it).
+# BENCH_ONLY="throughput serving ...": only the runs of those summary names; the page then keeps
+# the sections of the others as it has them (report --keep), so a whole `make bench` can run in
+# parts, into one folder or several.
 # `run LIMIT MODULE ARGS`: the summary is named after the module (benchmarks.moe: moe.json);
 # `run_named LIMIT NAME MODULE ARGS` for a run whose arguments name it otherwise (NAME.json),
 # so that it removes its own summary only.
@@ -106,7 +107,7 @@ BENCH_RUN = rc=0; mkdir -p "$(BENCH_OUT)"; \
 	        OUT="$(BENCH_OUT)" PYTHONPATH=. timeout $$limit python3 -m "$$@" \
 	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }; \
 	run() { limit=$$1; shift; run_named $$limit "$$(echo $$1 | cut -d. -f2)" "$$@"; }
-BENCH_REPORT = PYTHONPATH=. python3 -m benchmarks.report "$(BENCH_OUT)" || rc=1; exit $$rc
+BENCH_REPORT = PYTHONPATH=. python3 -m benchmarks.report "$(BENCH_OUT)" $(if $(BENCH_ONLY),--keep) || rc=1; exit $$rc
 
 # Needs a CUDA device: the single-GPU benchmarks, BENCH_TIMEOUT seconds each (default 240).
 # BENCH_QUICK=1: fewer requests, prompts and configs, async on only. SMOLLM2_GGUF_FILE: the

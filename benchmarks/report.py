@@ -3,11 +3,17 @@ benchmark calls, and ``python -m benchmarks.report DIR`` turns the summaries in 
 ``docs/performance.md`` (``make bench`` runs it after the benchmarks).
 
     python -m benchmarks.report DIR [--out docs/performance.md]   # --out -: stdout
+    python -m benchmarks.report DIR --keep   # sections without a summary in DIR: as the page has them
 
 A summary is ``<name>.json``: the benchmark's own data plus ``meta`` (the command that
 produced it, the machine, the commit, the date). The page is tables only, every number
 copied from a summary: an index naming each summary's benchmark, make target and command,
 then one section per benchmark. A summary the page does not know is left out.
+
+``--keep`` is for a run of some benchmarks only (``make bench BENCH_ONLY=...``): a section
+none of whose summaries is in DIR is kept from the current page as it stands, its index
+rows and its table, with their dates; the header then names the kept part's machines and
+commits too. A section with a summary in DIR is rendered from DIR alone.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import platform
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -132,9 +139,11 @@ def batch1_ms(b: Any) -> str:
 
 
 def table(headers: list[str], rows: Iterable[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)] + table_rows(rows)
+
+
+def table_rows(rows: Iterable[list[str]]) -> list[str]:
+    return ["| " + " | ".join(row) + " |" for row in rows]
 
 
 Summaries = list[tuple[str, dict[str, Any]]]  # (file stem, content), in file-name order
@@ -528,23 +537,75 @@ def machine_short(m: dict[str, Any] | None) -> str:
     return f"{m.get('gpus')} x {m['gpu']}" if m.get("gpu") else "CPU"
 
 
-def render(found: dict[str, Summaries]) -> str:
-    """The page: title, hardware, the index of summaries, then one section per benchmark."""
+@dataclass
+class KeptPage:
+    """What ``--keep`` carries over from a page: its header's machines and commits, and per
+    section, its index rows and its block (the heading through the line before the next)."""
+    machines: list[str] = field(default_factory=list)
+    commits: list[str] = field(default_factory=list)
+    index: dict[str, list[str]] = field(default_factory=dict)
+    blocks: dict[str, list[str]] = field(default_factory=dict)
+
+
+def parse_page(text: str) -> KeptPage:
+    """The parts of a page ``render`` made that ``--keep`` can carry over. An index row of a
+    page from before the machine column gets the header's machine when it names only one."""
+    kept = KeptPage()
+    lines = text.splitlines()
+    for line in lines:
+        if line.startswith("Hardware: ") and ". Commit: " in line:
+            hardware, commits = line.removeprefix("Hardware: ").rstrip(".").split(". Commit: ")
+            kept.machines = [m for m in hardware.split("; ") if m not in ("-", "unknown")]
+            kept.commits = [c for c in commits.split(", ") if c != "-"]
+    only_machine = kept.machines[0].split(", CUDA")[0].split(", torch")[0] if len(kept.machines) == 1 else "unknown"
+    for line in lines:
+        if line.startswith("| `benchmarks."):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            name = section_of(cells[1])
+            if name is not None:
+                if len(cells) == 6:
+                    line = line.rstrip() + f" {only_machine} |"
+                kept.index.setdefault(name, []).append(line)
+    heading = [i for i, line in enumerate(lines) if line.startswith("## ")] + [len(lines)]
+    for start, end in zip(heading, heading[1:]):
+        name = lines[start].removeprefix("## ").split(":")[0]
+        if name in SECTIONS:
+            block = lines[start:end]
+            while block and not block[-1].strip():
+                block.pop()
+            kept.blocks[name] = block
+    return kept
+
+
+def render(found: dict[str, Summaries], kept: KeptPage | None = None) -> str:
+    """The page: title, hardware, the index of summaries, then one section per benchmark; with
+    ``kept``, a section absent from ``found`` is ``kept``'s where it has one."""
+    kept = kept or KeptPage()
+    carried = [name for name in SECTIONS if name not in found and name in kept.blocks]
     everything = [(name, stem, d) for name in SECTIONS for stem, d in found.get(name, [])]
-    machines = sorted({machine_line(get(d, "meta", "machine")) for _, _, d in everything})
-    commits = sorted({c for _, _, d in everything if (c := get(d, "meta", "commit"))})
+    machines = {machine_line(get(d, "meta", "machine")) for _, _, d in everything}
+    commits = {c for _, _, d in everything if (c := get(d, "meta", "commit"))}
+    if carried:
+        machines = (machines - {"unknown"}) | set(kept.machines)
+        commits |= set(kept.commits)
     lines = ["# Performance", "",
              "Generated by `python -m benchmarks.report DIR` (`make bench`) from the benchmarks' JSON "
              "summaries; edits here are overwritten.", "",
-             f"Hardware: {'; '.join(machines) or '-'}. Commit: {', '.join(commits) or '-'}.", ""]
-    lines += table(["benchmark", "summary", "measures", "make target", "command", "date", "machine"],
-                   [[f"`benchmarks.{name}`", stem, SECTIONS[name][0], f"`{SECTIONS[name][1]}`",
-                     f"`{fmt(get(d, 'meta', 'command'))}`", fmt(get(d, "meta", "date")),
-                     machine_short(get(d, "meta", "machine"))]
-                    for name, stem, d in everything])
+             f"Hardware: {'; '.join(sorted(machines)) or '-'}. Commit: {', '.join(sorted(commits)) or '-'}.", ""]
+    index = table(["benchmark", "summary", "measures", "make target", "command", "date", "machine"], [])
+    for name in SECTIONS:
+        if name in found:
+            index += table_rows([[f"`benchmarks.{name}`", stem, SECTIONS[name][0], f"`{SECTIONS[name][1]}`",
+                                 f"`{fmt(get(d, 'meta', 'command'))}`", fmt(get(d, "meta", "date")),
+                                 machine_short(get(d, "meta", "machine"))] for stem, d in found[name]])
+        elif name in carried:
+            index += kept.index.get(name, [])
+    lines += index
     for name, (what, _, section) in SECTIONS.items():
         if name in found:
             lines += ["", f"## {name}: {what}", ""] + section(found[name])
+        elif name in carried:
+            lines += [""] + kept.blocks[name]
     return "\n".join(lines) + "\n"
 
 
@@ -552,12 +613,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("directory", help="the folder of the summaries (make bench: $(OUT), default bench-results)")
     ap.add_argument("--out", default=str(DEFAULT_PAGE), help="the page to write; '-': standard output")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the sections DIR has no summary for as the page (--out, else docs/performance.md) "
+                         "has them")
     args = ap.parse_args(argv)
     found = load(args.directory)
     if not found:
         print(f"no benchmark summary in {args.directory} (known: {', '.join(SECTIONS)})", file=sys.stderr)
         return 1
-    page = render(found)
+    kept = None
+    if args.keep:
+        current = Path(DEFAULT_PAGE if args.out == "-" else args.out)
+        kept = parse_page(current.read_text()) if current.exists() else None
+    page = render(found, kept)
     if args.out == "-":
         sys.stdout.write(page)
     else:

@@ -237,3 +237,56 @@ def test_batch1_cells_show_the_median_then_the_range_of_its_rounds(tmp_path: Pat
     assert rows_of(page, "moe")[0][2] == cell
     fp8 = rows_of(page, "fp8")
     assert (fp8[0][4], fp8[1][4]) == (cell, "1.100")   # one round: no range
+
+
+def test_keep_carries_the_sections_a_partial_run_did_not_measure(page: str, tmp_path: Path) -> None:
+    """``--keep``: a run of two benchmarks replaces their sections and index rows, and every other
+    section, with its index row, stands as the page had it; without ``--keep`` they go."""
+    out = tmp_path / "performance.md"
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    newer = {"meta": {**SUMMARIES["gemv"]["meta"], "commit": "def5678", "date": "2026-12-07 09:00 UTC"}}
+    (partial / "gemv.json").write_text(json.dumps({**SUMMARIES["gemv"], **newer, "total_us": {"cublas": 1.0}}))
+    (partial / "moe_fp8.json").write_text(json.dumps({**SUMMARIES["moe"], **newer}))   # moe's section, renamed
+    assert report.main([str(partial), "--out", str(out), "--keep"]) == 0
+    kept = out.read_text()
+
+    def block(text: str, name: str) -> str:
+        return text.split(f"\n## {name}:")[1].split("\n## ")[0]
+    for name in ("throughput", "serving", "decode_attention", "accuracy", "hybrid", "delta_rule", "tp_scaling"):
+        assert block(kept, name) == block(page, name)
+    assert rows_of(kept, "gemv")[-1] == ["gemv", "sum", "", "", "1.0", "-", "", "", ""]
+    assert rows_of(kept, "moe") == [] and rows_of(kept, "moe_fp8")[0][:3] == ["moe_fp8", "batch-1 ms/token", "1.841"]
+    index = [line for line in kept.splitlines() if line.startswith("| `benchmarks.")]
+    assert [line.split("|")[2].strip() for line in index] == [
+        "throughput", "throughput_tp2", "serving", "moe_fp8", "decode_attention", "gemv", "accuracy", "speculative",
+        "draft_model", "copy_chat", "hybrid_qwen3_5_9b", "delta_rule", "tp_scaling"]
+    assert "2026-12-07 09:00 UTC" in index[5] and "2026-12-01 10:00 UTC" in index[4]
+    assert "Commit: abc1234, def5678." in kept
+    # without --keep the page is the folder's alone
+    assert report.main([str(partial), "--out", str(out)]) == 0
+    assert [line.split(":")[0] for line in out.read_text().splitlines() if line.startswith("## ")] == [
+        "## moe", "## gemv"]
+
+
+def test_keep_reads_a_page_from_before_the_machine_column(tmp_path: Path) -> None:
+    old = ("# Performance\n\nHardware: 1 x NVIDIA H100 80GB HBM3, CUDA 13.0, torch 2.11.0, triton 3.6.0. Commit: 1111111."
+           "\n\n| benchmark | summary | measures | make target | command | date |\n|---|---|---|---|---|---|\n"
+           "| `benchmarks.sampler` | sampler | the sampler | `make bench` | `python -m benchmarks.sampler` | "
+           "2026-12-06 06:55 UTC |\n\n## sampler: the sampler\n\n| summary | x |\n|---|---|\n| sampler | 1.0 |\n")
+    kept = report.parse_page(old)
+    assert kept.machines == ["1 x NVIDIA H100 80GB HBM3, CUDA 13.0, torch 2.11.0, triton 3.6.0"]
+    assert kept.commits == ["1111111"]
+    assert kept.index["sampler"][0].endswith("| 2026-12-06 06:55 UTC | 1 x NVIDIA H100 80GB HBM3 |")
+    assert kept.blocks["sampler"][-1] == "| sampler | 1.0 |"
+    page = report.render(report.load(_folder(tmp_path, "gemv")), kept)
+    assert rows_of(page, "sampler") == [["sampler", "1.0"]] and rows_of(page, "gemv")
+    assert "Commit: 1111111, abc1234." in page
+
+
+def _folder(tmp_path: Path, *names: str) -> Path:
+    folder = tmp_path / "summaries"
+    folder.mkdir()
+    for name in names:
+        (folder / f"{name}.json").write_text(json.dumps(SUMMARIES[name]))
+    return folder
