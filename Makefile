@@ -48,18 +48,22 @@ chat: $(VENV)/.full
 # Coverage is measured where it is enforced (the engine and the simulator), by the tests
 # of those two (ENGINE_TESTS, under the tracer), but for the random-trace suites
 # (test_random_traces*): they add no line (96% with them and without), and even marked
-# no_cover inside a traced run they took 145 s of that phase's wall against 58 + 56 s apart,
-# so they run last, in a process without the tracer. The model, kernel, server and
-# TP tests run after, untraced (tracing them cost ~40 s of the 5-minute budget and added
-# nothing), three workers on two cores: many of them wait on servers, subprocesses and
-# sockets (second phase on a 2-core machine: -n 2 305-346 s over three runs, -n 3 208 and
-# 264 s, -n 4 258 s).
+# no_cover inside a traced run they took 145 s of that phase's wall against 58 + 56 s apart.
+# They run untraced, beside the model, kernel, server and TP tests (their output printed
+# after those's): those wait on servers, subprocesses and sockets, and left a tenth of two
+# cores idle when the traces ran after them (make test on a clean clone, 2 cores: 5 m 11 s
+# beside, 5 m 54 s after). The model, kernel, server and TP tests run untraced (tracing them
+# cost ~40 s and added nothing), three workers on two cores (that phase alone on a 2-core
+# machine: -n 2 305-346 s over three runs, -n 3 208 and 264 s, -n 4 258 s).
 ENGINE_TESTS := tests/engine tests/sim tests/test_config.py tests/executor/test_inputs.py
 test: $(VENV)/.full
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q --cov=minivllm/engine --cov=sim --cov-report=term-missing:skip-covered -k "not test_random_traces" $(ENGINE_TESTS)
 	$(BIN)/python -m coverage report --include='minivllm/engine/*,sim/*' --skip-covered --fail-under=90
-	$(BIN)/python -m pytest -n 3 --dist worksteal -q tests $(addprefix --ignore=,$(ENGINE_TESTS))
-	$(BIN)/python -m pytest -n 2 --dist worksteal -q -k test_random_traces tests/sim
+	@$(BIN)/python -m pytest -n 2 --dist worksteal -q -k test_random_traces tests/sim > $(VENV)/random-traces.log 2>&1 & \
+	traces=$$!; \
+	$(BIN)/python -m pytest -n 3 --dist worksteal -q tests $(addprefix --ignore=,$(ENGINE_TESTS)); rc=$$?; \
+	wait $$traces; trc=$$?; echo "=== the random traces (tests/sim, -k test_random_traces), run beside it:"; \
+	cat $(VENV)/random-traces.log; exit $$(( rc || trc ))
 
 # 10,000 random traces (a quarter of them hybrid models, 40% with drafts), then 10,000
 # traces of hybrid models (recurrent state slots and snapshots beside the KV cache), each
