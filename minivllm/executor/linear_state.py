@@ -51,6 +51,10 @@ from minivllm.ops.metadata import StateMetadata
 SNAPSHOTS_PER_SEQ = 4
 # Sized from free memory, snapshots take at most this share of what the slots leave.
 SNAPSHOT_MEMORY_SHARE = 0.25
+# The most bytes a copy between entries gathers at once (``LinearStates.copy``): at Qwen3.5-9B's
+# shapes an entry is 48 MB, and 256 rows restored from snapshots in one step gathered 12 GiB,
+# beyond what the pool sized from free memory leaves.
+COPY_CHUNK_BYTES = 256 << 20
 
 
 def state_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1, hidden: bool = False) -> int:
@@ -206,11 +210,16 @@ class LinearStates:
                              save_offsets=save_offsets, save_slots=save_slots, save_bounds=save_bounds)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Entries ``src`` (R,) into entries ``dst`` (R,), every layer, every tensor: one
-        gather and one scatter each (``dst`` distinct; an entry may be its own source)."""
-        for t in self._tensors:
-            dim = 0 if t is self.hidden else 1
-            t.index_copy_(dim, dst, t.index_select(dim, src))
+        """Entries ``src`` (R,) into entries ``dst`` (R,), every layer, every tensor: a gather
+        and a scatter each, over at most ``COPY_CHUNK_BYTES`` of entries at a time. ``dst``
+        distinct; an entry may be its own source, but no other row's destination."""
+        entry_bytes = sum(t[0].nbytes if t is self.hidden else t[:, 0].nbytes for t in self._tensors)
+        rows = max(1, COPY_CHUNK_BYTES // max(entry_bytes, 1))
+        for start in range(0, src.shape[0], rows):
+            src_c, dst_c = src[start:start + rows], dst[start:start + rows]
+            for t in self._tensors:
+                dim = 0 if t is self.hidden else 1
+                t.index_copy_(dim, dst_c, t.index_select(dim, src_c))
 
     def save_hidden(self, hidden: torch.Tensor, state: StateMetadata, cu_seqlens_q: torch.Tensor) -> None:
         """With ``hidden`` kept (an MTP head): the step's final hidden states (T, H) into the

@@ -323,3 +323,42 @@ def test_executor_refuses_a_plan_without_state_slots(setup) -> None:
     llm = make_llm(path)
     with pytest.raises(ValueError, match="state_slots"):
         llm.engine.executor.execute(_plan())
+
+
+def test_copies_between_entries_gather_a_bounded_chunk_at_a_time(tmp_path, monkeypatch) -> None:
+    """``LinearStates.copy`` (restores from snapshots, kept drafts) equals one gather and one
+    scatter, and gathers at most ``COPY_CHUNK_BYTES`` of entries at once: 256 restores in one
+    step at Qwen3.5-9B's shapes gathered 12 GiB at once and ran out of GPU memory."""
+    from torch.overrides import TorchFunctionMode
+
+    from minivllm.config import ModelConfig
+    from minivllm.executor import linear_state
+    from tests.model.test_qwen3_5 import write_config
+
+    config = ModelConfig.from_hf_json(write_config(tmp_path, "Qwen3_5ForCausalLM"))
+    states = linear_state.LinearStates(config, StateLayout(num_slots=6, num_snapshots=5), torch.float32,
+                                       torch.device("cpu"), hidden=True)
+    gen = torch.Generator().manual_seed(0)
+    for t in states._tensors:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    entry_bytes = linear_state.state_bytes(config, torch.float32, hidden=True)
+    monkeypatch.setattr(linear_state, "COPY_CHUNK_BYTES", 2 * entry_bytes + 1)   # two rows a chunk
+    src = torch.tensor([6, 7, 2, 10, 8])     # snapshots into slots, and slot 2 kept as it is
+    dst = torch.tensor([0, 1, 2, 3, 5])
+    want = [t.clone() for t in states._tensors]
+    for w, t in zip(want, states._tensors):
+        dim = 0 if t is states.hidden else 1
+        w.index_copy_(dim, dst, w.index_select(dim, src))
+
+    gathered: list[int] = []
+
+    class Gathers(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.index_select:
+                gathered.append(len(args[2]))
+            return func(*args, **(kwargs or {}))
+
+    with Gathers():
+        states.copy(src, dst)
+    assert all(torch.equal(w, t) for w, t in zip(want, states._tensors))
+    assert gathered == [2, 2, 2, 2, 2, 2, 1, 1, 1], gathered
