@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: test sim demo chat test-gpu bench bench-tp serve-deps-offline clean
+.PHONY: test sim demo chat test-gpu bench bench-tp serve-deps-offline gpu-test-deps-offline clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -84,7 +84,7 @@ demo: $(VENV)/.full
 # installed (the GPU machine has it), a test past GPU_TEST_TIMEOUT seconds (default 400)
 # ends its file's run with every thread's stack, instead of hanging the whole call.
 TESTS_GPU ?= kernels model families moe fp8 sampling_features bf16_accuracy lifecycle tp speculative qwen3_5 mtp
-test-gpu:
+test-gpu: gpu-test-deps-offline
 	@rc=0; for f in $(TESTS_GPU); do \
 	  echo "=== tests_gpu/test_$$f*.py"; \
 	  PYTHONPATH=. python3 -m pytest -q -rs -o timeout=$(or $(GPU_TEST_TIMEOUT),400) -o timeout_method=thread \
@@ -163,6 +163,12 @@ SERVE_PKGS := fastapi uvicorn pydantic httpx prometheus_client
 serve-deps-offline:
 	@python3 -c "import fastapi, uvicorn, pydantic, httpx, prometheus_client" 2>/dev/null \
 	  || python3 -m pip install -q --no-index --find-links .wheels $(SERVE_PKGS)
+
+# The same for what the GPU tests need beyond torch, triton and transformers: xgrammar (grammars
+# with drafts), from .wheels/ (xgrammar, apache-tvm-ffi, pydantic and theirs, downloaded for
+# Python 3.12 on manylinux x86_64).
+gpu-test-deps-offline:
+	@python3 -c "import xgrammar" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels xgrammar
 
 clean:
 	rm -rf $(VENV) .pytest_cache .coverage
