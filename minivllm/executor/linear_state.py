@@ -198,6 +198,7 @@ class LinearStates:
         self.hidden = (torch.zeros(layout.num_entries, config.hidden_size, dtype=dtype, device=device)
                        if hidden else None)
         self._tensors = [t for t in (self.conv_state, self.recurrent_state, self.hidden) if t is not None]
+        self.entry_bytes = sum(t.nbytes // layout.num_entries for t in self._tensors)   # ``state_bytes``
 
     def metadata(self, uploaded: list[torch.Tensor]) -> StateMetadata:
         """The step's ``StateMetadata`` from ``StateInputs.arrays()`` on the device (same order),
@@ -213,8 +214,7 @@ class LinearStates:
         """Entries ``src`` (R,) into entries ``dst`` (R,), every layer, every tensor: a gather
         and a scatter each, over at most ``COPY_CHUNK_BYTES`` of entries at a time. ``dst``
         distinct; an entry may be its own source, but no other row's destination."""
-        entry_bytes = sum(t[0].nbytes if t is self.hidden else t[:, 0].nbytes for t in self._tensors)
-        rows = max(1, COPY_CHUNK_BYTES // max(entry_bytes, 1))
+        rows = max(1, COPY_CHUNK_BYTES // max(self.entry_bytes, 1))
         for start in range(0, src.shape[0], rows):
             src_c, dst_c = src[start:start + rows], dst[start:start + rows]
             for t in self._tensors:

@@ -342,6 +342,7 @@ def test_copies_between_entries_gather_a_bounded_chunk_at_a_time(tmp_path, monke
     for t in states._tensors:
         t.copy_(torch.randn(t.shape, generator=gen))
     entry_bytes = linear_state.state_bytes(config, torch.float32, hidden=True)
+    assert states.entry_bytes == entry_bytes
     monkeypatch.setattr(linear_state, "COPY_CHUNK_BYTES", 2 * entry_bytes + 1)   # two rows a chunk
     src = torch.tensor([6, 7, 2, 10, 8])     # snapshots into slots, and slot 2 kept as it is
     dst = torch.tensor([0, 1, 2, 3, 5])
