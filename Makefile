@@ -95,23 +95,27 @@ test-gpu: gpu-test-deps-offline
 # memory for itself), under a time limit in seconds (0: none); a failing one does not stop
 # the rest, and the target fails at the end if any did. Each writes <name>.json (and its
 # figure) into $(OUT), default bench-results/ (git-ignored), its previous summary removed
-# first; then docs/performance.md is generated from that folder (benchmarks/report.py).
-# BENCH_ONLY="throughput serving ...": only the runs of those summary names; the page then keeps
-# the sections of the others as it has them (report --keep), so a whole `make bench` can run in
-# parts, into one folder or several.
+# first, and the summary is copied into docs/summaries/ (committed: every summary the page
+# shows, each with its command, machine, commit and date), replacing that name's earlier one.
+# docs/performance.md is then generated from docs/summaries/ (benchmarks/report.py); a section
+# with no summary there yet stands as the page has it (report --keep).
+# BENCH_ONLY="throughput serving ...": only the runs of those summary names, so a whole
+# `make bench` can run in parts.
 # `run LIMIT MODULE ARGS`: the summary is named after the module (benchmarks.moe: moe.json);
 # `run_named LIMIT NAME MODULE ARGS` for a run whose arguments name it otherwise (NAME.json),
 # so that it removes its own summary only.
 BENCH_OUT = $(or $(OUT),bench-results)
+SUMMARIES := docs/summaries
 BENCH_LIMIT = $(or $(BENCH_TIMEOUT),240)
 BENCH_RUN = rc=0; mkdir -p "$(BENCH_OUT)"; \
 	run_named() { limit=$$1; name=$$2; shift 2; \
 	        case " $(BENCH_ONLY) " in "  "|*" $$name "*) ;; *) return 0;; esac; \
 	        echo "=== $$*"; rm -f "$(BENCH_OUT)/$$name.json"; \
 	        OUT="$(BENCH_OUT)" PYTHONPATH=. timeout $$limit python3 -m "$$@" \
-	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; }; \
+	        || { echo "=== FAILED (exit $$?): $$*"; rc=1; }; \
+	        if [ -f "$(BENCH_OUT)/$$name.json" ]; then mkdir -p $(SUMMARIES); cp "$(BENCH_OUT)/$$name.json" $(SUMMARIES)/; fi; }; \
 	run() { limit=$$1; shift; run_named $$limit "$$(echo $$1 | cut -d. -f2)" "$$@"; }
-BENCH_REPORT = PYTHONPATH=. python3 -m benchmarks.report "$(BENCH_OUT)" $(if $(BENCH_ONLY),--keep) || rc=1; exit $$rc
+BENCH_REPORT = PYTHONPATH=. python3 -m benchmarks.report $(SUMMARIES) --keep || rc=1; exit $$rc
 
 # Needs a CUDA device: the single-GPU benchmarks, BENCH_TIMEOUT seconds each (default 240).
 # BENCH_QUICK=1: fewer requests, prompts and configs, async on only. SMOLLM2_GGUF_FILE: the
