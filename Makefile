@@ -52,9 +52,10 @@ chat: $(VENV)/.full
 # They run untraced, beside the model, kernel, server and TP tests (their output printed
 # after those's): those wait on servers, subprocesses and sockets, and left a tenth of two
 # cores idle when the traces ran after them (make test on a clean clone, 2 cores: 5 m 11 s to
-# 5 m 50 s over five runs beside, 5 m 54 s to 6 m 38 s over three after). The model, kernel, server and TP tests run untraced (tracing them
-# cost ~40 s and added nothing), three workers on two cores (that phase alone on a 2-core
-# machine: -n 2 305-346 s over three runs, -n 3 208 and 264 s, -n 4 258 s).
+# 5 m 50 s over five runs beside, 5 m 54 s to 6 m 38 s over three after). The model, kernel,
+# server and TP tests run untraced (tracing them cost ~40 s and added nothing), three workers
+# on two cores (that phase alone on a 2-core machine: -n 2 305-346 s over three runs, -n 3
+# 208 and 264 s, -n 4 258 s).
 ENGINE_TESTS := tests/engine tests/sim tests/test_config.py tests/executor/test_inputs.py
 test: $(VENV)/.full
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q --cov=minivllm/engine --cov=sim --cov-report=term-missing:skip-covered -k "not test_random_traces" $(ENGINE_TESTS)
