@@ -145,7 +145,7 @@ bench: serve-deps-offline
 	run_named $(or $(BENCH_TIMEOUT),600) hybrid_qwen3_5_9b benchmarks.hybrid --shapes qwen3.5-9b \
 		$(if $(BENCH_QUICK),--num-requests 64 --prefix-requests 32 --batch1-repeats 1); \
 	run_named $(or $(BENCH_TIMEOUT),600) hybrid_qwen3_5_35b_a3b benchmarks.hybrid --shapes qwen3.5-35b-a3b \
-		--parts batch1,offline $(if $(BENCH_QUICK),--num-requests 64 --batch1-repeats 1); \
+		$(if $(BENCH_QUICK),--num-requests 64 --batch1-repeats 1); \
 	run $(BENCH_LIMIT) benchmarks.delta_rule; \
 	$(BENCH_REPORT)
 

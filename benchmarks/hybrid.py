@@ -33,7 +33,8 @@ at batch 256 outweighs the weights).
   rejected, so each step still yields one token a sequence and the time is all cost; a real
   head's accepted drafts are the gain against it.
 
-Summary: ``$OUT/hybrid_<shapes>.json``. ``--smoke``: a tiny float32 hybrid on the CPU (the
+Summary: ``$OUT/hybrid_<shapes>.json``, or ``hybrid_<shapes>_<parts>.json`` when ``--parts``
+is not the shapes' default (all for 9B; batch1,offline for 35B-A3B). ``--smoke``: a tiny float32 hybrid on the CPU (the
 torch references), nothing compared with a floor.
 """
 
@@ -57,6 +58,8 @@ from minivllm.testing import write_random_config
 
 SHAPES_NAMES = ("qwen3.5-9b", "qwen3.5-35b-a3b")
 PARTS = ("batch1", "offline", "prefix", "mtp")
+# the parts a run of each shapes makes by default (``make bench``'s runs)
+DEFAULT_PARTS = {"qwen3.5-9b": PARTS, "qwen3.5-35b-a3b": ("batch1", "offline")}
 GOAL_BATCH1_FLOOR_FRACTION = 0.85
 BATCH1_PROMPT, BATCH1_NEW = 128, 256
 SMOKE_HYBRID: dict[str, Any] = dict(
@@ -244,7 +247,8 @@ def _id_limit(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", choices=SHAPES_NAMES, default=SHAPES_NAMES[0])
-    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--parts", default=None, help="comma list of " + ",".join(PARTS) +
+                    " (default: all for qwen3.5-9b, batch1,offline for qwen3.5-35b-a3b)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--batch1-repeats", type=int, default=3)
     ap.add_argument("--prefix-requests", type=int, default=256)
@@ -255,7 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    args.parts = [p for p in args.parts.split(",") if p]
+    args.parts = ([p for p in args.parts.split(",") if p] if args.parts is not None
+                  else list(DEFAULT_PARTS[args.shapes]))
     if set(args.parts) - set(PARTS):
         ap.error(f"--parts: expected a comma list of {PARTS}")
     # what build_llm reads
@@ -266,6 +271,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_requests, args.max_num_seqs, args.batch1_repeats = min(args.num_requests, 6), 4, 1
         args.mtp_batches = "2"
     return args
+
+
+def summary_name(shapes: str, parts: list[str]) -> str:
+    """``hybrid_qwen3_5_9b`` for the shapes' default parts, else the parts run follow
+    (``hybrid_qwen3_5_9b_prefix``): a run of some parts keeps the summary of the others."""
+    name = "hybrid_" + shapes.replace(".", "_").replace("-", "_")
+    if sorted(parts) != sorted(DEFAULT_PARTS[shapes]):
+        name += "".join("_" + p for p in PARTS if p in parts)
+    return name
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"shapes": args.shapes, "args": vars(args)}
     gbs = copy_bandwidth_gbs(device, 1 << 30 if device == "cuda" else 1 << 20)
     results["copy_gbs"] = gbs
-    name = "hybrid_" + args.shapes.replace(".", "_").replace("-", "_")
+    name = summary_name(args.shapes, args.parts)
     if {"batch1", "offline"} & set(args.parts):
         llm = build_llm(args, path, device)
         dtype = llm.engine.executor.dtype

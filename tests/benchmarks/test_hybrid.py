@@ -18,12 +18,21 @@ from minivllm.testing import write_random_config
 def test_hybrid_smoke_run(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("OUT", str(tmp_path))
     hybrid.main(["--smoke", "--parts", "batch1,prefix"])
-    summary = json.loads((tmp_path / "hybrid_qwen3_5_9b.json").read_text())
+    summary = json.loads((tmp_path / "hybrid_qwen3_5_9b_batch1_prefix.json").read_text())
     on, off = summary["prefix"]["cache_on"], summary["prefix"]["cache_off"]
     assert summary["prefix"]["identical_outputs"]
     assert off["cached_tokens"] == 0 and on["cached_tokens"] == 5 * 32  # the shared prefix, every later request
     assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
     assert summary["batch1"]["ms_per_token"] > 0 and summary["batch1"]["step_bytes"] > 0
+
+
+def test_a_run_of_some_parts_names_its_summary_after_them() -> None:
+    """So that it does not replace the summary of a whole run in docs/summaries/."""
+    assert hybrid.summary_name("qwen3.5-9b", list(hybrid.PARTS)) == "hybrid_qwen3_5_9b"
+    assert hybrid.summary_name("qwen3.5-9b", ["prefix", "batch1"]) == "hybrid_qwen3_5_9b_batch1_prefix"
+    assert hybrid.summary_name("qwen3.5-35b-a3b", ["offline", "batch1"]) == "hybrid_qwen3_5_35b_a3b"
+    assert hybrid.summary_name("qwen3.5-35b-a3b", ["batch1"]) == "hybrid_qwen3_5_35b_a3b_batch1"
+    assert hybrid.parse_args(["--shapes", "qwen3.5-35b-a3b"]).parts == ["batch1", "offline"]
 
 
 def test_the_floor_counts_states_at_qwen3_5_9b_shapes(tmp_path: Path) -> None:
@@ -46,7 +55,7 @@ def test_hybrid_mtp_smoke_run(tmp_path: Path, monkeypatch) -> None:
     """The MTP head's cost part: every row timed, and the drafting rows drafted."""
     monkeypatch.setenv("OUT", str(tmp_path))
     hybrid.main(["--smoke", "--parts", "mtp"])
-    summary = json.loads((tmp_path / "hybrid_qwen3_5_9b.json").read_text())["mtp"]
+    summary = json.loads((tmp_path / "hybrid_qwen3_5_9b_mtp.json").read_text())["mtp"]
     assert set(summary["ms_per_step"]) == {"no head", "head keeps up, no drafts", "k=1", "k=2", "k=3"}
     assert all(ms > 0 for row in summary["ms_per_step"].values() for ms in row.values())
     assert summary["draft_tokens"] > 0
