@@ -22,8 +22,9 @@ at batch 256 outweighs the weights).
   each step's weights, every decoded token's K/V and its sequence's state traffic.
 - prefix: ``--prefix-requests`` requests sharing a ``--prefix-tokens``-token system prompt
   (then 32 tokens of their own, 16 greedy tokens each), with the prefix cache on and off: the
-  prompt tokens computed, wall time, whether both runs' outputs are identical, and the
-  snapshots' memory (entries and bytes, ``executor/linear_state.py``). The first request runs
+  prompt tokens computed, wall time, the snapshots' memory (entries and bytes,
+  ``executor/linear_state.py``), and whether both runs' outputs are identical: how many are,
+  and for the others the top-5 rule at the first differing token (``compare_greedy``). The first request runs
   alone first (its snapshot then exists for all the others, as a server's warm system prompt).
 - mtp: the cost of the model's MTP head as the proposer (``speculative_config`` method
   ``mtp``, ``executor/mtp.py``), per decode step, at each batch of ``--mtp-batches`` (prompts of
@@ -162,9 +163,9 @@ def prefix(args: argparse.Namespace, path: str, device: str, c: ModelConfig) -> 
     rng = np.random.default_rng([args.seed, 77])
     system = rng.integers(0, _id_limit(args), plen).tolist()
     prompts = [system + rng.integers(0, _id_limit(args), 8 if args.smoke else 32).tolist() for _ in range(n)]
-    params = SamplingParams(temperature=0, max_tokens=4 if args.smoke else 16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4 if args.smoke else 16, ignore_eos=True, logprobs=5)
     result: dict[str, Any] = {"requests": n, "shared_tokens": plen}
-    outputs = {}
+    outputs, logprobs = {}, {}
     for caching in (True, False):
         llm = build_llm(args, path, device, enable_prefix_caching=caching)
         llm.generate(prompts[:1], params, use_tqdm=False)
@@ -180,6 +181,7 @@ def prefix(args: argparse.Namespace, path: str, device: str, c: ModelConfig) -> 
                    computed_prompt_tokens=prompt_tokens - cached, stats_cached=llm.engine.stats.num_cached_tokens - stats0,
                    state_slots=slots, snapshots=snapshots, state_entry_bytes=entry, snapshot_bytes=snapshots * entry)
         outputs[caching] = [list(o.token_ids) for o in outs]
+        logprobs[caching] = [o.logprobs for o in outs]
         name = "cache_on" if caching else "cache_off"
         result[name] = row
         print(f"prefix [{args.shapes}] {name}: {n - 1} requests in {wall:.2f}s, prompt tokens computed "
@@ -188,10 +190,34 @@ def prefix(args: argparse.Namespace, path: str, device: str, c: ModelConfig) -> 
         llm.close()
         del llm
     result["identical_outputs"] = outputs[True] == outputs[False]
+    result.update(compare_greedy(outputs[True], logprobs[True], outputs[False], logprobs[False]))
     result["speedup"] = result["cache_off"]["wall_s"] / result["cache_on"]["wall_s"]
     print(f"prefix [{args.shapes}]: x{result['speedup']:.2f} with the cache, outputs identical: "
-          f"{result['identical_outputs']}", flush=True)
+          f"{result['identical_requests']} of {n - 1} requests; at the first difference, tokens outside the "
+          f"other's top-5: {result['top5_failures']}; first token's top-5 log-probabilities differ by at most "
+          f"{result['first_logprob_max_diff']:.4f}", flush=True)
     return result
+
+
+def compare_greedy(a: list[list[int]], a_logprobs: list[Any], b: list[list[int]],
+                   b_logprobs: list[Any]) -> dict[str, Any]:
+    """Two greedy runs of the same prompts, with their top-5 log-probabilities per token: how
+    many outputs are identical; at each output's first differing token, how many runs chose a
+    token outside the other's top-5 (bf16 kernels that sum in another order may flip a near
+    tie, which the rule allows; a wrong state does not keep to it); and how far apart the two
+    runs' log-probabilities of the first token are (same context in both: the prompt)."""
+    identical, failures, first_diff, max_diff = 0, 0, [], 0.0
+    for x, xl, y, yl in zip(a, a_logprobs, b, b_logprobs, strict=True):
+        common = set(xl[0]) & set(yl[0])
+        max_diff = max([max_diff] + [abs(xl[0][t] - yl[0][t]) for t in common])
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if k is None:
+            identical += 1
+            continue
+        first_diff.append(k)
+        failures += x[k] not in yl[k] or y[k] not in xl[k]
+    return {"identical_requests": identical, "top5_failures": failures, "first_difference_at": first_diff,
+            "first_logprob_max_diff": max_diff}
 
 
 def mtp(args: argparse.Namespace, device: str) -> dict[str, Any]:

@@ -437,13 +437,13 @@ def hybrid_section(runs: Summaries) -> list[str]:
     if prefix:
         lines += [""] + table(
             ["summary", "prefix cache", "requests", "shared tokens", "prompt tokens computed", "wall s",
-             "snapshots", "snapshot GB", "outputs identical"],
+             "snapshots", "snapshot GB", "outputs identical", "first difference outside the other's top-5"],
             [[stem, name.removeprefix("cache_"), fmt(p.get("requests")), fmt(p.get("shared_tokens"), ","),
               f"{fmt(get(p, name, 'computed_prompt_tokens'), ',')} of {fmt(get(p, name, 'prompt_tokens'), ',')}",
               fmt(get(p, name, "wall_s"), ".2f"), fmt(get(p, name, "snapshots")),
               fmt((get(p, name, "snapshot_bytes") or 0) / 1e9 if get(p, name, "snapshot_bytes") is not None
                   else None, ".2f"),
-              "yes" if p.get("identical_outputs") else "no"]
+              identical_cell(p), fmt(p.get("top5_failures"))]
              for stem, p in prefix for name in ("cache_on", "cache_off")])
     for stem, d in runs:
         steps = get(d, "mtp", "ms_per_step")
@@ -456,6 +456,15 @@ def hybrid_section(runs: Summaries) -> list[str]:
                                                                         if b in row and base.get(b) else "")
                                                for b in batches] for name, row in steps.items()])
     return lines
+
+
+def identical_cell(p: dict[str, Any]) -> str:
+    """``yes``, or how many of the requests gave identical tokens (``no`` where not counted)."""
+    if p.get("identical_outputs"):
+        return "yes"
+    if p.get("identical_requests") is None:
+        return "no"
+    return f"{p['identical_requests']} of {p.get('requests', 1) - 1}"
 
 
 def delta_rule_section(runs: Summaries) -> list[str]:

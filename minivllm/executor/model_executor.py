@@ -312,9 +312,10 @@ class ModelExecutor:
         # This rank's KV heads (all of them, a shard, or one replicated head).
         self.num_kv_heads = _first_attention(self.model).num_kv_heads
         max_drafts = speculative_config.num_speculative_tokens if speculative_config is not None else 0
+        # Snapshots serve prefix-cache hits only: none without the cache, its memory left to KV blocks.
+        snapshots = SNAPSHOTS_PER_SEQ * self.max_num_seqs if cache_config.enable_prefix_caching else 0
         self.state_layout: StateLayout | None = (
-            StateLayout(self.max_num_seqs, SNAPSHOTS_PER_SEQ * self.max_num_seqs, max_drafts)
-            if model_config.is_hybrid else None)
+            StateLayout(self.max_num_seqs, snapshots, max_drafts) if model_config.is_hybrid else None)
         num_blocks = cache_config.num_blocks
         if num_blocks is None:
             num_blocks, num_snapshots = self.size_kv_pool_from_free_memory(config.gpu_memory_utilization)

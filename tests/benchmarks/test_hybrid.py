@@ -20,7 +20,8 @@ def test_hybrid_smoke_run(tmp_path: Path, monkeypatch) -> None:
     hybrid.main(["--smoke", "--parts", "batch1,prefix"])
     summary = json.loads((tmp_path / "hybrid_qwen3_5_9b_batch1_prefix.json").read_text())
     on, off = summary["prefix"]["cache_on"], summary["prefix"]["cache_off"]
-    assert summary["prefix"]["identical_outputs"]
+    assert summary["prefix"]["identical_outputs"] and summary["prefix"]["identical_requests"] == 5
+    assert summary["prefix"]["top5_failures"] == 0 and summary["prefix"]["first_logprob_max_diff"] < 1e-4
     assert off["cached_tokens"] == 0 and on["cached_tokens"] == 5 * 32  # the shared prefix, every later request
     assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
     assert summary["batch1"]["ms_per_token"] > 0 and summary["batch1"]["step_bytes"] > 0
@@ -33,6 +34,21 @@ def test_a_run_of_some_parts_names_its_summary_after_them() -> None:
     assert hybrid.summary_name("qwen3.5-35b-a3b", ["offline", "batch1"]) == "hybrid_qwen3_5_35b_a3b"
     assert hybrid.summary_name("qwen3.5-35b-a3b", ["batch1"]) == "hybrid_qwen3_5_35b_a3b_batch1"
     assert hybrid.parse_args(["--shapes", "qwen3.5-35b-a3b"]).parts == ["batch1", "offline"]
+
+
+def test_greedy_runs_are_compared_by_the_top5_rule_at_their_first_difference() -> None:
+    lp = lambda *tops: [{t: -float(i) for i, t in enumerate(top)} for top in tops]  # noqa: E731
+    same = hybrid.compare_greedy([[1, 2]], [lp([1, 5], [2, 6])], [[1, 2]], [lp([1, 5], [2, 6])])
+    assert same == {"identical_requests": 1, "top5_failures": 0, "first_difference_at": [], "first_logprob_max_diff": 0}
+    # a near tie flipped at the second token: each run's token is in the other's top-5
+    flip = hybrid.compare_greedy([[1, 2]], [lp([1, 5], [2, 6])], [[1, 6]], [lp([1, 5], [6, 2])])
+    assert (flip["identical_requests"], flip["top5_failures"], flip["first_difference_at"]) == (0, 0, [1])
+    # a token the other run did not rank at all breaks the rule; the first token's log-probabilities differ
+    wrong = hybrid.compare_greedy([[1, 2]], [lp([1, 5], [2, 6])], [[7, 2]], [lp([7, 5], [2, 6])])
+    assert (wrong["top5_failures"], wrong["first_difference_at"]) == (1, [0])
+    assert wrong["first_logprob_max_diff"] == 0  # 5 ranked second by both
+    shifted = hybrid.compare_greedy([[1]], [lp([1, 5])], [[1]], [[{1: -0.5, 5: -1.0}]])
+    assert shifted["first_logprob_max_diff"] == 0.5
 
 
 def test_the_floor_counts_states_at_qwen3_5_9b_shapes(tmp_path: Path) -> None:

@@ -81,7 +81,8 @@ SUMMARIES: dict[str, dict[str, Any]] = {
         "batch1": {"ms_per_token": 5.52, "floor_ms": 3.806, "floor_fraction": 0.6895, "goal_floor_fraction": 0.85,
                    "met": False},
         "offline": {"workload": "offline-256", "tok_s": 4010.0, "floor_tok_s": 8020.0, "floor_fraction": 0.5},
-        "prefix": {"requests": 256, "shared_tokens": 2000, "identical_outputs": True,
+        "prefix": {"requests": 256, "shared_tokens": 2000, "identical_outputs": False, "identical_requests": 250,
+                   "top5_failures": 0,
                    "cache_on": {"wall_s": 3.5, "prompt_tokens": 518160, "computed_prompt_tokens": 8160,
                                 "snapshots": 1024, "snapshot_bytes": 52.7e9},
                    "cache_off": {"wall_s": 30.25, "prompt_tokens": 518160, "computed_prompt_tokens": 518160,
@@ -167,8 +168,8 @@ def test_tables_hold_the_summaries_numbers(page: str) -> None:
     assert rows_of(page, "hybrid_qwen3_5_9b") == [
         ["hybrid_qwen3_5_9b", "batch-1 ms/token", "5.520", "3.806", "0.69", ">= 0.85 of the floor's speed", "not met"],
         ["hybrid_qwen3_5_9b", "offline-256 tok/s", "4,010", "8,020", "0.50", "-", "-"],
-        ["hybrid_qwen3_5_9b", "on", "256", "2,000", "8,160 of 518,160", "3.50", "1024", "52.70", "yes"],
-        ["hybrid_qwen3_5_9b", "off", "256", "2,000", "518,160 of 518,160", "30.25", "1024", "52.70", "yes"],
+        ["hybrid_qwen3_5_9b", "on", "256", "2,000", "8,160 of 518,160", "3.50", "1024", "52.70", "250 of 255", "0"],
+        ["hybrid_qwen3_5_9b", "off", "256", "2,000", "518,160 of 518,160", "30.25", "1024", "52.70", "250 of 255", "0"],
         ["hybrid_qwen3_5_9b", "no head", "6.00 (x1.00)", "9.50 (x1.00)"],
         ["hybrid_qwen3_5_9b", "k=1", "12.00 (x2.00)", "9.50 (x1.00)"]]
     assert rows_of(page, "delta_rule") == [
