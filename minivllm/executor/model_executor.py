@@ -400,14 +400,15 @@ class ModelExecutor:
         return self.prefill_graph_runner is not None
 
     def make_prefill_graph_runner(self, capture: bool, buckets: list[int] | None = None) -> PrefillGraphRunner:
-        """A runner of prefill and mixed steps in token buckets (default: powers of two from 64 and
-        the token budget; drafted steps too: docs/tuning.md, "Speculative decoding"); ``capture=False`` runs the padded forward eagerly (the CPU, tests)."""
+        """A runner of prefill and mixed steps in token buckets (default: ``default_prefill_buckets``);
+        ``capture=False`` runs the padded forward eagerly (the CPU, tests)."""
         attn = _first_attention(self.model)
         return PrefillGraphRunner(
             self.model.forward, self.kv_cache, self.prev_sampled, self.model_config.hidden_size, self.dtype,
             attn.num_heads, self.num_kv_heads, self.model_config.head_dim, self.max_num_seqs,
             cdiv(self.max_model_len, self.block_size),
-            buckets or default_prefill_buckets(self.max_num_batched_tokens), capture, self.states)
+            buckets or default_prefill_buckets(self.max_num_batched_tokens, hybrid=self.model_config.is_hybrid),
+            capture, self.states)
 
     def _allocate_kv_cache(self, num_blocks: int, draft: bool = False) -> torch.Tensor:
         """This rank's KV cache of the target, or with ``draft`` of the draft model."""

@@ -52,11 +52,19 @@ if TYPE_CHECKING:
     from minivllm.executor.linear_state import LinearStates
 
 
-def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from 64 below the budget, and the budget itself (drafted steps too: smaller
-    buckets made them slower, docs/tuning.md, "Speculative decoding")."""
+# A hybrid model's smallest buckets: steps of at most this many tokens (a drafted batch-1 step, a
+# short prompt's last chunk) run at their own size, so its projections take the GEMV path (up
+# to ``MAX_ROWS`` rows) and its state kernels see no padding sequence of tens of tokens.
+HYBRID_SMALL_BUCKETS = (2, 4, 8, 16)
+
+
+def default_prefill_buckets(max_num_batched_tokens: int, hybrid: bool = False) -> list[int]:
+    """Powers of two from 64 below the budget, and the budget itself (drafted steps of dense
+    models too: smaller buckets made them slower, docs/tuning.md, "Speculative decoding"); a
+    hybrid model's also ``HYBRID_SMALL_BUCKETS`` (docs/tuning.md, "Hybrid models")."""
     sizes = [1 << k for k in range(6, 32) if (1 << k) < max_num_batched_tokens]
-    return sizes + [max_num_batched_tokens]
+    small = [b for b in HYBRID_SMALL_BUCKETS if b < max_num_batched_tokens] if hybrid else []
+    return small + sizes + [max_num_batched_tokens]
 
 
 class PrefillGraphRunner:

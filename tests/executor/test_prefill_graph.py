@@ -72,6 +72,8 @@ def test_padded_buckets_with_an_fp8_cache_keep_the_model_dtype(path: str) -> Non
 def test_buckets_and_tile_maps() -> None:
     assert default_prefill_buckets(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
     assert default_prefill_buckets(100) == [64, 100]
+    assert default_prefill_buckets(8192, hybrid=True)[:6] == [2, 4, 8, 16, 64, 128]
+    assert default_prefill_buckets(12, hybrid=True) == [2, 4, 8, 12]
     runner = PrefillGraphRunner(lambda *a: None, torch.zeros(1, 2, 4, BS, 2, 16), torch.zeros(4, dtype=torch.int64),
                                 32, torch.float32, 4, 2, 16, max_num_seqs=4, max_blocks_per_seq=8, buckets=[16, 64],
                                 capture=False)
