@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--top", type=int, default=12, help="kernels to print (0: no profiled run)")
     args = ap.parse_args()
     path = write_random_config("/tmp/qwen3.5-9b-mtp-config", "qwen3.5-9b", mtp_num_hidden_layers=1)
     rng = np.random.default_rng(0)
@@ -51,6 +51,9 @@ def main() -> None:
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             wall = (time.perf_counter() - t0) / (llm.engine.stats.num_steps - steps0)
+            if not args.top:
+                print(f"[{buckets}, {name}] {wall * 1e3:.2f} ms a step", flush=True)
+                continue
             steps0, drafts0 = llm.engine.stats.num_steps, llm.engine.stats.num_draft_tokens
             kernels = profiled_kernel_us(lambda: llm.generate(prompts, params, use_tqdm=False))
             steps = llm.engine.stats.num_steps - steps0
