@@ -24,8 +24,9 @@ at batch 256 outweighs the weights).
   (then 32 tokens of their own, 16 greedy tokens each), with the prefix cache on and off: the
   prompt tokens computed, wall time, the snapshots' memory (entries and bytes,
   ``executor/linear_state.py``), and whether both runs' outputs are identical: how many are,
-  and for the others the top-5 rule at the first differing token (``compare_greedy``). The first request runs
-  alone first (its snapshot then exists for all the others, as a server's warm system prompt).
+  and for the others the top-5 rule at the first differing token (``compare_greedy``). The
+  first request runs alone first (its snapshot then exists for all the others, as a server's
+  warm system prompt).
 - mtp: the cost of the model's MTP head as the proposer (``speculative_config`` method
   ``mtp``, ``executor/mtp.py``), per decode step, at each batch of ``--mtp-batches`` (prompts of
   128 tokens, 64 greedy tokens each): ms a step without the head (a plain engine), with the
@@ -35,8 +36,8 @@ at batch 256 outweighs the weights).
   head's accepted drafts are the gain against it.
 
 Summary: ``$OUT/hybrid_<shapes>.json``, or ``hybrid_<shapes>_<parts>.json`` when ``--parts``
-is not the shapes' default (all for 9B; batch1,offline for 35B-A3B). ``--smoke``: a tiny float32 hybrid on the CPU (the
-torch references), nothing compared with a floor.
+is not the shapes' default (all for 9B; batch1,offline for 35B-A3B). ``--smoke``: a tiny
+float32 hybrid on the CPU (the torch references), nothing compared with a floor.
 """
 
 from __future__ import annotations
