@@ -474,7 +474,7 @@ class ModelExecutor:
 
         Off CUDA there is no free-memory figure to go by: the pool holds every
         sequence at full length, at most ``CPU_KV_CACHE_BYTES``, and a hybrid model keeps
-        ``SNAPSHOTS_PER_SEQ`` snapshots per sequence.
+        ``SNAPSHOTS_PER_SEQ`` snapshots per sequence (none without the prefix cache).
         """
         layout = self.state_layout
         if self.device.type != "cuda":

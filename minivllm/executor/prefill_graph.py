@@ -45,6 +45,7 @@ import torch
 
 from minivllm.executor.cuda_graph import capture_graphs
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
+from minivllm.kernels.gemv import MAX_ROWS
 from minivllm.ops.dispatch import Ops
 from minivllm.ops.metadata import AttentionMetadata, StateMetadata
 
@@ -52,10 +53,11 @@ if TYPE_CHECKING:
     from minivllm.executor.linear_state import LinearStates
 
 
-# A hybrid model's smallest buckets: steps of at most this many tokens (a drafted batch-1 step, a
-# short prompt's last chunk) run at their own size, so its projections take the GEMV path (up
-# to ``MAX_ROWS`` rows) and its state kernels see no padding sequence of tens of tokens.
-HYBRID_SMALL_BUCKETS = (2, 4, 8, 16)
+# A hybrid model's smallest buckets, powers of two up to the GEMV path's ``MAX_ROWS`` (2 to 16):
+# a small step (a drafted batch-1 step, a short prompt's last chunk) runs at about its own size,
+# so its projections take the GEMV path and its state kernels see no padding sequence of tens
+# of tokens.
+HYBRID_SMALL_BUCKETS = tuple(1 << k for k in range(1, MAX_ROWS.bit_length()))
 
 
 def default_prefill_buckets(max_num_batched_tokens: int, hybrid: bool = False) -> list[int]:
