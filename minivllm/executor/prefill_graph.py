@@ -45,8 +45,7 @@ import torch
 
 from minivllm.executor.cuda_graph import capture_graphs
 from minivllm.executor.device_batch import DeviceBatch, resolve_input_ids
-from minivllm.kernels.gemv import MAX_ROWS
-from minivllm.ops.dispatch import Ops
+from minivllm.ops.dispatch import MAX_ROWS, Ops
 from minivllm.ops.metadata import AttentionMetadata, StateMetadata
 
 if TYPE_CHECKING:
